@@ -1,0 +1,1 @@
+"""pagefleet's JAX inference engine: a haliax decoder on a paged KV cache. Never imports orchestrator."""

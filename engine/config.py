@@ -1,0 +1,82 @@
+"""Engine and sampling configuration: frozen, typed, defaulted; composed only at the run config."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    page_size: int = 16
+    """Tokens per KV page."""
+    max_pages: int = 1024
+    """Pages in the KV pool (shared by every live sequence)."""
+    max_seqs: int = 32
+    """Sequences decoded at once (slots)."""
+    max_seqs_in_prefill: int = 8
+    """Sequences that may receive prompt tokens in one step."""
+    max_prefill_size: int = 512
+    """Tokens (prompt chunks plus decode tokens) processed in one step."""
+    max_seq_len: int | None = None
+    """Longest sequence (prompt plus completion) in tokens; defaults to the model's context length."""
+    reset_mode: Literal["logical", "physical"] = "logical"
+    """`logical` drops page metadata only; `physical` also zeroes the KV pool."""
+    cleanup_mode: Literal["none", "end", "incremental"] = "incremental"
+    """When a finished sequence's pages are freed: at once, at the end of a call, or only at reset."""
+    attn_pages_per_block: int = 8
+    """KV pages per block of the blocked (online softmax) reference attention."""
+    attn_queries_per_block: int = 16
+    """Query tokens per block of the reference attention in steps that carry prompt chunks."""
+    attention_impl: Literal["auto", "reference", "pallas_tpu"] = "auto"
+    """`auto` uses the Pallas TPU kernel on TPU and the blocked reference elsewhere (logged once)."""
+    debug_invariants: bool = False
+    """Check page-allocator and sequence invariants after every step (slow; for debugging)."""
+
+    def __post_init__(self) -> None:
+        positive = ("page_size", "max_pages", "max_seqs", "max_seqs_in_prefill", "max_prefill_size",
+                    "attn_pages_per_block", "attn_queries_per_block")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"engine.{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_seqs_in_prefill > self.max_seqs:
+            raise ValueError(
+                f"engine.max_seqs_in_prefill ({self.max_seqs_in_prefill}) exceeds engine.max_seqs ({self.max_seqs})"
+            )
+
+    def pages_per_seq(self, max_seq_len: int) -> int:
+        """Width of the page table: pages needed by the longest allowed sequence."""
+        return math.ceil(max_seq_len / self.page_size)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    max_new_tokens: int = 256
+    """Most tokens generated per sample."""
+    temperature: float = 0.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; 1.0 is off."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 is off."""
+    n: int = 1
+    """Samples per prompt."""
+    seed: int = 0
+    """Each sample's random stream derives from (seed, prompt_id, generation_index, position) alone."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings (excluded from the completion); the tokenizer's EOS always stops."""
+    logprobs: bool = False
+    """Return the chosen tokens' log-probabilities."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"sampling.max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"sampling.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"sampling.top_k must be >= 0, got {self.top_k}")
+        if self.n < 1:
+            raise ValueError(f"sampling.n must be at least 1, got {self.n}")

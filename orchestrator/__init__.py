@@ -1,0 +1,1 @@
+"""pagefleet's orchestrator: Ray head, slice actors, manifests, tracking, service, command line."""

@@ -1,0 +1,3 @@
+from orchestrator.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,36 @@
+"""The `pagefleet` command line. Each subcommand imports its heavy modules lazily."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _init_model(argv: list[str]) -> int:
+    from engine.presets import PRESETS, write_model
+
+    parser = argparse.ArgumentParser(prog="pagefleet init-model", description="Write a randomly initialised model in Hugging Face format.")
+    parser.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    parser.add_argument("--output", required=True, help="directory to write (created)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    write_model(args.preset, args.output, seed=args.seed)
+    print(f"wrote {args.preset} to {args.output}")
+    return 0
+
+
+COMMANDS = {
+    "init-model": _init_model,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: pagefleet {" + ",".join(COMMANDS) + "} ...", file=sys.stderr)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"pagefleet: unknown command {command!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    return COMMANDS[command](rest)
