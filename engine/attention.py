@@ -1,0 +1,170 @@
+"""Ragged paged attention over the KV page pool.
+
+Layout (the same as the Pallas TPU kernel that ships with JAX, so dispatch needs no conversion):
+    q:            f32|bf16[T, num_heads, head_dim]           new tokens of all sequences, concatenated
+    kv_pages:     [num_pages, page_size, 2 * num_kv_heads, head_dim]   K and V interleaved per head (k0 v0 k1 v1 ...)
+    kv_lens:      i32[S]          tokens in each sequence's cache, this step's new tokens included
+    page_indices: i32[S, pages_per_seq]   the pages of each sequence, in order
+    cu_q_lens:    i32[S + 1]      sequence s owns q rows cu_q_lens[s]:cu_q_lens[s+1]
+    num_seqs:     i32[1]          sequences actually present (rows past it are padding)
+Query head h reads KV head h // (num_heads // num_kv_heads), as in Hugging Face's GQA.
+A query at position p (its sequence's new tokens sit at the end of its kv_len) attends to cached
+positions k <= p, and with a sliding window W only to p - k < W.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+
+logger = logging.getLogger(__name__)
+
+_MASKED = -1e30  # finite, so an all-masked block never produces inf - inf
+
+
+def write_kv(kv_pages: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+    """Write new tokens' K/V into the pool; slot s is page s // page_size, offset s % page_size.
+
+    k, v: [T, num_kv_heads, head_dim]; slot_mapping: i32[T]; a slot >= num_pages * page_size
+    (padding tokens) is dropped.
+    """
+    num_pages, page_size, combined, head_dim = kv_pages.shape
+    kv = jnp.stack([k, v], axis=2).reshape(k.shape[0], combined, head_dim).astype(kv_pages.dtype)
+    flat = kv_pages.reshape(num_pages * page_size, combined, head_dim)
+    flat = flat.at[slot_mapping].set(kv, mode="drop")
+    return flat.reshape(kv_pages.shape)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "pages_per_block", "queries_per_block"))
+def reference_ragged_paged_attention(
+    q: jax.Array,
+    kv_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    pages_per_block: int = 8,
+    queries_per_block: int = 16,
+) -> jax.Array:
+    """Blocked ragged paged attention in plain JAX: online softmax over blocks of pages.
+
+    Work is cut into tiles of up to `queries_per_block` query rows of one sequence; every tile walks
+    the KV blocks (`pages_per_block` pages each) up to the longest sequence present, so the loop
+    length follows the data, not the pool size. Returns [T, num_heads, head_dim] in q's dtype;
+    rows that belong to no sequence are zero.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, page_size, combined, _ = kv_pages.shape
+    num_kv_heads = combined // 2
+    q_per_kv = num_heads // num_kv_heads
+    max_seqs, pages_per_seq = page_indices.shape
+    bq = queries_per_block
+    block_tokens = pages_per_block * page_size
+
+    present = jnp.arange(max_seqs) < num_seqs[0]
+    q_lens = jnp.where(present, cu_q_lens[1:] - cu_q_lens[:-1], 0)  # i32[S]
+    kv_lens = jnp.where(present, kv_lens, 0)
+    tiles_per_seq = (q_lens + bq - 1) // bq
+    tile_end = jnp.cumsum(tiles_per_seq)
+    # Sum of ceil(q_len / bq) over at most min(S, T) non-empty sequences.
+    num_tiles = (num_tokens + min(max_seqs, num_tokens) * (bq - 1)) // bq
+    tile = jnp.arange(num_tiles)
+    tile_seq = jnp.minimum(jnp.searchsorted(tile_end, tile, side="right"), max_seqs - 1)  # i32[tiles]
+    tile_valid = tile < tile_end[-1]
+    tile_local = tile - (tile_end[tile_seq] - tiles_per_seq[tile_seq])
+    row = jnp.arange(bq)
+    q_offset = tile_local[:, None] * bq + row[None, :]  # [tiles, bq] index among the sequence's new tokens
+    row_valid = tile_valid[:, None] & (q_offset < q_lens[tile_seq][:, None])
+    q_row = jnp.where(row_valid, cu_q_lens[tile_seq][:, None] + q_offset, num_tokens)  # T = dropped
+    q_pos = (kv_lens[tile_seq] - q_lens[tile_seq])[:, None] + q_offset  # absolute position of each query row
+    tile_kv_len = kv_lens[tile_seq]
+
+    qt = jnp.take(q, jnp.minimum(q_row, num_tokens - 1), axis=0).astype(jnp.float32)
+    qt = qt.reshape(num_tiles, bq, num_kv_heads, q_per_kv, head_dim) * sm_scale
+
+    def kv_block(b, carry):
+        m, l, acc = carry  # m, l: [tiles, kvh, g, bq]; acc: [tiles, kvh, g, bq, d]
+        page_slot = jnp.minimum(b * pages_per_block + jnp.arange(pages_per_block), pages_per_seq - 1)
+        pages = page_indices[tile_seq][:, page_slot]  # [tiles, ppb]
+        kv = kv_pages[pages].reshape(num_tiles, block_tokens, combined, head_dim).astype(jnp.float32)
+        k, v = kv[:, :, 0::2], kv[:, :, 1::2]  # [tiles, blk, kvh, d]
+        s = jnp.einsum("tqhgd,tkhd->thgqk", qt, k)
+        kv_pos = b * block_tokens + jnp.arange(block_tokens)
+        mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < tile_kv_len[:, None, None])
+        if sliding_window is not None:
+            mask &= q_pos[:, :, None] - kv_pos[None, None, :] < sliding_window
+        mask = mask[:, None, None]  # [tiles, 1, 1, bq, blk]
+        s = jnp.where(mask, s, _MASKED)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        l = l * alpha + p.sum(axis=-1)
+        acc = acc * alpha[..., None] + jnp.einsum("thgqk,tkhd->thgqd", p, v)
+        return m_new, l, acc
+
+    shape = (num_tiles, num_kv_heads, q_per_kv, bq)
+    init = (jnp.full(shape, _MASKED, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros(shape + (head_dim,), jnp.float32))
+    num_blocks = (kv_lens.max() + block_tokens - 1) // block_tokens
+    if sliding_window is None:
+        first_block = 0
+    else:  # blocks wholly before every query's window hold nothing any query may see
+        first_block = jnp.maximum(jnp.min(jnp.where(row_valid, q_pos, jnp.iinfo(jnp.int32).max)) - sliding_window + 1,
+                                  0) // block_tokens
+    _, l, acc = jax.lax.fori_loop(first_block, num_blocks, kv_block, init)
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [tiles, kvh, g, bq, d]
+    out = out.transpose(0, 3, 1, 2, 4).reshape(num_tiles * bq, num_heads, head_dim)
+    result = jnp.zeros((num_tokens, num_heads, head_dim), q.dtype)
+    return result.at[q_row.reshape(-1)].set(out.astype(q.dtype), mode="drop")
+
+
+@functools.cache
+def _log_choice_once(message: str) -> None:
+    logger.warning(message)
+
+
+def resolve_attention_impl(requested: str) -> str:
+    """Which implementation `auto` means on this backend; a fallback is logged once."""
+    backend = jax.default_backend()
+    if requested == "auto":
+        if backend == "tpu":
+            return "pallas_tpu"
+        _log_choice_once(f"ragged paged attention: no Pallas kernel for backend {backend!r}; "
+                         "using the blocked JAX reference implementation")
+        return "reference"
+    if requested == "pallas_tpu" and backend != "tpu":
+        raise ValueError(f"engine.attention_impl=pallas_tpu needs a TPU, but JAX's backend is {backend!r}; "
+                         "use engine.attention_impl=auto or reference")
+    return requested
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    kv_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+    impl: str,
+    pages_per_block: int,
+    queries_per_block: int,
+) -> jax.Array:
+    """Dispatch to the Pallas TPU kernel or the blocked reference (`impl` from `resolve_attention_impl`)."""
+    if impl == "pallas_tpu":
+        from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention as kernel
+
+        return kernel(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
+                      sliding_window=sliding_window)
+    return reference_ragged_paged_attention(
+        q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
+        pages_per_block=pages_per_block, queries_per_block=queries_per_block,
+    )

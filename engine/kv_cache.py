@@ -1,0 +1,49 @@
+"""The paged KV cache: one device pool for every layer, and the host allocator that owns its pages."""
+
+from __future__ import annotations
+
+import haliax as hax
+import jax
+import jax.numpy as jnp
+from haliax import NamedArray
+from jax.sharding import Mesh, NamedSharding
+
+from engine.model import kv_pool_axes
+from engine.model_config import ModelConfig
+from engine.page_allocator import PageAllocator
+from engine.weights import partition_spec
+
+
+class KVCache:
+    """Pool: [layers * num_pages, page_size, 2 * kv_heads, head_dim], sharded over KV heads on a `model` mesh axis.
+
+    Page p of the allocator is page p of every layer (layer i's copy sits at i * num_pages + p).
+    """
+
+    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32,
+                 mesh: Mesh | None = None) -> None:
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.allocator = PageAllocator(num_pages)
+        self._axes = kv_pool_axes(cfg, num_pages, page_size)
+        self._dtype = dtype
+        self._sharding = None if mesh is None else NamedSharding(mesh, partition_spec(self._axes, mesh))
+        self.pool: NamedArray = self._zeros()
+
+    def _zeros(self) -> NamedArray:
+        shape = tuple(a.size for a in self._axes)
+        make = jax.jit(lambda: jnp.zeros(shape, self._dtype), out_shardings=self._sharding)
+        return hax.named(make(), self._axes)
+
+    @property
+    def bytes_per_page(self) -> int:
+        """Bytes one allocator page occupies across all layers."""
+        return self.pool.array.nbytes // self.num_pages
+
+    def reset(self, mode: str = "logical") -> None:
+        """`logical`: forget every allocation; `physical`: also zero the pool."""
+        if mode not in ("logical", "physical"):
+            raise ValueError(f"reset mode must be 'logical' or 'physical', got {mode!r}")
+        self.allocator.reset()
+        if mode == "physical":
+            self.pool = self._zeros()

@@ -1,0 +1,163 @@
+"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2) in haliax, over a paged KV pool.
+
+Parameters are named arrays; the layers are stacked on a `layers` axis and scanned. The forward
+pass is pure: `(params, kv_pool, StepInputs) -> (kv_pool, logits of each sequence's last new token)`.
+Norms, RoPE and attention run in float32; matmuls in the parameters' dtype (float32 or bfloat16).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import equinox as eqx
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import numpy as np
+from haliax import NamedArray
+from jax.sharding import Mesh, PartitionSpec as P
+
+from engine.attention import ragged_paged_attention, write_kv
+from engine.axes import EMBED, HEAD_SIZE, KV_COMBINED, PAGE, PAGE_SLOT, TOKEN, ModelAxes
+from engine.model_config import ModelConfig
+from engine.step_inputs import StepInputs
+
+
+@dataclass(frozen=True)
+class AttentionSettings:
+    """Static (compile-time) attention choices."""
+
+    impl: str  # "reference" | "pallas_tpu"
+    pages_per_block: int
+    queries_per_block: int
+    num_pages: int  # pages per layer; layer i owns pool pages [i * num_pages, (i + 1) * num_pages)
+    mesh: Mesh | None = None  # when it has a `model` axis > 1, attention runs per KV-head shard
+
+
+class Attention(eqx.Module):
+    wq: NamedArray  # [embed, kv_heads, q_per_kv, head_size]
+    wk: NamedArray  # [embed, kv_heads, head_size]
+    wv: NamedArray  # [embed, kv_heads, head_size]
+    wo: NamedArray  # [kv_heads, q_per_kv, head_size, embed]
+    bq: NamedArray | None  # [kv_heads, q_per_kv, head_size] (Qwen2)
+    bk: NamedArray | None  # [kv_heads, head_size]
+    bv: NamedArray | None  # [kv_heads, head_size]
+
+
+class DecoderLayer(eqx.Module):
+    attn_norm: NamedArray  # [embed]
+    attn: Attention
+    mlp_norm: NamedArray  # [embed]
+    w_gate: NamedArray  # [embed, mlp]
+    w_up: NamedArray  # [embed, mlp]
+    w_down: NamedArray  # [mlp, embed]
+
+
+class Transformer(eqx.Module):
+    config: ModelConfig = eqx.field(static=True)
+    embed: NamedArray  # [vocab, embed]
+    layers: DecoderLayer  # every leaf has a leading `layers` axis
+    final_norm: NamedArray  # [embed]
+    lm_head: NamedArray | None  # [vocab, embed]; None when tied to `embed`
+
+    @property
+    def axes(self) -> ModelAxes:
+        return ModelAxes.of(self.config)
+
+    def __call__(self, kv_pool: NamedArray, inputs: StepInputs, settings: AttentionSettings
+                 ) -> tuple[NamedArray, NamedArray]:
+        """Returns the updated pool and logits [seq, vocab] (float32) of each sequence's last new token."""
+        cfg, ax = self.config, self.axes
+        Token = hax.Axis(TOKEN, inputs.token_ids.shape[0])
+        x = self.embed.take(ax.Vocab, hax.named(inputs.token_ids, Token))
+        cos, sin = rope_tables(cfg, inputs.positions)
+
+        def layer_step(carry, layer: DecoderLayer, layer_index: NamedArray):
+            x, pool = carry
+            h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
+            attn_out, pool = _attention(layer.attn, h, pool, layer_index.array, cos, sin, inputs, cfg, ax, settings)
+            x = x + attn_out
+            h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
+            gate = hax.dot(h, layer.w_gate, axis=ax.Embed)
+            up = hax.dot(h, layer.w_up, axis=ax.Embed)
+            x = x + hax.dot(hax.nn.silu(gate) * up, layer.w_down, axis=ax.Mlp)
+            return (x, pool), None
+
+        (x, kv_pool), _ = hax.scan(layer_step, ax.Layers)((x, kv_pool), self.layers, hax.arange(ax.Layers))
+        Seq = hax.Axis("seq", inputs.logits_indices.shape[0])
+        last = x.take(Token, hax.named(inputs.logits_indices, Seq))
+        last = rms_norm(last, self.final_norm, cfg.rms_norm_eps)
+        head = self.embed if self.lm_head is None else self.lm_head
+        logits = hax.dot(last, head, axis=ax.Embed, preferred_element_type=jnp.float32)
+        return kv_pool, logits.astype(jnp.float32).rearrange((Seq, ax.Vocab))
+
+
+def rms_norm(x: NamedArray, weight: NamedArray, eps: float) -> NamedArray:
+    """Hugging Face's RMSNorm: normalise in float32, cast back, then scale."""
+    x32 = x.astype(jnp.float32)
+    variance = hax.mean(x32 * x32, axis=EMBED)
+    return weight * (x32 * hax.rsqrt(variance + eps)).astype(x.dtype)
+
+
+def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin: f32[T, head_dim] in Hugging Face's rotate-half layout (the frequencies repeated twice)."""
+    inv_freq = jnp.asarray(np.asarray(cfg.rope_inv_freq(), np.float32))  # f32[head_dim / 2]
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x: [T, heads..., head_dim]; rotate-half RoPE in float32, cast back to x's dtype."""
+    extra = (None,) * (x.ndim - 2)
+    c, s = cos[(slice(None),) + extra], sin[(slice(None),) + extra]
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * c + rotated * s).astype(x.dtype)
+
+
+def _attention(attn: Attention, h: NamedArray, pool: NamedArray, layer: jax.Array, cos, sin,
+               inputs: StepInputs, cfg: ModelConfig, ax: ModelAxes, settings: AttentionSettings
+               ) -> tuple[NamedArray, NamedArray]:
+    Token = h.resolve_axis(TOKEN)
+    q = hax.dot(h, attn.wq, axis=ax.Embed)
+    k = hax.dot(h, attn.wk, axis=ax.Embed)
+    v = hax.dot(h, attn.wv, axis=ax.Embed)
+    if attn.bq is not None:
+        q, k, v = q + attn.bq, k + attn.bk, v + attn.bv
+    q = _rotate(q.rearrange((Token, ax.KVHeads, ax.QPerKV, ax.HeadSize)).array, cos, sin)
+    q = q.reshape(Token.size, cfg.num_heads, cfg.head_dim)  # [T, H, d]; head = kv_head * q_per_kv + g
+    k = _rotate(k.rearrange((Token, ax.KVHeads, ax.HeadSize)).array, cos, sin)  # [T, kvh, d]
+    v = v.rearrange((Token, ax.KVHeads, ax.HeadSize)).array  # [T, kvh, d]
+
+    # This layer's pages sit at an offset in the one pool shared by all layers.
+    page_offset = layer * settings.num_pages
+    slots = jnp.where(inputs.slot_mapping < settings.num_pages * pool.axis_size(PAGE_SLOT),
+                      inputs.slot_mapping + page_offset * pool.axis_size(PAGE_SLOT), jnp.iinfo(jnp.int32).max)
+    pages = inputs.page_indices + page_offset
+
+    def attend(q, k, v, kv, slots, kv_lens, pages, cu_q_lens, num_seqs):
+        kv = write_kv(kv, k, v, slots)
+        out = ragged_paged_attention(
+            q, kv, kv_lens, pages, cu_q_lens, num_seqs, sm_scale=cfg.head_dim**-0.5,
+            sliding_window=cfg.sliding_window, impl=settings.impl, pages_per_block=settings.pages_per_block,
+            queries_per_block=settings.queries_per_block)
+        return out, kv
+
+    mesh = settings.mesh
+    if mesh is not None and mesh.shape.get("model", 1) > 1:
+        heads, rep = P(None, "model", None), P()
+        attend = jax.shard_map(attend, mesh=mesh,
+                               in_specs=(heads, heads, heads, P(None, None, "model", None), rep, rep, rep, rep, rep),
+                               out_specs=(heads, P(None, None, "model", None)), check_vma=False)
+    out, kv = attend(q, k, v, pool.array, slots, inputs.kv_lens, pages, inputs.cu_q_lens, inputs.num_seqs)
+    out = hax.named(out.reshape(Token.size, cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim),
+                    (Token, ax.KVHeads, ax.QPerKV, ax.HeadSize))
+    return hax.dot(out, attn.wo, axis=(ax.KVHeads, ax.QPerKV, ax.HeadSize)), hax.named(kv, pool.axes)
+
+
+def kv_pool_axes(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple[hax.Axis, ...]:
+    """The pool holds every layer's pages: [layers * num_pages, page_size, 2 * kv_heads, head_dim]."""
+    return (hax.Axis(PAGE, cfg.num_layers * num_pages), hax.Axis(PAGE_SLOT, page_size),
+            hax.Axis(KV_COMBINED, 2 * cfg.num_kv_heads), hax.Axis(HEAD_SIZE, cfg.head_dim))

@@ -1,0 +1,100 @@
+"""Runs one ragged step on the device: pads host chunks to a shape bucket, calls the jitted model.
+
+The runner makes no scheduling decisions: it is told which new tokens of which sequences to
+process and which pages they live in, and returns each sequence's last-token logits.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from engine.attention import resolve_attention_impl
+from engine.config import EngineConfig
+from engine.kv_cache import KVCache
+from engine.model import AttentionSettings, Transformer
+from engine.step_inputs import StepInputs
+
+MIN_TOKEN_BUCKET = 16
+MIN_SEQ_BUCKET = 4
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """New tokens of one sequence for one step."""
+
+    token_ids: Sequence[int]
+    start: int  # position of the first new token = tokens of this sequence already in the cache
+    pages: Sequence[int]  # the sequence's pages, covering at least start + len(token_ids) tokens
+
+
+def bucket(n: int, minimum: int) -> int:
+    """Smallest power of two >= n (and >= minimum): the few shapes the step is compiled for."""
+    return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+def _forward(model: Transformer, pool, inputs: StepInputs, settings: AttentionSettings):
+    return model(pool, inputs, settings)
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, engine: EngineConfig, max_seq_len: int, mesh: Mesh | None = None,
+                 kv_dtype=jnp.float32) -> None:
+        self.model = model
+        self.engine = engine
+        self.max_seq_len = max_seq_len
+        self.pages_per_seq = engine.pages_per_seq(max_seq_len)
+        self.kv = KVCache(model.config, engine.max_pages, engine.page_size, kv_dtype, mesh)
+        impl = resolve_attention_impl(engine.attention_impl)
+        self._settings = {
+            bq: AttentionSettings(impl, engine.attn_pages_per_block, bq, engine.max_pages, mesh)
+            for bq in (1, engine.attn_queries_per_block)
+        }
+        self._step = jax.jit(_forward, donate_argnums=(1,), static_argnums=(3,))
+
+    def build_inputs(self, chunks: Sequence[SeqChunk]) -> StepInputs:
+        """Pack chunks into padded host arrays (see StepInputs for the layout)."""
+        ps = self.engine.page_size
+        n_tokens = sum(len(c.token_ids) for c in chunks)
+        T = bucket(n_tokens, MIN_TOKEN_BUCKET)
+        S = bucket(len(chunks), MIN_SEQ_BUCKET)
+        token_ids = np.zeros(T, np.int32)
+        positions = np.zeros(T, np.int32)
+        slots = np.full(T, self.engine.max_pages * ps, np.int32)  # out of range: dropped
+        cu = np.full(S + 1, n_tokens, np.int32)
+        kv_lens = np.zeros(S, np.int32)
+        pages = np.zeros((S, self.pages_per_seq), np.int32)
+        last = np.zeros(S, np.int32)
+        row = 0
+        for s, c in enumerate(chunks):
+            n = len(c.token_ids)
+            end = c.start + n
+            if n == 0 or end > self.max_seq_len or math.ceil(end / ps) > len(c.pages):
+                raise ValueError(f"chunk {s}: {n} tokens at position {c.start} with {len(c.pages)} pages "
+                                 f"(page_size {ps}, max_seq_len {self.max_seq_len})")
+            pos = np.arange(c.start, end)
+            token_ids[row:row + n] = c.token_ids
+            positions[row:row + n] = pos
+            seq_pages = np.asarray(c.pages, np.int32)
+            slots[row:row + n] = seq_pages[pos // ps] * ps + pos % ps
+            cu[s] = row
+            kv_lens[s] = end
+            pages[s, :len(seq_pages)] = seq_pages
+            row += n
+            last[s] = row - 1
+        return StepInputs(token_ids, positions, slots, cu, kv_lens, pages, np.array([len(chunks)], np.int32), last)
+
+    def step(self, chunks: Sequence[SeqChunk]) -> np.ndarray:
+        """Process the chunks; returns f32[len(chunks), vocab] logits of each chunk's last token."""
+        inputs = self.build_inputs(chunks)
+        decode_only = all(len(c.token_ids) == 1 for c in chunks)
+        settings = self._settings[1 if decode_only else self.engine.attn_queries_per_block]
+        inputs = jax.tree.map(jnp.asarray, inputs)
+        self.kv.pool, logits = self._step(self.model, self.kv.pool, inputs, settings)
+        return np.asarray(logits.array[:len(chunks)])

@@ -1,0 +1,144 @@
+"""Read a Hugging Face safetensors checkpoint straight into the model's sharding.
+
+Each parameter is built with `jax.make_array_from_callback`: every device reads only its own slice
+from the memory-mapped files, so no host ever materialises a whole sharded tensor it does not hold.
+Handles one `model.safetensors` or a sharded checkpoint with `model.safetensors.index.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from haliax import NamedArray
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+from engine.axes import TENSOR_PARALLEL, ModelAxes
+from engine.model import Attention, DecoderLayer, Transformer
+from engine.model_config import ModelConfig
+
+_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64,
+           "I64": np.int64, "I32": np.int32, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+
+
+class SafetensorsCheckpoint:
+    """Memory-mapped tensors of a checkpoint directory, by Hugging Face name."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        root = Path(path)
+        index = root / "model.safetensors.index.json"
+        if index.exists():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        elif (root / "model.safetensors").exists():
+            files = ["model.safetensors"]
+        else:
+            raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {root}")
+        self._tensors: dict[str, tuple[Path, str, tuple[int, ...], int]] = {}
+        self._maps: dict[Path, np.memmap] = {}
+        for name in files:
+            file = root / name
+            with open(file, "rb") as f:
+                (header_len,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(header_len))
+            for key, meta in header.items():
+                if key == "__metadata__":
+                    continue
+                if meta["dtype"] not in _DTYPES:
+                    raise ValueError(f"{file}: tensor {key} has unsupported dtype {meta['dtype']}")
+                self._tensors[key] = (file, meta["dtype"], tuple(meta["shape"]), 8 + header_len + meta["data_offsets"][0])
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def get(self, name: str) -> np.ndarray:
+        """The tensor as a read-only memory-mapped array (no data is read until it is sliced)."""
+        if name not in self._tensors:
+            raise KeyError(f"checkpoint has no tensor {name!r}")
+        file, dtype, shape, offset = self._tensors[name]
+        if file not in self._maps:
+            self._maps[file] = np.memmap(file, dtype=np.uint8, mode="r")
+        np_dtype = np.dtype(_DTYPES[dtype])
+        count = int(np.prod(shape)) if shape else 1
+        raw = self._maps[file][offset:offset + count * np_dtype.itemsize]
+        return raw.view(np_dtype).reshape(shape)
+
+
+def partition_spec(axes: tuple[hax.Axis, ...], mesh: Mesh | None) -> P:
+    if mesh is None or mesh.shape.get("model", 1) == 1:
+        return P()
+    return P(*[TENSOR_PARALLEL.get(a.name) for a in axes])
+
+
+def _place(axes: tuple[hax.Axis, ...], read: Callable[[tuple[slice, ...]], np.ndarray], dtype, mesh: Mesh | None
+           ) -> NamedArray:
+    """Build a named array whose every shard is read by `read(index)` (index: a tuple of slices)."""
+    shape = tuple(a.size for a in axes)
+    if mesh is None:
+        sharding = SingleDeviceSharding(jax.devices()[0])
+    else:
+        sharding = NamedSharding(mesh, partition_spec(axes, mesh))
+        for a, name in zip(axes, sharding.spec):
+            if name is not None and a.size % mesh.shape[name]:
+                raise ValueError(f"axis {a.name} of size {a.size} cannot be split over mesh axis {name!r} of size "
+                                 f"{mesh.shape[name]}; choose cluster.mesh.model dividing the model's KV heads and MLP width")
+    array = jax.make_array_from_callback(shape, sharding, lambda index: np.asarray(read(index), dtype=dtype))
+    return hax.named(array, axes)
+
+
+def load_transformer(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | None = None,
+                     config: ModelConfig | None = None) -> Transformer:
+    """Load a Llama/Mistral/Qwen2 checkpoint into a `Transformer` (parameters in `dtype`)."""
+    cfg = config or ModelConfig.from_pretrained(path)
+    ckpt = SafetensorsCheckpoint(path)
+    ax = ModelAxes.of(cfg)
+    np_dtype = np.dtype(jnp.dtype(dtype))
+    L, E, V, M, KV, G, D = ax.Layers, ax.Embed, ax.Vocab, ax.Mlp, ax.KVHeads, ax.QPerKV, ax.HeadSize
+
+    def one(name: str, axes, to_named: Callable[[np.ndarray], np.ndarray]) -> NamedArray:
+        return _place(axes, lambda idx: to_named(ckpt.get(name))[idx], np_dtype, mesh)
+
+    def stacked(suffix: str, axes, to_named: Callable[[np.ndarray], np.ndarray]) -> NamedArray:
+        """`model.layers.{i}.<suffix>` for every layer, stacked on a leading `layers` axis."""
+        def read(idx):
+            layers = range(cfg.num_layers)[idx[0]]
+            return np.stack([to_named(ckpt.get(f"model.layers.{i}.{suffix}"))[idx[1:]] for i in layers])
+        return _place((L,) + axes, read, np_dtype, mesh)
+
+    t = lambda w: w.T  # torch Linear stores [out, in]; we store [in, out...]
+    shape = lambda *dims: (lambda w: w.T.reshape(*dims))
+    bias = cfg.qkv_bias
+    attn = Attention(
+        wq=stacked("self_attn.q_proj.weight", (E, KV, G, D), shape(E.size, KV.size, G.size, D.size)),
+        wk=stacked("self_attn.k_proj.weight", (E, KV, D), shape(E.size, KV.size, D.size)),
+        wv=stacked("self_attn.v_proj.weight", (E, KV, D), shape(E.size, KV.size, D.size)),
+        wo=stacked("self_attn.o_proj.weight", (KV, G, D, E), shape(KV.size, G.size, D.size, E.size)),
+        bq=stacked("self_attn.q_proj.bias", (KV, G, D), lambda b: b.reshape(KV.size, G.size, D.size)) if bias else None,
+        bk=stacked("self_attn.k_proj.bias", (KV, D), lambda b: b.reshape(KV.size, D.size)) if bias else None,
+        bv=stacked("self_attn.v_proj.bias", (KV, D), lambda b: b.reshape(KV.size, D.size)) if bias else None,
+    )
+    layers = DecoderLayer(
+        attn_norm=stacked("input_layernorm.weight", (E,), lambda w: w),
+        attn=attn,
+        mlp_norm=stacked("post_attention_layernorm.weight", (E,), lambda w: w),
+        w_gate=stacked("mlp.gate_proj.weight", (E, M), t),
+        w_up=stacked("mlp.up_proj.weight", (E, M), t),
+        w_down=stacked("mlp.down_proj.weight", (M, E), t),
+    )
+    tied = cfg.tie_word_embeddings
+    if not tied and "lm_head.weight" not in ckpt:
+        raise ValueError(f"{path}: config.json says tie_word_embeddings=false but the checkpoint has no lm_head.weight")
+    return Transformer(
+        config=cfg,
+        embed=one("model.embed_tokens.weight", (V, E), lambda w: w),
+        layers=layers,
+        final_norm=one("model.norm.weight", (E,), lambda w: w),
+        lm_head=None if tied else one("lm_head.weight", (V, E), lambda w: w),
+    )

@@ -1,0 +1,66 @@
+"""Hugging Face reference models for tests, written with transformers' own `save_pretrained`.
+
+Weights are random at a scale where top-two logit gaps dwarf float32 rounding (logit std ~16), so
+token-for-token equality with transformers means equality, not luck; tests check the gaps too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+
+FAMILIES = {
+    "llama3": dict(cls="LlamaConfig", rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 128}, rms_norm_eps=1e-5),
+    "mistral": dict(cls="MistralConfig", rope_theta=10000.0, sliding_window=None, rms_norm_eps=1e-6),
+    "qwen2": dict(cls="Qwen2Config", rope_theta=1000000.0, tie_word_embeddings=True, rms_norm_eps=1e-6,
+                  use_sliding_window=False),
+}
+
+
+def make_hf_model(family: str, out: Path, *, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16,
+                  intermediate=128, vocab=256, seed=0, max_shard_size=None, **overrides):
+    spec = dict(FAMILIES[family])
+    cls = getattr(transformers, spec.pop("cls"))
+    config = cls(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                 num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=intermediate,
+                 vocab_size=vocab, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
+                 **{"tie_word_embeddings": False, **spec, **overrides})
+    torch.manual_seed(seed)
+    model = cls_model(config)
+    rng = np.random.default_rng(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                value = 1.0 + 0.1 * rng.standard_normal(p.shape)
+            elif name.endswith("bias"):
+                value = 0.1 * rng.standard_normal(p.shape)
+            elif "embed_tokens" in name:
+                value = rng.standard_normal(p.shape)
+            elif name == "lm_head.weight":
+                value = rng.standard_normal(p.shape) * 16 / np.sqrt(hidden)
+            else:  # Linear [out, in]
+                value = rng.standard_normal(p.shape) / np.sqrt(p.shape[1])
+            p.copy_(torch.tensor(value, dtype=torch.float32))
+    model.eval()
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(out, **kwargs)
+    return model
+
+
+def cls_model(config):
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], float]:
+    """transformers' greedy `generate`, never stopping early; returns tokens and the smallest top-2 logit gap."""
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                         eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    scores = torch.stack(out.scores)[:, 0]  # [steps, vocab]
+    top2 = torch.topk(scores, 2, dim=-1).values
+    return out.sequences[0, len(prompt):].tolist(), float((top2[:, 0] - top2[:, 1]).min())
