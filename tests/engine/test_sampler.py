@@ -112,6 +112,14 @@ def test_top_p_keeps_only_the_nucleus():
     assert len(set(tokens.tolist())) > 1
 
 
+def test_top_p_boundary_keeps_the_token_that_reaches_the_mass():
+    row = np.log(np.array([0.2, 0.5, 0.3], np.float32))
+    # 0.5 < 0.7, so the nucleus needs the 0.3 token too; 0.2 is left out.
+    tokens = _draw(row, 4000, 1.0, 0, 0.7)
+    assert set(tokens.tolist()) == {1, 2}
+    assert abs(np.mean(tokens == 1) - 0.5 / 0.8) < 0.03  # renormalised within the nucleus
+
+
 def test_top_k_then_top_p_on_the_renormalised_distribution():
     row = _logits(1, seed=10)[0]
     temperature, top_k, top_p = 1.0, 8, 0.5
