@@ -42,7 +42,11 @@ class StopChecker:
     text is built incrementally the way streaming detokenizers do it: the ids since the last point
     where the text was known to be complete are decoded together, and new text is trusted only when
     it does not end in U+FFFD, so a multi-byte character split across byte-level BPE tokens is
-    seen only once complete. Each push decodes O(window) ids and searches only the new text plus
+    seen only once complete (the characters before a trailing U+FFFD are final and are searched at
+    once, so a stop string is caught on the token that completes it). When the sample ends on EOS,
+    a stop id or the length limit, pending ids are decoded as they are (an unfinished character
+    becomes U+FFFD). The text is that of the completion alone, as `decode(token_ids)` gives it
+    (a SentencePiece decoder may drop the first token's leading space). Each push decodes O(window) ids and searches only the new text plus
     the last `longest stop string - 1` characters, so a sample costs O(length), not O(length^2).
     """
 
