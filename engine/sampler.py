@@ -1,0 +1,139 @@
+"""Device-side token sampling and the per-sample random stream.
+
+Two halves, so that a sample never depends on the batch or slot it ran in:
+
+* host: `sample_base_key(seed, prompt_id, generation_index)` hashes the sample's identity into a
+  threefry key (`u32[2]`), computed once per sample and carried in the step inputs;
+* device: `position_keys(base, positions)` folds in the absolute position of the token being
+  generated, and `sample(logits, ...)` draws one token per row from its own key.
+
+Every row is independent: its token depends only on its logits, its own sampling parameters and its
+own key, never on the other rows, the batch size or the row index.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+KEY_IMPL = "threefry2x32"
+"""PRNG implementation of every sampling key, named explicitly so that `jax_default_prng_impl`
+cannot change the samples."""
+
+_KEY_DOMAIN = b"pagefleet.sample_key.v1"
+"""Domain tag of the base-key hash; bump the version if the derivation ever changes."""
+
+
+def sample_base_key(seed: int, prompt_id: str, generation_index: int) -> np.ndarray:
+    """The sample's base key data: `u32[2]`, a pure function of (seed, prompt_id, generation_index).
+
+    Derivation (stable across processes, hosts and Python versions; not Python's `hash()`):
+    `digest = blake2b(message, digest_size=8)` with
+    `message = b"pagefleet.sample_key.v1" + b"\\0" + str(seed) + b"\\0" + str(generation_index)
+    + b"\\0" + prompt_id.encode("utf-8")` (integers as ASCII decimals; `prompt_id` last, so the
+    encoding is unambiguous), and the key data is the digest read as two little-endian uint32 words.
+    The result is raw threefry2x32 key data for `position_keys`.
+    """
+    if generation_index < 0:
+        raise ValueError(f"generation_index must be >= 0, got {generation_index}")
+    message = b"\0".join(
+        (_KEY_DOMAIN, str(int(seed)).encode("ascii"), str(int(generation_index)).encode("ascii"),
+         prompt_id.encode("utf-8"))
+    )
+    digest = hashlib.blake2b(message, digest_size=8).digest()
+    return np.frombuffer(digest, dtype="<u4").astype(np.uint32)  # u32[2]
+
+
+def position_keys(base: jax.Array, positions: jax.Array) -> jax.Array:
+    """Per-row typed keys `key<threefry2x32>[S]` for the tokens about to be generated.
+
+    `base: u32[S, 2]` is each row's `sample_base_key`; `positions: i32[S]` is the absolute index,
+    in the whole sequence (prompt included), of the token being generated. Row i's key is
+    `fold_in(wrap_key_data(base[i], impl="threefry2x32"), positions[i])`, so it depends on
+    (seed, prompt_id, generation_index, position) alone. Jittable.
+    """
+
+    def one(base_row: jax.Array, position: jax.Array) -> jax.Array:
+        return jax.random.fold_in(jax.random.wrap_key_data(base_row, impl=KEY_IMPL), position)
+
+    return jax.vmap(one)(base.astype(jnp.uint32), positions.astype(jnp.int32))
+
+
+def sample_key(seed: int, prompt_id: str, generation_index: int, position: int) -> jax.Array:
+    """The typed key (scalar `key<threefry2x32>`) of one token: both halves composed, for tests
+    and host-side callers. Equal to row i of `position_keys` for the same identity and position."""
+    base = jnp.asarray(sample_base_key(seed, prompt_id, generation_index))[None]  # u32[1, 2]
+    return position_keys(base, jnp.asarray([position], dtype=jnp.int32))[0]
+
+
+def sample(
+    logits: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    keys: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Draw one token per row; returns `(tokens: i32[S], logprobs: f32[S])`. Pure and jittable.
+
+    Inputs (S rows, V vocabulary entries), each row with its own settings:
+      logits:      f32[S, V]  the model's logits for the next token
+      temperature: f32[S]     0 means greedy; otherwise logits are divided by it
+      top_k:       i32[S]     keep the k most likely tokens; 0 (or >= V) is off
+      top_p:       f32[S]     nucleus mass in (0, 1]; 1 is off
+      keys:        key[S] typed keys (from `position_keys`) or raw threefry key data u32[S, 2]
+
+    Semantics per row:
+      * temperature == 0: the argmax of `logits` (ties go to the lowest index, like torch.argmax);
+        top_k, top_p and the key are ignored.
+      * temperature > 0: `logits / temperature`, then top-k, then top-p on the distribution left by
+        top-k (the smallest set of most likely tokens whose cumulative probability is >= top_p; the
+        most likely token is always kept), then a draw with `jax.random.categorical` from the row's
+        key. Ties in the ranking are broken by the lowest token index.
+
+    `logprobs[i]` is the log-probability of the chosen token under the raw model distribution,
+    `log_softmax(logits[i])` at temperature 1 with no truncation, whatever the row's settings:
+    the number to compare with Hugging Face's `log_softmax(logits)`.
+
+    A row's result depends only on that row's inputs (never on S, the row's index or the other
+    rows), which is what makes samples independent of how prompts were batched.
+    """
+    logits = logits.astype(jnp.float32)
+    if not jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key):
+        keys = jax.random.wrap_key_data(keys.astype(jnp.uint32), impl=KEY_IMPL)
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # f32[S, V]
+    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # i32[S]
+    sampled_tokens = jax.vmap(_sample_row)(logits, temperature, top_k, top_p, keys)  # i32[S]
+    tokens = jnp.where(temperature <= 0, greedy_tokens, sampled_tokens)  # i32[S]
+    logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]  # f32[S]
+    return tokens, logprobs
+
+
+def _sample_row(
+    logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, key: jax.Array
+) -> jax.Array:
+    """One row's draw at temperature > 0 (the caller discards it for greedy rows): `i32[]`."""
+    vocab_size = logits.shape[-1]
+    # A greedy row still runs this path under vmap; divide by 1 there to keep it finite.
+    safe_temperature = jnp.where(temperature > 0, temperature, 1.0)
+    scaled = logits / safe_temperature  # f32[V]
+    # One stable sort per row gives both truncations; rank r holds the (r+1)-th most likely token.
+    order = jnp.argsort(scaled, descending=True, stable=True)  # i32[V]
+    sorted_logits = scaled[order]  # f32[V]
+    ranks = jnp.arange(vocab_size)  # i32[V]
+
+    k = jnp.where((top_k <= 0) | (top_k > vocab_size), vocab_size, top_k)
+    keep = ranks < k  # bool[V]
+    sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
+
+    probs = jax.nn.softmax(sorted_logits)  # f32[V], renormalised over the top-k survivors
+    mass_before = jnp.cumsum(probs) - probs  # f32[V] probability of strictly more likely tokens
+    # Keep a token while the tokens ranked above it hold less than top_p; rank 0 always stays.
+    # top_p >= 1 keeps everything even when rounding makes the cumulative sum reach 1 early.
+    in_nucleus = (mass_before < top_p) | (top_p >= 1.0) | (ranks == 0)
+    sorted_logits = jnp.where(keep & in_nucleus, sorted_logits, -jnp.inf)
+
+    choice = jax.random.categorical(key, sorted_logits)  # rank of the drawn token
+    return order[choice].astype(jnp.int32)

@@ -1,0 +1,171 @@
+"""Host-side stop handling for one sample: EOS, stop token ids, stop strings and max_new_tokens.
+
+No JAX here: the runner feeds each generated token id to the sample's `StopChecker`, which
+detokenizes incrementally and says when and why the sample finished.
+
+Conventions (the sample record of DESIGN.md section 4):
+* `token_ids` are the generated ids up to and including the one that finished the sample: the EOS
+  token, the stop token, or the token whose text completed a stop string. Nothing after it.
+* `completion` is the text of those ids, cut at the start of the earliest stop-string occurrence
+  (the stop string and everything after it are excluded); the text of an EOS or stop token is never
+  included.
+* `finish_reason` is `"stop"` for EOS, a stop token or a stop string (also when that happens at
+  exactly `max_new_tokens`), and `"length"` when `max_new_tokens` ids were generated without one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+REPLACEMENT_CHAR = "\ufffd"
+"""What a decoder emits for an incomplete UTF-8 sequence; text ending in it is not trusted yet."""
+
+
+@dataclass(frozen=True)
+class StopDecision:
+    """Why and where a sample finished."""
+
+    finish_reason: Literal["stop", "length"]
+    """`stop`: EOS, a stop token id or a stop string; `length`: max_new_tokens reached."""
+    num_tokens: int
+    """Generated token ids kept in the sample (`len(token_ids)`), the finishing token included."""
+    completion: str
+    """The completion text, the stop string and everything after it excluded."""
+
+
+class StopChecker:
+    """Incremental stop detection for one sample, fed one generated token id at a time.
+
+    `decode(ids) -> str` turns token ids into text (e.g. a Hugging Face tokenizer's `decode`). The
+    text is built incrementally the way streaming detokenizers do it: the ids since the last point
+    where the text was known to be complete are decoded together, and new text is trusted only when
+    it does not end in U+FFFD, so a multi-byte character split across byte-level BPE tokens is
+    seen only once complete (the characters before a trailing U+FFFD are final and are searched at
+    once, so a stop string is caught on the token that completes it). When the sample ends on EOS,
+    a stop id or the length limit, pending ids are decoded as they are (an unfinished character
+    becomes U+FFFD). The text is that of the completion alone, as `decode(token_ids)` gives it
+    (a SentencePiece decoder may drop the first token's leading space). Each push decodes O(window) ids and searches only the new text plus
+    the last `longest stop string - 1` characters, so a sample costs O(length), not O(length^2).
+    """
+
+    def __init__(
+        self,
+        *,
+        stop_strings: Iterable[str] = (),
+        stop_token_ids: Iterable[int] = (),
+        eos_token_ids: Iterable[int] = (),
+        max_new_tokens: int,
+        decode: Callable[[list[int]], str],
+    ) -> None:
+        self._stop_strings = tuple(stop_strings)
+        if any(not s for s in self._stop_strings):
+            raise ValueError("an empty stop string would stop every sample at once; remove it from sampling.stop")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        self._stopping_ids = frozenset(stop_token_ids) | frozenset(eos_token_ids)
+        self._max_new_tokens = max_new_tokens
+        self._decode = decode
+        self._max_stop_len = max((len(s) for s in self._stop_strings), default=0)
+
+        self._ids: list[int] = []
+        self._text_ids = 0  # ids[:_text_ids] contribute text (an EOS / stop token does not)
+        self._prefix_offset = 0  # ids[_prefix_offset:_read_offset] decode to the last trusted chunk
+        self._read_offset = 0  # ids[:_read_offset] are fully reflected in _pieces
+        self._pieces: list[str] = []  # trusted text, in order
+        self._text_len = 0  # characters in _pieces
+        self._tail = ""  # last (max_stop_len - 1) trusted characters, for matches across chunks
+        self._decision: StopDecision | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Ids pushed so far (after finishing: the kept ids, the finishing token included)."""
+        return list(self._ids)
+
+    @property
+    def decision(self) -> StopDecision | None:
+        """The finish decision, or None while the sample is still running."""
+        return self._decision
+
+    @property
+    def finished(self) -> bool:
+        return self._decision is not None
+
+    @property
+    def completion(self) -> str:
+        """The completion text; only defined once the sample finished."""
+        if self._decision is None:
+            raise RuntimeError("the completion is only known once push() returned a StopDecision")
+        return self._decision.completion
+
+    def push(self, token_id: int) -> StopDecision | None:
+        """Add one generated token; returns the decision if this token finished the sample."""
+        if self._decision is not None:
+            raise RuntimeError(f"push({token_id}) after the sample finished ({self._decision.finish_reason}); "
+                               "stop feeding a finished sample")
+        token_id = int(token_id)
+        self._ids.append(token_id)
+        if token_id in self._stopping_ids:
+            return self._finish("stop", flush=True)
+        self._text_ids = len(self._ids)
+        at_limit = len(self._ids) >= self._max_new_tokens
+        cut = self._advance_text(flush=at_limit)
+        if cut is not None:
+            return self._finish("stop", cut=cut)
+        if at_limit:
+            return self._finish("length")
+        return None
+
+    def _advance_text(self, *, flush: bool) -> int | None:
+        """Decode the pending ids; returns the cut index if a stop string is now in the text.
+
+        Without `flush`, new text ending in U+FFFD stays pending (an incomplete character may be
+        finished by the next token), but the characters before it are final and are searched, so a
+        stop string is caught on the token that completes it; with `flush`, whatever the ids decode
+        to is taken as final.
+        """
+        if self._read_offset >= self._text_ids:
+            return None
+        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        # Decoding the previous chunk together with the new ids lets decoders that look at the
+        # neighbouring token (e.g. SentencePiece's leading space) produce the in-context text.
+        new_text = self._decode(self._ids[self._prefix_offset:self._text_ids])[len(prefix_text):]
+        if flush or (new_text and not new_text.endswith(REPLACEMENT_CHAR)):
+            self._prefix_offset, self._read_offset = self._read_offset, self._text_ids
+            cut = self._find(new_text)
+            self._append(new_text)
+            return cut
+        settled = new_text.rstrip(REPLACEMENT_CHAR)
+        cut = self._find(settled)
+        if cut is not None:
+            self._append(settled)  # the sample ends here, so the pending characters never matter
+        return cut
+
+    def _find(self, new_text: str) -> int | None:
+        """Earliest start, in the whole text, of a stop string that ends inside `new_text`.
+
+        Matches that end before `new_text` were looked for (and not found) on earlier pushes, so
+        the last `longest stop string - 1` characters are all the context that is needed.
+        """
+        if not new_text:
+            return None
+        haystack = self._tail + new_text
+        starts = [i for i in (haystack.find(s) for s in self._stop_strings) if i >= 0]
+        return self._text_len - len(self._tail) + min(starts) if starts else None
+
+    def _append(self, new_text: str) -> None:
+        """Record final text."""
+        self._pieces.append(new_text)
+        self._text_len += len(new_text)
+        if self._max_stop_len > 1:
+            self._tail = (self._tail + new_text)[-(self._max_stop_len - 1):]
+
+    def _finish(self, reason: Literal["stop", "length"], *, cut: int | None = None,
+                flush: bool = False) -> StopDecision:
+        if flush:
+            found = self._advance_text(flush=True)
+            cut = found if cut is None else cut
+        text = "".join(self._pieces)
+        self._decision = StopDecision(reason, len(self._ids), text if cut is None else text[:cut])
+        return self._decision
