@@ -8,8 +8,10 @@ import math
 import numpy as np
 import pytest
 import torch
+import transformers
 
 from engine.config import EngineConfig
+from engine.presets import write_model
 from engine.model_config import ModelConfig, UnsupportedModelError
 from engine.runner import ModelRunner, SeqChunk
 from engine.weights import load_transformer
@@ -20,7 +22,8 @@ NEW_TOKENS = 48
 PAGE_SIZE = 16
 LOGIT_ATOL = 1e-4
 MIN_GAP = 1e-3
-MODEL_SEEDS = {"llama3": 0, "mistral": 4, "qwen2": 0}  # ten times the logit tolerance: a pass is equality, not luck
+# Seeds are chosen so that no greedy step of the test is a near-tie (the test asserts it; see MIN_GAP).
+MODEL_SEEDS = {"tiny-llama": 0, "tiny-mistral": 3, "tiny-qwen2": 0}  # ten times the logit tolerance: a pass is equality, not luck
 
 
 class PagedSequences:
@@ -74,15 +77,11 @@ def make_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     return [rng.integers(3, vocab, n).tolist() for n in PROMPT_LENS]
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-mistral", "tiny-qwen2"])
 def family(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    # One family is saved as a sharded checkpoint (model.safetensors.index.json plus several files).
-    shard = "60KB" if request.param == "mistral" else None
-    # Seeds are chosen so that no greedy step is a near-tie (the test asserts the gaps; see MIN_GAP).
-    hf = make_hf_model(request.param, path, max_shard_size=shard, seed=MODEL_SEEDS[request.param])
-    if shard:
-        assert (path / "model.safetensors.index.json").exists()
+    """A preset written by `init-model`'s code, and transformers' model loaded from the same directory."""
+    path = write_model(request.param, tmp_path_factory.mktemp(request.param), seed=MODEL_SEEDS[request.param])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return request.param, path, hf
 
 
@@ -109,6 +108,21 @@ def test_logits_and_greedy_match_transformers(family):
         assert gap > MIN_GAP, f"{name} prompt {s}: top-2 logit gap {gap} is too small for the test to mean anything"
         assert generated[s] == ref_tokens, f"{name} prompt {s} (len {len(prompt)})"
     runner.kv.allocator.check(seqs.pages)
+
+
+@pytest.mark.parametrize("family_name", list(FAMILIES))
+def test_loads_checkpoints_written_by_save_pretrained(tmp_path, family_name):
+    """transformers' own writer, one file and sharded (model.safetensors.index.json), not only ours."""
+    shard = "60KB" if family_name == "mistral" else None
+    hf = make_hf_model(family_name, tmp_path, max_shard_size=shard)
+    assert (tmp_path / "model.safetensors.index.json").exists() == (shard is not None)
+    runner = ModelRunner(load_transformer(tmp_path), EngineConfig(page_size=4, max_pages=200), max_seq_len=512)
+    prompts = make_prompts(256, seed=2)[:5]
+    logits = PagedSequences(runner, prompts).prefill(chunk_tokens=40, step_tokens=100)
+    for s, prompt in enumerate(prompts):
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0, -1].numpy()
+        np.testing.assert_allclose(logits[s], ref, atol=LOGIT_ATOL, rtol=0, err_msg=f"{family_name} prompt {s}")
 
 
 @pytest.mark.parametrize("model_axis", [2, 4])
