@@ -19,6 +19,7 @@ from engine.attention import resolve_attention_impl
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache
 from engine.model import AttentionSettings, Transformer
+from engine.sampler import position_keys, sample
 from engine.step_inputs import StepInputs
 
 MIN_TOKEN_BUCKET = 16
@@ -39,8 +40,32 @@ def bucket(n: int, minimum: int) -> int:
     return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
 
+@dataclass(frozen=True)
+class RowSampling:
+    """How to pick the next token of one sequence (a row of the step)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    base_key: np.ndarray  # u32[2] from (seed, prompt_id, generation_index)
+    position: int  # index the new token will take in its sequence (prompt included)
+
+
 def _forward(model: Transformer, pool, inputs: StepInputs, settings: AttentionSettings):
     return model(pool, inputs, settings)
+
+
+def _forward_sample(model: Transformer, pool, inputs: StepInputs, settings: AttentionSettings,
+                    temperature, top_k, top_p, base_keys, positions):
+    """Forward and sample on the device: only tokens i32[S] and logprobs f32[S] come back to the host."""
+    pool, logits = model(pool, inputs, settings)
+    tokens, logprobs = sample(logits.array, temperature, top_k, top_p, position_keys(base_keys, positions))
+    return pool, tokens, logprobs
+
+
+# Module-level, so every runner with the same model structure and shapes reuses compiled programs.
+_step = jax.jit(_forward, donate_argnums=(1,), static_argnums=(3,))
+_step_sample = jax.jit(_forward_sample, donate_argnums=(1,), static_argnums=(3,))
 
 
 class ModelRunner:
@@ -56,7 +81,6 @@ class ModelRunner:
             bq: AttentionSettings(impl, engine.attn_pages_per_block, bq, engine.max_pages, mesh)
             for bq in (1, engine.attn_queries_per_block)
         }
-        self._step = jax.jit(_forward, donate_argnums=(1,), static_argnums=(3,))
 
     def build_inputs(self, chunks: Sequence[SeqChunk]) -> StepInputs:
         """Pack chunks into padded host arrays (see StepInputs for the layout)."""
@@ -90,11 +114,30 @@ class ModelRunner:
             last[s] = row - 1
         return StepInputs(token_ids, positions, slots, cu, kv_lens, pages, np.array([len(chunks)], np.int32), last)
 
+    def _settings_for(self, chunks: Sequence[SeqChunk]) -> AttentionSettings:
+        decode_only = all(len(c.token_ids) == 1 for c in chunks)
+        return self._settings[1 if decode_only else self.engine.attn_queries_per_block]
+
     def step(self, chunks: Sequence[SeqChunk]) -> np.ndarray:
         """Process the chunks; returns f32[len(chunks), vocab] logits of each chunk's last token."""
-        inputs = self.build_inputs(chunks)
-        decode_only = all(len(c.token_ids) == 1 for c in chunks)
-        settings = self._settings[1 if decode_only else self.engine.attn_queries_per_block]
-        inputs = jax.tree.map(jnp.asarray, inputs)
-        self.kv.pool, logits = self._step(self.model, self.kv.pool, inputs, settings)
+        inputs = jax.tree.map(jnp.asarray, self.build_inputs(chunks))
+        self.kv.pool, logits = _step(self.model, self.kv.pool, inputs, self._settings_for(chunks))
         return np.asarray(logits.array[:len(chunks)])
+
+    def step_sample(self, chunks: Sequence[SeqChunk], rows: Sequence[RowSampling]
+                    ) -> tuple[np.ndarray, np.ndarray]:
+        """Process the chunks and pick each one's next token: (tokens i32[n], logprobs f32[n])."""
+        inputs = self.build_inputs(chunks)
+        S = inputs.kv_lens.shape[0]
+        pad = S - len(rows)
+        temperature = np.array([r.temperature for r in rows] + [0.0] * pad, np.float32)
+        top_k = np.array([r.top_k for r in rows] + [0] * pad, np.int32)
+        top_p = np.array([r.top_p for r in rows] + [1.0] * pad, np.float32)
+        keys = np.zeros((S, 2), np.uint32)
+        keys[:len(rows)] = [r.base_key for r in rows]
+        positions = np.array([r.position for r in rows] + [0] * pad, np.int32)
+        self.kv.pool, tokens, logprobs = _step_sample(
+            self.model, self.kv.pool, jax.tree.map(jnp.asarray, inputs), self._settings_for(chunks),
+            temperature, top_k, top_p, keys, positions)
+        n = len(chunks)
+        return np.asarray(tokens)[:n], np.asarray(logprobs)[:n]

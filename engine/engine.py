@@ -1,0 +1,220 @@
+"""The engine: a checkpoint, a paged KV cache, a scheduler; `generate(requests) -> completions`.
+
+The step is three lines: schedule, run, post-process. Requests may be added while it runs
+(`add_request` / `step`), which is how the orchestrator keeps it full across batches.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+import numpy as np
+
+from engine.config import EngineConfig
+from engine.model_config import ModelConfig
+from engine.runner import ModelRunner, RowSampling, SeqChunk
+from engine.sampler import sample_base_key
+from engine.scheduler import Scheduler
+from engine.sequence import Request, Sequence
+from engine.stats import EngineStats, StepTimer
+from engine.stop import StopChecker
+from engine.weights import load_transformer
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sample (DESIGN.md section 4 record, without batch_id); `error` is set when the request could not run."""
+
+    prompt_id: str
+    generation_index: int
+    completion: str
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str | None  # "stop" | "length"; None when error
+    num_prompt_tokens: int
+    error: str | None = None
+
+
+class Engine:
+    def __init__(self, model_path: str | os.PathLike, config: EngineConfig = EngineConfig(),
+                 dtype: str = "float32", mesh=None, tokenizer=None) -> None:
+        self.config = config
+        self.model_config = ModelConfig.from_pretrained(model_path)
+        self.max_seq_len = config.max_seq_len or self.model_config.max_position_embeddings
+        if config.max_pages * config.page_size < self.max_seq_len:
+            raise ValueError(
+                f"engine.max_pages={config.max_pages} pages of {config.page_size} tokens hold "
+                f"{config.max_pages * config.page_size} tokens, less than one sequence of engine.max_seq_len="
+                f"{self.max_seq_len}; raise engine.max_pages to at least "
+                f"{math.ceil(self.max_seq_len / config.page_size)} or lower engine.max_seq_len")
+        jdtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}.get(dtype)
+        if jdtype is None:
+            raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
+        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model_path)
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        model = load_transformer(model_path, dtype=jdtype, mesh=mesh, config=self.model_config)
+        self.runner = ModelRunner(model, config, self.max_seq_len, mesh=mesh, kv_dtype=jdtype)
+        self.scheduler = Scheduler(config, self.runner.kv.allocator)
+        self._retained: list[Sequence] = []  # finished, pages kept (cleanup_mode end / none)
+        self._arrivals = 0
+        self.stats = EngineStats()
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def validate(self, request: Request) -> str | None:
+        """Why the request cannot run, or None."""
+        n, m = len(request.prompt_token_ids), request.sampling.max_new_tokens
+        if n == 0:
+            return "empty prompt (0 tokens)"
+        if n + m > self.max_seq_len:
+            return (f"prompt has {n} tokens; with sampling.max_new_tokens={m} it needs {n + m}, more than the "
+                    f"engine's max context of {self.max_seq_len} tokens (engine.max_seq_len)")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in request.prompt_token_ids):
+            return f"prompt token ids must lie in [0, {vocab}) (the model's vocab_size)"
+        if request.sampling.stop and self.tokenizer is None:
+            return "sampling.stop needs a tokenizer to decode text, and the model directory has none"
+        return None
+
+    def add_request(self, request: Request) -> Completion | None:
+        """Queue a request; a request that cannot run comes straight back as a Completion with `error`."""
+        error = self.validate(request)
+        if error is not None:
+            return Completion(request.prompt_id, request.generation_index, "", [], None, None,
+                              len(request.prompt_token_ids), error)
+        s = request.sampling
+        stop = StopChecker(stop_strings=s.stop, eos_token_ids=self.eos_token_ids, max_new_tokens=s.max_new_tokens,
+                           decode=self._decode)
+        seq = Sequence(request, self._arrivals, sample_base_key(s.seed, request.prompt_id, request.generation_index),
+                       stop, token_ids=list(request.prompt_token_ids))
+        self._arrivals += 1
+        self.scheduler.add(seq)
+        return None
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[Completion]:
+        """One device step; returns the samples that finished in it."""
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            raise RuntimeError(self._stuck_message())
+        with StepTimer(self.stats, chunks):
+            rows = [RowSampling(c.seq.request.sampling.temperature, c.seq.request.sampling.top_k,
+                                c.seq.request.sampling.top_p, c.seq.base_key, len(c.seq.token_ids)) for c in chunks]
+            tokens, logprobs = self.runner.step_sample(
+                [SeqChunk(c.seq.token_ids[c.seq.num_computed:c.seq.num_computed + c.num_tokens], c.seq.num_computed,
+                          c.seq.pages) for c in chunks], rows)
+        return self._postprocess(chunks, tokens, logprobs)
+
+    def _postprocess(self, chunks, tokens: np.ndarray, logprobs: np.ndarray) -> list[Completion]:
+        done = []
+        for c, token, logprob in zip(chunks, tokens.tolist(), logprobs.tolist()):
+            seq = c.seq
+            completes = c.completes
+            seq.num_computed += c.num_tokens
+            if not completes:
+                continue
+            seq.token_ids.append(token)
+            seq.logprobs.append(logprob)
+            if seq.stop.push(token) is not None:
+                incremental = self.config.cleanup_mode == "incremental"
+                self.scheduler.finish(seq, free_pages=incremental)
+                if not incremental:
+                    self._retained.append(seq)
+                done.append(self._completion(seq))
+        if self.config.debug_invariants:
+            self.check_invariants()
+        return done
+
+    def generate(self, requests: Iterable[Request], reset: bool = True,
+                 on_finish: Callable[[Completion], None] | None = None) -> list[Completion]:
+        """Run every request to completion; results in request order. Ends with a reset unless told not to."""
+        requests = list(requests)
+        results: dict[tuple[str, int], Completion] = {}
+        for r in requests:
+            early = self.add_request(r)
+            if early is not None:
+                results[(r.prompt_id, r.generation_index)] = early
+                if on_finish:
+                    on_finish(early)
+        while self.has_unfinished:
+            for done in self.step():
+                results[(done.prompt_id, done.generation_index)] = done
+                if on_finish:
+                    on_finish(done)
+        if self.config.cleanup_mode == "end":
+            self.release_finished()
+        if reset:
+            self.reset()
+        return [results[(r.prompt_id, r.generation_index)] for r in requests]
+
+    # -- pages, reset, invariants ----------------------------------------------------------------
+
+    def release_finished(self) -> None:
+        """Free the pages that finished sequences still hold (cleanup_mode `end` or `none`)."""
+        for seq in self._retained:
+            self.runner.kv.allocator.free(seq.pages)
+            seq.pages = []
+        self._retained = []
+
+    def reset(self, mode: str | None = None) -> None:
+        """Drop every sequence and allocation; `physical` also zeroes the KV pool. Same on every host."""
+        if self.scheduler.has_work:
+            raise RuntimeError("reset while sequences are still running; finish or drop them first")
+        self._retained = []
+        self.runner.kv.reset(mode or self.config.reset_mode)
+
+    def check_invariants(self) -> None:
+        live = self.scheduler.running + self._retained
+        self.runner.kv.allocator.check([s.pages for s in live])
+        for s in self.scheduler.running:
+            assert 0 <= s.num_computed <= len(s.token_ids) <= self.max_seq_len, f"sequence {s.request.prompt_id}"
+            assert len(s.pages) * self.config.page_size >= s.num_computed
+            assert all(self.runner.kv.allocator.refcount(p) >= 1 for p in s.pages)
+
+    def snapshot(self) -> dict[str, int]:
+        """Stats every host can read (host-side state only, no device read)."""
+        alloc = self.runner.kv.allocator
+        return {"active_seqs": len(self.scheduler.running), "waiting_seqs": len(self.scheduler.waiting),
+                "pages_in_use": alloc.num_used, "free_pages": alloc.num_free, "max_refcount": alloc.max_refcount,
+                "num_preemptions": self.scheduler.num_preemptions}
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    def _completion(self, seq: Sequence) -> Completion:
+        d = seq.stop.decision
+        n = d.num_tokens
+        keep_logprobs = seq.request.sampling.logprobs
+        return Completion(seq.request.prompt_id, seq.request.generation_index, d.completion,
+                          seq.token_ids[seq.num_prompt_tokens:seq.num_prompt_tokens + n],
+                          seq.logprobs[:n] if keep_logprobs else None, d.finish_reason, seq.num_prompt_tokens)
+
+    def _stuck_message(self) -> str:
+        alloc = self.runner.kv.allocator
+        head = self.scheduler.waiting[0] if self.scheduler.waiting else None
+        need = 0 if head is None else math.ceil(len(head.token_ids) / self.config.page_size)
+        return (f"no sequence can run: {len(self.scheduler.waiting)} waiting, the first needs {need} pages, "
+                f"{alloc.num_free} of {alloc.num_pages} are free and {len(self._retained)} finished sequences "
+                f"still hold pages (engine.cleanup_mode={self.config.cleanup_mode}); raise engine.max_pages or use "
+                f"cleanup_mode=incremental")
+
+
+def _load_tokenizer(model_path: str | os.PathLike):
+    from pathlib import Path
+
+    if not (Path(model_path) / "tokenizer.json").exists() and not (Path(model_path) / "tokenizer_config.json").exists():
+        return None
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(model_path)

@@ -1,0 +1,50 @@
+"""Per-call performance: step wall times and the tokens each step carried."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class EngineStats:
+    step_s: list[float] = field(default_factory=list)
+    prefill_tokens: list[int] = field(default_factory=list)  # prompt (and recomputed) tokens per step
+    decode_tokens: list[int] = field(default_factory=list)  # sequences that produced a token per step
+    active_seqs: list[int] = field(default_factory=list)
+
+    def summary(self, max_seqs: int) -> dict[str, float]:
+        """p50/p90/max step time (ms), prefill and decode tokens/s, mean slot occupancy (fraction of max_seqs)."""
+        if not self.step_s:
+            return {"steps": 0}
+        t = np.asarray(self.step_s)
+        total = float(t.sum())
+        return {
+            "steps": len(t),
+            "step_ms_p50": float(np.percentile(t, 50) * 1e3),
+            "step_ms_p90": float(np.percentile(t, 90) * 1e3),
+            "step_ms_max": float(t.max() * 1e3),
+            "prefill_tokens_per_s": sum(self.prefill_tokens) / total,
+            "decode_tokens_per_s": sum(self.decode_tokens) / total,
+            "mean_slot_occupancy": float(np.mean(self.active_seqs)) / max_seqs,
+        }
+
+
+class StepTimer:
+    """Context manager that records one step into EngineStats."""
+
+    def __init__(self, stats: EngineStats, chunks) -> None:
+        self.stats = stats
+        self.chunks = chunks
+
+    def __enter__(self) -> "StepTimer":
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stats.step_s.append(time.perf_counter() - self.start)
+        self.stats.decode_tokens.append(sum(1 for c in self.chunks if c.completes))
+        self.stats.prefill_tokens.append(sum(c.num_tokens for c in self.chunks if c.num_tokens > 1 or not c.completes))
+        self.stats.active_seqs.append(len(self.chunks))
