@@ -11,8 +11,13 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+# The embedded default: a tiny random Llama (written once by init-model) and the bundled prompts,
+# sampled by the engine on CPU JAX. (`pagefleet run configs/demo.yaml` on Ray replaces this once the run path lands.)
+DEMO_MODEL := models/tiny-llama
 demo: $(STAMP)
-	$(VENV)/bin/pagefleet demo
+	test -f $(DEMO_MODEL)/config.json || $(VENV)/bin/pagefleet init-model --preset tiny-llama --output $(DEMO_MODEL)
+	JAX_PLATFORMS=cpu $(VENV)/bin/pagefleet generate --model $(DEMO_MODEL) --input configs/data/demo_prompts.jsonl \
+		--output manifests/demo/samples.jsonl --sampling.max_new_tokens=32 --engine.max_seq_len=512 --engine.max_pages=256
 
 test: $(STAMP)
 	JAX_PLATFORMS=cpu $(VENV)/bin/python -m pytest $(PYTEST_ARGS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -19,8 +20,15 @@ def _init_model(argv: list[str]) -> int:
     return 0
 
 
+def _generate(argv: list[str]) -> int:
+    from orchestrator.generate import main as generate_main
+
+    return generate_main(argv)
+
+
 COMMANDS = {
     "init-model": _init_model,
+    "generate": _generate,
 }
 
 
@@ -33,4 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"pagefleet: unknown command {command!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    return COMMANDS[command](rest)
+    try:
+        return COMMANDS[command](rest)
+    except (ValueError, FileNotFoundError) as e:  # configuration and input errors: the message names the fix
+        if os.environ.get("PAGEFLEET_DEBUG"):
+            raise
+        print(f"pagefleet {command}: {e}", file=sys.stderr)
+        return 2
