@@ -63,6 +63,7 @@ class Engine:
         self.scheduler = Scheduler(config, self.runner.kv.allocator)
         self._retained: list[Sequence] = []  # finished, pages kept (cleanup_mode end / none)
         self._arrivals = 0
+        self._last_queued: Sequence | None = None  # the newest queued sequence, to group samples of one prompt
         self.stats = EngineStats()
 
     # -- requests -------------------------------------------------------------------------------
@@ -94,7 +95,15 @@ class Engine:
         seq = Sequence(request, self._arrivals, sample_base_key(s.seed, request.prompt_id, request.generation_index),
                        stop, token_ids=list(request.prompt_token_ids))
         self._arrivals += 1
-        self.scheduler.add(seq)
+        head = self._last_queued
+        if (head is not None and head.num_computed == 0 and head in self.scheduler.waiting
+                and head.request.prompt_id == request.prompt_id
+                and head.request.prompt_token_ids == request.prompt_token_ids
+                and 1 + len(head.siblings) + 1 <= self.config.max_seqs):
+            head.siblings.append(seq)  # another sample of the same prompt: forks from `head` after its prefill
+        else:
+            self.scheduler.add(seq)
+            self._last_queued = seq
         return None
 
     @property
@@ -106,21 +115,32 @@ class Engine:
         chunks = self.scheduler.schedule()
         if not chunks:
             raise RuntimeError(self._stuck_message())
+        # Output rows: one per chunk, plus one per sibling of a sequence whose prompt completes now
+        # (the siblings sample their first token from the same logits, each with its own key).
+        row_seqs, row_chunk, forks = [], [], []
+        for i, c in enumerate(chunks):
+            row_seqs.append(c.seq)
+            row_chunk.append(i)
+            if c.completes and c.seq.siblings and len(c.seq.token_ids) == c.seq.num_prompt_tokens:
+                forks.append(c.seq)
+                row_seqs += c.seq.siblings
+                row_chunk += [i] * len(c.seq.siblings)
         with StepTimer(self.stats, chunks):
-            rows = [RowSampling(c.seq.request.sampling.temperature, c.seq.request.sampling.top_k,
-                                c.seq.request.sampling.top_p, c.seq.base_key, len(c.seq.token_ids)) for c in chunks]
+            rows = [RowSampling(q.request.sampling.temperature, q.request.sampling.top_k, q.request.sampling.top_p,
+                                q.base_key, len(q.token_ids)) for q in row_seqs]
             tokens, logprobs = self.runner.step_sample(
                 [SeqChunk(c.seq.token_ids[c.seq.num_computed:c.seq.num_computed + c.num_tokens], c.seq.num_computed,
-                          c.seq.pages) for c in chunks], rows)
-        return self._postprocess(chunks, tokens, logprobs)
-
-    def _postprocess(self, chunks, tokens: np.ndarray, logprobs: np.ndarray) -> list[Completion]:
+                          c.seq.pages) for c in chunks], rows, row_chunk)
+        completes = [c.completes for c in chunks]  # before num_computed moves on
+        for c in chunks:
+            c.seq.num_computed += c.num_tokens
+        for parent in forks:
+            self._fork(parent)
         done = []
-        for c, token, logprob in zip(chunks, tokens.tolist(), logprobs.tolist()):
-            seq = c.seq
-            completes = c.completes
-            seq.num_computed += c.num_tokens
-            if not completes:
+        for i, (seq, token, logprob) in enumerate(zip(row_seqs, tokens.tolist(), logprobs.tolist())):
+            if i < len(chunks) and not completes[i]:
+                continue
+            if seq.num_computed != len(seq.token_ids):  # a sibling that could not fork: it will run alone
                 continue
             seq.token_ids.append(token)
             seq.logprobs.append(logprob)
@@ -133,6 +153,27 @@ class Engine:
         if self.config.debug_invariants:
             self.check_invariants()
         return done
+
+    def _fork(self, parent: Sequence) -> None:
+        """Siblings share the parent's full prompt pages and get a copy of its partial last page."""
+        alloc, ps = self.runner.kv.allocator, self.config.page_size
+        num_full = parent.num_prompt_tokens // ps
+        partial = parent.num_prompt_tokens % ps != 0
+        src, dst = [], []
+        for sib in parent.siblings:
+            own = alloc.allocate(1) if partial else []
+            if own is None:  # no page for the copy now: the sibling computes its prompt alone later
+                self.scheduler.add(sib)
+                continue
+            alloc.share(parent.pages[:num_full])
+            sib.pages = parent.pages[:num_full] + own
+            if partial:
+                src.append(parent.pages[num_full])
+                dst.append(own[0])
+            sib.num_computed = parent.num_computed
+            self.scheduler.admit_fork(sib)
+        parent.siblings = []
+        self.runner.kv.copy_pages(src, dst)
 
     def generate(self, requests: Iterable[Request], reset: bool = True,
                  on_finish: Callable[[Completion], None] | None = None) -> list[Completion]:

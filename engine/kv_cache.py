@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+
 import haliax as hax
+import numpy as np
 import jax
 import jax.numpy as jnp
 from haliax import NamedArray
@@ -40,6 +43,17 @@ class KVCache:
         """Bytes one allocator page occupies across all layers."""
         return self.pool.array.nbytes // self.num_pages
 
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """Copy pages src[i] -> dst[i] in every layer (a forked sample's partial last page)."""
+        if not src:
+            return
+        n = 1 << (len(src) - 1).bit_length()  # pad to a power of two: few compiled shapes
+        s = np.zeros(n, np.int32)
+        d = np.full(n, np.iinfo(np.int32).max, np.int32)  # padding: out of range, dropped
+        s[:len(src)], d[:len(dst)] = src, dst
+        layers = self.pool.array.shape[0] // self.num_pages
+        self.pool = hax.named(_copy_pages(self.pool.array, s, d, self.num_pages, layers), self.pool.axes)
+
     def reset(self, mode: str = "logical") -> None:
         """`logical`: forget every allocation; `physical`: also zero the pool."""
         if mode not in ("logical", "physical"):
@@ -47,3 +61,11 @@ class KVCache:
         self.allocator.reset()
         if mode == "physical":
             self.pool = self._zeros()
+
+
+@functools.partial(jax.jit, donate_argnums=(0,), static_argnums=(3, 4))
+def _copy_pages(pool: jax.Array, src: jax.Array, dst: jax.Array, num_pages: int, num_layers: int) -> jax.Array:
+    offsets = jnp.arange(num_layers, dtype=jnp.int32)[:, None] * num_pages  # [layers, 1]
+    src_all = (offsets + src[None, :]).reshape(-1)
+    dst_all = jnp.where(dst[None, :] < num_pages, offsets + dst[None, :], jnp.iinfo(jnp.int32).max).reshape(-1)
+    return pool.at[dst_all].set(pool[src_all], mode="drop")

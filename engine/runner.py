@@ -82,8 +82,12 @@ class ModelRunner:
             for bq in (1, engine.attn_queries_per_block)
         }
 
-    def build_inputs(self, chunks: Sequence[SeqChunk]) -> StepInputs:
-        """Pack chunks into padded host arrays (see StepInputs for the layout)."""
+    def build_inputs(self, chunks: Sequence[SeqChunk], row_chunk: Sequence[int] | None = None) -> StepInputs:
+        """Pack chunks into padded host arrays (see StepInputs for the layout).
+
+        `row_chunk[r]` names the chunk whose last token's logits feed output row r (default: one row per
+        chunk); several rows may read one chunk (the samples of one prompt).
+        """
         ps = self.engine.page_size
         n_tokens = sum(len(c.token_ids) for c in chunks)
         T = bucket(n_tokens, MIN_TOKEN_BUCKET)
@@ -94,7 +98,7 @@ class ModelRunner:
         cu = np.full(S + 1, n_tokens, np.int32)
         kv_lens = np.zeros(S, np.int32)
         pages = np.zeros((S, self.pages_per_seq), np.int32)
-        last = np.zeros(S, np.int32)
+        last_of_chunk = np.zeros(len(chunks), np.int32)
         row = 0
         for s, c in enumerate(chunks):
             n = len(c.token_ids)
@@ -111,7 +115,10 @@ class ModelRunner:
             kv_lens[s] = end
             pages[s, :len(seq_pages)] = seq_pages
             row += n
-            last[s] = row - 1
+            last_of_chunk[s] = row - 1
+        row_chunk = list(range(len(chunks))) if row_chunk is None else list(row_chunk)
+        last = np.zeros(bucket(len(row_chunk), MIN_SEQ_BUCKET), np.int32)
+        last[:len(row_chunk)] = last_of_chunk[row_chunk]
         return StepInputs(token_ids, positions, slots, cu, kv_lens, pages, np.array([len(chunks)], np.int32), last)
 
     def _settings_for(self, chunks: Sequence[SeqChunk]) -> AttentionSettings:
@@ -124,11 +131,11 @@ class ModelRunner:
         self.kv.pool, logits = _step(self.model, self.kv.pool, inputs, self._settings_for(chunks))
         return np.asarray(logits.array[:len(chunks)])
 
-    def step_sample(self, chunks: Sequence[SeqChunk], rows: Sequence[RowSampling]
-                    ) -> tuple[np.ndarray, np.ndarray]:
-        """Process the chunks and pick each one's next token: (tokens i32[n], logprobs f32[n])."""
-        inputs = self.build_inputs(chunks)
-        S = inputs.kv_lens.shape[0]
+    def step_sample(self, chunks: Sequence[SeqChunk], rows: Sequence[RowSampling],
+                    row_chunk: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Process the chunks and pick a next token per row: (tokens i32[rows], logprobs f32[rows])."""
+        inputs = self.build_inputs(chunks, row_chunk)
+        S = inputs.logits_indices.shape[0]
         pad = S - len(rows)
         temperature = np.array([r.temperature for r in rows] + [0.0] * pad, np.float32)
         top_k = np.array([r.top_k for r in rows] + [0] * pad, np.int32)
@@ -139,5 +146,5 @@ class ModelRunner:
         self.kv.pool, tokens, logprobs = _step_sample(
             self.model, self.kv.pool, jax.tree.map(jnp.asarray, inputs), self._settings_for(chunks),
             temperature, top_k, top_p, keys, positions)
-        n = len(chunks)
+        n = len(rows)
         return np.asarray(tokens)[:n], np.asarray(logprobs)[:n]

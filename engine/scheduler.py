@@ -44,6 +44,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def slots_in_use(self) -> int:
+        """Running sequences plus the siblings they will fork into (their slots are reserved at admission)."""
+        return len(self.running) + sum(len(s.siblings) for s in self.running)
+
     def _pages_needed(self, seq: Sequence, num_tokens: int) -> int:
         return max(0, math.ceil((seq.num_computed + num_tokens) / self.config.page_size) - len(seq.pages))
 
@@ -94,8 +99,8 @@ class Scheduler:
                 budget -= n
                 num_prefill += seq.num_pending > 1
         # 2. Admit waiting sequences while slots, budget and pages allow (FIFO: stop at the first that does not fit).
-        while (self.waiting and budget > 0 and len(self.running) < self.config.max_seqs
-               and num_prefill < self.config.max_seqs_in_prefill):
+        while (self.waiting and budget > 0 and num_prefill < self.config.max_seqs_in_prefill
+               and self.slots_in_use + 1 + len(self.waiting[0].siblings) <= self.config.max_seqs):
             seq = self.waiting[0]
             n = min(seq.num_pending, budget)
             if not self._grow(seq, n):
@@ -106,6 +111,10 @@ class Scheduler:
             budget -= n
             num_prefill += 1
         return chunks
+
+    def admit_fork(self, seq: Sequence) -> None:
+        """A sibling forked from a running sequence joins the running set (its slot was counted at admission)."""
+        self.running.append(seq)
 
     def finish(self, seq: Sequence, free_pages: bool) -> None:
         """Take a finished sequence out of the running set; free its pages now or leave them to the caller."""

@@ -31,6 +31,8 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the cache
     pages: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    siblings: list["Sequence"] = field(default_factory=list)
+    """Other samples of the same prompt, waiting to fork from this one when its prompt is computed."""
 
     @property
     def num_prompt_tokens(self) -> int:

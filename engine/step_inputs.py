@@ -20,4 +20,4 @@ class StepInputs(eqx.Module):
     kv_lens: jax.Array  # i32[S]  cached tokens after this step (new tokens included)
     page_indices: jax.Array  # i32[S, P]  each sequence's pages in order (within one layer's pool)
     num_seqs: jax.Array  # i32[1]
-    logits_indices: jax.Array  # i32[S]  row of each sequence's last new token (whose logits are returned)
+    logits_indices: jax.Array  # i32[R]  token row whose logits feed output row r (R >= S when samples share a prompt)

@@ -97,3 +97,36 @@ def test_capacity_that_cannot_hold_one_sequence_is_refused(tiny_llama):
     path = tiny_llama
     with pytest.raises(ValueError, match=r"engine.max_pages=4 .* at least 32"):
         Engine(path, EngineConfig(page_size=16, max_pages=4, max_seq_len=512))
+
+
+@pytest.mark.parametrize("prompt_len", [45, 48])  # several pages with a partial last page; page-aligned
+def test_n_samples_share_prompt_pages_and_equal_single_runs(tiny_llama, prompt_len):
+    n, ps = 4, 16
+    sampling = SamplingConfig(max_new_tokens=8, temperature=0.8, top_p=0.9, top_k=50, seed=11)
+    prompts = varied_prompts(512, count=8, seed=9)
+    prompts = [p[:prompt_len] + [7] * (prompt_len - len(p[:prompt_len])) for p in prompts[:3]]
+    engine = Engine(tiny_llama, EngineConfig(page_size=ps, max_pages=64, max_seqs=12, max_seq_len=256,
+                                             debug_invariants=True))
+    requests = [Request(f"s{i}", tuple(p), sampling, generation_index=g) for i, p in enumerate(prompts)
+                for g in range(n)]
+    for r in requests:
+        assert engine.add_request(r) is None
+    assert len(engine.scheduler.waiting) == len(prompts)  # one queued sequence per prompt, siblings attached
+    results, saw_sharing = {}, False
+    while engine.has_unfinished:
+        for c in engine.step():
+            results[(c.prompt_id, c.generation_index)] = c
+        alloc = engine.runner.kv.allocator
+        for seq in engine.scheduler.running:
+            if seq.request.generation_index == 0 and len(seq.token_ids) == prompt_len + 1:
+                full = prompt_len // ps
+                assert [alloc.refcount(p) for p in seq.pages[:full]] == [n] * full  # full pages shared by all n
+                if prompt_len % ps:
+                    assert alloc.refcount(seq.pages[full]) == 1  # the partial last page was copied
+                saw_sharing = True
+    assert saw_sharing
+    samples = {g: results[("s0", g)].token_ids for g in range(n)}
+    assert len({tuple(t) for t in samples.values()}) > 1, "different generation indices draw different streams"
+    for r in requests:
+        alone = Engine(tiny_llama, EngineConfig(page_size=ps, max_pages=64, max_seq_len=256)).generate([r])[0]
+        assert results[(r.prompt_id, r.generation_index)].token_ids == alone.token_ids, (r.prompt_id, r.generation_index)
