@@ -1,0 +1,39 @@
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from engine.config import EngineConfig, SamplingConfig
+from orchestrator.corpus import CorpusConfig, Shard
+from orchestrator.model_source import ModelSourceConfig
+from orchestrator.packing import PackingConfig, PackingLimits
+from orchestrator.tokenize import PromptTokenizer
+
+
+def stage(model, max_new_tokens=16, max_seq_len=64, max_pages=1024):
+    limits = PackingLimits.resolve(PackingConfig(), EngineConfig(max_pages=max_pages), SamplingConfig(max_new_tokens=max_new_tokens))
+    return PromptTokenizer(ModelSourceConfig(path=model), CorpusConfig(), limits, max_seq_len)
+
+
+def test_text_and_chat_rows_match_transformers(tiny_model, tmp_path):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "write a poem about the sea"}]
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"id": "t", "prompt": "hello world"}) + "\n" + json.dumps({"id": "c", "messages": messages}) + "\n")
+    table = stage(tiny_model, max_seq_len=256).tokenize_shard(Shard(str(path), "jsonl", 0, path.stat().st_size)).to_pylist()
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    assert table[0]["token_ids"] == tok("hello world")["input_ids"]
+    assert table[0]["token_ids"][0] == tok.bos_token_id
+    expected = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert table[1]["token_ids"] == list(expected)
+    assert [r["num_tokens"] for r in table] == [len(r["token_ids"]) for r in table]
+    assert [r["prompt_id"] for r in table] == ["t", "c"] and table[1]["reason"] is None
+
+
+def test_too_long_and_over_budget_are_rejected_with_the_fix(tiny_model, tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"prompt": "the quick brown fox " * 20}) + "\n")
+    shard = Shard(str(path), "jsonl", 0, path.stat().st_size)
+    (row,) = stage(tiny_model, max_seq_len=64).tokenize_shard(shard).to_pylist()
+    assert row["reason"] == "too_long" and "engine.max_seq_len" in row["detail"] and row["token_ids"] == []
+    (row,) = stage(tiny_model, max_seq_len=4096, max_pages=2).tokenize_shard(shard).to_pylist()
+    assert row["reason"] == "exceeds_budget" and "page_budget" in row["detail"]
