@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +32,8 @@ from orchestrator.report import PlanStats
 from orchestrator.rundir import RunDir, check_same_plan, config_hash, versions
 from orchestrator.atomic import atomic_write_parquet, atomic_write_text
 from orchestrator.tokenize import PromptTokenizer, shard_item
+
+log = logging.getLogger(__name__)
 
 SUMMARY_COLUMNS = ["row", "prompt_id", "num_tokens", "reason", "detail", "file", "line"]
 BATCH_SCHEMA = pa.schema([("prompt_id", pa.string()), ("row", pa.int64()), ("token_ids", pa.list_(pa.int32()))])
@@ -88,21 +93,31 @@ def _plan_into(cfg: RunConfig, run_dir: RunDir, files: list[str]) -> tuple[PlanS
         shutil.rmtree(run_dir.batches)
     run_dir.batches.mkdir(parents=True)
 
+    clock = time.perf_counter()
+
+    def phase(name: str) -> None:
+        nonlocal clock
+        log.info("plan: %s took %.2f s", name, time.perf_counter() - clock)
+        clock = time.perf_counter()
+
     shards = split_shards(files, cfg.corpus.shard_bytes)
     count = ray.remote(num_cpus=1)(count_rows)
     shards = number_shards(shards, ray.get([count.remote(s) for s in shards]))
+    phase(f"counting rows of {len(shards)} shards")
     workers = max(1, min(len(shards), int(ray.available_resources().get("CPU", 1))))
     tokenized = ray.data.from_items([shard_item(s) for s in shards], override_num_blocks=len(shards)).map_batches(
         PromptTokenizer, fn_constructor_args=(cfg.model, cfg.corpus, limits, context),
         batch_size=1, compute=ray.data.ActorPoolStrategy(size=workers), batch_format="numpy",
     ).materialize()
 
+    phase("tokenizing")
     summary = _summaries(tokenized)
     summary = _reject_duplicates(summary)
     accepted = summary.filter(pc.is_null(summary["reason"]))
     rejected = summary.filter(pc.is_valid(summary["reason"]))
     _write_rejected(run_dir, rejected)
     lengths = accepted["num_tokens"].to_numpy().astype(np.int64)
+    phase("collecting summaries and rejections")
     packing = pack(lengths, limits)
     num_batches = packing.num_batches
 
@@ -112,11 +127,13 @@ def _plan_into(cfg: RunConfig, run_dir: RunDir, files: list[str]) -> tuple[PlanS
     position_of_row = np.zeros(num_rows, dtype=np.int32)
     batch_of_row[rows] = packing.batch_of_item()
     position_of_row[rows[packing.order]] = np.arange(len(packing.order), dtype=np.int32)
+    phase(f"packing into {packing.num_batches} batches")
     # Hash partitions of about 32 MiB of token ids each, at least one per worker.
     partitions = max(workers, min(256, int(lengths.sum()) * 4 // 2**25))
     _write_batch_files(tokenized, ray.put((batch_of_row, position_of_row)), str(run_dir.batches), num_batches,
                        min(partitions, max(1, num_batches)))
 
+    phase(f"writing {num_batches} batch files")
     records = [
         BatchRecord(batch_id(b, num_batches), num_prompts=int(packing.offsets[b + 1] - packing.offsets[b]),
                     num_prompt_tokens=int(packing.num_prompt_tokens[b]), num_pages=int(packing.num_pages[b]))
@@ -177,7 +194,7 @@ def _write_batch_files(tokenized, assignment_ref, batches_dir: str, num_batches:
         group = group.sort_by("position")
         index = int(group["batch"][0].as_py())
         path = f"{batches_dir}/{batch_id(index, num_batches)}.parquet"
-        atomic_write_parquet(path, group.select(BATCH_SCHEMA.names).cast(BATCH_SCHEMA))
+        atomic_write_parquet(path, group.select(BATCH_SCHEMA.names).cast(BATCH_SCHEMA), fsync=False)
         return pa.table({"batch": [index], "num_prompts": [group.num_rows]})
 
     written = tokenized.map_batches(assign, batch_format="pyarrow", batch_size=None) \
@@ -185,3 +202,4 @@ def _write_batch_files(tokenized, assignment_ref, batches_dir: str, num_batches:
     count = sum(t.num_rows for t in written.iter_batches(batch_format="pyarrow", batch_size=None))
     if count != num_batches:
         raise RuntimeError(f"internal error: wrote {count} batch files for {num_batches} batches")
+    os.sync()  # one durability barrier for every batch file, before the manifest refers to them

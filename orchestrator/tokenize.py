@@ -36,6 +36,15 @@ SCHEMA = pa.schema([
 ])
 
 
+def batch_encode(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    """`tokenizer(texts)["input_ids"]`, straight from the Rust backend when there is one (same ids,
+    without building Python encodings; tests check the two agree)."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if getattr(tokenizer, "is_fast", False) and backend is not None:
+        return [e.ids for e in backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
+    return tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
+
+
 def shard_item(shard: Shard) -> dict[str, str]:
     return {"shard": json.dumps(asdict(shard))}
 
@@ -55,8 +64,7 @@ class PromptTokenizer:
                  for i, p in enumerate(prompts) if p.messages is not None]
         for group, special in ((texts, True), (chats, False)):
             if group:
-                encoded = self.tokenizer([t for _, t in group], add_special_tokens=special)["input_ids"]
-                for (i, _), tokens in zip(group, encoded):
+                for (i, _), tokens in zip(group, batch_encode(self.tokenizer, [t for _, t in group], special)):
                     ids[i] = tokens
         return ids  # type: ignore[return-value]
 
