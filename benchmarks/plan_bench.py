@@ -118,8 +118,12 @@ def main() -> int:
         write_corpus(corpus, args.num_prompts)
         print(f"wrote {corpus} ({corpus.stat().st_size / 2**20:,.0f} MiB) in {time.perf_counter() - t:.0f} s", flush=True)
 
+    import logging
+
     import ray
 
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("orchestrator.planner").setLevel(logging.INFO)  # phase timings
     from orchestrator.config import load_run_config
     from orchestrator.planner import plan
 

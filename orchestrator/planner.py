@@ -76,6 +76,9 @@ def plan(cfg: RunConfig) -> PlanResult:
             "plan": stats.to_json(),
         })
         write_manifest(run_dir.manifest, records)
+        with open(run_dir.events, "a", encoding="utf-8") as events:
+            events.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} planned {stats.num_batches} batches: "
+                         f"{stats.accepted} prompts accepted, {stats.rows_read - stats.accepted} rejected\n")
     return PlanResult(run_dir.root, stats, False)
 
 

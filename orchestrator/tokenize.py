@@ -31,8 +31,8 @@ SCHEMA = pa.schema([
     ("token_ids", pa.list_(pa.int32())),
     ("reason", pa.string()),  # null when accepted
     ("detail", pa.string()),
-    ("file", pa.string()),
-    ("line", pa.int64()),  # 1-based line of a JSON-lines file, else null
+    ("file", pa.string()),  # rejected rows only
+    ("line", pa.int64()),  # rejected rows only: 1-based line of a JSON-lines file
 ])
 
 
@@ -108,6 +108,7 @@ class PromptTokenizer:
             pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, pa.int32())),
             pa.array(reasons, pa.string()),
             pa.array(details, pa.string()),
-            pa.array([r.file for r in raw_rows], pa.string()),
-            pa.array([r.line for r in raw_rows], pa.int64()),
+            # Where a row came from matters only for rejections; nulls keep the head's summaries small.
+            pa.array([r.file if reason else None for r, reason in zip(raw_rows, reasons)], pa.string()),
+            pa.array([r.line if reason else None for r, reason in zip(raw_rows, reasons)], pa.int64()),
         ], schema=SCHEMA)

@@ -1,10 +1,13 @@
 import json
 
+import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from engine.config import EngineConfig, SamplingConfig
-from orchestrator.corpus import CorpusConfig, Shard
+from orchestrator.corpus import CorpusConfig, Shard, count_rows, number_shards, split_shards
 from orchestrator.model_source import ModelSourceConfig
 from orchestrator.packing import PackingConfig, PackingLimits
 from orchestrator.tokenize import PromptTokenizer
@@ -37,3 +40,25 @@ def test_too_long_and_over_budget_are_rejected_with_the_fix(tiny_model, tmp_path
     assert row["reason"] == "too_long" and "engine.max_seq_len" in row["detail"] and row["token_ids"] == []
     (row,) = stage(tiny_model, max_seq_len=4096, max_pages=2).tokenize_shard(shard).to_pylist()
     assert row["reason"] == "exceeds_budget" and "page_budget" in row["detail"]
+
+
+LINES = [b'{"prompt": "hello world"}', b'{"id": "z", "messages": [{"role": "user", "content": "the sea"}]}', b"{broken",
+         b'{"prompt": ""}', b'{"prompt": 3}', b'{"other": 1}', b'{"prompt": "\xff"}', b"", b"  ",
+         b'{"prompt": "' + b"fox " * 200 + b'"}']
+
+
+@settings(max_examples=25, deadline=None)
+@given(picks=st.lists(st.integers(0, len(LINES) - 1), max_size=40), shard_bytes=st.integers(1, 400))
+def test_every_line_is_one_row_with_one_outcome(tiny_model, tmp_path_factory, picks, shard_bytes):
+    path = tmp_path_factory.mktemp("c") / "c.jsonl"
+    path.write_bytes(b"\n".join(LINES[i] for i in picks))
+    shards = split_shards([str(path)], shard_bytes)
+    shards = number_shards(shards, [count_rows(s) for s in shards])
+    tokenizer = stage(tiny_model, max_seq_len=96)
+    table = pa.concat_tables([tokenizer.tokenize_shard(s) for s in shards]).to_pylist()
+    non_blank = [i for i in picks if LINES[i].strip()]
+    assert [r["row"] for r in table] == list(range(len(non_blank)))  # accepted + rejected = rows read
+    for r in table:
+        assert (r["reason"] is None) == (len(r["token_ids"]) == r["num_tokens"] > 0)
+        assert (r["reason"] is None) == (r["file"] is None)
+    assert [r["reason"] is None for r in table] == [i in (0, 1) for i in non_blank]
