@@ -44,6 +44,7 @@ class Shard:
     end: int = -1  # jsonl: byte end (exclusive); parquet: row group end; -1: to the end
     first_row: int = 0
     first_line: int = 1
+    file_index: int = 0  # position of `file` in the sorted corpus file list
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ def corpus_fingerprint(files: list[str]) -> str:
 def split_shards(files: list[str], shard_bytes: int) -> list[Shard]:
     """Cut files into shards of about `shard_bytes`; JSON-lines ranges end just after a newline."""
     shards: list[Shard] = []
-    for url in files:
+    for index, url in enumerate(files):
         fs, path = fsspec.core.url_to_fs(url)
         if url.endswith(".parquet"):
             import pyarrow.parquet as pq
@@ -119,12 +120,12 @@ def split_shards(files: list[str], shard_bytes: int) -> list[Shard]:
             for g in range(meta.num_row_groups):
                 size += meta.row_group(g).total_byte_size
                 if size >= shard_bytes or g == meta.num_row_groups - 1:
-                    shards.append(Shard(url, "parquet", start, g + 1))
+                    shards.append(Shard(url, "parquet", start, g + 1, file_index=index))
                     start, size = g + 1, 0
             if meta.num_row_groups == 0:
-                shards.append(Shard(url, "parquet", 0, 0))
+                shards.append(Shard(url, "parquet", 0, 0, file_index=index))
         elif url.endswith(".json"):
-            shards.append(Shard(url, "json"))
+            shards.append(Shard(url, "json", file_index=index))
         else:
             total = fs.size(path)
             cuts = [0]
@@ -136,7 +137,7 @@ def split_shards(files: list[str], shard_bytes: int) -> list[Shard]:
                         break
                     cuts.append(f.tell())
             cuts.append(total)
-            shards.extend(Shard(url, "jsonl", a, b) for a, b in zip(cuts, cuts[1:]))
+            shards.extend(Shard(url, "jsonl", a, b, file_index=index) for a, b in zip(cuts, cuts[1:]))
     return shards
 
 

@@ -35,7 +35,7 @@ from orchestrator.tokenize import PromptTokenizer, shard_item
 
 log = logging.getLogger(__name__)
 
-SUMMARY_COLUMNS = ["row", "prompt_id", "num_tokens", "reason", "detail", "file", "line"]
+SUMMARY_COLUMNS = ["row", "prompt_id", "num_tokens", "reason", "detail", "file_index", "line"]
 BATCH_SCHEMA = pa.schema([("prompt_id", pa.string()), ("row", pa.int64()), ("token_ids", pa.list_(pa.int32()))])
 
 
@@ -118,7 +118,7 @@ def _plan_into(cfg: RunConfig, run_dir: RunDir, files: list[str]) -> tuple[PlanS
     summary = _reject_duplicates(summary)
     accepted = summary.filter(pc.is_null(summary["reason"]))
     rejected = summary.filter(pc.is_valid(summary["reason"]))
-    _write_rejected(run_dir, rejected)
+    _write_rejected(run_dir, rejected, files)
     lengths = accepted["num_tokens"].to_numpy().astype(np.int64)
     phase("collecting summaries and rejections")
     packing = pack(lengths, limits)
@@ -171,9 +171,9 @@ def _reject_duplicates(summary: pa.Table) -> pa.Table:
         .set_column(summary.schema.get_field_index("detail"), "detail", pa.array(details, pa.string()))
 
 
-def _write_rejected(run_dir: RunDir, rejected: pa.Table) -> None:
+def _write_rejected(run_dir: RunDir, rejected: pa.Table, files: list[str]) -> None:
     lines = [json.dumps({"row": r["row"], "prompt_id": r["prompt_id"], "reason": r["reason"], "detail": r["detail"],
-                         "file": r["file"], "line": r["line"], "num_tokens": r["num_tokens"] or None})
+                         "file": files[r["file_index"]], "line": r["line"], "num_tokens": r["num_tokens"] or None})
              for r in rejected.to_pylist()]
     atomic_write_text(run_dir.rejected, "".join(line + "\n" for line in lines))
 

@@ -31,8 +31,8 @@ SCHEMA = pa.schema([
     ("token_ids", pa.list_(pa.int32())),
     ("reason", pa.string()),  # null when accepted
     ("detail", pa.string()),
-    ("file", pa.string()),  # rejected rows only
-    ("line", pa.int64()),  # rejected rows only: 1-based line of a JSON-lines file
+    ("file_index", pa.int32()),  # the row's file, as a position in the sorted corpus file list
+    ("line", pa.int64()),  # 1-based line of a JSON-lines file, else null
 ])
 
 
@@ -108,7 +108,6 @@ class PromptTokenizer:
             pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, pa.int32())),
             pa.array(reasons, pa.string()),
             pa.array(details, pa.string()),
-            # Where a row came from matters only for rejections; nulls keep the head's summaries small.
-            pa.array([r.file if reason else None for r, reason in zip(raw_rows, reasons)], pa.string()),
-            pa.array([r.line if reason else None for r, reason in zip(raw_rows, reasons)], pa.int64()),
+            pa.array(np.full(len(raw_rows), shard.file_index, dtype=np.int32)),  # an index keeps summaries small
+            pa.array([r.line for r in raw_rows], pa.int64()),
         ], schema=SCHEMA)

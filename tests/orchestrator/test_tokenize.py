@@ -60,5 +60,5 @@ def test_every_line_is_one_row_with_one_outcome(tiny_model, tmp_path_factory, pi
     assert [r["row"] for r in table] == list(range(len(non_blank)))  # accepted + rejected = rows read
     for r in table:
         assert (r["reason"] is None) == (len(r["token_ids"]) == r["num_tokens"] > 0)
-        assert (r["reason"] is None) == (r["file"] is None)
+        assert r["file_index"] == 0 and r["line"] >= r["row"] + 1
     assert [r["reason"] is None for r in table] == [i in (0, 1) for i in non_blank]
