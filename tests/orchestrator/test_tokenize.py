@@ -62,3 +62,16 @@ def test_every_line_is_one_row_with_one_outcome(tiny_model, tmp_path_factory, pi
         assert (r["reason"] is None) == (len(r["token_ids"]) == r["num_tokens"] > 0)
         assert r["file_index"] == 0 and r["line"] >= r["row"] + 1
     assert [r["reason"] is None for r in table] == [i in (0, 1) for i in non_blank]
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2"])
+def test_preset_tokenizers_render_chats_like_transformers(preset, tmp_path):
+    presets = pytest.importorskip("engine.presets")
+    model = str(presets.write_model(preset, tmp_path / preset))
+    messages = [{"role": "user", "content": "Write two sentences about the sea."}]
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"messages": messages}) + "\n" + json.dumps({"prompt": "hello world"}) + "\n")
+    rows = stage(model, max_seq_len=2048).tokenize_shard(Shard(str(path), "jsonl", 0, path.stat().st_size)).to_pylist()
+    tok = AutoTokenizer.from_pretrained(model)
+    assert rows[0]["token_ids"] == list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    assert rows[1]["token_ids"] == tok("hello world")["input_ids"]
