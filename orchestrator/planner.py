@@ -89,7 +89,9 @@ def _plan_into(cfg: RunConfig, run_dir: RunDir, files: list[str]) -> tuple[PlanS
     from orchestrator.cluster import ensure_ray
 
     ensure_ray(cfg.cluster)
-    DataContext.get_current().enable_progress_bars = False
+    data_context = DataContext.get_current()
+    data_context.enable_progress_bars = False  # the capacity report is the output; phases are logged
+    data_context.print_on_execution_start = False
     limits = PackingLimits.resolve(cfg.packing, cfg.engine, cfg.sampling)
     context = max_seq_len(cfg.model, cfg.engine)
     if run_dir.batches.exists():  # leftovers of an interrupted plan
