@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test bench
+.PHONY: demo test bench bench-plan
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -24,3 +24,6 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	JAX_PLATFORMS=cpu $(VENV)/bin/python benchmarks/step_bench.py
+
+bench-plan: $(STAMP)
+	JAX_PLATFORMS=cpu RAY_AUTH_MODE=disabled $(VENV)/bin/python benchmarks/plan_bench.py --num-prompts 1000000 --num-cpus 2

@@ -26,7 +26,31 @@ def _generate(argv: list[str]) -> int:
     return generate_main(argv)
 
 
+def _plan(argv: list[str]) -> int:
+    if not argv or argv[0].startswith("-"):
+        print("usage: pagefleet plan CONFIG.yaml [--section.key=value ...]", file=sys.stderr)
+        return 2
+    from orchestrator.config import ConfigError, load_run_config
+    from orchestrator.lock import RunDirLocked
+    from orchestrator.rundir import PlanMismatch
+
+    try:
+        cfg = load_run_config(argv[0], argv[1:])
+        from orchestrator.planner import plan
+
+        result = plan(cfg)
+    except (ConfigError, PlanMismatch, RunDirLocked, FileNotFoundError, ValueError) as e:
+        print(f"pagefleet plan: {e}", file=sys.stderr)
+        return 2
+    if result.already_planned:
+        print(f"{result.run_dir} is already planned with this config and corpus; nothing to do")
+    print(result.stats.format())
+    print(f"plan written to {result.run_dir}")
+    return 0
+
+
 COMMANDS = {
+    "plan": _plan,
     "init-model": _init_model,
     "generate": _generate,
 }

@@ -1,0 +1,161 @@
+"""Planning throughput: plan a synthetic corpus on this machine and compare with the tokenizer alone.
+
+    JAX_PLATFORMS=cpu RAY_AUTH_MODE=disabled python benchmarks/plan_bench.py --num-prompts 1000000 --num-cpus 2
+
+Prints prompts/s of `plan` (Ray already started; reading, tokenizing, packing and writing the run
+directory), the tokenizer's own batch-encode throughput on the same texts in a separate process
+(`tokenizer._tokenizer.encode_batch`, its Rust thread pool using every core; corpus parsing not timed), their ratio
+(goal >= 0.7), and the head process's peak RSS (goal < 4 GiB). --repeats N plans N times and
+reports medians (use it on small corpora).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+WORDS = ("the of and to in is was for on that with as by at from his her an which it are be this or had not but what all "
+         "were when we there can more if no out so said about up them some could him into its then two time like other "
+         "ocean river mountain engine compiler theorem garden library window planet winter summer signal lantern harbor "
+         "explain describe summarize translate write poem story proof function number question answer reason").split()
+
+
+def write_tokenizer(path: Path) -> None:
+    """A byte-level BPE tokenizer (4k vocab) with a chat template, and a config.json; no weights needed."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=4000, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator((" ".join(rng.choice(WORDS, 30)) for _ in range(2000)), trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.chat_template = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    fast.save_pretrained(str(path))
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 8192}))
+
+
+def write_corpus(path: Path, num_prompts: int, seed: int = 0) -> None:
+    """JSON lines with log-normal word counts (median ~40 words, long tail), one chat row in ten."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    words = np.array(WORDS)
+    with open(path, "w") as f:
+        for start in range(0, num_prompts, 10_000):
+            count = min(10_000, num_prompts - start)
+            lengths = np.clip(rng.lognormal(3.7, 0.8, count).astype(int), 1, 1500)
+            pool = words[rng.integers(0, len(words), int(lengths.sum()))]
+            cuts = np.concatenate([[0], np.cumsum(lengths)])
+            lines = []
+            for i in range(count):
+                text = " ".join(pool[cuts[i]:cuts[i + 1]])
+                row = start + i
+                if row % 10 == 9:
+                    lines.append(json.dumps({"id": f"r{row}", "messages": [{"role": "user", "content": text}]}))
+                else:
+                    lines.append(json.dumps({"id": f"r{row}", "prompt": text}))
+            f.write("\n".join(lines) + "\n")
+
+
+def baseline(model: str, corpus: str) -> dict:
+    """The tokenizer alone: batch-encode the same texts (chats rendered first, not timed)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    texts, chats = [], []
+    with open(corpus) as f:
+        for line in f:
+            row = json.loads(line)
+            if "prompt" in row:
+                texts.append(row["prompt"])
+            else:
+                chats.append(tok.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True))
+    start = time.perf_counter()
+    for group, special in ((texts, True), (chats, False)):
+        for i in range(0, len(group), 10_000):  # the Rust backend directly: the fastest way to encode
+            tok._tokenizer.encode_batch(group[i:i + 10_000], add_special_tokens=special)
+    elapsed = time.perf_counter() - start
+    return {"prompts": len(texts) + len(chats), "seconds": elapsed, "prompts_per_s": (len(texts) + len(chats)) / elapsed}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-prompts", type=int, default=1_000_000)
+    parser.add_argument("--num-cpus", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--workdir", default=None, help="where the corpus, tokenizer and run directories go (kept)")
+    parser.add_argument("--baseline", nargs=2, metavar=("MODEL", "CORPUS"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.baseline:
+        print(json.dumps(baseline(*args.baseline)))
+        return 0
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="plan_bench_"))
+    work.mkdir(parents=True, exist_ok=True)
+    model, corpus = work / "model", work / f"corpus-{args.num_prompts}.jsonl"
+    if not (model / "tokenizer.json").exists():
+        model.mkdir(exist_ok=True)
+        write_tokenizer(model)
+    if not corpus.exists():
+        t = time.perf_counter()
+        write_corpus(corpus, args.num_prompts)
+        print(f"wrote {corpus} ({corpus.stat().st_size / 2**20:,.0f} MiB) in {time.perf_counter() - t:.0f} s", flush=True)
+
+    import logging
+
+    import ray
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("orchestrator.planner").setLevel(logging.INFO)  # phase timings
+    from orchestrator.config import load_run_config
+    from orchestrator.planner import plan
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
+    times = []
+    for i in range(args.repeats):
+        run_dir = work / f"run-{i}"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        cfg = load_run_config(None, [f"--model.path={model}", f"--corpus.path={corpus}", f"--run_dir={run_dir}",
+                                     "--sampling.max_new_tokens=256", "--engine.max_pages=4096", "--engine.max_seqs=64",
+                                     "--engine.max_seqs_in_prefill=16", "--engine.max_prefill_size=1024"])
+        start = time.perf_counter()
+        result = plan(cfg)
+        times.append(time.perf_counter() - start)
+        print(f"plan {i}: {times[-1]:.1f} s", flush=True)
+    ray.shutdown()
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+    base = json.loads(subprocess.run([sys.executable, __file__, "--baseline", str(model), str(corpus)],
+                                     check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+    plan_s = statistics.median(times)
+    rate = result.stats.rows_read / plan_s
+    print(result.stats.format())
+    print(f"prompts:                   {result.stats.rows_read:,}")
+    print(f"plan time (median of {len(times)}):  {plan_s:.1f} s (Ray already started)")
+    print(f"plan throughput:           {rate:,.0f} prompts/s")
+    print(f"tokenizer batch-encode:    {base['prompts_per_s']:,.0f} prompts/s ({base['seconds']:.1f} s)")
+    print(f"ratio plan / tokenizer:    {rate / base['prompts_per_s']:.2f} (goal >= 0.7)")
+    print(f"head peak RSS:             {peak_rss / 2**30:.2f} GiB (goal < 4 GiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

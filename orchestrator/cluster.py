@@ -1,0 +1,39 @@
+"""Where the run executes: the Ray cluster and the slices in it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    num_slices: int = 1
+    """Accelerator slices (one actor, or one gang of host actors, each)."""
+    hosts_per_slice: int = 1
+    """Host processes per slice; more than one makes a multi-host slice."""
+    devices_per_host: int | None = None
+    """On CPU: how many XLA host devices each host process exposes; None keeps the default."""
+    mesh: dict[str, int] = field(default_factory=lambda: {"model": 1})
+    """Named mesh axes inside a slice; `model` is the tensor-parallel width, the rest is data parallel."""
+    local_num_cpus: int | None = None
+    """CPUs of the local Ray started in-process when there is no cluster (RAY_ADDRESS unset); None = all."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_slices", "hosts_per_slice"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"cluster.{name} must be at least 1, got {getattr(self, name)}")
+        if any(width < 1 for width in self.mesh.values()):
+            raise ValueError(f"cluster.mesh widths must be at least 1, got {self.mesh}")
+
+
+def ensure_ray(cluster: ClusterConfig) -> None:
+    """Connect to the cluster named by RAY_ADDRESS, or start a local Ray in this process."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+    else:
+        ray.init(num_cpus=cluster.local_num_cpus, include_dashboard=False, log_to_driver=False)

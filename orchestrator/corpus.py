@@ -1,0 +1,287 @@
+"""Reading the prompt corpus: files, shards, rows, and the fields that make a prompt.
+
+A corpus is a file, a directory (searched recursively) or a glob of `.jsonl`, `.json` and
+`.parquet` files, local or any fsspec URL; files are taken in sorted order, and rows are numbered
+0, 1, ... across them in that order (blank lines of JSON-lines files are not rows). A `.json` file
+holds a JSON array of objects, one object, or JSON lines. Files are split into shards (byte ranges
+cut at line ends, or groups of parquet row groups) that workers read in parallel.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import fsspec
+
+EXTENSIONS = (".jsonl", ".json", ".parquet")
+
+
+@dataclass(frozen=True)
+class CorpusConfig:
+    path: str = "data/prompts.jsonl"
+    """File, directory or glob of .jsonl / .json / .parquet files; local or an fsspec URL (gs://...)."""
+    id_field: str | None = "id"
+    """Field holding a stable prompt id (string or integer); rows without one get their row number."""
+    text_field: str | None = "prompt"
+    """Field holding a raw prompt (tokenized as is, with the tokenizer's default special tokens) ..."""
+    messages_field: str | None = "messages"
+    """... or a chat (list of {role, content}) rendered with the tokenizer's chat template."""
+    shard_bytes: int = 16 * 2**20
+    """Target bytes per shard read by one worker task (does not change the plan)."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A piece of one file read by one task; `first_row`/`first_line` are set after counting."""
+
+    file: str  # full URL or local path
+    kind: str  # "jsonl" | "json" | "parquet"
+    start: int = 0  # jsonl: byte offset; parquet: first row group
+    end: int = -1  # jsonl: byte end (exclusive); parquet: row group end; -1: to the end
+    first_row: int = 0
+    first_line: int = 1
+    file_index: int = 0  # position of `file` in the sorted corpus file list
+
+
+@dataclass(frozen=True)
+class RawRow:
+    row: int
+    """Row number in corpus order."""
+    file: str
+    line: int | None
+    """1-based line in the file (JSON lines only)."""
+    record: Any = None
+    """The decoded row (a dict when well formed)."""
+    reason: str | None = None
+    detail: str | None = None
+
+
+@dataclass(frozen=True)
+class Prompt:
+    prompt_id: str
+    text: str | None = None
+    messages: list[dict] | None = None
+
+
+@dataclass(frozen=True)
+class Rejection:
+    reason: str
+    detail: str
+
+
+def list_files(path: str) -> list[str]:
+    """The corpus files, sorted; an error names the path when there are none."""
+    fs, root = fsspec.core.url_to_fs(path)
+    if fs.isdir(root):
+        found = [p for p in fs.find(root) if p.endswith(EXTENSIONS)]
+    elif any(ch in root for ch in "*?["):
+        found = [p for p in fs.glob(root) if p.endswith(EXTENSIONS) and not fs.isdir(p)]
+    elif fs.exists(root):
+        if not root.endswith(EXTENSIONS):
+            raise ValueError(f"corpus.path {path!r}: unsupported file type; use one of {', '.join(EXTENSIONS)}")
+        found = [root]
+    else:
+        raise FileNotFoundError(f"corpus.path {path!r} does not exist; pass --corpus.path=FILE|DIR|GLOB")
+    if not found:
+        raise FileNotFoundError(f"corpus.path {path!r} holds no {'/'.join(EXTENSIONS)} files")
+    return sorted(fs.unstrip_protocol(p) if fs.protocol not in ("file", ("file", "local")) else p for p in found)
+
+
+def corpus_fingerprint(files: list[str]) -> str:
+    """sha256 over each file's name, size and modification time.
+
+    Metadata rather than content: resuming must check the corpus without reading it again (it may
+    be terabytes); size plus mtime (or the object store's update time) catches edits in place.
+    """
+    digest = hashlib.sha256()
+    for url in files:
+        fs, path = fsspec.core.url_to_fs(url)
+        info = fs.info(path)
+        mtime = info.get("mtime") or info.get("updated") or info.get("LastModified") or info.get("created")
+        digest.update(json.dumps([url, info.get("size"), str(mtime)]).encode())
+    return digest.hexdigest()
+
+
+def split_shards(files: list[str], shard_bytes: int) -> list[Shard]:
+    """Cut files into shards of about `shard_bytes`; JSON-lines ranges end just after a newline."""
+    shards: list[Shard] = []
+    for index, url in enumerate(files):
+        fs, path = fsspec.core.url_to_fs(url)
+        if url.endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            with fs.open(path, "rb") as f:
+                meta = pq.ParquetFile(f).metadata
+            start, size = 0, 0
+            for g in range(meta.num_row_groups):
+                size += meta.row_group(g).total_byte_size
+                if size >= shard_bytes or g == meta.num_row_groups - 1:
+                    shards.append(Shard(url, "parquet", start, g + 1, file_index=index))
+                    start, size = g + 1, 0
+            if meta.num_row_groups == 0:
+                shards.append(Shard(url, "parquet", 0, 0, file_index=index))
+        elif url.endswith(".json"):
+            shards.append(Shard(url, "json", file_index=index))
+        else:
+            total = fs.size(path)
+            cuts = [0]
+            with fs.open(path, "rb") as f:
+                while cuts[-1] + shard_bytes < total:
+                    f.seek(cuts[-1] + shard_bytes)
+                    f.readline()  # move to just after the next newline
+                    if f.tell() >= total:
+                        break
+                    cuts.append(f.tell())
+            cuts.append(total)
+            shards.extend(Shard(url, "jsonl", a, b, file_index=index) for a, b in zip(cuts, cuts[1:]))
+    return shards
+
+
+def _read_bytes(shard: Shard) -> bytes:
+    fs, path = fsspec.core.url_to_fs(shard.file)
+    with fs.open(path, "rb") as f:
+        if shard.kind == "jsonl":
+            f.seek(shard.start)
+            return f.read(shard.end - shard.start)
+        return f.read()
+
+
+def _json_document(data: bytes) -> list | None:
+    """A .json file's rows when it is one JSON document, None when it is JSON lines."""
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return doc if isinstance(doc, list) else [doc]
+
+
+def count_rows(shard: Shard) -> tuple[int, int]:
+    """(rows, lines) in a shard; lines counts every newline-separated line (JSON lines only)."""
+    if shard.kind == "parquet":
+        import pyarrow.parquet as pq
+
+        fs, path = fsspec.core.url_to_fs(shard.file)
+        with fs.open(path, "rb") as f:
+            meta = pq.ParquetFile(f).metadata
+        return sum(meta.row_group(g).num_rows for g in range(shard.start, shard.end)), 0
+    data = _read_bytes(shard)
+    if shard.kind == "json" and (doc := _json_document(data)) is not None:
+        return len(doc), 0
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    return sum(1 for line in lines if line.strip()), len(lines)
+
+
+def read_rows(shard: Shard) -> Iterator[RawRow]:
+    """The shard's rows in order, numbered from `shard.first_row`; bad rows carry a reason."""
+    row = shard.first_row
+    if shard.kind == "parquet":
+        import pyarrow.parquet as pq
+
+        fs, path = fsspec.core.url_to_fs(shard.file)
+        with fs.open(path, "rb") as f:
+            pf = pq.ParquetFile(f)
+            for g in range(shard.start, shard.end):
+                for record in pf.read_row_group(g).to_pylist():
+                    yield RawRow(row, shard.file, None, record)
+                    row += 1
+        return
+    data = _read_bytes(shard)
+    if shard.kind == "json" and (doc := _json_document(data)) is not None:
+        for record in doc:
+            if isinstance(record, dict):
+                yield RawRow(row, shard.file, None, record)
+            else:
+                yield RawRow(row, shard.file, None, None, "malformed_row", f"row is a JSON {type(record).__name__}, not an object")
+            row += 1
+        return
+    for offset, raw in enumerate(data.split(b"\n")):
+        if not raw.strip():
+            continue
+        line = shard.first_line + offset
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            yield RawRow(row, shard.file, line, None, "undecodable", f"line is not UTF-8: {e.reason} at byte {e.start}")
+        else:
+            try:
+                record = json.loads(text)
+            except ValueError as e:
+                yield RawRow(row, shard.file, line, None, "malformed_row", f"not valid JSON: {e}")
+            else:
+                if isinstance(record, dict):
+                    yield RawRow(row, shard.file, line, record)
+                else:
+                    yield RawRow(row, shard.file, line, None, "malformed_row",
+                                 f"row is a JSON {type(record).__name__}, not an object")
+        row += 1
+
+
+def number_shards(shards: list[Shard], counts: list[tuple[int, int]]) -> list[Shard]:
+    """Give each shard its first row (corpus-wide) and first line (within its file)."""
+    out, row, line, last_file = [], 0, 1, None
+    for shard, (rows, lines) in zip(shards, counts):
+        if shard.file != last_file:
+            line, last_file = 1, shard.file
+        out.append(replace(shard, first_row=row, first_line=line))
+        row += rows
+        line += lines
+    return out
+
+
+def _text(value: Any, what: str) -> str | Rejection:
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return Rejection("undecodable", f"{what} is not UTF-8: {e.reason} at byte {e.start}")
+    if not isinstance(value, str):
+        return Rejection("wrong_type", f"{what} is a {type(value).__name__}, not a string")
+    return value
+
+
+def extract_prompt(raw: RawRow, config: CorpusConfig) -> Prompt | Rejection:
+    """The prompt a well-formed row holds, or why the row cannot be used."""
+    if raw.reason is not None:
+        return Rejection(raw.reason, raw.detail or "")
+    record = raw.record
+    prompt_id: str = str(raw.row)
+    if config.id_field and record.get(config.id_field) is not None:
+        value = record[config.id_field]
+        if isinstance(value, bool) or not isinstance(value, (str, int)):
+            return Rejection("wrong_type", f"field {config.id_field!r} is a {type(value).__name__}, not a string or integer")
+        prompt_id = str(value)
+    has_messages = bool(config.messages_field) and record.get(config.messages_field) is not None
+    has_text = bool(config.text_field) and record.get(config.text_field) is not None
+    if has_messages and has_text:
+        return Rejection("malformed_row", f"row has both {config.text_field!r} and {config.messages_field!r}")
+    if has_text:
+        text = _text(record[config.text_field], f"field {config.text_field!r}")
+        if isinstance(text, Rejection):
+            return text
+        if not text.strip():
+            return Rejection("empty_prompt", f"field {config.text_field!r} is empty")
+        return Prompt(prompt_id, text=text)
+    if has_messages:
+        messages = record[config.messages_field]
+        if not isinstance(messages, list):
+            return Rejection("wrong_type", f"field {config.messages_field!r} is a {type(messages).__name__}, not a list")
+        if not messages:
+            return Rejection("empty_prompt", f"field {config.messages_field!r} is an empty list")
+        clean = []
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or "role" not in message or "content" not in message:
+                return Rejection("wrong_type", f"message {i} is not an object with 'role' and 'content'")
+            role, content = _text(message["role"], f"message {i} role"), _text(message["content"], f"message {i} content")
+            for part in (role, content):
+                if isinstance(part, Rejection):
+                    return part
+            clean.append({"role": role, "content": content})
+        return Prompt(prompt_id, messages=clean)
+    fields = " or ".join(repr(f) for f in (config.text_field, config.messages_field) if f)
+    return Rejection("missing_field", f"row has no {fields} field")

@@ -1,0 +1,44 @@
+"""One head per run directory: an exclusive `flock` on RUN_DIR/.lock, released by the OS on exit."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+
+class RunDirLocked(RuntimeError):
+    """Another head holds the run directory."""
+
+
+class RunLock:
+    """Context manager holding RUN_DIR/.lock; the file names the holder (pid, host, since)."""
+
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir) / ".lock"
+        self._fd: int | None = None
+
+    def __enter__(self) -> RunLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "an unknown process"
+            os.close(fd)
+            raise RunDirLocked(f"run directory {self.path.parent} is in use by {holder}; wait for that head to "
+                               "finish or stop it (the lock is released when it exits)") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode(), 0)
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is not None:
+            os.ftruncate(self._fd, 0)
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None

@@ -1,0 +1,45 @@
+"""The manifest, `batches.jsonl`: one record per batch, the resume point; the head is its only writer."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+from orchestrator.atomic import atomic_write_text
+
+Status = Literal["pending", "running", "done", "failed"]
+
+
+@dataclass(frozen=True)
+class BatchRecord:
+    batch_id: str
+    status: Status = "pending"
+    num_prompts: int = 0
+    num_prompt_tokens: int = 0
+    num_pages: int = 0
+    """KV pages reserved for the batch (worst case, every sample at full length)."""
+    attempts: int = 0
+    error: str | None = None
+    slice: str | None = None
+    """Who ran it last."""
+    started_at: float | None = None
+    finished_at: float | None = None
+    output: str | None = None
+    """outputs/<id>.parquet relative to the run directory, once done."""
+
+
+def batch_id(index: int, num_batches: int) -> str:
+    """Zero-padded so ids sort in batch order: b000000, b000001, ..."""
+    return f"b{index:0{max(6, len(str(max(num_batches - 1, 0))))}d}"
+
+
+def write_manifest(path: str | Path, records: list[BatchRecord]) -> None:
+    """Replace the manifest atomically."""
+    atomic_write_text(path, "".join(json.dumps(asdict(r)) + "\n" for r in records))
+
+
+def read_manifest(path: str | Path) -> list[BatchRecord]:
+    with open(path, encoding="utf-8") as f:
+        return [BatchRecord(**json.loads(line)) for line in f if line.strip()]

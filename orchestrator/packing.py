@@ -1,0 +1,204 @@
+"""Packing accepted prompts into batches: pure functions on token counts, no I/O.
+
+A *batch* is the unit of work handed to one slice: the engine admits all of its sequences
+together, so a batch must fit the engine at once, with no preemption, in the worst case where
+every sample runs to `max_new_tokens`. Four budgets bound a batch:
+
+- **pages** (`packing.page_budget`, default `engine.max_pages`): the KV pages all its sequences
+  hold at full length. A prompt of `L` tokens with `n` samples and `M` new tokens needs
+  `floor(L / page_size) + n * (ceil((L + M) / page_size) - floor(L / page_size))` pages: the
+  `n` samples share the prompt's full pages and each owns the rest (`page_need`).
+- **sequences** (`engine.max_seqs`): samples decoded at once, `n` per prompt.
+- **prefill tokens** (`packing.prefill_budget`, default `engine.max_prefill_size`, in tokens per
+  engine step): the batch's prompts must be prefilled within `packing.max_prefill_steps` steps, so
+  its prompt tokens (counted once per prompt; samples share the prefill) are at most
+  `prefill_budget * max_prefill_steps`. This bounds a batch's time to first token instead of
+  forcing a whole batch into one step (which would make batches of a handful of prompts).
+- **prompts in prefill** (`engine.max_seqs_in_prefill` prompts per step): likewise at most
+  `max_seqs_in_prefill * max_prefill_steps` prompts per batch.
+
+Greedy, longest first: prompts are sorted by token count (descending, ties by corpus order).
+Each new batch starts with the longest remaining prompt and then takes, one at a time, either the
+next longest or the shortest remaining prompt, whichever keeps the batch's use of the "size"
+budgets (pages, prompt tokens) and of the "count" budgets (sequences, prompts) in the same
+proportion as the remaining work; a batch closes when neither fits. Mixing long and short
+prompts this way fills every budget that binds globally, so the number of batches stays close to
+the lower bound (`lower_bound`). The result depends only on the token counts and the limits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.config import EngineConfig, SamplingConfig
+
+
+@dataclass(frozen=True)
+class PackingConfig:
+    page_budget: int | None = None
+    """KV pages one batch may hold at once; defaults to engine.max_pages."""
+    prefill_budget: int | None = None
+    """Prompt tokens prefilled per engine step; defaults to engine.max_prefill_size."""
+    max_prefill_steps: int = 16
+    """Engine steps within which a batch's prompts must be prefilled (bounds prompt tokens and
+    prompts per batch together with prefill_budget and engine.max_seqs_in_prefill)."""
+
+    def __post_init__(self) -> None:
+        for name in ("page_budget", "prefill_budget", "max_prefill_steps"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"packing.{name} must be at least 1, got {value}")
+
+
+@dataclass(frozen=True)
+class PackingLimits:
+    """The resolved per-batch budgets and the per-prompt quantities they are measured in."""
+
+    page_size: int
+    """Tokens per KV page."""
+    max_new_tokens: int
+    """Most tokens generated per sample."""
+    n: int
+    """Samples per prompt."""
+    max_pages: int
+    """KV pages per batch."""
+    max_prompt_tokens: int
+    """Prompt tokens per batch (prefill budget times prefill steps)."""
+    max_seqs: int
+    """Samples per batch."""
+    max_prompts: int
+    """Prompts per batch (max_seqs_in_prefill times prefill steps, and max_seqs // n)."""
+
+    @classmethod
+    def resolve(cls, packing: PackingConfig, engine: EngineConfig, sampling: SamplingConfig) -> PackingLimits:
+        if sampling.n > engine.max_seqs:
+            raise ValueError(
+                f"sampling.n ({sampling.n}) exceeds engine.max_seqs ({engine.max_seqs}): one prompt's samples "
+                "must decode together; raise engine.max_seqs or lower sampling.n"
+            )
+        prefill = packing.prefill_budget or engine.max_prefill_size
+        return cls(
+            page_size=engine.page_size,
+            max_new_tokens=sampling.max_new_tokens,
+            n=sampling.n,
+            max_pages=packing.page_budget or engine.max_pages,
+            max_prompt_tokens=prefill * packing.max_prefill_steps,
+            max_seqs=engine.max_seqs,
+            max_prompts=min(engine.max_seqs_in_prefill * packing.max_prefill_steps, engine.max_seqs // sampling.n),
+        )
+
+    def page_need(self, num_tokens: np.ndarray | int) -> np.ndarray | int:
+        """Exact KV pages for one prompt of `num_tokens` tokens and its `n` samples at full length."""
+        shared = num_tokens // self.page_size
+        per_sample = -(-(num_tokens + self.max_new_tokens) // self.page_size) - shared
+        return shared + self.n * per_sample
+
+    def why_unfit(self, num_tokens: int) -> str | None:
+        """Why a single prompt can never fit a batch, or None when it can."""
+        pages = int(self.page_need(num_tokens))
+        if pages > self.max_pages:
+            return (f"needs {pages} KV pages with {self.n} sample(s) of {self.max_new_tokens} new tokens; a batch "
+                    f"holds {self.max_pages} (packing.page_budget / engine.max_pages)")
+        if num_tokens > self.max_prompt_tokens:
+            return (f"has {num_tokens} prompt tokens; a batch prefills at most {self.max_prompt_tokens} "
+                    "(packing.prefill_budget * packing.max_prefill_steps)")
+        return None
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Batches as slices of `order`: batch b holds items `order[offsets[b]:offsets[b + 1]]`."""
+
+    order: np.ndarray  # i64[items]: item indices (positions in the input), batch by batch, longest first
+    offsets: np.ndarray  # i64[batches + 1]
+    num_pages: np.ndarray  # i64[batches]
+    num_prompt_tokens: np.ndarray  # i64[batches]
+
+    @property
+    def num_batches(self) -> int:
+        return len(self.offsets) - 1
+
+    def batch(self, b: int) -> np.ndarray:
+        return self.order[self.offsets[b]:self.offsets[b + 1]]
+
+    def batch_of_item(self) -> np.ndarray:
+        """i32[items]: the batch index of every item."""
+        out = np.empty(len(self.order), dtype=np.int32)
+        out[self.order] = np.repeat(np.arange(self.num_batches, dtype=np.int32), np.diff(self.offsets))
+        return out
+
+
+def lower_bound(num_tokens: np.ndarray, limits: PackingLimits) -> int:
+    """No packing can use fewer batches: the largest of the page, prefill and sequence-count bounds."""
+    num_tokens = np.asarray(num_tokens, dtype=np.int64)
+    if len(num_tokens) == 0:
+        return 0
+    count = len(num_tokens)
+    return max(
+        math.ceil(int(limits.page_need(num_tokens).sum()) / limits.max_pages),
+        math.ceil(int(num_tokens.sum()) / limits.max_prompt_tokens),
+        math.ceil(count * limits.n / limits.max_seqs),
+        math.ceil(count / limits.max_prompts),
+    )
+
+
+def pack(num_tokens: np.ndarray, limits: PackingLimits) -> Packing:
+    """Pack items (prompt token counts, in corpus order) into batches; every item must fit alone."""
+    tokens = np.asarray(num_tokens, dtype=np.int64)
+    order = np.argsort(-tokens, kind="stable")  # longest first, ties in corpus order
+    size_t = tokens[order]
+    pages = np.asarray(limits.page_need(size_t), dtype=np.int64)
+    if len(order) and (reason := limits.why_unfit(int(size_t[0]))) is not None:  # page need grows with length
+        raise ValueError(f"item {int(order[0])} cannot fit any batch: it {reason}")
+    cum_pages = np.concatenate([[0], np.cumsum(pages)]).tolist()
+    cum_tokens = np.concatenate([[0], np.cumsum(size_t)]).tolist()
+    pages_l, tokens_l = pages.tolist(), size_t.tolist()
+    n, cap_p, cap_t, cap_s, cap_q = limits.n, limits.max_pages, limits.max_prompt_tokens, limits.max_seqs, limits.max_prompts
+    cap_count = min(cap_s // n, cap_q)  # prompts per batch allowed by the two count budgets
+
+    chunks: list[tuple[int, int, int, int]] = []  # per batch: front [lo0, lo1), back [hi1, hi0)
+    batch_pages: list[int] = []
+    batch_tokens: list[int] = []
+    lo, hi = 0, len(order)  # remaining items: sorted positions [lo, hi)
+    while lo < hi:
+        rem_p, rem_t, rem_c = cum_pages[hi] - cum_pages[lo], cum_tokens[hi] - cum_tokens[lo], hi - lo
+        remaining_batches = max(1.0, rem_p / cap_p, rem_t / cap_t, rem_c * n / cap_s, rem_c / cap_q)
+        # Targets: this batch's fair share of the remaining work in each budget.
+        tgt_p, tgt_t, tgt_c = rem_p / remaining_batches, rem_t / remaining_batches, rem_c / remaining_batches
+        start_lo, start_hi = lo, hi
+        used_p = used_t = used_c = 0
+        while lo < hi and used_c < cap_count:
+            size_frac = max(used_p / tgt_p, used_t / tgt_t)
+            count_frac = used_c / tgt_c
+            sides = (lo, hi - 1) if size_frac <= count_frac else (hi - 1, lo)
+            for i in sides:
+                if used_p + pages_l[i] <= cap_p and used_t + tokens_l[i] <= cap_t:
+                    break
+            else:
+                break
+            used_p += pages_l[i]
+            used_t += tokens_l[i]
+            used_c += 1
+            if i == lo:
+                lo += 1
+            else:
+                hi -= 1
+        chunks.append((start_lo, lo, hi, start_hi))
+        batch_pages.append(used_p)
+        batch_tokens.append(used_t)
+
+    pieces = []
+    offsets = [0]
+    for lo0, lo1, hi1, hi0 in chunks:
+        pieces.append(order[lo0:lo1])
+        pieces.append(order[hi1:hi0])
+        offsets.append(offsets[-1] + (lo1 - lo0) + (hi0 - hi1))
+    return Packing(
+        order=np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64),
+        offsets=np.asarray(offsets, dtype=np.int64),
+        num_pages=np.asarray(batch_pages, dtype=np.int64),
+        num_prompt_tokens=np.asarray(batch_tokens, dtype=np.int64),
+    )

@@ -1,0 +1,210 @@
+"""Planning a run: read and tokenize the corpus on Ray, pack, and write the run directory.
+
+Streaming: Ray Data tokenizes shard by shard into the object store (spilling to disk when large);
+the head only pulls per-row summaries (row, id, token count, reason), packs them, and Ray workers
+then group the token ids by batch and write one parquet file per batch. The head never holds the
+token ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from orchestrator.config import RunConfig
+from orchestrator.corpus import corpus_fingerprint, count_rows, list_files, number_shards, split_shards
+from orchestrator.lock import RunLock
+from orchestrator.manifest import BatchRecord, batch_id, write_manifest
+from orchestrator.model_source import max_seq_len, model_fingerprint, tokenizer_fingerprint
+from orchestrator.packing import PackingLimits, lower_bound, pack
+from orchestrator.report import PlanStats
+from orchestrator.rundir import RunDir, check_same_plan, config_hash, versions
+from orchestrator.atomic import atomic_write_parquet, atomic_write_text
+from orchestrator.tokenize import PromptTokenizer, shard_item
+
+log = logging.getLogger(__name__)
+
+SUMMARY_COLUMNS = ["row", "prompt_id", "num_tokens", "reason", "detail", "file_index", "line"]
+BATCH_SCHEMA = pa.schema([("prompt_id", pa.string()), ("row", pa.int64()), ("token_ids", pa.list_(pa.int32()))])
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    run_dir: Path
+    stats: PlanStats
+    already_planned: bool
+
+
+def fingerprints(cfg: RunConfig, files: list[str]) -> dict[str, str]:
+    return {
+        "config": config_hash(cfg.sample_affecting()),
+        "corpus": corpus_fingerprint(files),
+        "tokenizer": tokenizer_fingerprint(cfg.model),
+        "model": model_fingerprint(cfg.model),
+    }
+
+
+def plan(cfg: RunConfig) -> PlanResult:
+    """Plan `cfg` into its run directory, or check that the existing plan matches it."""
+    run_dir = RunDir(Path(cfg.resolved_run_dir))
+    cfg.model.require_path()
+    files = list_files(cfg.corpus.path)
+    prints = fingerprints(cfg, files)
+    with RunLock(run_dir.root):
+        if run_dir.is_planned():
+            check_same_plan(run_dir, cfg.sample_affecting(), prints)
+            return PlanResult(run_dir.root, PlanStats.from_json(run_dir.read_run_json()["plan"]), True)
+        stats, records = _plan_into(cfg, run_dir, files)
+        run_dir.write_run_json({
+            "name": cfg.name,
+            "config": json.loads(json.dumps(dataclasses.asdict(cfg))),
+            "sample_affecting": cfg.sample_affecting(),
+            "fingerprints": prints,
+            "corpus_files": files,
+            "versions": versions(),
+            "plan": stats.to_json(),
+        })
+        write_manifest(run_dir.manifest, records)
+        with open(run_dir.events, "a", encoding="utf-8") as events:
+            events.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} planned {stats.num_batches} batches: "
+                         f"{stats.accepted} prompts accepted, {stats.rows_read - stats.accepted} rejected\n")
+    return PlanResult(run_dir.root, stats, False)
+
+
+def _plan_into(cfg: RunConfig, run_dir: RunDir, files: list[str]) -> tuple[PlanStats, list[BatchRecord]]:
+    import ray
+    from ray.data import DataContext
+
+    from orchestrator.cluster import ensure_ray
+
+    ensure_ray(cfg.cluster)
+    data_context = DataContext.get_current()
+    data_context.enable_progress_bars = False  # the capacity report is the output; phases are logged
+    data_context.print_on_execution_start = False
+    limits = PackingLimits.resolve(cfg.packing, cfg.engine, cfg.sampling)
+    context = max_seq_len(cfg.model, cfg.engine)
+    if run_dir.batches.exists():  # leftovers of an interrupted plan
+        shutil.rmtree(run_dir.batches)
+    run_dir.batches.mkdir(parents=True)
+
+    clock = time.perf_counter()
+
+    def phase(name: str) -> None:
+        nonlocal clock
+        log.info("plan: %s took %.2f s", name, time.perf_counter() - clock)
+        clock = time.perf_counter()
+
+    shards = split_shards(files, cfg.corpus.shard_bytes)
+    count = ray.remote(num_cpus=1)(count_rows)
+    shards = number_shards(shards, ray.get([count.remote(s) for s in shards]))
+    phase(f"counting rows of {len(shards)} shards")
+    workers = max(1, min(len(shards), int(ray.available_resources().get("CPU", 1))))
+    tokenized = ray.data.from_items([shard_item(s) for s in shards], override_num_blocks=len(shards)).map_batches(
+        PromptTokenizer, fn_constructor_args=(cfg.model, cfg.corpus, limits, context),
+        batch_size=1, compute=ray.data.ActorPoolStrategy(size=workers), batch_format="numpy",
+    ).materialize()
+
+    phase("tokenizing")
+    summary = _summaries(tokenized)
+    summary = _reject_duplicates(summary)
+    accepted = summary.filter(pc.is_null(summary["reason"]))
+    rejected = summary.filter(pc.is_valid(summary["reason"]))
+    _write_rejected(run_dir, rejected, files)
+    lengths = accepted["num_tokens"].to_numpy().astype(np.int64)
+    phase("collecting summaries and rejections")
+    packing = pack(lengths, limits)
+    num_batches = packing.num_batches
+
+    rows = accepted["row"].to_numpy()
+    num_rows = summary.num_rows
+    batch_of_row = np.full(num_rows, -1, dtype=np.int32)  # summary rows are 0..num_rows-1 in order
+    position_of_row = np.zeros(num_rows, dtype=np.int32)
+    batch_of_row[rows] = packing.batch_of_item()
+    position_of_row[rows[packing.order]] = np.arange(len(packing.order), dtype=np.int32)
+    phase(f"packing into {packing.num_batches} batches")
+    # Hash partitions of about 32 MiB of token ids each, at least one per worker.
+    partitions = max(workers, min(256, int(lengths.sum()) * 4 // 2**25))
+    _write_batch_files(tokenized, ray.put((batch_of_row, position_of_row)), str(run_dir.batches), num_batches,
+                       min(partitions, max(1, num_batches)))
+
+    phase(f"writing {num_batches} batch files")
+    records = [
+        BatchRecord(batch_id(b, num_batches), num_prompts=int(packing.offsets[b + 1] - packing.offsets[b]),
+                    num_prompt_tokens=int(packing.num_prompt_tokens[b]), num_pages=int(packing.num_pages[b]))
+        for b in range(num_batches)
+    ]
+    stats = PlanStats.build(num_rows, rejected["reason"].to_pylist(), lengths, packing, lower_bound(lengths, limits))
+    return stats, records
+
+
+def _summaries(tokenized) -> pa.Table:
+    parts = list(tokenized.select_columns(SUMMARY_COLUMNS).iter_batches(batch_format="pyarrow", batch_size=None))
+    table = pa.concat_tables(parts) if parts else pa.table({c: [] for c in SUMMARY_COLUMNS})
+    table = table.sort_by("row")
+    if not np.array_equal(table["row"].to_numpy(), np.arange(table.num_rows)):
+        raise RuntimeError("internal error: corpus rows were lost or duplicated while tokenizing")
+    return table
+
+
+def _reject_duplicates(summary: pa.Table) -> pa.Table:
+    """A prompt id seen before (in corpus order) rejects the later row: ids must be unique."""
+    ok = pc.is_null(summary["reason"])
+    ids = summary["prompt_id"].combine_chunks()
+    first = pa.table({"id": ids, "row": summary["row"]}).filter(ok).group_by("id", use_threads=False).aggregate([("row", "min")])
+    if first.num_rows == int(pc.sum(ok.cast(pa.int64())).as_py() or 0):
+        return summary
+    first_row = dict(zip(first["id"].to_pylist(), first["row_min"].to_pylist()))
+    reasons, details = summary["reason"].to_pylist(), summary["detail"].to_pylist()
+    for i, (pid, reason) in enumerate(zip(ids.to_pylist(), reasons)):
+        if reason is None and first_row[pid] != i:
+            reasons[i], details[i] = "duplicate_id", f"prompt id {pid!r} already used by row {first_row[pid]}"
+    return summary.set_column(summary.schema.get_field_index("reason"), "reason", pa.array(reasons, pa.string())) \
+        .set_column(summary.schema.get_field_index("detail"), "detail", pa.array(details, pa.string()))
+
+
+def _write_rejected(run_dir: RunDir, rejected: pa.Table, files: list[str]) -> None:
+    lines = [json.dumps({"row": r["row"], "prompt_id": r["prompt_id"], "reason": r["reason"], "detail": r["detail"],
+                         "file": files[r["file_index"]], "line": r["line"], "num_tokens": r["num_tokens"] or None})
+             for r in rejected.to_pylist()]
+    atomic_write_text(run_dir.rejected, "".join(line + "\n" for line in lines))
+
+
+def _write_batch_files(tokenized, assignment_ref, batches_dir: str, num_batches: int, partitions: int) -> None:
+    """Group token ids by batch on Ray workers and write batches/<id>.parquet, prompts longest first."""
+    if num_batches == 0:
+        return
+
+    def assign(table: pa.Table) -> pa.Table:
+        import ray
+
+        batch_of_row, position_of_row = ray.get(assignment_ref)
+        rows = table["row"].to_numpy()
+        table = table.select(["prompt_id", "row", "token_ids"])
+        table = table.append_column("batch", pa.array(batch_of_row[rows]))
+        table = table.append_column("position", pa.array(position_of_row[rows]))
+        return table.filter(pc.greater_equal(table["batch"], 0))
+
+    def write(group: pa.Table) -> pa.Table:
+        group = group.sort_by("position")
+        index = int(group["batch"][0].as_py())
+        path = f"{batches_dir}/{batch_id(index, num_batches)}.parquet"
+        atomic_write_parquet(path, group.select(BATCH_SCHEMA.names).cast(BATCH_SCHEMA), fsync=False)
+        return pa.table({"batch": [index], "num_prompts": [group.num_rows]})
+
+    written = tokenized.map_batches(assign, batch_format="pyarrow", batch_size=None) \
+        .groupby("batch", num_partitions=partitions).map_groups(write, batch_format="pyarrow")
+    count = sum(t.num_rows for t in written.iter_batches(batch_format="pyarrow", batch_size=None))
+    if count != num_batches:
+        raise RuntimeError(f"internal error: wrote {count} batch files for {num_batches} batches")
+    os.sync()  # one durability barrier for every batch file, before the manifest refers to them

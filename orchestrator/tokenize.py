@@ -1,0 +1,113 @@
+"""Tokenizing the corpus: a Ray Data stage that reads shards and turns rows into token ids.
+
+Raw prompts (`corpus.text_field`) are encoded as the tokenizer does by default (its own special
+tokens, e.g. BOS). Chats (`corpus.messages_field`) are rendered with the tokenizer's chat template
+(`apply_chat_template(messages, tokenize=False, add_generation_prompt=True)`) and the rendered text
+is encoded with `add_special_tokens=False`, since the template writes its own special tokens.
+Every row comes out, accepted or with a rejection reason; none is dropped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import asdict
+
+import numpy as np
+import pyarrow as pa
+
+from orchestrator.corpus import CorpusConfig, Prompt, Shard, extract_prompt, read_rows
+from orchestrator.model_source import ModelSourceConfig, load_tokenizer
+from orchestrator.packing import PackingLimits
+
+# Rejection reasons (rejected.jsonl `reason`).
+REASONS = ("malformed_row", "undecodable", "missing_field", "wrong_type", "empty_prompt", "too_long",
+           "exceeds_budget", "duplicate_id")
+
+SCHEMA = pa.schema([
+    ("row", pa.int64()),  # row number in corpus order
+    ("prompt_id", pa.string()),  # null when the row was rejected before an id was read
+    ("num_tokens", pa.int32()),  # 0 when rejected before tokenizing
+    ("token_ids", pa.list_(pa.int32())),
+    ("reason", pa.string()),  # null when accepted
+    ("detail", pa.string()),
+    ("file_index", pa.int32()),  # the row's file, as a position in the sorted corpus file list
+    ("line", pa.int64()),  # 1-based line of a JSON-lines file, else null
+])
+
+
+def batch_encode(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    """`tokenizer(texts)["input_ids"]`, straight from the Rust backend when there is one (same ids,
+    without building Python encodings; tests check the two agree)."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if getattr(tokenizer, "is_fast", False) and backend is not None:
+        return [e.ids for e in backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
+    return tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
+
+
+def shard_item(shard: Shard) -> dict[str, str]:
+    return {"shard": json.dumps(asdict(shard))}
+
+
+class PromptTokenizer:
+    """Ray Data stage (`map_batches`, one shard per call); the tokenizer is built once per worker."""
+
+    def __init__(self, model: ModelSourceConfig, corpus: CorpusConfig, limits: PackingLimits, max_seq_len: int):
+        self.tokenizer = load_tokenizer(model)
+        self.corpus, self.limits, self.max_seq_len = corpus, limits, max_seq_len
+
+    def encode(self, prompts: list[Prompt]) -> list[list[int]]:
+        """Token ids of each prompt (text as is, chats through the chat template)."""
+        ids: list[list[int] | None] = [None] * len(prompts)
+        texts = [(i, p.text) for i, p in enumerate(prompts) if p.text is not None]
+        chats = [(i, self.tokenizer.apply_chat_template(p.messages, tokenize=False, add_generation_prompt=True))
+                 for i, p in enumerate(prompts) if p.messages is not None]
+        for group, special in ((texts, True), (chats, False)):
+            if group:
+                for (i, _), tokens in zip(group, batch_encode(self.tokenizer, [t for _, t in group], special)):
+                    ids[i] = tokens
+        return ids  # type: ignore[return-value]
+
+    def check(self, num_tokens: int) -> tuple[str, str] | None:
+        """Why a tokenized prompt cannot run, or None."""
+        if num_tokens == 0:
+            return "empty_prompt", "the prompt has no tokens"
+        new = self.limits.max_new_tokens
+        if num_tokens + new > self.max_seq_len:
+            return "too_long", (f"prompt has {num_tokens:,} tokens + {new:,} new tokens = {num_tokens + new:,}; the "
+                                f"model's context is {self.max_seq_len:,} (engine.max_seq_len / sampling.max_new_tokens)")
+        if (why := self.limits.why_unfit(num_tokens)) is not None:
+            return "exceeds_budget", f"prompt {why}"
+        return None
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> pa.Table:
+        tables = [self.tokenize_shard(Shard(**json.loads(s))) for s in batch["shard"]]
+        return pa.concat_tables(tables) if tables else SCHEMA.empty_table()
+
+    def tokenize_shard(self, shard: Shard) -> pa.Table:
+        raw_rows = list(read_rows(shard))
+        parsed = [extract_prompt(raw, self.corpus) for raw in raw_rows]
+        ok = [i for i, p in enumerate(parsed) if isinstance(p, Prompt)]
+        encoded = dict(zip(ok, self.encode([parsed[i] for i in ok])))
+        prompt_ids, reasons, details, lengths, kept = [], [], [], [], []
+        for i, p in enumerate(parsed):
+            tokens = encoded.get(i)
+            problem = (p.reason, p.detail) if not isinstance(p, Prompt) else self.check(len(tokens))
+            prompt_ids.append(p.prompt_id if isinstance(p, Prompt) else None)
+            reasons.append(problem[0] if problem else None)
+            details.append(problem[1] if problem else None)
+            lengths.append(len(tokens) if tokens is not None else 0)
+            kept.append(tokens if tokens is not None and problem is None else ())
+        sizes = np.fromiter((len(t) for t in kept), dtype=np.int64, count=len(kept))
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+        values = np.fromiter(itertools.chain.from_iterable(kept), dtype=np.int32, count=int(sizes.sum()))
+        return pa.Table.from_arrays([
+            pa.array([r.row for r in raw_rows], pa.int64()),
+            pa.array(prompt_ids, pa.string()),
+            pa.array(lengths, pa.int32()),
+            pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, pa.int32())),
+            pa.array(reasons, pa.string()),
+            pa.array(details, pa.string()),
+            pa.array(np.full(len(raw_rows), shard.file_index, dtype=np.int32)),  # an index keeps summaries small
+            pa.array([r.line for r in raw_rows], pa.int64()),
+        ], schema=SCHEMA)

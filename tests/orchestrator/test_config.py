@@ -1,0 +1,45 @@
+from pathlib import Path
+
+import pytest
+
+from orchestrator.config import ConfigError, RunConfig, diff_keys, load_run_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("**/*.yaml")), ids=lambda p: p.name)
+def test_every_config_loads(path):
+    assert isinstance(load_run_config(path), RunConfig)
+
+
+def test_design_keys_exist_and_overrides_apply(tmp_path):
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text("name: x\ncorpus: {path: a.jsonl}\ncluster: {mesh: {model: 2}}\n")
+    cfg = load_run_config(yaml, ["--sampling.n=4", "--engine.max_seqs=64", "--packing.page_budget=100"])
+    assert (cfg.sampling.n, cfg.engine.max_seqs, cfg.packing.page_budget, cfg.cluster.mesh) == (4, 64, 100, {"model": 2})
+    assert cfg.resolved_run_dir == "manifests/x"
+    for key in ("corpus.id_field", "corpus.text_field", "corpus.messages_field", "model.tokenizer", "model.dtype",
+                "sampling.top_k", "sampling.stop", "sampling.logprobs", "engine.reset_mode", "engine.cleanup_mode",
+                "packing.prefill_budget", "cluster.devices_per_host", "cluster.hosts_per_slice", "retry.max_attempts",
+                "tracker.type", "tracker.project", "tracker.mode"):
+        section, name = key.split(".")
+        assert hasattr(getattr(cfg, section), name), key
+
+
+@pytest.mark.parametrize("text, args, message", [
+    ("corpus: {pth: a}\n", [], "pth"),
+    ("name: x\n", ["--corpus.nope=1"], "nope"),
+    ("name: x\n", ["--sampling.n=0"], "sampling.n"),
+    ("tracker: {type: tensorboard}\n", [], "tracker"),
+])
+def test_bad_configs_name_the_key(tmp_path, text, args, message):
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_run_config(yaml, args)
+
+
+def test_diff_keys_names_changes():
+    a = RunConfig().sample_affecting()
+    b = load_run_config(None, ["--sampling.max_new_tokens=8", "--corpus.shard_bytes=10"]).sample_affecting()
+    assert diff_keys(a, b) == ["sampling.max_new_tokens: 256 -> 8"]

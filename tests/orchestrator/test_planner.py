@@ -1,0 +1,131 @@
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from orchestrator.config import load_run_config
+from orchestrator.lock import RunDirLocked, RunLock
+from orchestrator.manifest import read_manifest
+from orchestrator.packing import PackingLimits
+from orchestrator.planner import plan
+from orchestrator.rundir import PlanMismatch
+
+pytestmark = pytest.mark.ray
+
+MANIFEST_KEYS = ["batch_id", "status", "num_prompts", "num_prompt_tokens", "num_pages", "attempts", "error", "slice",
+                 "started_at", "finished_at", "output"]
+BAD_LINES = [  # (line bytes, reason)
+    (b"{not json", "malformed_row"),
+    (b'{"id": "u", "prompt": "caf\xe9"}', "undecodable"),
+    (b'{"id": "m", "text": "hi"}', "missing_field"),
+    (b'{"id": "w", "prompt": 7}', "wrong_type"),
+    (b'{"id": "e", "prompt": ""}', "empty_prompt"),
+    (b'{"id": "l", "prompt": "' + b"the quick brown fox " * 40 + b'"}', "too_long"),
+    (b'{"id": "p0", "prompt": "duplicate id"}', "duplicate_id"),
+]
+
+
+def write_corpus(path: Path, num_good: int = 120, seed: int = 0) -> dict[int, str]:
+    """Good rows (text and chat) with bad ones mixed in; returns {row: expected reason}."""
+    rng = np.random.default_rng(seed)
+    words = ["the", "quick", "brown", "fox", "sea", "poem", "hello", "world"]
+    lines, bad = [], {}
+    for i in range(num_good):
+        text = " ".join(rng.choice(words, int(rng.lognormal(2.0, 0.7)) + 1))
+        if i % 5 == 0:
+            lines.append(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": text}]}).encode())
+        elif i % 7 == 0:
+            lines.append(json.dumps({"prompt": text}).encode())  # no id: its row number
+        else:
+            lines.append(json.dumps({"id": f"p{i}", "prompt": text}).encode())
+        if i % 17 == 3 and len(bad) < len(BAD_LINES):
+            line, reason = BAD_LINES[len(bad)]
+            bad[len(lines)] = reason
+            lines.append(line)
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return bad
+
+
+def config(model, corpus, run_dir, *extra):
+    return load_run_config(None, [f"--model.path={model}", f"--corpus.path={corpus}", f"--run_dir={run_dir}",
+                                  "--sampling.max_new_tokens=16", "--engine.max_seq_len=128", "--engine.max_pages=48",
+                                  "--engine.max_seqs=8", "--engine.max_seqs_in_prefill=4", "--engine.max_prefill_size=64",
+                                  "--packing.max_prefill_steps=4", "--corpus.shard_bytes=700", *extra])
+
+
+def read_batches(run_dir: Path) -> dict[str, list[dict]]:
+    return {p.stem: pq.read_table(p).to_pylist() for p in sorted((run_dir / "batches").glob("*.parquet"))}
+
+
+def test_plan_accounts_for_every_row(tiny_model, tmp_path, ray_local):
+    bad = write_corpus(tmp_path / "c.jsonl")
+    cfg = config(tiny_model, tmp_path / "c.jsonl", tmp_path / "run")
+    result = plan(cfg)
+    run = tmp_path / "run"
+    rejected = [json.loads(line) for line in (run / "rejected.jsonl").read_text().splitlines()]
+    assert {r["row"]: r["reason"] for r in rejected} == bad
+    assert all(r["line"] == r["row"] + 1 and r["file"].endswith("c.jsonl") for r in rejected)
+
+    records = read_manifest(run / "batches.jsonl")
+    assert [list(json.loads(line)) for line in (run / "batches.jsonl").read_text().splitlines()] == [MANIFEST_KEYS] * len(records)
+    assert all(r.status == "pending" and r.attempts == 0 and r.output is None for r in records)
+    batches = read_batches(run)
+    assert list(batches) == [r.batch_id for r in records]
+    limits = PackingLimits.resolve(cfg.packing, cfg.engine, cfg.sampling)
+    seen = []
+    for record in records:
+        prompts = batches[record.batch_id]
+        lengths = np.array([len(p["token_ids"]) for p in prompts])
+        assert record.num_prompts == len(prompts) and record.num_prompt_tokens == lengths.sum()
+        assert record.num_pages == limits.page_need(lengths).sum() <= limits.max_pages
+        assert lengths.sum() <= limits.max_prompt_tokens and len(prompts) <= min(limits.max_seqs, limits.max_prompts)
+        seen += [p["row"] for p in prompts]
+    rows_read = result.stats.rows_read
+    assert sorted(seen + list(bad)) == list(range(rows_read))  # exactly once, and accepted + rejected = read
+    assert result.stats.accepted == len(seen) and sum(result.stats.rejected.values()) == len(bad)
+    ids = {p["row"]: p["prompt_id"] for b in batches.values() for p in b}
+    assert ids[0] == "p0" and ids[7 + sum(1 for r in bad if r < 7)] == str(7 + sum(1 for r in bad if r < 7))
+    info = json.loads((run / "run.json").read_text())
+    assert set(info["fingerprints"]) == {"config", "corpus", "tokenizer", "model"}
+
+
+def test_replan_is_byte_identical_and_changed_config_is_refused(tiny_model, tmp_path, ray_local):
+    write_corpus(tmp_path / "c.jsonl", num_good=80, seed=1)
+    a, b = tmp_path / "a", tmp_path / "b"
+    plan(config(tiny_model, tmp_path / "c.jsonl", a))
+    plan(config(tiny_model, tmp_path / "c.jsonl", b, "--corpus.shard_bytes=300"))  # sharding does not change the plan
+    for name in ["batches.jsonl", "rejected.jsonl"] + [f"batches/{p.name}" for p in (a / "batches").iterdir()]:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    assert sorted(p.name for p in (a / "batches").iterdir()) == sorted(p.name for p in (b / "batches").iterdir())
+
+    assert plan(config(tiny_model, tmp_path / "c.jsonl", a)).already_planned
+    with pytest.raises(PlanMismatch, match=r"sampling.n: 1 -> 2(.|\n)*--name"):
+        plan(config(tiny_model, tmp_path / "c.jsonl", a, "--sampling.n=2"))
+    with open(tmp_path / "c.jsonl", "a") as f:
+        f.write('{"prompt": "one more"}\n')
+    with pytest.raises(PlanMismatch, match="corpus changed"):
+        plan(config(tiny_model, tmp_path / "c.jsonl", a))
+
+
+def test_one_head_per_run_dir(tiny_model, tmp_path, ray_local):
+    write_corpus(tmp_path / "c.jsonl", num_good=5)
+    with RunLock(tmp_path / "run"):
+        with pytest.raises(RunDirLocked, match="in use by .*pid"):
+            plan(config(tiny_model, tmp_path / "c.jsonl", tmp_path / "run"))
+    assert not plan(config(tiny_model, tmp_path / "c.jsonl", tmp_path / "run")).already_planned
+
+
+def test_parquet_directory_through_a_url(tiny_model, tmp_path, ray_local):
+    import pyarrow as pa
+
+    data = tmp_path / "data"
+    data.mkdir()
+    pq.write_table(pa.table({"id": [f"q{i}" for i in range(30)], "prompt": ["hello world " * (i % 5 + 1) for i in range(30)]}),
+                   data / "part-0.parquet", row_group_size=7)
+    (data / "part-1.jsonl").write_text('{"id": "j0", "messages": [{"role": "user", "content": "hi"}]}\n')
+    result = plan(config(tiny_model, f"file://{data}", tmp_path / "run"))
+    assert (result.stats.rows_read, result.stats.accepted) == (31, 31)
+    rows = sorted(p["row"] for b in read_batches(tmp_path / "run").values() for p in b)
+    assert rows == list(range(31))
