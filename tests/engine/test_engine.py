@@ -130,3 +130,72 @@ def test_n_samples_share_prompt_pages_and_equal_single_runs(tiny_llama, prompt_l
     for r in requests:
         alone = Engine(tiny_llama, EngineConfig(page_size=ps, max_pages=64, max_seq_len=256)).generate([r])[0]
         assert results[(r.prompt_id, r.generation_index)].token_ids == alone.token_ids, (r.prompt_id, r.generation_index)
+
+
+def test_stop_strings_spanning_tokens_cut_at_the_right_place(tiny_llama):
+    engine = Engine(tiny_llama, EngineConfig(max_pages=64, max_seq_len=256))
+    tok = engine.tokenizer
+    prompt = tuple(tok("the river and the moon")["input_ids"])
+    free = engine.generate([Request("p", prompt, SamplingConfig(max_new_tokens=24))])[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 24
+    pieces = [tok.decode([t]) for t in free.token_ids]
+    text = "".join(pieces)
+    assert text == free.completion
+    # A stop string made of the end of token 5's text and the start of token 6's: it spans a boundary.
+    k = next(i for i in range(4, 20) if len(pieces[i]) >= 1 and len(pieces[i + 1]) >= 1 and "\ufffd" not in
+             pieces[i] + pieces[i + 1])
+    start = sum(len(p) for p in pieces[:k]) + len(pieces[k]) - 1
+    stop = text[start:start + 2]
+    cut = text.index(stop)
+    out = engine.generate([Request("p", prompt, SamplingConfig(max_new_tokens=24, stop=[stop]))])[0]
+    assert out.finish_reason == "stop"
+    assert out.completion == text[:cut]
+    assert out.token_ids == free.token_ids[:len(out.token_ids)]
+    assert "".join(pieces[:len(out.token_ids)]).find(stop) >= 0  # stopped on the token that completed it
+    assert "".join(pieces[:len(out.token_ids) - 1]).find(stop) < 0
+
+
+def test_logical_reset_frees_everything_and_repeats_outputs(tiny_llama):
+    engine = Engine(tiny_llama, EngineConfig(max_pages=64, max_seq_len=256, reset_mode="logical"))
+    requests = [Request(f"r{i}", tuple(range(10 + i, 30 + 3 * i)), SamplingConfig(max_new_tokens=6, temperature=0.8,
+                                                                                  seed=2)) for i in range(5)]
+    first = engine.generate(requests)
+    assert engine.runner.kv.allocator.num_free == 64 and engine.runner.kv.allocator.max_refcount == 0
+    assert float(abs(engine.runner.kv.pool.array).max()) > 0  # logical reset leaves the pool's bytes alone
+    second = engine.generate(requests)
+    assert [c.token_ids for c in first] == [c.token_ids for c in second]
+
+
+def test_physical_reset_zeroes_the_pool(tiny_llama):
+    engine = Engine(tiny_llama, EngineConfig(max_pages=64, max_seq_len=256, reset_mode="physical"))
+    engine.generate([Request("a", (5, 6, 7, 8), SamplingConfig(max_new_tokens=4))])
+    assert engine.runner.kv.allocator.num_free == 64
+    assert float(abs(engine.runner.kv.pool.array).max()) == 0.0
+
+
+@pytest.mark.parametrize("mode", ["incremental", "end", "none"])
+def test_cleanup_modes(tiny_llama, mode):
+    engine = Engine(tiny_llama, EngineConfig(page_size=4, max_pages=128, max_seqs=4, max_seqs_in_prefill=4, max_seq_len=256,
+                                             cleanup_mode=mode, debug_invariants=True))
+    short = Request("short", (5, 6, 7), SamplingConfig(max_new_tokens=2))
+    long = Request("long", tuple(range(8, 30)), SamplingConfig(max_new_tokens=12))
+    for r in (short, long):
+        engine.add_request(r)
+    used_after_short = None
+    while engine.has_unfinished:
+        for c in engine.step():
+            if c.prompt_id == "short":
+                used_after_short = engine.runner.kv.allocator.num_used
+    # A finished sequence holds the pages of its cached tokens: the last sampled token is never cached.
+    long_pages, short_pages = -(-(22 + 12 - 1) // 4), -(-(3 + 2 - 1) // 4)
+    if mode == "incremental":  # the short sequence's pages came back as soon as it finished
+        assert used_after_short <= long_pages
+        assert engine.runner.kv.allocator.num_used == 0
+    else:  # finished sequences keep their pages through the call
+        assert engine.runner.kv.allocator.num_used == long_pages + short_pages
+    if mode == "end":
+        engine.release_finished()  # what generate() does at the end of a call
+        assert engine.runner.kv.allocator.num_used == 0
+    if mode == "none":
+        engine.reset()
+        assert engine.runner.kv.allocator.num_used == 0
