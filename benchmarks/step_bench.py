@@ -122,10 +122,14 @@ class ShapeBench:
 
     def __init__(self, runner: ModelRunner, shape: Shape) -> None:
         self.runner, self.shape = runner, shape
-        pages = [runner.kv.allocator.allocate(shape.pages_per_seq) for _ in range(shape.num_seqs)]
+        alloc = runner.kv.allocator
+        pages = [alloc.allocate(shape.pages_per_seq) for _ in range(shape.num_seqs)]
         if any(p is None for p in pages):
             raise RuntimeError(f"{shape.name}: KV pool too small; raise max_pages in make_runner")
-        # Token values do not change the cost; the cached context is whatever the pool holds.
+        # KV values do not change the cost, so the shapes share pages: each frees its pages at once
+        # and the pool only needs to hold the largest shape. The cached context is whatever the pool holds.
+        for p in pages:
+            alloc.free(p)
         self.chunks = [SeqChunk([3 + s] * shape.new_tokens, shape.cached_tokens, p) for s, p in enumerate(pages)]
         self.padded_tokens = bucket(shape.tokens, MIN_TOKEN_BUCKET)
         self.padded_seqs = bucket(shape.num_seqs, MIN_SEQ_BUCKET)
@@ -155,7 +159,7 @@ def make_runner(dtype) -> ModelRunner:
     with tempfile.TemporaryDirectory() as d:
         model = load_transformer(write_model(PRESET, d, seed=0), dtype=dtype)
         model = jax.block_until_ready(model)
-    max_pages = sum(s.num_seqs * s.pages_per_seq for s in SHAPES)
+    max_pages = max(s.num_seqs * s.pages_per_seq for s in SHAPES)
     engine = EngineConfig(page_size=PAGE_SIZE, max_pages=max_pages, max_seqs=64, max_prefill_size=512)
     return ModelRunner(model, engine, MAX_SEQ_LEN, kv_dtype=dtype)
 
@@ -181,7 +185,8 @@ def main() -> None:
     peak = max(p.flops_per_s for p in peaks)
 
     print(f"{PRESET} ({args.dtype}), backend {jax.default_backend()} with {jax.device_count()} device(s), "
-          f"page_size {PAGE_SIZE}, medians of {args.reps} reps")
+          f"page_size {PAGE_SIZE}, KV pool {runner.engine.max_pages} pages = {runner.kv.pool.array.nbytes / 2**20:.0f} MiB, "
+          f"medians of {args.reps} reps")
     for p in peaks:
         print(f"  matmul {p.n}x{p.n} {args.dtype}: {p.flops_per_s / 1e9:8.1f} GFLOP/s")
     print(f"  peak = {peak / 1e9:.1f} GFLOP/s")
