@@ -90,7 +90,9 @@ class ModelRunner:
         """
         ps = self.engine.page_size
         n_tokens = sum(len(c.token_ids) for c in chunks)
-        T = bucket(n_tokens, MIN_TOKEN_BUCKET)
+        # Decode-only steps (one token a sequence) pad tokens like sequences: no padding tiles in attention.
+        decode_only = n_tokens == len(chunks)
+        T = bucket(n_tokens, MIN_SEQ_BUCKET if decode_only else MIN_TOKEN_BUCKET)
         S = bucket(len(chunks), MIN_SEQ_BUCKET)
         token_ids = np.zeros(T, np.int32)
         positions = np.zeros(T, np.int32)
