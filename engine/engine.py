@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import jax.numpy as jnp
-import numpy as np
 
 from engine.config import EngineConfig
 from engine.model_config import ModelConfig
@@ -96,7 +95,10 @@ class Engine:
                        stop, token_ids=list(request.prompt_token_ids))
         self._arrivals += 1
         head = self._last_queued
-        if (head is not None and head.num_computed == 0 and head in self.scheduler.waiting
+        # The newest queued sequence is still waiting (never admitted, nothing generated): O(1) to check,
+        # so queueing a large batch stays linear.
+        if (head is not None and head.num_computed == 0 and not head.pages
+                and len(head.token_ids) == head.num_prompt_tokens and head not in self.scheduler.running
                 and head.request.prompt_id == request.prompt_id
                 and head.request.prompt_token_ids == request.prompt_token_ids
                 and 1 + len(head.siblings) + 1 <= self.config.max_seqs):
@@ -179,6 +181,10 @@ class Engine:
                  on_finish: Callable[[Completion], None] | None = None) -> list[Completion]:
         """Run every request to completion; results in request order. Ends with a reset unless told not to."""
         requests = list(requests)
+        keys = [(r.prompt_id, r.generation_index) for r in requests]
+        if len(set(keys)) != len(keys):
+            dup = next(k for i, k in enumerate(keys) if k in keys[:i])
+            raise ValueError(f"(prompt_id, generation_index)={dup} appears more than once; each sample needs its own key")
         results: dict[tuple[str, int], Completion] = {}
         for r in requests:
             early = self.add_request(r)

@@ -82,6 +82,7 @@ def run_generate(cfg: GenerateConfig) -> int:
     engine = Engine(cfg.model, cfg.engine, dtype=cfg.dtype)
     requests, failed = [], []
     order: list[tuple[str, int]] = []
+    first_line: dict[str, int] = {}
     with open(cfg.input, encoding="utf-8", errors="replace") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
@@ -92,6 +93,10 @@ def run_generate(cfg: GenerateConfig) -> int:
                 row, err = None, f"line {line_no}: malformed JSON ({e.msg})"
             pid, ids, err = _prompt_tokens(row, engine.tokenizer) if row is not None else (f"line-{line_no}", None, err)
             pid = pid or f"line-{line_no}"
+            if pid in first_line:  # a repeated id would make two prompts' samples indistinguishable
+                ids, err = None, f"duplicate id {pid!r} (first on line {first_line[pid]})"
+                pid = f"line-{line_no}"
+            first_line.setdefault(pid, line_no)
             for g in range(cfg.sampling.n):
                 order.append((pid, g))
                 if ids is None:

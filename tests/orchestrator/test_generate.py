@@ -26,7 +26,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_generate_writes_one_record_per_sample_in_input_order(tmp_path, model_dir):
     rows = ['{"id": "a", "prompt": "Hello there"}', '{"id": "b", "messages": [{"role": "user", "content": "hi"}]}',
-            'not json', '{"id": "c", "prompt_token_ids": [5, 6, 7]}', '{"id": "d", "prompt": ""}']
+            'not json', '{"id": "c", "prompt_token_ids": [5, 6, 7]}', '{"id": "d", "prompt": ""}',
+            '{"id": "a", "prompt": "same id again"}']
     (tmp_path / "in.jsonl").write_text("\n".join(rows) + "\n")
     out = tmp_path / "out.jsonl"
     proc = run_cli("generate", "--model", str(model_dir), "--input", str(tmp_path / "in.jsonl"), "--output", str(out),
@@ -35,8 +36,9 @@ def test_generate_writes_one_record_per_sample_in_input_order(tmp_path, model_di
     assert proc.returncode == 0, proc.stderr
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["prompt_id"], r["generation_index"]) for r in records] == [
-        (p, g) for p in ["a", "b", "line-3", "c", "d"] for g in (0, 1)]
+        (p, g) for p in ["a", "b", "line-3", "c", "d", "line-6"] for g in (0, 1)]
     by = {(r["prompt_id"], r["generation_index"]): r for r in records}
+    assert by[("line-6", 0)]["error"] == "duplicate id 'a' (first on line 1)"
     assert "malformed JSON" in by[("line-3", 0)]["error"] and by[("d", 1)]["error"].startswith("empty prompt")
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
