@@ -85,6 +85,7 @@ def reference_ragged_paged_attention(
     q_pos = (kv_lens[tile_seq] - q_lens[tile_seq])[:, None] + q_offset  # absolute position of each query row
     tile_kv_len = kv_lens[tile_seq]
 
+    kv_split = kv_pages.reshape(kv_pages.shape[0], page_size, num_kv_heads, 2, head_dim)  # free view: K at 0, V at 1
     qt = jnp.take(q, jnp.minimum(q_row, num_tokens - 1), axis=0).astype(jnp.float32)
     qt = qt.reshape(num_tiles, bq, num_kv_heads, q_per_kv, head_dim) * sm_scale
 
@@ -92,8 +93,9 @@ def reference_ragged_paged_attention(
         m, l, acc = carry  # m, l: [tiles, kvh, g, bq]; acc: [tiles, kvh, g, bq, d]
         page_slot = jnp.minimum(b * pages_per_block + jnp.arange(pages_per_block), pages_per_seq - 1)
         pages = page_indices[tile_seq][:, page_slot]  # [tiles, ppb]
-        kv = kv_pages[pages].reshape(num_tiles, block_tokens, combined, head_dim).astype(jnp.float32)
-        k, v = kv[:, :, 0::2], kv[:, :, 1::2]  # [tiles, blk, kvh, d]
+        # One gather each for K and V straight from the interleaved pool: no combined copy to split.
+        k = kv_split[pages, :, :, 0].reshape(num_tiles, block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
+        v = kv_split[pages, :, :, 1].reshape(num_tiles, block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
         s = jnp.einsum("tqhgd,tkhd->thgqk", qt, k)
         kv_pos = b * block_tokens + jnp.arange(block_tokens)
         mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < tile_kv_len[:, None, None])
