@@ -66,8 +66,9 @@ def test_every_line_is_one_row_with_one_outcome(tiny_model, tmp_path_factory, pi
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2"])
 def test_preset_tokenizers_render_chats_like_transformers(preset, tmp_path):
-    presets = pytest.importorskip("engine.presets")
-    model = str(presets.write_model(preset, tmp_path / preset))
+    from engine.presets import write_model
+
+    model = str(write_model(preset, tmp_path / preset))
     messages = [{"role": "user", "content": "Write two sentences about the sea."}]
     path = tmp_path / "c.jsonl"
     path.write_text(json.dumps({"messages": messages}) + "\n" + json.dumps({"prompt": "hello world"}) + "\n")
