@@ -1,0 +1,332 @@
+"""Generation throughput: `pagefleet generate` against transformers' batched greedy `generate`.
+
+    PYTHONPATH=$PWD JAX_PLATFORMS=cpu python benchmarks/generate_bench.py
+
+Both sides run on the same weights (the `llama-40m` preset, seed 0), the same prompts (random token
+ids, lengths uniform in [16, 512], fixed seed) and the same lengths (64 new tokens, greedy; EOS
+never stops transformers, and the engine's early stops are counted, not hidden). Printed:
+
+1. whole process (python start, imports, model load, compile, run, write), each side a subprocess,
+   interleaved engine / transformers `--repeats` times: output tokens/s of each and their ratio
+   (acceptance: >= 1.5, goal 2.0);
+2. steady state in process (start-up and compile excluded): the engine's second `generate` call in
+   this process, and transformers' own `generate` time inside its subprocess;
+3. the engine's model FLOP/s on real tokens (no padding, no recompute) over its steady `generate`
+   wall time, as a fraction of the float32 matmul peak measured in this run (acceptance: >= 0.45);
+4. mean slot occupancy and where the engine's time goes: compile (per shape bucket: first step
+   minus that bucket's warm median), prefill and decode steps (device call, padding waste), host;
+5. how many prompts give the same greedy tokens on both sides (reported, not asserted).
+
+One invocation takes about 7 to 8 minutes on 2 cores (one whole-process pair, then the engine cold and
+warm in process). On a shared machine one pair is noisy: use `--repeats 3` when there is time.
+`--engine-flags` takes any `pagefleet generate --engine.*` flags, to compare engine configs.
+
+`--hf-worker` is the transformers side (run as a subprocess by the benchmark): it left-pads
+batches of prompts sorted by length (less padding: a stronger baseline) and writes token ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+DEFAULT_ENGINE_FLAGS = ("--engine.max_seqs=64 --engine.max_prefill_size=1024 --engine.max_seqs_in_prefill=8 --engine.page_size=16 "
+                        "--engine.max_pages=2304")  # 64 sequences of 576 tokens
+
+
+# -- inputs -------------------------------------------------------------------------------------
+
+def write_inputs(work: Path, num_prompts: int, min_len: int, max_len: int, seed: int) -> tuple[Path, Path, list[list[int]]]:
+    """The preset checkpoint and a prompts file of {"id", "prompt_token_ids"} lines (ids avoid BOS/EOS)."""
+    import numpy as np
+
+    from engine.presets import write_model
+
+    model = work / "llama-40m"
+    if not (model / "model.safetensors").exists():
+        write_model("llama-40m", model, seed=0)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(2, vocab, int(n)).tolist() for n in rng.integers(min_len, max_len + 1, num_prompts)]
+    path = work / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"id": str(i), "prompt_token_ids": p}) + "\n" for i, p in enumerate(prompts)))
+    return model, path, prompts
+
+
+def read_tokens(path: Path) -> dict[str, list[int]]:
+    return {r["prompt_id"]: r["token_ids"] for r in map(json.loads, path.read_text().splitlines())}
+
+
+# -- transformers side (subprocess) -------------------------------------------------------------
+
+def hf_worker(model: str, input_path: str, output_path: str, new_tokens: int, batch_size: int) -> None:
+    t0 = time.perf_counter()
+    import torch
+    import transformers
+
+    t_import = time.perf_counter()
+    lm = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    t_load = time.perf_counter()
+    rows = [json.loads(line) for line in open(input_path)]
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]["prompt_token_ids"]))
+    out: dict[str, list[int]] = {}
+    pad = 0
+    for b in range(0, len(order), batch_size):
+        batch = [rows[i] for i in order[b:b + batch_size]]
+        width = max(len(r["prompt_token_ids"]) for r in batch)
+        ids = torch.tensor([[pad] * (width - len(r["prompt_token_ids"])) + r["prompt_token_ids"] for r in batch])
+        mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(r["prompt_token_ids"]) for r in batch])[:, None])
+        with torch.inference_mode():
+            gen = lm.generate(input_ids=ids, attention_mask=mask.long(), max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=pad)
+        for r, toks in zip(batch, gen[:, width:].tolist()):
+            out[r["id"]] = toks
+    t_gen = time.perf_counter()
+    with open(output_path, "w") as f:
+        for r in rows:
+            f.write(json.dumps({"prompt_id": r["id"], "token_ids": out[r["id"]]}) + "\n")
+    t_end = time.perf_counter()
+    print(json.dumps({"import_s": t_import - t0, "load_s": t_load - t_import, "generate_s": t_gen - t_load,
+                      "write_s": t_end - t_gen, "torch_threads": torch.get_num_threads()}))
+
+
+# -- whole-process runs -------------------------------------------------------------------------
+
+def run_timed(cmd: list[str], env: dict[str, str]) -> tuple[float, str]:
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return wall, proc.stdout
+
+
+def engine_cmd(model: Path, prompts: Path, out: Path, new_tokens: int, max_seq_len: int, flags: list[str]) -> list[str]:
+    return [sys.executable, "-m", "orchestrator", "generate", f"--model={model}", f"--input={prompts}", f"--output={out}",
+            f"--sampling.max_new_tokens={new_tokens}", "--sampling.temperature=0", f"--engine.max_seq_len={max_seq_len}",
+            "--progress=false", *flags]
+
+
+# -- in-process engine run with per-step records ------------------------------------------------
+
+def instrument(engine) -> list[dict]:
+    """Record each device call: shape bucket, wall time of step_sample, of input packing, real tokens."""
+    runner, records, cur = engine.runner, [], {}
+    build, step_sample = runner.build_inputs, runner.step_sample
+
+    def timed_build(chunks, row_chunk=None):
+        t = time.perf_counter()
+        inputs = build(chunks, row_chunk)
+        cur.update(build_s=time.perf_counter() - t, T=int(inputs.token_ids.shape[0]), S=int(inputs.kv_lens.shape[0]))
+        return inputs
+
+    def timed_step(chunks, rows, row_chunk=None):
+        t = time.perf_counter()
+        result = step_sample(chunks, rows, row_chunk)
+        decode = all(len(c.token_ids) == 1 for c in chunks)
+        records.append(dict(cur, wall_s=time.perf_counter() - t, decode=decode, key=(cur["T"], cur["S"], decode),
+                            tokens=sum(len(c.token_ids) for c in chunks), seqs=len(chunks)))
+        return result
+
+    runner.build_inputs, runner.step_sample = timed_build, timed_step
+    return records
+
+
+def engine_in_process(model: Path, prompts: list[list[int]], new_tokens: int, max_seq_len: int, flags: list[str]) -> dict:
+    import draccus
+
+    from engine.config import EngineConfig, SamplingConfig
+    from engine.engine import Engine
+    from engine.sequence import Request
+
+    cfg = draccus.parse(config_class=EngineConfig, args=["--" + f.removeprefix("--engine.") for f in flags])
+    cfg = dataclasses.replace(cfg, max_seq_len=max_seq_len)
+    t = time.perf_counter()
+    engine = Engine(model, cfg)
+    load_s = time.perf_counter() - t
+    records = instrument(engine)
+    sampling = SamplingConfig(max_new_tokens=new_tokens, temperature=0.0)
+    requests = [Request(str(i), tuple(p), sampling) for i, p in enumerate(prompts)]
+    # The first step of a process runs on the freshly made pool, whose signature differs from the donated
+    # pool every later step passes: that bucket compiles twice. A tiny call takes the hit before timing.
+    t = time.perf_counter()
+    engine.generate([Request("warmup", tuple(prompts[0][:16]), dataclasses.replace(sampling, max_new_tokens=2))])
+    first_call_s = time.perf_counter() - t
+    runs = []
+    for _ in range(2):  # cold (compiles), then warm
+        records.clear()
+        engine.stats.__init__()
+        t = time.perf_counter()
+        done = engine.generate(requests)
+        wall = time.perf_counter() - t
+        runs.append(dict(wall_s=wall, steps_s=sum(engine.stats.step_s), records=list(records),
+                         summary=engine.stats.summary(cfg.max_seqs), tokens={c.prompt_id: c.token_ids for c in done}))
+    return dict(load_s=load_s, first_call_s=first_call_s, cold=runs[0], warm=runs[1], config=cfg)
+
+
+# -- numbers ------------------------------------------------------------------------------------
+
+def matmul_peak(sizes=(1024, 2048, 3072), reps: int = 5) -> tuple[float, int]:
+    """Best over sizes of the median float32 jnp.dot FLOP/s."""
+    import jax
+    import jax.numpy as jnp
+
+    best = (0.0, 0)
+    for n in sizes:
+        a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+        b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+        dot = jax.jit(jnp.dot)
+        dot(a, b).block_until_ready()
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            dot(a, b).block_until_ready()
+            times.append(time.perf_counter() - t)
+        best = max(best, (2 * n**3 / statistics.median(times), n))
+    return best
+
+
+def model_flops(model: Path, prompts: list[list[int]], produced: dict[str, list[int]]) -> float:
+    """2 * non-embedding params per token fed, LM head per generated token, causal attention 4*ctx*H*d per layer."""
+    c = json.loads((model / "config.json").read_text())
+    h, L, H, kv, d, inter, V = (c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"],
+                                c["num_key_value_heads"], c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+                                c["intermediate_size"], c["vocab_size"])
+    non_embed = L * (2 * h * H * d + 2 * h * kv * d + 3 * h * inter + 2 * h) + h
+    total = 0.0
+    for i, p in enumerate(prompts):
+        g = len(produced[str(i)])
+        fed = len(p) + g - 1  # the last generated token is never fed back
+        total += 2 * non_embed * fed + 2 * h * V * g + 4 * H * d * L * fed * (fed + 1) / 2
+    return total
+
+
+def compare(engine_tokens: dict[str, list[int]], hf_tokens: dict[str, list[int]], eos: int) -> str:
+    same = prefix = eos_stop = 0
+    for pid, hf in hf_tokens.items():
+        ours = engine_tokens[pid]
+        same += ours == hf
+        prefix += ours != hf and ours == hf[:len(ours)]
+        eos_stop += len(ours) < len(hf) and hf[len(ours) - 1] == eos
+    return (f"{same}/{len(hf_tokens)} prompts identical; {prefix} more identical up to the engine's EOS stop "
+            f"({eos_stop} engine sequences ended at EOS={eos}, transformers is told to ignore EOS)")
+
+
+def breakdown(cold: dict, warm: dict) -> list[str]:
+    warm_by_key = defaultdict(list)
+    for r in warm["records"]:
+        warm_by_key[r["key"]].append(r["wall_s"])
+    seen, compile_s = set(), 0.0
+    for r in cold["records"]:
+        if r["key"] not in seen:
+            seen.add(r["key"])
+            compile_s += r["wall_s"] - statistics.median(warm_by_key.get(r["key"], [0.0]))
+    lines = [f"  compile (cold call minus warm call)  {cold['wall_s'] - warm['wall_s']:7.1f} s; per bucket "
+             f"(first step minus warm median) {compile_s:.1f} s over {len(seen)} shape buckets (T, S, decode-only)"]
+    recs = warm["records"]
+    for name, sel in (("prefill/mixed steps", [r for r in recs if not r["decode"]]),
+                      ("decode-only steps", [r for r in recs if r["decode"]])):
+        dev = sum(r["wall_s"] - r["build_s"] for r in sel)
+        real, padded = sum(r["tokens"] for r in sel), sum(r["T"] for r in sel)
+        seqs, seq_slots = sum(r["seqs"] for r in sel), sum(r["S"] for r in sel)
+        lines.append(f"  {name:20s} {len(sel):4d} steps {dev:7.1f} s device call ({dev / max(len(sel), 1) * 1e3:6.0f} ms/step), "
+                     f"{real} real of {padded} padded tokens ({real / max(padded, 1):.0%}), "
+                     f"{seqs} of {seq_slots} seq rows, {real / max(dev, 1e-9):.0f} real tok/s")
+    device = sum(r["wall_s"] - r["build_s"] for r in recs)
+    build = sum(r["build_s"] for r in recs)
+    lines.append(f"  host                 {warm['wall_s'] - device:7.1f} s = input packing {build:.2f} s + scheduler/"
+                 f"post-processing {warm['steps_s'] - device - build:.2f} s + outside steps {warm['wall_s'] - warm['steps_s']:.2f} s")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--min-prompt-len", type=int, default=16)
+    ap.add_argument("--max-prompt-len", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=1, help="whole-process engine/transformers pairs, interleaved")
+    ap.add_argument("--engine-flags", default=DEFAULT_ENGINE_FLAGS, help="passed to `pagefleet generate`")
+    ap.add_argument("--hf-batch-size", type=int, default=32)
+    ap.add_argument("--workdir", default="/tmp/pagefleet-genbench")
+    ap.add_argument("--hf-worker", nargs=3, metavar=("MODEL", "INPUT", "OUTPUT"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.hf_worker:
+        return hf_worker(*args.hf_worker, args.new_tokens, args.hf_batch_size)
+
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    model, prompt_path, prompts = write_inputs(work, args.num_prompts, args.min_prompt_len, args.max_prompt_len, args.seed)
+    flags = args.engine_flags.split()
+    max_seq_len = args.max_prompt_len + args.new_tokens
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    lens = [len(p) for p in prompts]
+    print(f"llama-40m; {len(prompts)} prompts of {min(lens)}..{max(lens)} tokens (mean {statistics.mean(lens):.0f}, "
+          f"seed {args.seed}), {args.new_tokens} new tokens each, greedy, float32, CPU ({os.cpu_count()} cores, "
+          f"load average {os.getloadavg()[0]:.1f})")
+    print(f"engine: pagefleet generate --engine.max_seq_len={max_seq_len} {args.engine_flags}")
+    print(f"transformers: AutoModelForCausalLM float32, left-padded batches of {args.hf_batch_size} (sorted by length), "
+          f"generate(do_sample=False, min_new_tokens={args.new_tokens}, eos_token_id=None)")
+
+    peak, peak_n = matmul_peak()
+    print(f"matmul peak: {peak / 1e9:.1f} GFLOP/s (float32 jnp.dot {peak_n}x{peak_n}, median of 5)")
+
+    e_walls, h_walls, h_inner = [], [], []
+    e_out, h_out = work / "engine_out.jsonl", work / "hf_out.jsonl"
+    for _ in range(args.repeats):
+        wall, _ = run_timed(engine_cmd(model, prompt_path, e_out, args.new_tokens, max_seq_len, flags), env)
+        e_walls.append(wall)
+        wall, stdout = run_timed([sys.executable, __file__, "--hf-worker", str(model), str(prompt_path), str(h_out),
+                                  f"--new-tokens={args.new_tokens}", f"--hf-batch-size={args.hf_batch_size}"], env)
+        h_walls.append(wall)
+        h_inner.append(json.loads(stdout.strip().splitlines()[-1]))
+    engine_tokens, hf_tokens = read_tokens(e_out), read_tokens(h_out)
+    n_e, n_h = sum(map(len, engine_tokens.values())), sum(map(len, hf_tokens.values()))
+    e_tps, h_tps = n_e / statistics.median(e_walls), n_h / statistics.median(h_walls)
+    fmt = lambda xs: ", ".join(f"{x:.1f}" for x in xs)  # noqa: E731
+    print("\nwhole process (median of %d, interleaved)" % args.repeats)
+    print(f"  engine        {statistics.median(e_walls):7.1f} s  {n_e} tokens  {e_tps:7.1f} tok/s   (runs: {fmt(e_walls)} s)")
+    print(f"  transformers  {statistics.median(h_walls):7.1f} s  {n_h} tokens  {h_tps:7.1f} tok/s   (runs: {fmt(h_walls)} s; "
+          f"import {h_inner[-1]['import_s']:.1f} s, load {h_inner[-1]['load_s']:.1f} s)")
+    print(f"  RATIO output tok/s engine / transformers: {e_tps / h_tps:.2f}  (acceptance >= 1.5, goal 2.0)")
+
+    ip = engine_in_process(model, prompts, args.new_tokens, max_seq_len, flags)
+    warm, cold = ip["warm"], ip["cold"]
+    n_warm = sum(map(len, warm["tokens"].values()))
+    h_gen = statistics.median(r["generate_s"] for r in h_inner)
+    print("\nsteady state in process (start-up and compile excluded)")
+    print(f"  engine        {warm['wall_s']:7.1f} s  {n_warm / warm['wall_s']:7.1f} tok/s   (cold call {cold['wall_s']:.1f} s, "
+          f"load {ip['load_s']:.1f} s)")
+    print(f"  transformers  {h_gen:7.1f} s  {n_h / h_gen:7.1f} tok/s   (generate calls only)")
+    print(f"  RATIO steady: {n_warm / warm['wall_s'] / (n_h / h_gen):.2f}")
+    flops = model_flops(model, prompts, warm["tokens"])
+    mfu = flops / warm["wall_s"] / peak
+    print(f"\nengine model FLOP/s on real tokens: {flops / warm['wall_s'] / 1e9:.1f} GFLOP/s ({flops / 1e12:.2f} TFLOP) = "
+          f"{mfu:.2f} of matmul peak  (acceptance >= 0.45, goal 0.6)")
+    s = warm["summary"]
+    print(f"mean slot occupancy: {s['mean_slot_occupancy']:.2f} of max_seqs={ip['config'].max_seqs}; {s['steps']} steps, "
+          f"p50 {s['step_ms_p50']:.0f} ms, p90 {s['step_ms_p90']:.0f} ms")
+    e_med = statistics.median(e_walls)
+    print(f"\nwhere the engine's time goes: warm call {warm['wall_s']:.1f} s, cold call {cold['wall_s']:.1f} s (after a tiny "
+          f"first call of {ip['first_call_s']:.1f} s); whole process {e_med:.1f} s, of which start-up, load, first-call "
+          f"compile and write ~= whole process - cold call = {e_med - cold['wall_s']:.1f} s")
+    for line in breakdown(cold, warm):
+        print(line)
+    eos = json.loads((model / "config.json").read_text())["eos_token_id"]
+    print(f"\ngreedy agreement: {compare(engine_tokens, hf_tokens, eos)}")
+
+
+if __name__ == "__main__":
+    main()
