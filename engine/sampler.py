@@ -103,23 +103,32 @@ def sample(
     logits = logits.astype(jnp.float32)
     if not jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key):
         keys = jax.random.wrap_key_data(keys.astype(jnp.uint32), impl=KEY_IMPL)
+    vocab_size = logits.shape[-1]
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # f32[S, V]
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # i32[S]
-    sampled_tokens = jax.vmap(_sample_row)(logits, temperature, top_k, top_p, keys)  # i32[S]
-    tokens = jnp.where(temperature <= 0, greedy_tokens, sampled_tokens)  # i32[S]
+    sampled_rows = temperature > 0  # bool[S]
+    # A greedy row still flows through the sampled branch; divide by 1 there to keep it finite.
+    scaled = logits / jnp.where(sampled_rows, temperature, 1.0)[:, None]  # f32[S, V]
+    truncates = sampled_rows & (((top_k > 0) & (top_k < vocab_size)) | (top_p < 1.0))  # bool[S]
+
+    # Batch-level fast paths (the full-vocabulary sort is most of a decode step): skip sampling when
+    # every row is greedy, and skip the sort when no row truncates. The draw is made in vocabulary order
+    # in every case (truncation only masks), so a row's token never depends on which path its batch took.
+    def draw() -> jax.Array:
+        masked = jax.lax.cond(jnp.any(truncates), lambda: jax.vmap(_truncate_row)(scaled, top_k, top_p),
+                              lambda: scaled)  # f32[S, V]
+        return jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
+
+    sampled_tokens = jax.lax.cond(jnp.any(sampled_rows), draw, lambda: greedy_tokens)  # i32[S]
+    tokens = jnp.where(sampled_rows, sampled_tokens, greedy_tokens)  # i32[S]
     logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]  # f32[S]
     return tokens, logprobs
 
 
-def _sample_row(
-    logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, key: jax.Array
-) -> jax.Array:
-    """One row's draw at temperature > 0 (the caller discards it for greedy rows): `i32[]`."""
-    vocab_size = logits.shape[-1]
-    # A greedy row still runs this path under vmap; divide by 1 there to keep it finite.
-    safe_temperature = jnp.where(temperature > 0, temperature, 1.0)
-    scaled = logits / safe_temperature  # f32[V]
-    # One stable sort per row gives both truncations; rank r holds the (r+1)-th most likely token.
+def _truncate_row(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """One row's logits with tokens outside top-k, then outside the top-p nucleus, set to -inf: `f32[V]`."""
+    vocab_size = scaled.shape[-1]
+    # One stable sort gives both truncations; rank r holds the (r+1)-th most likely token.
     order = jnp.argsort(scaled, descending=True, stable=True)  # i32[V]
     sorted_logits = scaled[order]  # f32[V]
     ranks = jnp.arange(vocab_size)  # i32[V]
@@ -133,7 +142,5 @@ def _sample_row(
     # Keep a token while the tokens ranked above it hold less than top_p; rank 0 always stays.
     # top_p >= 1 keeps everything even when rounding makes the cumulative sum reach 1 early.
     in_nucleus = (mass_before < top_p) | (top_p >= 1.0) | (ranks == 0)
-    sorted_logits = jnp.where(keep & in_nucleus, sorted_logits, -jnp.inf)
-
-    choice = jax.random.categorical(key, sorted_logits)  # rank of the drawn token
-    return order[choice].astype(jnp.int32)
+    kept = jnp.zeros(vocab_size, bool).at[order].set(keep & in_nucleus)  # back to vocabulary order
+    return jnp.where(kept, scaled, -jnp.inf)

@@ -196,3 +196,20 @@ def test_position_keys_depend_only_on_their_row():
     for i in range(5):
         alone = np.asarray(jax.random.key_data(sample_key(0, f"p{i}", i % 3, int(positions[i]))))
         np.testing.assert_array_equal(batch[i], alone)
+
+
+def test_fast_paths_do_not_change_a_rows_token():
+    """All-greedy and no-truncation batches skip work; a row's token must not depend on which path ran."""
+    rng = np.random.default_rng(123)
+    logits = jnp.asarray(rng.standard_normal((6, 300)).astype(np.float32) * 3)
+    keys = jnp.asarray(np.stack([sample_base_key(0, f"p{i}", 0) for i in range(6)]))
+    plain = dict(temperature=jnp.full(6, 0.9), top_k=jnp.zeros(6, jnp.int32), top_p=jnp.ones(6))
+    alone, _ = jax.jit(sample)(logits, plain["temperature"], plain["top_k"], plain["top_p"], keys)  # no sort
+    top_k = plain["top_k"].at[5].set(20)  # one row truncates: the batch takes the sorting path
+    mixed, _ = jax.jit(sample)(logits, plain["temperature"], top_k, plain["top_p"], keys)
+    np.testing.assert_array_equal(np.asarray(mixed)[:5], np.asarray(alone)[:5])
+    greedy_t = plain["temperature"].at[:].set(0.0)
+    all_greedy, _ = jax.jit(sample)(logits, greedy_t, top_k, plain["top_p"], keys)  # skips sampling
+    one_sampled, _ = jax.jit(sample)(logits, greedy_t.at[0].set(0.9), top_k, plain["top_p"], keys)
+    np.testing.assert_array_equal(np.asarray(all_greedy)[1:], np.asarray(one_sampled)[1:])
+    np.testing.assert_array_equal(np.asarray(all_greedy), np.argmax(np.asarray(logits), axis=-1))
