@@ -222,6 +222,7 @@ class Engine:
     def check_invariants(self) -> None:
         live = self.scheduler.running + self._retained
         self.runner.kv.allocator.check([s.pages for s in live])
+        assert self.scheduler.slots_in_use <= self.config.max_seqs, "more live sequences than engine.max_seqs"
         for s in self.scheduler.running:
             assert 0 <= s.num_computed <= len(s.token_ids) <= self.max_seq_len, f"sequence {s.request.prompt_id}"
             assert len(s.pages) * self.config.page_size >= s.num_computed

@@ -51,6 +51,11 @@ class RowSampling:
     position: int  # index the new token will take in its sequence (prompt included)
 
 
+def is_decode_only(chunks: Sequence[SeqChunk]) -> bool:
+    """One new token per sequence: tokens are padded like sequences and attention uses 1-query tiles."""
+    return all(len(c.token_ids) == 1 for c in chunks)
+
+
 def _forward(model: Transformer, pool, inputs: StepInputs, settings: AttentionSettings):
     return model(pool, inputs, settings)
 
@@ -91,8 +96,7 @@ class ModelRunner:
         ps = self.engine.page_size
         n_tokens = sum(len(c.token_ids) for c in chunks)
         # Decode-only steps (one token a sequence) pad tokens like sequences: no padding tiles in attention.
-        decode_only = n_tokens == len(chunks)
-        T = bucket(n_tokens, MIN_SEQ_BUCKET if decode_only else MIN_TOKEN_BUCKET)
+        T = bucket(n_tokens, MIN_SEQ_BUCKET if is_decode_only(chunks) else MIN_TOKEN_BUCKET)
         S = bucket(len(chunks), MIN_SEQ_BUCKET)
         token_ids = np.zeros(T, np.int32)
         positions = np.zeros(T, np.int32)
@@ -124,8 +128,7 @@ class ModelRunner:
         return StepInputs(token_ids, positions, slots, cu, kv_lens, pages, np.array([len(chunks)], np.int32), last)
 
     def _settings_for(self, chunks: Sequence[SeqChunk]) -> AttentionSettings:
-        decode_only = all(len(c.token_ids) == 1 for c in chunks)
-        return self._settings[1 if decode_only else self.engine.attn_queries_per_block]
+        return self._settings[1 if is_decode_only(chunks) else self.engine.attn_queries_per_block]
 
     def step(self, chunks: Sequence[SeqChunk]) -> np.ndarray:
         """Process the chunks; returns f32[len(chunks), vocab] logits of each chunk's last token."""
