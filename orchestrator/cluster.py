@@ -16,6 +16,11 @@ class ClusterConfig:
     """On CPU: how many XLA host devices each host process exposes; None keeps the default."""
     mesh: dict[str, int] = field(default_factory=lambda: {"model": 1})
     """Named mesh axes inside a slice; `model` is the tensor-parallel width, the rest is data parallel."""
+    resources_per_host: dict[str, float] = field(default_factory=lambda: {"CPU": 1})
+    """Ray resources each host actor of a slice requests, e.g. {"TPU": 4} for one v5p host's chips;
+    a slice's host 0 also requests the slice's head resource when `slice_head_resource` is set."""
+    slice_head_resource: str | None = None
+    """Ray's per-slice head resource on TPU (e.g. "TPU-v5p-16-head"): makes each slice land on its own pod slice."""
     local_num_cpus: int | None = None
     """CPUs of the local Ray started in-process when there is no cluster (RAY_ADDRESS unset); None = all."""
 
