@@ -112,6 +112,11 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
 
+    @property
+    def num_waiting(self) -> int:
+        """Queued sequences not yet admitted (a caller feeding the engine adds more when this reaches 0)."""
+        return len(self.scheduler.waiting)
+
     def step(self) -> list[Completion]:
         """One device step; returns the samples that finished in it."""
         chunks = self.scheduler.schedule()
@@ -139,9 +144,9 @@ class Engine:
         for parent in forks:
             self._fork(parent)
         done = []
-        for i, (seq, token, logprob) in enumerate(zip(row_seqs, tokens.tolist(), logprobs.tolist())):
-            if i < len(chunks) and not completes[i]:
-                continue
+        for seq, i, token, logprob in zip(row_seqs, row_chunk, tokens.tolist(), logprobs.tolist()):
+            if not completes[i]:  # a prompt chunk short of the prompt's end: no token yet (siblings ride on
+                continue          # their parent's chunk, which completes by construction)
             if seq.num_computed != len(seq.token_ids):  # a sibling that could not fork: it will run alone
                 continue
             seq.token_ids.append(token)
@@ -218,6 +223,15 @@ class Engine:
             raise RuntimeError("reset while sequences are still running; finish or drop them first")
         self._retained = []
         self.runner.kv.reset(mode or self.config.reset_mode)
+
+    def abort(self) -> None:
+        """Drop every queued and running sequence, free all pages and reset (after a failed step)."""
+        self.scheduler.waiting.clear()
+        self.scheduler.running.clear()
+        self._last_queued = None
+        self._retained = []
+        # A step that failed after donating the pool leaves it deleted: rebuild it then.
+        self.runner.kv.reset("physical" if self.runner.kv.pool.array.is_deleted() else self.config.reset_mode)
 
     def check_invariants(self) -> None:
         live = self.scheduler.running + self._retained

@@ -15,6 +15,10 @@ class EngineStats:
     decode_tokens: list[int] = field(default_factory=list)  # sequences that produced a token per step
     active_seqs: list[int] = field(default_factory=list)
 
+    def clear(self) -> None:
+        for values in (self.step_s, self.prefill_tokens, self.decode_tokens, self.active_seqs):
+            values.clear()
+
     def summary(self, max_seqs: int) -> dict[str, float]:
         """p50/p90/max step time (ms), prefill and decode tokens/s, mean slot occupancy (fraction of max_seqs)."""
         if not self.step_s:

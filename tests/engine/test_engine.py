@@ -134,6 +134,23 @@ def test_n_samples_share_prompt_pages_and_equal_single_runs(tiny_llama, prompt_l
         assert results[(r.prompt_id, r.generation_index)].token_ids == alone.token_ids, (r.prompt_id, r.generation_index)
 
 
+def test_n_samples_fork_in_a_step_with_an_unfinished_prompt_chunk(tiny_llama):
+    """A parent's prompt completes (its siblings fork and draw their first token) in the same step as the
+    first chunk of a longer prompt, which draws no token: each row must still reach its own sequence."""
+    n = 2
+    sampling = SamplingConfig(max_new_tokens=6, temperature=0.8, seed=5)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(6, 512, length).tolist() for length in (40, 90, 20, 70)]
+    engine = Engine(tiny_llama, EngineConfig(page_size=8, max_pages=96, max_seqs=8, max_seqs_in_prefill=4,
+                                             max_prefill_size=64, max_seq_len=128, debug_invariants=True))
+    requests = [Request(f"f{i}", tuple(p), sampling, generation_index=g) for i, p in enumerate(prompts)
+                for g in range(n)]
+    results = {(c.prompt_id, c.generation_index): c.token_ids for c in engine.generate(requests)}
+    for r in requests:
+        alone = Engine(tiny_llama, EngineConfig(page_size=16, max_pages=64, max_seq_len=256)).generate([r])[0]
+        assert results[(r.prompt_id, r.generation_index)] == alone.token_ids, (r.prompt_id, r.generation_index)
+
+
 def test_stop_strings_spanning_tokens_cut_at_the_right_place(tiny_llama):
     engine = Engine(tiny_llama, EngineConfig(max_pages=64, max_seq_len=256))
     tok = engine.tokenizer
