@@ -8,7 +8,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 
-def atomic_write(path: str | Path, write: Callable[[str], None], fsync: bool = True) -> None:
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _umask()
+
+
+def atomic_write(path: str | Path, write: Callable[[str], None], fsync: bool = True,
+                 before_replace: Callable[[], None] | None = None) -> None:
     """Call `write(tmp_path)`, fsync the result, and rename it to `path` (all or nothing).
 
     With `fsync=False` the rename is still atomic but not yet durable: the caller must `os.sync()`
@@ -16,12 +26,15 @@ def atomic_write(path: str | Path, write: Callable[[str], None], fsync: bool = T
     """
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; the result should read like any other file
     os.close(fd)
     try:
         write(tmp)
         if fsync:
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
+        if before_replace is not None:
+            before_replace()
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -36,15 +49,27 @@ def atomic_write(path: str | Path, write: Callable[[str], None], fsync: bool = T
         os.close(dir_fd)
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
+def atomic_write_bytes(path: str | Path, data: bytes, before_replace: Callable[[], None] | None = None) -> None:
+    atomic_write(path, lambda tmp: Path(tmp).write_bytes(data), before_replace=before_replace)
 
 
-def atomic_write_text(path: str | Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
+def atomic_write_text(path: str | Path, text: str, before_replace: Callable[[], None] | None = None) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"), before_replace=before_replace)
 
 
-def atomic_write_parquet(path: str | Path, table, fsync: bool = True) -> None:
+def atomic_write_parquet(path: str | Path, table, fsync: bool = True,
+                         before_replace: Callable[[], None] | None = None) -> None:
     import pyarrow.parquet as pq
 
-    atomic_write(path, lambda tmp: pq.write_table(table, tmp), fsync=fsync)
+    atomic_write(path, lambda tmp: pq.write_table(table, tmp), fsync=fsync, before_replace=before_replace)
+
+
+def remove_stale_temporaries(directory: str | Path) -> int:
+    """Delete the `.NAME.*.tmp` files a crash left behind in `directory`; returns how many."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return 0
+    stale = [p for p in directory.glob(".*.tmp") if p.is_file()]
+    for p in stale:
+        p.unlink()
+    return len(stale)

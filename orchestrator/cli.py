@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -49,7 +50,60 @@ def _plan(argv: list[str]) -> int:
     return 0
 
 
+def _run(argv: list[str]) -> int:
+    if not argv or argv[0].startswith("-"):
+        print("usage: pagefleet run CONFIG.yaml [--section.key=value ...]", file=sys.stderr)
+        return 2
+    from orchestrator.config import ConfigError, load_run_config
+    from orchestrator.lock import RunDirLocked
+    from orchestrator.rundir import PlanMismatch
+
+    try:
+        cfg = load_run_config(argv[0], argv[1:])
+        from orchestrator.driver import Driver
+
+        outcome = Driver(cfg, show_progress=sys.stderr.isatty() or bool(os.environ.get("PAGEFLEET_PROGRESS"))).run()
+    except (ConfigError, PlanMismatch, RunDirLocked) as e:
+        print(f"pagefleet run: {e}", file=sys.stderr)
+        return 2
+    if outcome.exit_code == 130:
+        print("pagefleet run: stopped; rerun the same command to resume", file=sys.stderr)
+    elif outcome.exit_code:
+        print(f"pagefleet run: {outcome.summary['batches_failed']} batches failed and "
+              f"{outcome.summary['batches_pending']} did not run; `pagefleet status {outcome.summary['run_dir']}` "
+              "shows the errors, and rerunning retries them", file=sys.stderr)
+    return outcome.exit_code
+
+
+def _status(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="pagefleet status", description="Progress of a run directory.")
+    parser.add_argument("run_dir")
+    parser.add_argument("--json", action="store_true", help="print the status as JSON")
+    args = parser.parse_args(argv)
+    from orchestrator.status import format_status, status
+
+    s = status(args.run_dir)
+    print(json.dumps(s, indent=1) if args.json else format_status(s))
+    return 0
+
+
+def _export(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="pagefleet export", description="All samples in corpus order.")
+    parser.add_argument("run_dir")
+    parser.add_argument("--output", required=True, help="FILE.jsonl or FILE.parquet")
+    parser.add_argument("--partial", action="store_true", help="export the done batches of an unfinished run")
+    args = parser.parse_args(argv)
+    from orchestrator.export import export
+
+    count = export(args.run_dir, args.output, partial=args.partial)
+    print(f"wrote {count:,} samples to {args.output}")
+    return 0
+
+
 COMMANDS = {
+    "run": _run,
+    "status": _status,
+    "export": _export,
     "plan": _plan,
     "init-model": _init_model,
     "generate": _generate,

@@ -21,6 +21,11 @@ class ClusterConfig:
     a slice's host 0 also requests the slice's head resource when `slice_head_resource` is set."""
     slice_head_resource: str | None = None
     """Ray's per-slice head resource on TPU (e.g. "TPU-v5p-16-head"): makes each slice land on its own pod slice."""
+    samples_in_flight_per_slice: int | None = None
+    """Samples a slice holds at once (running plus queued in its engine); defaults to 2 * engine.max_seqs, so
+    the next batches are already queued when slots free up and the engine stays full across batches."""
+    max_slice_restarts: int = 3
+    """Times a slice that died (or failed to start) is replaced before the run gives up on it."""
     local_num_cpus: int | None = None
     """CPUs of the local Ray started in-process when there is no cluster (RAY_ADDRESS unset); None = all."""
 
@@ -28,6 +33,8 @@ class ClusterConfig:
         for name in ("num_slices", "hosts_per_slice"):
             if getattr(self, name) < 1:
                 raise ValueError(f"cluster.{name} must be at least 1, got {getattr(self, name)}")
+        if self.samples_in_flight_per_slice is not None and self.samples_in_flight_per_slice < 1:
+            raise ValueError(f"cluster.samples_in_flight_per_slice must be at least 1, got {self.samples_in_flight_per_slice}")
         if any(width < 1 for width in self.mesh.values()):
             raise ValueError(f"cluster.mesh widths must be at least 1, got {self.mesh}")
 

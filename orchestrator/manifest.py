@@ -28,6 +28,14 @@ class BatchRecord:
     finished_at: float | None = None
     output: str | None = None
     """outputs/<id>.parquet relative to the run directory, once done."""
+    num_samples: int = 0
+    """Samples written (num_prompts * sampling.n once done)."""
+    num_output_tokens: int = 0
+    """Completion tokens over the batch's samples."""
+    duration_s: float | None = None
+    """Time in the slice's engine, first request in to last sample out."""
+    occupancy: float | None = None
+    """Mean live sequences per engine step while the batch ran, as a fraction of engine.max_seqs."""
 
 
 def batch_id(index: int, num_batches: int) -> str:
@@ -35,9 +43,9 @@ def batch_id(index: int, num_batches: int) -> str:
     return f"b{index:0{max(6, len(str(max(num_batches - 1, 0))))}d}"
 
 
-def write_manifest(path: str | Path, records: list[BatchRecord]) -> None:
+def write_manifest(path: str | Path, records: list[BatchRecord], before_replace=None) -> None:
     """Replace the manifest atomically."""
-    atomic_write_text(path, "".join(json.dumps(asdict(r)) + "\n" for r in records))
+    atomic_write_text(path, "".join(json.dumps(asdict(r)) + "\n" for r in records), before_replace=before_replace)
 
 
 def read_manifest(path: str | Path) -> list[BatchRecord]:

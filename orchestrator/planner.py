@@ -56,28 +56,33 @@ def fingerprints(cfg: RunConfig, files: list[str]) -> dict[str, str]:
 
 def plan(cfg: RunConfig) -> PlanResult:
     """Plan `cfg` into its run directory, or check that the existing plan matches it."""
+    with RunLock(cfg.resolved_run_dir):
+        return plan_locked(cfg)
+
+
+def plan_locked(cfg: RunConfig) -> PlanResult:
+    """`plan` for a caller that already holds the run directory's lock (`pagefleet run`)."""
     run_dir = RunDir(Path(cfg.resolved_run_dir))
     cfg.model.require_path()
     files = list_files(cfg.corpus.path)
     prints = fingerprints(cfg, files)
-    with RunLock(run_dir.root):
-        if run_dir.is_planned():
-            check_same_plan(run_dir, cfg.sample_affecting(), prints)
-            return PlanResult(run_dir.root, PlanStats.from_json(run_dir.read_run_json()["plan"]), True)
-        stats, records = _plan_into(cfg, run_dir, files)
-        run_dir.write_run_json({
-            "name": cfg.name,
-            "config": json.loads(json.dumps(dataclasses.asdict(cfg))),
-            "sample_affecting": cfg.sample_affecting(),
-            "fingerprints": prints,
-            "corpus_files": files,
-            "versions": versions(),
-            "plan": stats.to_json(),
-        })
-        write_manifest(run_dir.manifest, records)
-        with open(run_dir.events, "a", encoding="utf-8") as events:
-            events.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} planned {stats.num_batches} batches: "
-                         f"{stats.accepted} prompts accepted, {stats.rows_read - stats.accepted} rejected\n")
+    if run_dir.is_planned():
+        check_same_plan(run_dir, cfg.sample_affecting(), prints)
+        return PlanResult(run_dir.root, PlanStats.from_json(run_dir.read_run_json()["plan"]), True)
+    stats, records = _plan_into(cfg, run_dir, files)
+    run_dir.write_run_json({
+        "name": cfg.name,
+        "config": json.loads(json.dumps(dataclasses.asdict(cfg))),
+        "sample_affecting": cfg.sample_affecting(),
+        "fingerprints": prints,
+        "corpus_files": files,
+        "versions": versions(),
+        "plan": stats.to_json(),
+    })
+    write_manifest(run_dir.manifest, records)
+    with open(run_dir.events, "a", encoding="utf-8") as events:
+        events.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} planned {stats.num_batches} batches: "
+                     f"{stats.accepted} prompts accepted, {stats.rows_read - stats.accepted} rejected\n")
     return PlanResult(run_dir.root, stats, False)
 
 

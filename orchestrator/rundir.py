@@ -45,6 +45,23 @@ class RunDir:
     def events(self) -> Path:
         return self.root / "events.log"
 
+    @property
+    def timeline(self) -> Path:
+        """Slices' throughput and occupancy over time, appended by the head (JSON lines; for status and the plot)."""
+        return self.root / "timeline.jsonl"
+
+    @property
+    def progress(self) -> Path:
+        """The running head's live figures (tokens/s, ETA), replaced every few seconds."""
+        return self.root / "progress.json"
+
+    @property
+    def plot(self) -> Path:
+        return self.root / "throughput.png"
+
+    def output_file(self, batch_id: str) -> Path:
+        return self.outputs / f"{batch_id}.parquet"
+
     def batch_file(self, batch_id: str) -> Path:
         return self.batches / f"{batch_id}.parquet"
 

@@ -8,3 +8,17 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One persistent XLA compilation cache for the whole session, shared by every process it starts
+# (slice actors, `pagefleet run` subprocesses): the same step programs compile once, not once per process.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    _CACHE_DIR = tempfile.mkdtemp(prefix="pagefleet-xla-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE_DIR
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if "_CACHE_DIR" in globals():
+        import shutil
+
+        shutil.rmtree(_CACHE_DIR, ignore_errors=True)

@@ -46,3 +46,37 @@ def ray_local():
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+RUN_WORDS = "the quick brown fox jumps over a lazy dog while sea poems hello world data model".split()
+
+
+def write_run_corpus(path, num_prompts: int, seed: int = 0) -> str:
+    """Text and chat rows of 3 to 25 words (about 10 to 100 tokens with the tiny tokenizer)."""
+    import random
+
+    rng = random.Random(seed)
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(num_prompts):
+            text = " ".join(rng.choice(RUN_WORDS) for _ in range(rng.randint(3, 25)))
+            row = {"id": f"q{i}", "messages": [{"role": "user", "content": text}]} if i % 3 == 0 else \
+                {"id": f"q{i}", "prompt": text}
+            f.write(json.dumps(row) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def run_model(tmp_path_factory) -> str:
+    """The tiny-llama preset as `pagefleet init-model` writes it (real weights, tokenizer, chat template)."""
+    from engine.presets import write_model
+
+    return str(write_model("tiny-llama", tmp_path_factory.mktemp("tiny-llama")))
+
+
+def run_args(model: str, corpus: str, run_dir, *extra: str) -> list[str]:
+    """Overrides for a small, quick run: batches of at most 8 prompts, 2 slices, no tracker."""
+    return [f"--model.path={model}", "--model.dtype=float32", f"--corpus.path={corpus}", f"--run_dir={run_dir}",
+            "--name=test", "--sampling.max_new_tokens=12", "--engine.max_seq_len=128", "--engine.page_size=8",
+            "--engine.max_pages=96", "--engine.max_seqs=8", "--engine.max_seqs_in_prefill=4",
+            "--engine.max_prefill_size=128", "--packing.max_prefill_steps=2", "--cluster.num_slices=2",
+            "--cluster.local_num_cpus=2", "--tracker.type=noop", "--retry.backoff_s=0.05", *extra]

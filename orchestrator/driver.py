@@ -1,0 +1,395 @@
+"""`pagefleet run`: the head. Plans if needed, then runs every batch that is not done on slice actors.
+
+The head owns all durable state (batches.jsonl, outputs/, events.log) and the tracker; slices get
+batches and return `Completed | Failed` as data. Each slice holds about
+`cluster.samples_in_flight_per_slice` samples (default 2 x engine.max_seqs): the next batches are
+already queued in its engine when slots free up, so it never drains between batches; a slice
+that frees up pulls the next pending batch, so faster slices do more. A batch's outputs are written
+atomically before it is marked done. A failed attempt is retried after an exponential backoff, up to
+`retry.max_attempts`; a dead slice's batches go back to pending and the slice is replaced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from orchestrator.atomic import atomic_write_parquet
+from orchestrator.config import RunConfig
+from orchestrator.faults import crash_point
+from orchestrator.lock import RunLock
+from orchestrator.progress import RunProgress, mean_occupancy, read_timeline
+from orchestrator.results import BatchWork, Completed, Failed
+from orchestrator.run_state import RunState
+from orchestrator.rundir import RunDir
+from orchestrator.slice import SliceSpec, SliceWorker
+
+log = logging.getLogger(__name__)
+POLL_S = 1.0
+
+
+@dataclass
+class _Slot:
+    """One slice: its actor (replaced when it dies) and the batches it holds."""
+
+    index: int
+    actor: Any = None
+    start_ref: Any = None
+    poll_ref: Any = None
+    inflight: dict[str, tuple[int, list[str]]] = field(default_factory=dict)  # batch -> (attempt, prompt ids)
+    samples_held: int = 0  # samples of the batches in `inflight`
+    restarts: int = 0
+    dead: str | None = None  # why it was given up on
+
+    @property
+    def name(self) -> str:
+        return f"slice-{self.index}"
+
+    @property
+    def ready(self) -> bool:
+        return self.poll_ref is not None
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    exit_code: int
+    """0: every batch done; 1: some batch failed or could not run; 130: stopped before the end."""
+    summary: dict
+
+
+class Driver:
+    def __init__(self, cfg: RunConfig, show_progress: bool = True, stop: threading.Event | None = None) -> None:
+        if cfg.cluster.hosts_per_slice != 1:
+            raise ValueError("cluster.hosts_per_slice > 1 (multi-host slices) is not supported by this version; "
+                             "run one host per slice (cluster.hosts_per_slice=1)")
+        self.cfg = cfg
+        self.run_dir = RunDir(Path(cfg.resolved_run_dir))
+        self.show_progress = show_progress
+        self.stop = stop or threading.Event()
+        self.slots: list[_Slot] = []
+        self.on_actors_ready = None  # tests: called with the slots once every live slice has started
+        self.on_slices_done = None  # tests: called with the slots before the actors are stopped
+        self._samples_in_flight = cfg.cluster.samples_in_flight_per_slice or 2 * cfg.engine.max_seqs
+
+    # -- the run ---------------------------------------------------------------------------------
+
+    def run(self) -> RunOutcome:
+        from orchestrator.cluster import ensure_ray
+        from orchestrator.planner import plan_locked
+
+        with RunLock(self.run_dir.root):
+            planned = plan_locked(self.cfg)  # starts Ray only when there is something to plan
+            if not planned.already_planned:
+                print(planned.stats.format())
+            crash_point("planned")
+            state = RunState.recover(self.run_dir, self.cfg.sampling.n)
+            try:
+                todo = state.with_status("pending")
+                if not todo:
+                    summary = self._summary(state, None, session_s=0.0)
+                    print(f"all {len(state.records)} batches of {self.run_dir.root} are done; nothing to compute")
+                    return RunOutcome(0, summary)
+                ensure_ray(self.cfg.cluster)
+                return self._execute(state, [r.batch_id for r in todo])
+            finally:
+                state.close()
+
+    def _execute(self, state: RunState, todo: list[str]) -> RunOutcome:
+        from orchestrator.tracking import make_tracker
+
+        tracker = make_tracker(self.cfg.tracker, self.run_dir.root, self.cfg.name,
+                               json.loads(json.dumps(dataclasses.asdict(self.cfg))))
+        progress = RunProgress(self.run_dir, list(state.records.values()), self.show_progress)
+        self._state, self._tracker, self._progress = state, tracker, progress
+        self._pending: deque[str] = deque(todo)
+        self._retry_at: dict[str, float] = {}
+        self._attempts: Counter[str] = Counter()  # this run's attempts per batch
+        state.event(f"run started: {len(todo)} of {len(state.records)} batches to do, "
+                    f"{self.cfg.cluster.num_slices} slices")
+        previous = _on_signals(self.stop)
+        try:
+            self.slots = [self._spawn(_Slot(i)) for i in range(self.cfg.cluster.num_slices)]
+            self._loop()
+        finally:
+            _restore_signals(previous)
+            stopped = self.stop.is_set()
+            if self.on_slices_done is not None:
+                self.on_slices_done(self.slots)
+            for slot in self.slots:
+                for batch_id in slot.inflight:  # stopped mid-batch: resumable, nothing half-done stays "running"
+                    state.update(batch_id, status="pending")
+                    state.event(f"{batch_id} back to pending: the run stopped")
+                self._kill(slot)
+            state.flush(force=True)
+            remaining = sum(r.num_prompts for r in state.records.values() if r.status != "done")
+            progress.write(remaining, force=True, running=False)
+            progress.close()
+            summary = self._summary(state, progress, progress.elapsed_s)
+            tracker.finish({k: v for k, v in summary.items() if isinstance(v, int | float | str)})
+            self._plot()
+            print(_format_summary(summary))
+        if stopped:
+            return RunOutcome(130, summary)
+        return RunOutcome(0 if summary["batches_done"] == summary["batches"] else 1, summary)
+
+    def _loop(self) -> None:
+        import ray
+
+        announced = False
+        while self._pending or any(s.inflight for s in self.slots):
+            if self.stop.is_set():
+                self._state.event("stop requested; leaving the remaining batches pending")
+                return
+            live = [s for s in self.slots if s.dead is None]
+            if not live:
+                reasons = "; ".join(f"{s.name}: {s.dead}" for s in self.slots)
+                self._state.event(f"every slice failed; stopping ({reasons})")
+                print(f"pagefleet run: every slice failed, so the remaining batches stay pending:\n  {reasons}")
+                return
+            for slot in live:
+                while slot.ready and (not slot.inflight or slot.samples_held < self._samples_in_flight):
+                    batch_id = self._next_batch()
+                    if batch_id is None:
+                        break
+                    self._dispatch(slot, batch_id)
+            if not announced and all(s.ready for s in live):
+                announced = True
+                if self.on_actors_ready is not None:
+                    self.on_actors_ready(self.slots)
+            refs = {(s.poll_ref or s.start_ref): s for s in live}
+            ready, _ = ray.wait(list(refs), num_returns=1, timeout=POLL_S)
+            for ref in ready:
+                slot = refs[ref]
+                if ref is slot.start_ref:
+                    self._started(slot, ref)
+                else:
+                    self._polled(slot, ref)
+            self._state.flush()
+            remaining = sum(r.num_prompts for r in self._state.records.values() if r.status != "done")
+            self._progress.write(remaining)
+
+    # -- slices ----------------------------------------------------------------------------------
+
+    def _spawn(self, slot: _Slot) -> _Slot:
+        import ray
+
+        cfg = self.cfg
+        spec = SliceSpec(slot.name, cfg.model.require_path(), cfg.model.tokenizer_path, cfg.model.dtype, cfg.engine,
+                         cfg.sampling, dict(cfg.cluster.mesh))
+        resources = dict(cfg.cluster.resources_per_host)
+        num_cpus, num_gpus = resources.pop("CPU", 0), resources.pop("GPU", 0)
+        if cfg.cluster.slice_head_resource:
+            resources[cfg.cluster.slice_head_resource] = 1
+        env = {}
+        if cfg.cluster.devices_per_host:
+            env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={cfg.cluster.devices_per_host}"
+        actor_cls = ray.remote(SliceWorker).options(
+            num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or None, max_concurrency=4, max_restarts=0,
+            runtime_env={"env_vars": env} if env else None)
+        slot.actor = actor_cls.remote(spec)
+        slot.start_ref, slot.poll_ref = slot.actor.start.remote(), None
+        return slot
+
+    def _started(self, slot: _Slot, ref) -> None:
+        import ray
+
+        try:
+            info = ray.get(ref)
+        except ray.exceptions.RayError as e:
+            self._slice_failed(slot, f"could not start: {_error_text(e)}")
+            return
+        slot.start_ref, slot.poll_ref = None, slot.actor.poll.remote(POLL_S)
+        self._state.event(f"{slot.name} ready (pid {info['pid']}, {len(info['devices'])} devices, "
+                          f"model loaded in {info['load_s']:.1f} s)")
+
+    def _polled(self, slot: _Slot, ref) -> None:
+        import ray
+
+        try:
+            results = ray.get(ref)
+        except ray.exceptions.RayError as e:
+            self._slice_failed(slot, f"died: {_error_text(e)}")
+            return
+        slot.poll_ref = slot.actor.poll.remote(POLL_S)
+        for result in results:
+            self._progress.add_timeline(slot.name, result.timeline)
+            held = slot.inflight.get(result.batch_id)
+            if held is None or held[0] != result.attempt:
+                self._state.event(f"{slot.name}: ignored a stale result for {result.batch_id}")
+                continue
+            self._release(slot, result.batch_id)
+            if isinstance(result, Failed):
+                self._attempt_failed(result.batch_id, f"on {slot.name}: {result.error}")
+            else:
+                self._completed(slot, result, held[1])
+
+    def _slice_failed(self, slot: _Slot, reason: str) -> None:
+        """Requeue the slice's batches and replace it (up to cluster.max_slice_restarts times)."""
+        self._state.event(f"{slot.name} {reason}")
+        for batch_id in list(slot.inflight):
+            self._release(slot, batch_id)
+            self._attempt_failed(batch_id, f"{slot.name} {reason}")
+        self._kill(slot)
+        if slot.restarts >= self.cfg.cluster.max_slice_restarts:
+            slot.dead = reason
+            self._state.event(f"{slot.name} given up after {slot.restarts} restarts")
+            return
+        slot.restarts += 1
+        self._state.event(f"{slot.name} restarting ({slot.restarts} of {self.cfg.cluster.max_slice_restarts})")
+        self._spawn(slot)
+
+    def _release(self, slot: _Slot, batch_id: str) -> None:
+        _, prompt_ids = slot.inflight.pop(batch_id)
+        slot.samples_held -= len(prompt_ids) * self.cfg.sampling.n
+
+    def _kill(self, slot: _Slot) -> None:
+        import ray
+
+        if slot.actor is not None:
+            try:
+                ray.kill(slot.actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        slot.actor = slot.start_ref = slot.poll_ref = None
+
+    # -- batches ---------------------------------------------------------------------------------
+
+    def _next_batch(self) -> str | None:
+        now = time.time()
+        for i, batch_id in enumerate(self._pending):
+            if self._retry_at.get(batch_id, 0.0) <= now:
+                del self._pending[i]
+                return batch_id
+        return None
+
+    def _dispatch(self, slot: _Slot, batch_id: str) -> None:
+        record = self._state.mark_running(batch_id, slot.name)
+        self._attempts[batch_id] += 1
+        try:
+            prompts = pq.read_table(self.run_dir.batch_file(batch_id))
+        except Exception as e:  # noqa: BLE001 - a bad batch file fails this batch, not the run
+            self._attempt_failed(batch_id, f"could not read {self.run_dir.batch_file(batch_id)}: {e}")
+            return
+        slot.inflight[batch_id] = (record.attempts, prompts.column("prompt_id").to_pylist())
+        slot.samples_held += prompts.num_rows * self.cfg.sampling.n
+        slot.actor.submit.remote(BatchWork(batch_id, record.attempts, prompts))
+        crash_point("dispatched")
+
+    def _attempt_failed(self, batch_id: str, error: str) -> None:
+        final = self._attempts[batch_id] >= self.cfg.retry.max_attempts
+        self._state.mark_failed(batch_id, error, final)
+        if not final:
+            self._retry_at[batch_id] = time.time() + self.cfg.retry.wait_s(self._attempts[batch_id])
+            self._pending.append(batch_id)
+
+    def _completed(self, slot: _Slot, result: Completed, prompt_ids: list[str]) -> None:
+        n = self.cfg.sampling.n
+        samples = result.samples
+        expected_ids = [pid for pid in prompt_ids for _ in range(n)]
+        if (samples.column("prompt_id").to_pylist() != expected_ids
+                or samples.column("generation_index").to_pylist() != list(range(n)) * len(prompt_ids)):
+            self._attempt_failed(result.batch_id, f"{slot.name} returned {samples.num_rows} samples that do not match "
+                                 f"the batch's {len(prompt_ids)} prompts x {n} (internal error)")
+            return
+        atomic_write_parquet(self.run_dir.output_file(result.batch_id), samples,
+                             before_replace=lambda: crash_point("output_tmp"))
+        crash_point("output_written")
+        record = self._state.mark_done(result.batch_id, result.stats, slot.name)
+        done = len(self._state.with_status("done"))
+        self._progress.batch_done(record, done, len(self._state.with_status("failed")))
+        s = result.stats
+        self._tracker.log_batch({
+            "batch_id": record.batch_id, "slice": slot.name, "num_prompts": record.num_prompts,
+            "num_samples": s.num_samples, "num_prompt_tokens": record.num_prompt_tokens,
+            "num_output_tokens": s.num_output_tokens, "duration_s": s.duration_s,
+            "tokens_per_s": s.num_output_tokens / max(s.duration_s, 1e-9), "pages": s.max_pages_in_use,
+            "occupancy": s.occupancy, "attempts": record.attempts, "batches_done": done})
+        limit = getattr(self.cfg.tracker, "samples_table_rows", 0)
+        if limit and samples.num_rows:
+            self._tracker.add_samples(samples.slice(0, limit).drop_columns(["token_ids", "logprobs"]).to_pylist())
+
+    # -- the end ---------------------------------------------------------------------------------
+
+    def _summary(self, state: RunState, progress: RunProgress | None, session_s: float) -> dict:
+        records = list(state.records.values())
+        counts = Counter(r.status for r in records)
+        done = [r for r in records if r.status == "done"]
+        plan = self.run_dir.read_run_json()["plan"]
+        summary = {
+            "run_dir": str(self.run_dir.root), "batches": len(records), "batches_done": counts["done"],
+            "batches_failed": counts["failed"], "batches_pending": counts["pending"] + counts["running"],
+            "prompts_done": sum(r.num_prompts for r in done), "prompts": sum(r.num_prompts for r in records),
+            "rows_rejected": plan["rows_read"] - plan["accepted"], "samples_done": sum(r.num_samples for r in done),
+            "output_tokens": sum(r.num_output_tokens for r in done), "session_s": round(session_s, 2),
+            "failed": {r.batch_id: r.error for r in records if r.status == "failed"},
+        }
+        if progress is not None:
+            summary["session_batches"] = progress.session_batches
+            summary["session_output_tokens"] = progress.session_tokens
+            summary["tokens_per_s"] = round(progress.tokens_per_s, 2)
+        occupancy = mean_occupancy(read_timeline(self.run_dir))
+        if occupancy is not None:
+            summary["mean_occupancy"] = round(occupancy, 4)
+        return summary
+
+    def _plot(self) -> None:
+        try:
+            from orchestrator.plot import write_plot
+
+            timeline = read_timeline(self.run_dir)
+            t0 = min((b["t"] for b in timeline), default=0.0)
+            write_plot(self.run_dir.plot, [{**b, "t": b["t"] - t0} for b in timeline])
+        except Exception as e:  # noqa: BLE001 - the plot is a report, never a reason to fail the run
+            self._state.event(f"could not write the throughput plot: {e}")
+
+
+def run(cfg: RunConfig, show_progress: bool = True) -> RunOutcome:
+    return Driver(cfg, show_progress).run()
+
+
+def _format_summary(s: dict) -> str:
+    lines = [
+        f"run directory    {s['run_dir']}",
+        f"batches          {s['batches_done']:,} done, {s['batches_failed']:,} failed, {s['batches_pending']:,} pending "
+        f"of {s['batches']:,}",
+        f"prompts          {s['prompts_done']:,} of {s['prompts']:,} done ({s['rows_rejected']:,} rows rejected at planning)",
+        f"samples          {s['samples_done']:,} ({s['output_tokens']:,} output tokens)",
+    ]
+    if "tokens_per_s" in s:
+        lines.append(f"this run         {s['session_batches']:,} batches, {s['session_output_tokens']:,} tokens in "
+                     f"{s['session_s']:,.1f} s = {s['tokens_per_s']:,.1f} tokens/s")
+    if "mean_occupancy" in s:
+        lines.append(f"slot occupancy   {s['mean_occupancy']:.1%} of engine.max_seqs (mean over engine steps)")
+    for batch_id, error in s["failed"].items():
+        last = (error or "").strip().splitlines()[-1:] or ["?"]
+        lines.append(f"failed {batch_id}: {last[0]}")
+    return "\n".join(lines)
+
+
+def _error_text(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[-1] if text else type(e).__name__
+
+
+def _on_signals(stop: threading.Event):
+    """SIGINT/SIGTERM stop the run cleanly (resumable) instead of killing it mid-write."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    handler = lambda signum, frame: stop.set()  # noqa: E731
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _restore_signals(previous) -> None:
+    for sig, handler in (previous or {}).items():
+        signal.signal(sig, handler)

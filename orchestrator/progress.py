@@ -1,0 +1,99 @@
+"""The head's live figures: a progress bar, progress.json for `status`, the timeline, the final summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+
+from orchestrator.atomic import atomic_write_text
+from orchestrator.manifest import BatchRecord
+from orchestrator.rundir import RunDir
+
+PROGRESS_EVERY_S = 5.0
+
+
+class RunProgress:
+    def __init__(self, run_dir: RunDir, records: list[BatchRecord], show_bar: bool) -> None:
+        from tqdm import tqdm
+
+        self.run_dir = run_dir
+        self.started = time.time()
+        self.total_prompts = sum(r.num_prompts for r in records)
+        self.total_batches = len(records)
+        self.session_prompts = 0
+        self.session_tokens = 0
+        self.session_batches = 0
+        self._last_write = 0.0
+        done = [r for r in records if r.status == "done"]
+        self.bar = tqdm(total=self.total_prompts, initial=sum(r.num_prompts for r in done), unit="prompt",
+                        desc="prompts", file=sys.stderr, disable=not show_bar, dynamic_ncols=True, smoothing=0.1)
+        self._timeline = open(run_dir.timeline, "a", encoding="utf-8")
+
+    def batch_done(self, record: BatchRecord, num_done_batches: int, num_failed: int) -> None:
+        self.session_prompts += record.num_prompts
+        self.session_tokens += record.num_output_tokens
+        self.session_batches += 1
+        self.bar.update(record.num_prompts)
+        self.bar.set_postfix_str(f"batches {num_done_batches}/{self.total_batches}, "
+                                 f"{self.tokens_per_s:,.0f} tok/s, failed {num_failed}", refresh=False)
+
+    def add_timeline(self, slice_name: str, buckets: list[dict]) -> None:
+        for b in buckets:
+            self._timeline.write(json.dumps({**b, "slice": slice_name}) + "\n")
+        if buckets:
+            self._timeline.flush()
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.time() - self.started
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.session_tokens / max(self.elapsed_s, 1e-9)
+
+    def eta_s(self, remaining_prompts: int) -> float | None:
+        if not self.session_prompts:
+            return None
+        return remaining_prompts / (self.session_prompts / max(self.elapsed_s, 1e-9))
+
+    def write(self, remaining_prompts: int, force: bool = False, running: bool = True) -> None:
+        """Replace progress.json (every PROGRESS_EVERY_S, or now when forced)."""
+        if not force and time.monotonic() - self._last_write < PROGRESS_EVERY_S:
+            return
+        self._last_write = time.monotonic()
+        atomic_write_text(self.run_dir.progress, json.dumps({
+            "updated_at": time.time(), "head": {"pid": os.getpid(), "host": socket.gethostname()},
+            "running": running, "session_started_at": self.started, "session_elapsed_s": self.elapsed_s,
+            "session_batches": self.session_batches, "session_prompts": self.session_prompts,
+            "session_output_tokens": self.session_tokens, "tokens_per_s": self.tokens_per_s,
+            "prompts_per_s": self.session_prompts / max(self.elapsed_s, 1e-9), "eta_s": self.eta_s(remaining_prompts),
+        }, indent=1) + "\n")
+
+    def close(self) -> None:
+        self.bar.close()
+        self._timeline.close()
+
+
+def read_timeline(run_dir: RunDir) -> list[dict]:
+    """Every timeline bucket of every session (a line cut short by a crash is skipped)."""
+    if not run_dir.timeline.exists():
+        return []
+    out = []
+    with open(run_dir.timeline, encoding="utf-8") as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def mean_occupancy(timeline: list[dict]) -> float | None:
+    """Live sequences per engine step over the whole run, as a fraction of max_seqs (step-weighted)."""
+    steps = sum(b.get("steps", 1) for b in timeline)
+    if not steps:
+        return None
+    return sum(b["occupancy"] * b.get("steps", 1) for b in timeline) / steps

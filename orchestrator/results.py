@@ -1,0 +1,91 @@
+"""What crosses the head/slice boundary, as plain data: work in (`BatchWork`), results out (`Completed | Failed`).
+
+Results are values, never exceptions thrown across Ray: a slice that cannot run a batch says so with
+`Failed(error=...)`, and the head decides whether to retry.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+
+# outputs/<id>.parquet and `pagefleet export`: DESIGN.md section 4's sample record, plus `row` (the
+# prompt's corpus row, which orders the export).
+SAMPLE_SCHEMA = pa.schema([
+    ("prompt_id", pa.string()),
+    ("generation_index", pa.int32()),
+    ("completion", pa.string()),
+    ("token_ids", pa.list_(pa.int32())),
+    ("logprobs", pa.list_(pa.float32())),
+    ("finish_reason", pa.string()),
+    ("num_prompt_tokens", pa.int32()),
+    ("batch_id", pa.string()),
+    ("row", pa.int64()),
+])
+STATS_KEY = b"pagefleet.batch_stats"  # parquet metadata: the batch's BatchStats as JSON
+
+
+@dataclass(frozen=True)
+class BatchWork:
+    """One batch for a slice: batches/<id>.parquet as read by the head (prompt_id, row, token_ids), batch order."""
+
+    batch_id: str
+    attempt: int
+    prompts: pa.Table
+
+    @property
+    def num_prompts(self) -> int:
+        return self.prompts.num_rows
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    """What a slice measured while the batch was in its engine."""
+
+    num_samples: int
+    num_output_tokens: int
+    duration_s: float
+    """From the batch's first request entering the engine to its last sample finishing."""
+    num_steps: int
+    """Engine steps taken while the batch had sequences in the engine."""
+    occupancy: float
+    """Mean live sequences per step over those steps, as a fraction of engine.max_seqs."""
+    max_pages_in_use: int
+
+    def to_json(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True)
+class Completed:
+    batch_id: str
+    attempt: int
+    slice: str
+    samples: pa.Table  # SAMPLE_SCHEMA, batch order then generation_index
+    stats: BatchStats
+    timeline: list[dict] = field(default_factory=list)
+    """The slice's steps since its previous result, in 1 s buckets: {t (epoch s), tokens_per_s, occupancy}."""
+
+
+@dataclass(frozen=True)
+class Failed:
+    batch_id: str
+    attempt: int
+    slice: str
+    error: str
+    timeline: list[dict] = field(default_factory=list)
+
+
+Result = Completed | Failed
+
+
+def with_stats(table: pa.Table, stats: BatchStats) -> pa.Table:
+    """The samples table carrying its batch's stats in the parquet metadata (read back on resume)."""
+    return table.replace_schema_metadata({STATS_KEY: json.dumps(stats.to_json()).encode()})
+
+
+def stats_of(schema: pa.Schema) -> BatchStats | None:
+    raw = (schema.metadata or {}).get(STATS_KEY)
+    return None if raw is None else BatchStats(**json.loads(raw))

@@ -1,0 +1,137 @@
+"""The head's copy of `batches.jsonl`: the only writer of the manifest and of events.log.
+
+State changes happen in memory and reach disk through `flush`, which replaces the manifest
+atomically. The durable truth of "done" is the output file: outputs/<id>.parquet is written
+(atomically) before its batch is marked done, and on start an output whose batch is not yet marked
+done is adopted rather than recomputed. So a crash between the two writes loses nothing, and
+`flush` may batch several changes into one write (`flush_interval_s`) without weakening that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from orchestrator.atomic import remove_stale_temporaries
+from orchestrator.faults import crash_point
+from orchestrator.manifest import BatchRecord, read_manifest, write_manifest
+from orchestrator.results import BatchStats, stats_of
+from orchestrator.rundir import RunDir
+
+
+class RunState:
+    def __init__(self, run_dir: RunDir, records: list[BatchRecord], flush_interval_s: float = 1.0) -> None:
+        self.run_dir = run_dir
+        self.records: dict[str, BatchRecord] = {r.batch_id: r for r in records}
+        self.flush_interval_s = flush_interval_s
+        self._dirty = False
+        self._last_flush = 0.0
+        self._events = open(run_dir.events, "a", encoding="utf-8")
+
+    # -- start-up --------------------------------------------------------------------------------
+
+    @classmethod
+    def recover(cls, run_dir: RunDir, samples_per_prompt: int, flush_interval_s: float = 1.0) -> RunState:
+        """Load the manifest and repair what a crashed or stopped head left behind.
+
+        `running` goes back to `pending`; an output written before the crash is adopted (its batch
+        becomes `done`, nothing is recomputed); a `done` batch whose output is missing is redone;
+        `failed` batches become `pending` again, since a new run retries them.
+        """
+        removed = sum(remove_stale_temporaries(d) for d in (run_dir.root, run_dir.outputs))
+        run_dir.outputs.mkdir(exist_ok=True)
+        state = cls(run_dir, read_manifest(run_dir.manifest), flush_interval_s)
+        if removed:
+            state.event(f"removed {removed} unfinished temporary files left by a crash")
+        for r in list(state.records.values()):
+            output = run_dir.outputs / f"{r.batch_id}.parquet"
+            if r.status == "done":
+                if not output.exists():
+                    state.update(r.batch_id, status="pending", output=None)
+                    state.event(f"{r.batch_id} was done but {output.name} is missing; it will be recomputed")
+                continue
+            if output.exists():
+                stats = _adoptable(output, r.num_prompts * samples_per_prompt)
+                if stats is not None:
+                    state.mark_done(r.batch_id, stats, slice=r.slice, adopted=True)
+                    continue
+                output.unlink()
+                state.event(f"{r.batch_id}: removed {output.name}, which does not hold the batch's samples")
+            if r.status == "running":
+                state.update(r.batch_id, status="pending")
+                state.event(f"{r.batch_id} was running when the previous head stopped; back to pending")
+            elif r.status == "failed":
+                state.update(r.batch_id, status="pending")
+                state.event(f"{r.batch_id} failed in a previous run ({r.attempts} attempts); retrying")
+        state.flush(force=True)
+        return state
+
+    # -- changes ---------------------------------------------------------------------------------
+
+    def update(self, batch_id: str, **changes) -> BatchRecord:
+        record = dataclasses.replace(self.records[batch_id], **changes)
+        self.records[batch_id] = record
+        self._dirty = True
+        return record
+
+    def mark_running(self, batch_id: str, slice: str) -> BatchRecord:
+        r = self.records[batch_id]
+        record = self.update(batch_id, status="running", slice=slice, attempts=r.attempts + 1,
+                             started_at=time.time(), finished_at=None)
+        self.event(f"{batch_id} running on {slice} (attempt {record.attempts})")
+        return record
+
+    def mark_done(self, batch_id: str, stats: BatchStats, slice: str | None, adopted: bool = False) -> BatchRecord:
+        record = self.update(batch_id, status="done", error=None, slice=slice, finished_at=time.time(),
+                             output=f"outputs/{batch_id}.parquet", num_samples=stats.num_samples,
+                             num_output_tokens=stats.num_output_tokens, duration_s=round(stats.duration_s, 3),
+                             occupancy=round(stats.occupancy, 4))
+        how = "adopted the output written before the previous head stopped" if adopted else \
+            f"{stats.num_samples} samples, {stats.num_output_tokens} tokens in {stats.duration_s:.1f} s"
+        self.event(f"{batch_id} done: {how}")
+        return record
+
+    def mark_failed(self, batch_id: str, error: str, final: bool) -> BatchRecord:
+        record = self.update(batch_id, status="failed" if final else "pending", error=error, finished_at=time.time())
+        first_line = error.strip().splitlines()[-1] if error.strip() else "unknown error"
+        self.event(f"{batch_id} attempt {record.attempts} failed ({first_line})"
+                   + ("; no attempts left, marked failed" if final else "; will retry"))
+        return record
+
+    def event(self, text: str) -> None:
+        self._events.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} {text}\n")
+        self._events.flush()
+
+    def flush(self, force: bool = False) -> None:
+        """Replace batches.jsonl if anything changed (at most every flush_interval_s unless forced)."""
+        if not self._dirty or (not force and time.monotonic() - self._last_flush < self.flush_interval_s):
+            return
+        write_manifest(self.run_dir.manifest, list(self.records.values()),
+                       before_replace=lambda: crash_point("manifest_tmp"))
+        crash_point("manifest_written")
+        self._dirty = False
+        self._last_flush = time.monotonic()
+
+    def close(self) -> None:
+        self.flush(force=True)
+        self._events.close()
+
+    # -- views -----------------------------------------------------------------------------------
+
+    def with_status(self, *statuses: str) -> list[BatchRecord]:
+        return [r for r in self.records.values() if r.status in statuses]
+
+
+def _adoptable(output: Path, expected_samples: int) -> BatchStats | None:
+    """The stats of a complete output file, or None when it is not one."""
+    try:
+        meta = pq.read_metadata(output)
+    except Exception:  # noqa: BLE001 - unreadable means not adoptable; it is recomputed
+        return None
+    stats = stats_of(meta.schema.to_arrow_schema())
+    if stats is None or meta.num_rows != expected_samples:
+        return None
+    return stats

@@ -1,0 +1,178 @@
+"""`pagefleet run` on a local Ray: slices, retries, a dead slice, a failing batch, the lock, occupancy, tracking."""
+
+import json
+import os
+import signal
+from collections import Counter
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from orchestrator.cli import main
+from orchestrator.config import load_run_config
+from orchestrator.driver import Driver
+from orchestrator.export import collect
+from orchestrator.lock import RunLock
+from orchestrator.manifest import read_manifest
+from orchestrator.planner import plan
+from orchestrator.status import status
+
+from .conftest import run_args, write_run_corpus
+
+pytestmark = pytest.mark.ray
+
+
+def reference(model: str, run_dir: Path, cfg) -> dict[tuple[str, int], list[int]]:
+    """Every sample of the plan computed by one engine in this process, with other capacities."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.sequence import Request
+
+    requests = []
+    for path in sorted((run_dir / "batches").glob("*.parquet")):
+        for row in pq.read_table(path).to_pylist():
+            requests += [Request(row["prompt_id"], tuple(row["token_ids"]), cfg.sampling, generation_index=g)
+                         for g in range(cfg.sampling.n)]
+    engine = Engine(model, EngineConfig(page_size=16, max_pages=64, max_seqs=16, max_seq_len=128))
+    return {(c.prompt_id, c.generation_index): c.token_ids for c in engine.generate(requests)}
+
+
+def samples(run_dir: Path) -> dict[tuple[str, int], list[int]]:
+    table = collect(run_dir)
+    keys = list(zip(table["prompt_id"].to_pylist(), table["generation_index"].to_pylist()))
+    assert len(set(keys)) == len(keys), "a sample appears twice"
+    return dict(zip(keys, table["token_ids"].to_pylist()))
+
+
+def test_run_end_to_end_and_rerun(ray_local, run_model, tmp_path, capsys):
+    corpus = write_run_corpus(tmp_path / "corpus.jsonl", 40)
+    run_dir = tmp_path / "run"
+    cfg = load_run_config(None, run_args(run_model, corpus, run_dir, "--sampling.temperature=0.8",
+                                         "--sampling.top_p=0.9", "--sampling.top_k=50", "--sampling.n=2",
+                                         "--tracker.type=wandb", "--tracker.mode=offline"))
+    driver = Driver(cfg, show_progress=False)
+    modules = {}
+    driver.on_slices_done = lambda slots: modules.update(
+        {s.name: ray_local.get(s.actor.loaded_modules.remote()) for s in slots if s.actor is not None})
+    outcome = driver.run()
+    assert outcome.exit_code == 0
+    records = read_manifest(run_dir / "batches.jsonl")
+    assert len(records) >= 10 and all(r.status == "done" and r.attempts == 1 for r in records)
+    assert {r.slice for r in records} == {"slice-0", "slice-1"}  # both slices pulled work
+    assert outcome.summary["rows_rejected"] == 0 and outcome.summary["samples_done"] == 80
+
+    # Every (prompt, generation_index) exactly once, equal to one engine running the whole plan alone.
+    got = samples(run_dir)
+    assert got == reference(run_model, run_dir, cfg)
+
+    # Only the head talked to W&B: its offline run holds one row per batch; the slices never imported it.
+    assert modules.keys() == {"slice-0", "slice-1"}
+    for names in modules.values():
+        assert "wandb" not in names and "orchestrator.tracking" not in names
+        assert "engine.engine" in names  # the list is the slice's real module table
+    wandb_runs = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(wandb_runs) == 1
+    tables = {p.name.split("_")[0]: json.loads(p.read_text())
+              for p in (wandb_runs[0] / "files" / "media" / "table").glob("*.table.json")}
+    assert len(tables["batches"]["data"]) == len(records)
+    assert 0 < len(tables["samples"]["data"]) <= cfg.tracker.samples_table_rows
+    assert (run_dir / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    s = status(run_dir)
+    assert s["counts"]["done"] == len(records) and s["samples_done"] == 80 and s["head"] is None
+    assert 0 < s["mean_occupancy"] <= 1
+
+    # Run again: all done, nothing recomputed, no slice started.
+    stamps = {p.name: p.stat().st_mtime_ns for p in (run_dir / "outputs").iterdir()}
+    capsys.readouterr()
+    again = Driver(cfg, show_progress=False).run()
+    assert again.exit_code == 0
+    assert "are done; nothing to compute" in capsys.readouterr().out
+    assert {p.name: p.stat().st_mtime_ns for p in (run_dir / "outputs").iterdir()} == stamps
+
+
+def test_slice_killed_mid_batch_is_requeued(ray_local, run_model, tmp_path):
+    corpus = write_run_corpus(tmp_path / "corpus.jsonl", 24, seed=1)
+    run_dir = tmp_path / "run"
+    cfg = load_run_config(None, run_args(run_model, corpus, run_dir))
+    driver = Driver(cfg, show_progress=False)
+    killed = {}
+
+    def kill_slice_0(slots):
+        slot = slots[0]
+        killed["batches"] = list(slot.inflight)
+        os.kill(ray_local.get(slot.actor.pid.remote()), signal.SIGKILL)
+
+    driver.on_actors_ready = kill_slice_0
+    assert driver.run().exit_code == 0
+    assert killed["batches"], "slice-0 held no batch when it was killed"
+    records = {r.batch_id: r for r in read_manifest(run_dir / "batches.jsonl")}
+    assert all(r.status == "done" for r in records.values())
+    for batch_id in killed["batches"]:
+        assert records[batch_id].attempts == 2
+    events = (run_dir / "events.log").read_text()
+    assert "slice-0 died" in events and "slice-0 restarting" in events
+    assert samples(run_dir) == reference(run_model, run_dir, cfg)
+
+
+def test_failing_batch_ends_failed_and_only_it_is_retried(ray_local, run_model, tmp_path, capsys):
+    corpus = write_run_corpus(tmp_path / "corpus.jsonl", 24, seed=2)
+    run_dir = tmp_path / "run"
+    cfg = load_run_config(None, run_args(run_model, corpus, run_dir, "--retry.max_attempts=2"))
+    plan(cfg)
+    bad = run_dir / "batches" / "b000001.parquet"
+    good = pq.read_table(bad)
+    ids = good["token_ids"].to_pylist()
+    ids[0] = ids[0][:-1] + [10**6]  # beyond the vocabulary: the slice refuses it, every time
+    pq.write_table(good.set_column(2, "token_ids", pa.array(ids, good.schema.field("token_ids").type)), bad)
+
+    outcome = Driver(cfg, show_progress=False).run()
+    assert outcome.exit_code == 1
+    records = {r.batch_id: r for r in read_manifest(run_dir / "batches.jsonl")}
+    assert records["b000001"].status == "failed" and records["b000001"].attempts == 2
+    assert "vocab_size" in records["b000001"].error
+    assert all(r.status == "done" for k, r in records.items() if k != "b000001")
+    s = status(run_dir)
+    assert [f["batch_id"] for f in s["failed"]] == ["b000001"] and "vocab_size" in s["failed"][0]["error"]
+    capsys.readouterr()
+    assert main(["status", str(run_dir)]) == 0
+    assert "failed b000001 after 2 attempts" in capsys.readouterr().out
+
+    # A rerun retries only the failed batch; once its input is repaired, the run completes.
+    stamps = {p.name: p.stat().st_mtime_ns for p in (run_dir / "outputs").iterdir()}
+    pq.write_table(good, bad)
+    before = (run_dir / "events.log").read_text().count("\n")
+    assert Driver(cfg, show_progress=False).run().exit_code == 0
+    new_events = (run_dir / "events.log").read_text().splitlines()[before:]
+    assert [line.split()[1] for line in new_events if " running on " in line] == ["b000001"]
+    assert {p.name: p.stat().st_mtime_ns for p in (run_dir / "outputs").iterdir() if p.name in stamps} == stamps
+    assert read_manifest(run_dir / "batches.jsonl")[1].attempts == 3
+
+
+def test_second_head_is_refused(run_model, tmp_path, capsys):
+    corpus = write_run_corpus(tmp_path / "corpus.jsonl", 4)
+    config = tmp_path / "run.yaml"
+    config.write_text("name: locked\n")
+    with RunLock(tmp_path / "run"):
+        assert main(["run", str(config), *run_args(run_model, corpus, tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "is in use by" in err and f'"pid": {os.getpid()}' in err
+
+
+def test_occupancy_with_early_stops(ray_local, run_model, tmp_path):
+    """Completions that stop at varied lengths: the engine is refilled across batches, slots stay busy."""
+    corpus = write_run_corpus(tmp_path / "corpus.jsonl", 96, seed=3)
+    run_dir = tmp_path / "run"
+    cfg = load_run_config(None, run_args(run_model, corpus, run_dir, "--cluster.num_slices=1",
+                                         "--sampling.max_new_tokens=40", "--sampling.temperature=1.0",
+                                         "--sampling.stop=[th]", "--engine.max_pages=160"))
+    outcome = Driver(cfg, show_progress=False).run()
+    assert outcome.exit_code == 0
+    table = collect(run_dir)
+    reasons = Counter(table["finish_reason"].to_pylist())
+    stopped = [len(t) for t, r in zip(table["token_ids"].to_pylist(), table["finish_reason"].to_pylist()) if r == "stop"]
+    assert 0.2 * len(table) < reasons["stop"] < 0.9 * len(table) and len(set(stopped)) >= 8
+    assert outcome.summary["mean_occupancy"] >= 0.85, outcome.summary
+    assert status(run_dir)["mean_occupancy"] == pytest.approx(outcome.summary["mean_occupancy"], abs=1e-3)
