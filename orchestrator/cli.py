@@ -49,10 +49,17 @@ def _plan(argv: list[str]) -> int:
     return 0
 
 
+def _size(argv: list[str]) -> int:
+    from orchestrator.size import main as size_main
+
+    return size_main(argv)
+
+
 COMMANDS = {
     "plan": _plan,
     "init-model": _init_model,
     "generate": _generate,
+    "size": _size,
 }
 
 
