@@ -109,3 +109,30 @@ def test_cli_errors_name_the_fix(tmp_path, capsys):
     assert main(["size", "--model", str(model), "--chip", "v5p", "--tp", "3", "--prompt-tokens", "8",
                  "--new-tokens", "8"]) == 2
     assert "KV heads" in capsys.readouterr().err
+
+
+def _size_command(yaml_path: Path) -> list[str] | None:
+    """The `pagefleet size ...` command quoted in a config's comments (continuation lines joined)."""
+    lines = [line.lstrip("# ").rstrip() for line in yaml_path.read_text().splitlines() if line.startswith("#")]
+    text = " ".join(lines).replace("\\ ", " ")
+    if "pagefleet size " not in text:
+        return None
+    command = text.split("pagefleet size ", 1)[1].split(" (", 1)[0]
+    return command.split()
+
+
+@pytest.mark.parametrize("path", [p for p in sorted((ROOT / "configs").glob("**/*.yaml")) if _size_command(p)],
+                         ids=lambda p: p.name)
+def test_configs_hold_what_their_size_command_prints(path, capsys, monkeypatch):
+    from orchestrator.config import load_run_config
+
+    monkeypatch.chdir(ROOT)
+    assert main(["size", *_size_command(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    cfg = load_run_config(path)
+    for key in ("max_pages", "max_seqs", "max_seqs_in_prefill", "max_prefill_size", "max_seq_len"):
+        assert getattr(cfg.engine, key) == report[key], key
+    assert (cfg.engine.page_size, cfg.cluster.mesh["model"], cfg.model.dtype) == \
+        (report["page_size"], report["tp"], report["dtype"])
+    assert cfg.sampling.max_new_tokens == report["new_tokens"]
+    assert cfg.cluster.hosts_per_slice * cfg.cluster.devices_per_host == report["chips_per_slice"]
