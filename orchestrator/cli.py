@@ -50,7 +50,7 @@ def _plan(argv: list[str]) -> int:
 
 
 def _size(argv: list[str]) -> int:
-    from orchestrator.size import main as size_main
+    from orchestrator.size_command import main as size_main
 
     return size_main(argv)
 
