@@ -100,6 +100,12 @@ def _export(argv: list[str]) -> int:
     return 0
 
 
+def _size(argv: list[str]) -> int:
+    from orchestrator.size_command import main as size_main
+
+    return size_main(argv)
+
+
 COMMANDS = {
     "run": _run,
     "status": _status,
@@ -107,6 +113,7 @@ COMMANDS = {
     "plan": _plan,
     "init-model": _init_model,
     "generate": _generate,
+    "size": _size,
 }
 
 

@@ -1,0 +1,138 @@
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from engine.model_config import ModelConfig
+from orchestrator.cli import main
+from orchestrator.size import CHIPS, GiB, SizingError, count_params, kv_bytes_per_token, read_model_config, size
+from tests.orchestrator.llama31_8b import LLAMA_31_8B_CONFIG, write_llama31_8b_config
+
+ROOT = Path(__file__).resolve().parents[2]
+LLAMA = ModelConfig.from_hf(LLAMA_31_8B_CONFIG)
+
+
+def test_llama31_8b_parameters_and_kv_bytes():
+    params = count_params(LLAMA)
+    assert params.total == 8_030_261_248  # the released checkpoint's parameter count
+    embed = 128256 * 4096
+    assert params.replicated == 2 * embed + 32 * 2 * 4096 + 4096  # embeddings, untied lm_head, norms
+    per_layer = 4096 * 4096 * 2 + 4096 * 1024 * 2 + 3 * 4096 * 14336  # q, o, k, v, gate/up/down
+    assert params.sharded == 32 * per_layer
+    assert kv_bytes_per_token(LLAMA, 2) == 131072 == 128 * 1024
+    assert kv_bytes_per_token(LLAMA, 4) == 2 * 131072
+
+
+def test_the_shipped_config_json_is_llama31_8b():
+    cfg, name = read_model_config(ROOT / "configs" / "models" / "llama-3.1-8b")
+    assert cfg == LLAMA and name == "llama-3.1-8b"
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_pages_are_what_hbm_leaves_after_weights_and_reserve(tp):
+    r = size(LLAMA, hbm_gib=95, hbm_gb_per_s=2765, tp=tp, chips_per_slice=8, prompt_tokens=2048, new_tokens=1024,
+             page_size=16, reserve_fraction=0.15)
+    hbm = 95 * 2**30
+    reserve = int(hbm * 0.15)
+    weights = (1_050_939_392 + 6_979_321_856 // tp) * 2
+    page_bytes_per_chip = 16 * 131072 // tp
+    assert r.weight_bytes_per_chip == weights
+    assert r.kv_bytes_per_token_per_chip == 131072 // tp
+    assert r.max_pages == (hbm - reserve - weights) // page_bytes_per_chip
+    assert r.max_pages * page_bytes_per_chip <= hbm - reserve - weights < (r.max_pages + 1) * page_bytes_per_chip
+    assert r.pages_per_seq == 192 and r.seqs_that_fit == r.max_pages // 192
+    assert r.max_seqs == min(256, 2 ** int(math.log2(r.seqs_that_fit)))
+    assert r.engines_per_slice == 8 // tp
+    assert r.max_seqs_in_prefill <= r.max_seqs and r.max_prefill_size == 2048 and r.max_seq_len == 3072
+
+
+def test_decode_bound_reads_weights_and_live_kv_once_per_step():
+    r = size(LLAMA, hbm_gib=95, hbm_gb_per_s=2765, tp=4, chips_per_slice=8, prompt_tokens=1000, new_tokens=200)
+    step_bytes = r.weight_bytes_per_chip + r.max_seqs * (1000 + 100) * 32768
+    assert r.decode_step_s == pytest.approx(step_bytes / 2765e9)
+    assert r.decode_tokens_per_s_per_engine == pytest.approx(r.max_seqs / r.decode_step_s)
+    assert r.decode_tokens_per_s_per_slice == pytest.approx(2 * r.decode_tokens_per_s_per_engine)
+
+
+def test_few_pages_give_a_power_of_two_below_what_fits():
+    # 16 GiB at tp 1: 14.96 GiB of weights leave about 0.6 GiB after a 2% reserve.
+    r = size(LLAMA, hbm_gib=16, hbm_gb_per_s=819, tp=1, prompt_tokens=1024, new_tokens=1024, reserve_fraction=0.02)
+    assert 0 < r.seqs_that_fit < 256
+    assert r.max_seqs <= r.seqs_that_fit < 2 * r.max_seqs
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"tp": 3}, "8 KV heads.*--tp"),
+    ({"tp": 16}, "8 KV heads"),
+    ({"tp": 4, "chips_per_slice": 6}, "multiple of --tp"),
+    ({"hbm_gib": 16, "tp": 1}, "weights take .* raise --tp"),
+    ({"prompt_tokens": 131072}, "context of 131072"),
+    ({"dtype": "int8"}, "--dtype"),
+    ({"reserve_fraction": 1.5}, "--reserve-fraction"),
+])
+def test_errors_name_the_fix(kwargs, message):
+    args = {"hbm_gib": 95, "hbm_gb_per_s": 2765, "prompt_tokens": 1024, "new_tokens": 256, **kwargs}
+    with pytest.raises(SizingError, match=message):
+        size(LLAMA, **args)
+
+
+def test_chip_table_holds_the_documented_figures():
+    assert (CHIPS["v5p"].hbm_gib, CHIPS["v5p"].hbm_gb_per_s) == (95, 2765)
+    assert (CHIPS["v6e"].hbm_gib * GiB, CHIPS["v6e"].hbm_gb_per_s) == (pytest.approx(32e9), 1638)
+    assert (CHIPS["v5e"].hbm_gib * GiB, CHIPS["v5e"].hbm_gb_per_s) == (pytest.approx(16e9), 819)
+    assert (CHIPS["v4"].hbm_gib, CHIPS["v4"].hbm_gb_per_s) == (32, 1200)
+
+
+def test_cli_prints_text_and_json(tmp_path, capsys):
+    model = write_llama31_8b_config(tmp_path / "llama")
+    args = ["size", "--model", str(model), "--chip", "v5p", "--chips", "8", "--tp", "4",
+            "--prompt-tokens", "2048", "--new-tokens", "1024"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "8,030,261,248" in out and "131,072 bytes (128 KiB)" in out and "engine.max_pages:" in out
+    assert main(args + ["--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    expected = size(LLAMA, hbm_gib=95, hbm_gb_per_s=2765, tp=4, chips_per_slice=8, prompt_tokens=2048, new_tokens=1024)
+    assert report["max_pages"] == expected.max_pages and report["kv_bytes_per_token"] == 131072
+    # The config.json file itself works as --model too, and flags override the chip's figures.
+    assert main(args[:2] + [str(model / "config.json")] + args[3:] + ["--hbm-gib", "64", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["hbm_bytes_per_chip"] == 64 * GiB
+
+
+def test_cli_errors_name_the_fix(tmp_path, capsys):
+    assert main(["size", "--model", str(tmp_path), "--chip", "v5p", "--prompt-tokens", "8", "--new-tokens", "8"]) == 2
+    assert "config.json" in capsys.readouterr().err
+    model = write_llama31_8b_config(tmp_path / "llama")
+    assert main(["size", "--model", str(model), "--prompt-tokens", "8", "--new-tokens", "8"]) == 2
+    assert "--chip" in capsys.readouterr().err
+    assert main(["size", "--model", str(model), "--chip", "v5p", "--tp", "3", "--prompt-tokens", "8",
+                 "--new-tokens", "8"]) == 2
+    assert "KV heads" in capsys.readouterr().err
+
+
+def _size_command(yaml_path: Path) -> list[str] | None:
+    """The `pagefleet size ...` command quoted in a config's comments (continuation lines joined)."""
+    lines = [line.lstrip("# ").rstrip() for line in yaml_path.read_text().splitlines() if line.startswith("#")]
+    text = " ".join(lines).replace("\\ ", " ")
+    if "pagefleet size " not in text:
+        return None
+    command = text.split("pagefleet size ", 1)[1].split(" (", 1)[0]
+    return command.split()
+
+
+@pytest.mark.parametrize("path", [p for p in sorted((ROOT / "configs").glob("**/*.yaml")) if _size_command(p)],
+                         ids=lambda p: p.name)
+def test_configs_hold_what_their_size_command_prints(path, capsys, monkeypatch):
+    from orchestrator.config import load_run_config
+
+    monkeypatch.chdir(ROOT)
+    assert main(["size", *_size_command(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    cfg = load_run_config(path)
+    for key in ("max_pages", "max_seqs", "max_seqs_in_prefill", "max_prefill_size", "max_seq_len"):
+        assert getattr(cfg.engine, key) == report[key], key
+    assert (cfg.engine.page_size, cfg.cluster.mesh["model"], cfg.model.dtype) == \
+        (report["page_size"], report["tp"], report["dtype"])
+    assert cfg.sampling.max_new_tokens == report["new_tokens"]
+    assert cfg.cluster.hosts_per_slice * cfg.cluster.devices_per_host == report["chips_per_slice"]
