@@ -11,13 +11,12 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-# The embedded default: a tiny random Llama (written once by init-model) and the bundled prompts,
-# sampled by the engine on CPU JAX. (`pagefleet run configs/demo.yaml` on Ray replaces this once the run path lands.)
+# The embedded default: a tiny random Llama (written once by init-model), the bundled corpus of 1,200 prompts,
+# two slices on a local Ray started in-process, CPU JAX. Run it again and it finds every batch done.
 DEMO_MODEL := models/tiny-llama
 demo: $(STAMP)
 	test -f $(DEMO_MODEL)/config.json || $(VENV)/bin/pagefleet init-model --preset tiny-llama --output $(DEMO_MODEL)
-	JAX_PLATFORMS=cpu $(VENV)/bin/pagefleet generate --model $(DEMO_MODEL) --input configs/data/demo_prompts.jsonl \
-		--output manifests/demo/samples.jsonl --sampling.max_new_tokens=32 --engine.max_seq_len=512 --engine.max_pages=256
+	JAX_PLATFORMS=cpu $(VENV)/bin/pagefleet run configs/demo.yaml
 
 test: $(STAMP)
 	JAX_PLATFORMS=cpu $(VENV)/bin/python -m pytest $(PYTEST_ARGS)
