@@ -176,3 +176,24 @@ def test_occupancy_with_early_stops(ray_local, run_model, tmp_path):
     assert 0.2 * len(table) < reasons["stop"] < 0.9 * len(table) and len(set(stopped)) >= 8
     assert outcome.summary["mean_occupancy"] >= 0.85, outcome.summary
     assert status(run_dir)["mean_occupancy"] == pytest.approx(outcome.summary["mean_occupancy"], abs=1e-3)
+
+
+def test_slices_that_cannot_start_end_the_run_with_the_reason(ray_local, run_model, tmp_path, capsys):
+    """A checkpoint whose weights are missing: planning works (it reads no weights), every slice fails to
+    load, is restarted up to cluster.max_slice_restarts times, and the run stops with the reason, resumable."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(run_model, model)
+    (model / "model.safetensors").unlink()
+    corpus = write_run_corpus(tmp_path / "corpus.jsonl", 8)
+    run_dir = tmp_path / "run"
+    cfg = load_run_config(None, run_args(str(model), corpus, run_dir, "--cluster.num_slices=1",
+                                         "--cluster.max_slice_restarts=1"))
+    outcome = Driver(cfg, show_progress=False).run()
+    assert outcome.exit_code == 1 and outcome.summary["batches_pending"] == outcome.summary["batches"]
+    out = capsys.readouterr().out
+    assert "every slice failed" in out and "safetensors" in out
+    events = (run_dir / "events.log").read_text()
+    assert events.count("slice-0 could not start") == 2 and "slice-0 given up after 1 restarts" in events
+    assert all(r.status == "pending" for r in read_manifest(run_dir / "batches.jsonl"))
