@@ -56,9 +56,9 @@ def build_app(registry: RunRegistry, token_sha256: str, cfg: ServiceConfig) -> F
     app.add_middleware(BearerAuth, token_sha256=token_sha256)
 
     for error, code in _ERRORS.items():
-        app.add_exception_handler(error, lambda request, e, code=code: JSONResponse({"detail": str(e)}, code))
+        app.add_exception_handler(error, lambda request, e, code=code: JSONResponse({"detail": _text(e)}, code))
     app.add_exception_handler(Exception, lambda request, e: JSONResponse(
-        {"detail": f"internal error: {type(e).__name__}: {e}"}, 500))
+        {"detail": f"internal error: {type(e).__name__}: {_text(e)}"}, 500))
 
     @app.post("/runs", status_code=202, openapi_extra=_CONFIG_BODY, summary="Submit a run config; start it")
     async def submit(request: Request) -> dict[str, Any]:
@@ -94,6 +94,11 @@ def build_app(registry: RunRegistry, token_sha256: str, cfg: ServiceConfig) -> F
         return registry.describe(check_name(name))
 
     return app
+
+
+def _text(e: Exception) -> str:
+    """The message as valid UTF-8: input echoed back may hold lone surrogates (JSON `\\ud800`)."""
+    return str(e).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

@@ -68,8 +68,8 @@ def parse_run_config(body: bytes, runs_root: Path) -> RunConfig:
     run_dir = runs_root / name
     if data.get("run_dir") not in (None, str(run_dir)):
         raise ConfigError(f"run_dir is set by the service to <runs-root>/<name> ({run_dir}); leave run_dir out")
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", encoding="utf-8") as f:
-        f.write(text)
+    with tempfile.NamedTemporaryFile("wb", suffix=".yaml") as f:
+        f.write(body)  # the bytes as sent (valid UTF-8), even when they escape lone surrogates
         f.flush()
         try:
             cfg = load_run_config(f.name, [])

@@ -172,7 +172,8 @@ def test_bad_input_answers_4xx_naming_the_problem(service, run_model, tmp_path):
     assert r.status_code == 400 and "model.path" in r.json()["detail"]
     r = submit(url, {**good, "cluster": {"num_slices": 0}})
     assert r.status_code == 400 and "num_slices" in r.json()["detail"]
-    for raw in (b"[1, 2]", b"just text", b"\xff\xfe\x00", b"{", b"[" * 5000, b"a: &a [*a]", b""):
+    for raw in (b"[1, 2]", b"just text", b"\xff\xfe\x00", b"{", b"[" * 5000, b"a: &a [*a]", b"",
+                b'{"name": "x\\ud800", "\\udb67": 1}'):  # lone surrogates: echoed back as valid UTF-8
         r = requests.post(f"{url}/runs", data=raw, headers=AUTH, timeout=30)
         assert r.status_code == 400, (raw[:20], r.status_code, r.text)
     r = requests.post(f"{url}/runs", data=b"x" * (64 * 1024 + 1), headers=AUTH, timeout=30)
