@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import signal
 import time
 
 
@@ -51,6 +52,7 @@ def main(argv: list[str]) -> int:
     print(f"pagefleet serve: {url} (OpenAPI schema {url}/openapi.json, docs {url}/docs)")
     print(f"runs under {cfg.runs_root}; bearer token from {source}")
     print("send `Authorization: Bearer <token>` with every request; Ctrl-C stops the service (runs stay resumable)")
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` and process managers stop it like Ctrl-C does
     try:
         while True:
             time.sleep(3600)
@@ -59,3 +61,7 @@ def main(argv: list[str]) -> int:
     finally:
         serve.shutdown()
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt

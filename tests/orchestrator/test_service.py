@@ -205,6 +205,7 @@ def test_fuzz_from_the_openapi_schema_never_answers_500(service):
     schema = schemathesis.openapi.from_url(f"{url}/openapi.json", headers=AUTH)
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {f"{op.method.upper()} {op.path}" for op in operations} >= {"POST /runs", "GET /runs/{name}/samples"}
+    calls = Counter()
     for operation in operations:
         @settings(max_examples=30, deadline=None, database=None, suppress_health_check=list(HealthCheck))
         @given(case=operation.as_strategy())
@@ -214,8 +215,10 @@ def test_fuzz_from_the_openapi_schema_never_answers_500(service):
             elif operation.method.upper() == "POST" and operation.path == "/runs":
                 case.body = {"name": "fuzz", "fuzz_unknown_key": 1}
             case.call_and_validate(base_url=url, headers=AUTH, checks=[not_a_server_error])
+            calls[operation.path] += 1
 
         check()
+    assert sum(calls.values()) >= 100 and calls["/runs/{name}/samples"] >= 20, calls
 
 
 def test_token_file_is_made_once_and_private(tmp_path, monkeypatch):
