@@ -241,3 +241,27 @@ def test_token_file_is_made_once_and_private(tmp_path, monkeypatch):
 def test_serve_refuses_a_remote_address_without_the_flag():
     with pytest.raises(ValueError, match="--allow-remote"):
         serve_main(["--host", "0.0.0.0"])  # refused before Ray or Serve start
+
+
+def test_a_run_planned_before_the_service_is_read_and_resumed_by_name(service, run_model, tmp_path):
+    from orchestrator.config import load_run_config
+    from orchestrator.planner import plan
+
+    from .conftest import run_args
+
+    url, runs_root = service
+    corpus = write_run_corpus(tmp_path / "corpus.jsonl", 16, seed=30)
+    plan(load_run_config(None, run_args(run_model, corpus, runs_root / "svc-disk", "--name=svc-disk",
+                                        "--cluster.num_slices=1")))
+    assert "svc-disk" in requests.get(f"{url}/runs", headers=AUTH, timeout=30).json()["runs"]
+    body = requests.get(f"{url}/runs/svc-disk", headers=AUTH, timeout=30).json()
+    assert body["state"] == "incomplete" and body["counts"]["pending"] == body["batches"] > 0
+    batches = requests.get(f"{url}/runs/svc-disk/batches", headers=AUTH, timeout=30).json()["batches"]
+    assert {b["status"] for b in batches} == {"pending"}
+    assert requests.get(f"{url}/runs/svc-disk/samples", headers=AUTH, timeout=30).json()["total"] == 0
+
+    r = requests.post(f"{url}/runs/svc-disk/resume", headers=AUTH, timeout=30)  # the config comes from run.json
+    assert r.status_code == 202, r.text
+    body = wait_for(url, "svc-disk", {"done", "failed", "cancelled"})
+    assert body["state"] == "done", body
+    assert all_samples(url, "svc-disk") == collect(runs_root / "svc-disk").select(RECORD_FIELDS).to_pylist()
