@@ -76,7 +76,8 @@ def parse_run_config(body: bytes, runs_root: Path) -> RunConfig:
         except ConfigError as e:
             raise ConfigError(str(e).replace(f.name, "config")) from None
         except Exception as e:  # noqa: BLE001 - whatever draccus makes of odd input is the input's fault
-            raise ConfigError(f"config: {type(e).__name__}: {str(e)[:300]} (see DESIGN.md section 3 for the keys)") from None
+            raise ConfigError(f"config: {type(e).__name__}: {str(e)[:300]} "
+                              "(see DESIGN.md section 3 for the keys)") from None
     try:
         cfg.model.require_path()
     except ValueError as e:

@@ -84,7 +84,8 @@ def wait_for(url: str, name: str, states: set[str], timeout_s: float = 300) -> d
 def all_samples(url: str, name: str, page: int = 7) -> list[dict]:
     out, offset = [], 0
     while True:
-        r = requests.get(f"{url}/runs/{name}/samples", params={"offset": offset, "limit": page}, headers=AUTH, timeout=60)
+        r = requests.get(f"{url}/runs/{name}/samples", params={"offset": offset, "limit": page}, headers=AUTH,
+                         timeout=60)
         assert r.status_code == 200, r.text
         rows = r.json()["samples"]
         assert len(rows) <= page
