@@ -106,6 +106,12 @@ def _size(argv: list[str]) -> int:
     return size_main(argv)
 
 
+def _serve(argv: list[str]) -> int:
+    from orchestrator.serve_command import main as serve_main
+
+    return serve_main(argv)
+
+
 COMMANDS = {
     "run": _run,
     "status": _status,
@@ -114,6 +120,7 @@ COMMANDS = {
     "init-model": _init_model,
     "generate": _generate,
     "size": _size,
+    "serve": _serve,
 }
 
 
