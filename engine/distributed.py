@@ -67,8 +67,9 @@ def agree(values: dict[str, str]) -> None:
 
     Each host hashes what it holds (e.g. {"engine_config": repr(config), "batch": ...}); the hashes
     are gathered from all processes (a fixed, trivial compiled program, the same on every host) and
-    compared. The error names the keys that differ and which processes hold which version. A no-op
-    in a single process. Two rounds, both of fixed shape, so hosts that disagree on the set of keys
+    compared. The error names the keys that differ and which processes hold which version. Every
+    process of the JAX process group must call it (the Engine does when its mesh spans processes).
+    A no-op in a single process. Two rounds, both of fixed shape, so hosts that disagree on the set of keys
     still make the same calls and all raise instead of hanging.
     """
     if jax.process_count() == 1:

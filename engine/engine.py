@@ -12,7 +12,6 @@ import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-import jax
 import jax.numpy as jnp
 
 from engine.config import EngineConfig
@@ -60,15 +59,16 @@ class Engine:
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        # Multi-host slice: every host runs this same program. Check that the hosts agree before the
-        # first compiled call (weights, KV pool), and again on the requests before the next step.
-        self._multihost = jax.process_count() > 1
+        # A mesh over several processes (a multi-host slice): every host runs this same program. Check that
+        # the hosts agree before the first compiled call (KV pool), and on the requests before the next step.
+        # Without such a mesh each process runs its own engine on its own devices and nothing is compared.
+        self._multihost = mesh is not None and len({d.process_index for d in mesh.devices.flat}) > 1
         self._requests_digest = hashlib.blake2b(digest_size=16)  # every request added so far, in order
         self._requests_agreed = True
         if self._multihost:
             agree({"engine_config": repr(config), "model_config": repr(self.model_config), "dtype": dtype,
                    "eos_token_ids": repr(sorted(self.eos_token_ids)),
-                   "mesh": "none" if mesh is None else repr((dict(mesh.shape), mesh.device_ids.tolist()))})
+                   "mesh": repr((dict(mesh.shape), mesh.device_ids.tolist()))})
         model = load_transformer(model_path, dtype=jdtype, mesh=mesh, config=self.model_config)
         self.runner = ModelRunner(model, config, self.max_seq_len, mesh=mesh, kv_dtype=jdtype)
         self.scheduler = Scheduler(config, self.runner.kv.allocator)

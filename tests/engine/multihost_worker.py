@@ -66,17 +66,18 @@ def disagree(args) -> dict:
     """Three ways for process 1 to differ; each must raise on every host, naming what differs."""
     import jax
 
-    from engine.distributed import HostsDisagree, agree
+    from engine.distributed import HostsDisagree, agree, slice_mesh
     from engine.engine import Engine
 
     path = args.model[0].rsplit(":", 1)[0]
     odd = jax.process_index() == 1
+    mesh = slice_mesh(1)  # (data 4, model 1): spans both processes
     errors = {}
     try:  # 1. a different engine config, caught before the weights or the KV pool exist
-        Engine(path, engine_config(max_pages=97 if odd else 96))
+        Engine(path, engine_config(max_pages=97 if odd else 96), mesh=mesh)
     except HostsDisagree as e:
         errors["engine_config"] = str(e)
-    engine = Engine(path, engine_config())
+    engine = Engine(path, engine_config(), mesh=mesh)
     batch = requests(engine.model_config.vocab_size)
     if odd:  # 2. the same config but a different batch, caught before the first step
         batch = batch[1:] + batch[:1]
@@ -90,6 +91,10 @@ def disagree(args) -> dict:
         agree({"a": "1", **({"b": "2"} if odd else {})})
     except HostsDisagree as e:
         errors["keys"] = str(e)
+    # Without a mesh each process runs its own engine on its own device (no agreement needed), here on
+    # batches that differ between the hosts.
+    local = Engine(path, engine_config()).generate(requests(512)[1 if odd else 0:][:2])
+    errors["local_token_ids"] = [c.token_ids for c in local]
     return errors
 
 

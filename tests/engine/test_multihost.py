@@ -109,3 +109,5 @@ def test_hosts_that_disagree_fail_everywhere_naming_what_differs(tmp_path, model
         assert "processes [1]" in errors["engine_config"] and "'model_config'" not in errors["engine_config"]
         assert "'requests'" in errors["requests"] and errors["steps_run"] == 0
         assert "different sets of keys" in errors["keys"] and "process 1: 2 keys" in errors["keys"]
+    # Mesh-less engines are per process: host 1's batch starts one request later than host 0's.
+    assert host1["local_token_ids"][0] == host0["local_token_ids"][1]
