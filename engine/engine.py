@@ -6,6 +6,7 @@ The step is three lines: schedule, run, post-process. Requests may be added whil
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from collections.abc import Callable, Iterable
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 
 from engine.config import EngineConfig
+from engine.distributed import agree
 from engine.model_config import ModelConfig
 from engine.runner import ModelRunner, RowSampling, SeqChunk
 from engine.sampler import sample_base_key
@@ -57,6 +59,16 @@ class Engine:
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        # A mesh over several processes (a multi-host slice): every host runs this same program. Check that
+        # the hosts agree before the first compiled call (KV pool), and on the requests before the next step.
+        # Without such a mesh each process runs its own engine on its own devices and nothing is compared.
+        self._multihost = mesh is not None and len({d.process_index for d in mesh.devices.flat}) > 1
+        self._requests_digest = hashlib.blake2b(digest_size=16)  # every request added so far, in order
+        self._requests_agreed = True
+        if self._multihost:
+            agree({"engine_config": repr(config), "model_config": repr(self.model_config), "dtype": dtype,
+                   "eos_token_ids": repr(sorted(self.eos_token_ids)),
+                   "mesh": repr((dict(mesh.shape), mesh.device_ids.tolist()))})
         model = load_transformer(model_path, dtype=jdtype, mesh=mesh, config=self.model_config)
         self.runner = ModelRunner(model, config, self.max_seq_len, mesh=mesh, kv_dtype=jdtype)
         self.scheduler = Scheduler(config, self.runner.kv.allocator)
@@ -84,6 +96,9 @@ class Engine:
 
     def add_request(self, request: Request) -> Completion | None:
         """Queue a request; a request that cannot run comes straight back as a Completion with `error`."""
+        if self._multihost:
+            self._requests_digest.update(repr(request).encode("utf-8") + b"\0")
+            self._requests_agreed = False
         error = self.validate(request)
         if error is not None:
             return Completion(request.prompt_id, request.generation_index, "", [], None, None,
@@ -119,6 +134,9 @@ class Engine:
 
     def step(self) -> list[Completion]:
         """One device step; returns the samples that finished in it."""
+        if not self._requests_agreed:  # requests were added since the hosts last compared them
+            agree({"requests": self._requests_digest.hexdigest()})
+            self._requests_agreed = True
         chunks = self.scheduler.schedule()
         if not chunks:
             raise RuntimeError(self._stuck_message())

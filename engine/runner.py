@@ -10,10 +10,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import haliax as hax
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from engine.attention import resolve_attention_impl
 from engine.config import EngineConfig
@@ -56,8 +57,15 @@ def is_decode_only(chunks: Sequence[SeqChunk]) -> bool:
     return all(len(c.token_ids) == 1 for c in chunks)
 
 
+def _replicated(x: jax.Array, mesh: Mesh | None) -> jax.Array:
+    """Pin an output the host reads to every device of the mesh: each host process then reads it from
+    its own devices (no cross-host fetch, no leader), and never depends on the compiler's choice."""
+    return x if mesh is None else jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P()))
+
+
 def _forward(model: Transformer, pool, inputs: StepInputs, settings: AttentionSettings):
-    return model(pool, inputs, settings)
+    pool, logits = model(pool, inputs, settings)
+    return pool, hax.named(_replicated(logits.array, settings.mesh), logits.axes)
 
 
 def _forward_sample(model: Transformer, pool, inputs: StepInputs, settings: AttentionSettings,
@@ -65,7 +73,7 @@ def _forward_sample(model: Transformer, pool, inputs: StepInputs, settings: Atte
     """Forward and sample on the device: only tokens i32[S] and logprobs f32[S] come back to the host."""
     pool, logits = model(pool, inputs, settings)
     tokens, logprobs = sample(logits.array, temperature, top_k, top_p, position_keys(base_keys, positions))
-    return pool, tokens, logprobs
+    return pool, _replicated(tokens, settings.mesh), _replicated(logprobs, settings.mesh)
 
 
 # Module-level, so every runner with the same model structure and shapes reuses compiled programs.
@@ -134,7 +142,7 @@ class ModelRunner:
         """Process the chunks; returns f32[len(chunks), vocab] logits of each chunk's last token."""
         inputs = jax.tree.map(jnp.asarray, self.build_inputs(chunks))
         self.kv.pool, logits = _step(self.model, self.kv.pool, inputs, self._settings_for(chunks))
-        return np.asarray(logits.array[:len(chunks)])
+        return np.asarray(logits.array)[:len(chunks)]  # read the local replica, slice on the host
 
     def step_sample(self, chunks: Sequence[SeqChunk], rows: Sequence[RowSampling],
                     row_chunk: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:

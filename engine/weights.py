@@ -81,8 +81,8 @@ def _place(axes: tuple[hax.Axis, ...], read: Callable[[tuple[slice, ...]], np.nd
            ) -> NamedArray:
     """Build a named array whose every shard is read by `read(index)` (index: a tuple of slices)."""
     shape = tuple(a.size for a in axes)
-    if mesh is None:
-        sharding = SingleDeviceSharding(jax.devices()[0])
+    if mesh is None:  # this process's own device: jax.devices()[0] belongs to process 0 in a multi-process run
+        sharding = SingleDeviceSharding(jax.local_devices()[0])
     else:
         sharding = NamedSharding(mesh, partition_spec(axes, mesh))
         for a, name in zip(axes, sharding.spec):

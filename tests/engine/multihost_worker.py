@@ -1,0 +1,127 @@
+"""One host process of a multi-host slice test (run by tests/engine/test_multihost.py, not by pytest).
+
+`run` mode: join the slice (or, with --num-processes 1, run alone on one device as the reference),
+then for each (model directory, mesh `model` size) pair build an Engine and generate the same
+requests, greedy and seeded; write token ids, logprobs, snapshot and stats counts as JSON.
+`agree` mode: make the hosts disagree on purpose and record the errors each host raised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def requests(vocab: int):
+    import numpy as np
+
+    from engine.config import SamplingConfig
+    from engine.sequence import Request
+
+    rng = np.random.default_rng(7)
+    lengths = [1, 7, 8, 9, 30, 70]  # page_size 8: partial and full last pages, several prefill chunks
+    greedy = SamplingConfig(max_new_tokens=8, temperature=0.0, logprobs=True)
+    seeded = SamplingConfig(max_new_tokens=8, temperature=0.8, top_p=0.9, seed=3, n=2, logprobs=True)
+    out = [Request(f"g{i}", tuple(rng.integers(6, vocab, n).tolist()), greedy) for i, n in enumerate(lengths)]
+    for i, n in enumerate(lengths):
+        prompt = tuple(rng.integers(6, vocab, n).tolist())
+        out += [Request(f"s{i}", prompt, seeded, g) for g in range(seeded.n)]
+    return out
+
+
+def engine_config(max_pages: int = 96):
+    from engine.config import EngineConfig
+
+    # 4 slots and 16-token steps: few distinct step shapes (each costs seconds to compile on CPU)
+    return EngineConfig(page_size=8, max_pages=max_pages, max_seqs=4, max_seqs_in_prefill=4, max_prefill_size=16,
+                        max_seq_len=256)
+
+
+def run(args) -> dict:
+    from engine.distributed import slice_mesh
+    from engine.engine import Engine
+
+    results = {}
+    for spec in args.model:
+        path, model_axis = spec.rsplit(":", 1)
+        mesh = None if args.num_processes == 1 else slice_mesh(int(model_axis))
+        engine = Engine(path, engine_config(), mesh=mesh)
+        out = engine.generate(requests(engine.model_config.vocab_size), reset=False)
+        stats = engine.stats
+        results[spec] = {
+            "token_ids": [c.token_ids for c in out],
+            "logprobs": [c.logprobs for c in out],
+            "snapshot": engine.snapshot(),
+            "stats": {"steps": len(stats.step_s), "prefill_tokens": stats.prefill_tokens,
+                      "decode_tokens": stats.decode_tokens, "active_seqs": stats.active_seqs},
+        }
+        engine.reset("physical")  # a compiled call too: every host must make it
+        results[spec]["snapshot_after_reset"] = engine.snapshot()
+    return results
+
+
+def disagree(args) -> dict:
+    """Three ways for process 1 to differ; each must raise on every host, naming what differs."""
+    import jax
+
+    from engine.distributed import HostsDisagree, agree, slice_mesh
+    from engine.engine import Engine
+
+    path = args.model[0].rsplit(":", 1)[0]
+    odd = jax.process_index() == 1
+    mesh = slice_mesh(1)  # (data 4, model 1): spans both processes
+    errors = {}
+    try:  # 1. a different engine config, caught before the weights or the KV pool exist
+        Engine(path, engine_config(max_pages=97 if odd else 96), mesh=mesh)
+    except HostsDisagree as e:
+        errors["engine_config"] = str(e)
+    engine = Engine(path, engine_config(), mesh=mesh)
+    batch = requests(engine.model_config.vocab_size)
+    if odd:  # 2. the same config but a different batch, caught before the first step
+        batch = batch[1:] + batch[:1]
+    try:
+        engine.generate(batch)
+    except HostsDisagree as e:
+        errors["requests"] = str(e)
+        errors["steps_run"] = len(engine.stats.step_s)
+        engine.abort()
+    try:  # 3. different sets of keys: a fixed-shape first round, so no host hangs
+        agree({"a": "1", **({"b": "2"} if odd else {})})
+    except HostsDisagree as e:
+        errors["keys"] = str(e)
+    # Without a mesh each process runs its own engine on its own device (no agreement needed), here on
+    # batches that differ between the hosts.
+    local = Engine(path, engine_config()).generate(requests(512)[1 if odd else 0:][:2])
+    errors["local_token_ids"] = [c.token_ids for c in local]
+    return errors
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=["run", "agree"], default="run")
+    parser.add_argument("--coordinator", default="")
+    parser.add_argument("--num-processes", type=int, default=1)
+    parser.add_argument("--process-id", type=int, default=0)
+    parser.add_argument("--local-devices", type=int, default=1)
+    parser.add_argument("--model", action="append", required=True, help="DIR:MODEL_AXIS (repeatable)")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    from engine import distributed
+
+    if args.num_processes > 1:
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id, args.local_devices)
+    else:
+        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.local_devices}"
+    result = run(args) if args.mode == "run" else disagree(args)
+    tmp = args.out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, args.out)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    main()

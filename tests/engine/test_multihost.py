@@ -1,0 +1,113 @@
+"""A 2-host slice on one machine: two JAX processes (2 CPU devices each) run one Engine as one SPMD program.
+
+Both hosts must produce the same completions, stats and snapshots, equal to a single-process,
+single-device run of the same requests; hosts given different inputs must fail, on every host,
+with an error naming what differs, and nothing may hang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine import presets
+
+pytestmark = pytest.mark.multihost
+
+WORKER = Path(__file__).with_name("multihost_worker.py")
+REPO = WORKER.parents[2]
+TIMEOUT_S = 120
+LOGPROB_ATOL = 1e-4  # sharded contractions (o_proj, down_proj) sum partial products in another order
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    """tiny-llama (2 KV heads: model axis up to 2) and a 4-KV-head variant for a model axis of 4."""
+    root = tmp_path_factory.mktemp("models")
+    kv4 = dataclasses.replace(presets.PRESETS["tiny-llama"], num_attention_heads=8, num_key_value_heads=4, head_dim=8)
+    presets.PRESETS["tiny-llama-kv4"] = kv4
+    try:
+        return {"tiny-llama": presets.write_model("tiny-llama", root / "tiny-llama"),
+                "tiny-llama-kv4": presets.write_model("tiny-llama-kv4", root / "tiny-llama-kv4")}
+    finally:
+        del presets.PRESETS["tiny-llama-kv4"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(tmp_path: Path, args: list[str], num_processes: int, local_devices: int, tag: str) -> list[dict]:
+    """Run the worker as `num_processes` processes of one slice; return each one's JSON result."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={local_devices}"}
+    coordinator = f"127.0.0.1:{free_port()}"
+    procs, outs = [], []
+    try:
+        for i in range(num_processes):
+            out = tmp_path / f"{tag}-{i}.json"
+            log = open(tmp_path / f"{tag}-{i}.log", "w")
+            procs.append(subprocess.Popen(
+                [sys.executable, str(WORKER), *args, "--coordinator", coordinator, "--num-processes",
+                 str(num_processes), "--process-id", str(i), "--local-devices", str(local_devices), "--out", str(out)],
+                env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
+            outs.append(out)
+        start = time.monotonic()
+        deadline = start + TIMEOUT_S
+        for i, p in enumerate(procs):
+            try:
+                rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{tag}: process {i} still running after {TIMEOUT_S} s (hung?); log:\n"
+                            + (tmp_path / f"{tag}-{i}.log").read_text()[-3000:])
+            assert rc == 0, f"{tag}: process {i} exited with {rc}; log:\n" + (tmp_path / f"{tag}-{i}.log").read_text()[-3000:]
+        print(f"{tag}: {num_processes} processes took {time.monotonic() - start:.1f} s")
+    finally:
+        for p in procs:  # stragglers of a failed run: ours, by pid
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [json.loads(o.read_text()) for o in outs]
+
+
+def test_two_hosts_equal_each_other_and_one_device(tmp_path, models):
+    specs = [f"{models['tiny-llama']}:2", f"{models['tiny-llama-kv4']}:4"]  # (data 2, model 2) and (data 1, model 4)
+    args = [a for s in specs for a in ("--model", s)]
+    (reference,) = launch(tmp_path, args, num_processes=1, local_devices=1, tag="single")
+    host0, host1 = launch(tmp_path, args, num_processes=2, local_devices=2, tag="slice")
+    for spec in specs:
+        a, b, ref = host0[spec], host1[spec], reference[spec]
+        # Every host reads the same results and the same stats (no leader-only read).
+        assert a == b, f"{spec}: the two hosts differ"
+        assert a["token_ids"] == ref["token_ids"], f"{spec}: the slice differs from one device"
+        for got, want in zip(a["logprobs"], ref["logprobs"]):
+            np.testing.assert_allclose(got, want, atol=LOGPROB_ATOL, rtol=0)
+        assert a["stats"] == ref["stats"] and a["snapshot"] == ref["snapshot"]
+        assert a["snapshot"]["pages_in_use"] == 0  # cleanup_mode incremental: everything freed at the end
+        assert a["snapshot_after_reset"]["free_pages"] == 96
+        assert all(len(t) > 0 for t in a["token_ids"])
+        seeded = a["token_ids"][6:]
+        assert any(seeded[i] != seeded[i + 1] for i in range(0, len(seeded), 2)), f"{spec}: samples of a prompt all equal"
+
+
+def test_hosts_that_disagree_fail_everywhere_naming_what_differs(tmp_path, models):
+    host0, host1 = launch(tmp_path, ["--mode", "agree", "--model", f"{models['tiny-llama']}:1"],
+                          num_processes=2, local_devices=2, tag="agree")
+    for errors in (host0, host1):
+        assert "'engine_config'" in errors["engine_config"]
+        assert "processes [1]" in errors["engine_config"] and "'model_config'" not in errors["engine_config"]
+        assert "'requests'" in errors["requests"] and errors["steps_run"] == 0
+        assert "different sets of keys" in errors["keys"] and "process 1: 2 keys" in errors["keys"]
+    # Mesh-less engines are per process: host 1's batch starts one request later than host 0's.
+    assert host1["local_token_ids"][0] == host0["local_token_ids"][1]
