@@ -248,6 +248,10 @@ class Engine:
         self.scheduler.running.clear()
         self._last_queued = None
         self._retained = []
+        # Every host aborts together, so the request record starts afresh everywhere (a batch the hosts
+        # disagreed on must not poison the comparison of the batches after it).
+        self._requests_digest = hashlib.blake2b(digest_size=16)
+        self._requests_agreed = True
         # A step that failed after donating the pool leaves it deleted: rebuild it then.
         self.runner.kv.reset("physical" if self.runner.kv.pool.array.is_deleted() else self.config.reset_mode)
 

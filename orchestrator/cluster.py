@@ -26,10 +26,21 @@ class ClusterConfig:
     the next batches are already queued when slots free up and the engine stays full across batches."""
     max_slice_restarts: int = 3
     """Times a slice that died (or failed to start) is replaced before the run gives up on it."""
+    placement_strategy: str = "SPREAD"
+    """Ray placement-group strategy for a multi-host slice's host actors: STRICT_SPREAD puts each on its own
+    node (TPU hosts); PACK or SPREAD also allow one machine (CPU tests)."""
+    host_timeout_s: float = 900.0
+    """A slice that holds batches but completes no engine step for this long (a host that hangs or died
+    inside a collective), or that takes this long to start, is torn down and its batches retried."""
     local_num_cpus: int | None = None
     """CPUs of the local Ray started in-process when there is no cluster (RAY_ADDRESS unset); None = all."""
 
     def __post_init__(self) -> None:
+        if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+            raise ValueError(f"cluster.placement_strategy must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD, "
+                             f"got {self.placement_strategy!r}")
+        if self.host_timeout_s <= 0:
+            raise ValueError(f"cluster.host_timeout_s must be positive, got {self.host_timeout_s}")
         for name in ("num_slices", "hosts_per_slice"):
             if getattr(self, name) < 1:
                 raise ValueError(f"cluster.{name} must be at least 1, got {getattr(self, name)}")

@@ -33,20 +33,16 @@ from orchestrator.progress import RunProgress, mean_occupancy, read_timeline
 from orchestrator.results import BatchWork, Completed, Failed
 from orchestrator.run_state import RunState
 from orchestrator.rundir import RunDir
-from orchestrator.slice import SliceSpec, SliceWorker
+from orchestrator.slice_gang import POLL_S, SliceGang
 
 log = logging.getLogger(__name__)
-POLL_S = 1.0
 
 
 @dataclass
 class _Slot:
-    """One slice: its actor (replaced when it dies) and the batches it holds."""
+    """One slice: its gang of host actors (replaced when it fails) and the batches it holds."""
 
-    index: int
-    actor: Any = None
-    start_ref: Any = None
-    poll_ref: Any = None
+    gang: SliceGang
     inflight: dict[str, tuple[int, list[str]]] = field(default_factory=dict)  # batch -> (attempt, prompt ids)
     samples_held: int = 0  # samples of the batches in `inflight`
     restarts: int = 0
@@ -54,11 +50,16 @@ class _Slot:
 
     @property
     def name(self) -> str:
-        return f"slice-{self.index}"
+        return self.gang.name
 
     @property
     def ready(self) -> bool:
-        return self.poll_ref is not None
+        return self.gang.ready
+
+    @property
+    def actor(self):
+        """Host 0's actor (None when not running)."""
+        return self.gang.actors[0] if self.gang.actors else None
 
 
 @dataclass(frozen=True)
@@ -70,9 +71,6 @@ class RunOutcome:
 
 class Driver:
     def __init__(self, cfg: RunConfig, show_progress: bool = True, stop: threading.Event | None = None) -> None:
-        if cfg.cluster.hosts_per_slice != 1:
-            raise ValueError("cluster.hosts_per_slice > 1 (multi-host slices) is not supported by this version; "
-                             "run one host per slice (cluster.hosts_per_slice=1)")
         self.cfg = cfg
         self.run_dir = RunDir(Path(cfg.resolved_run_dir))
         self.show_progress = show_progress
@@ -119,7 +117,9 @@ class Driver:
                     f"{self.cfg.cluster.num_slices} slices")
         previous = _on_signals(self.stop)
         try:
-            self.slots = [self._spawn(_Slot(i)) for i in range(self.cfg.cluster.num_slices)]
+            self.slots = [_Slot(SliceGang(i, self.cfg)) for i in range(self.cfg.cluster.num_slices)]
+            for slot in self.slots:
+                slot.gang.spawn()
             self._loop()
         finally:
             _restore_signals(previous)
@@ -130,7 +130,7 @@ class Driver:
                 for batch_id in slot.inflight:  # stopped mid-batch: resumable, nothing half-done stays "running"
                     state.update(batch_id, status="pending")
                     state.event(f"{batch_id} back to pending: the run stopped")
-                self._kill(slot)
+                slot.gang.kill()
             state.flush(force=True)
             remaining = sum(r.num_prompts for r in state.records.values() if r.status != "done")
             progress.write(remaining, force=True, running=False)
@@ -167,72 +167,43 @@ class Driver:
                 announced = True
                 if self.on_actors_ready is not None:
                     self.on_actors_ready(self.slots)
-            refs = {(s.poll_ref or s.start_ref): s for s in live}
+            refs = {ref: s for s in live for ref in s.gang.refs()}
             ready, _ = ray.wait(list(refs), num_returns=1, timeout=POLL_S)
             for ref in ready:
-                slot = refs[ref]
-                if ref is slot.start_ref:
-                    self._started(slot, ref)
-                else:
-                    self._polled(slot, ref)
+                self._handle(refs[ref], ref)
+            for slot in live:
+                hung = slot.dead is None and slot.gang.timed_out(bool(slot.inflight))
+                if hung:
+                    self._slice_failed(slot, hung)
             self._state.flush()
             remaining = sum(r.num_prompts for r in self._state.records.values() if r.status != "done")
             self._progress.write(remaining)
 
     # -- slices ----------------------------------------------------------------------------------
 
-    def _spawn(self, slot: _Slot) -> _Slot:
-        import ray
+    def _handle(self, slot: _Slot, ref) -> None:
+        event = slot.gang.handle(ref)
+        if event.kind == "failed":
+            self._slice_failed(slot, event.reason)
+        elif event.kind == "started":
+            info = event.info
+            self._state.event(f"{slot.name} ready (pids {info['pids']}, {info['devices']} devices, "
+                              f"model loaded in {info['load_s']:.1f} s)")
+        elif event.kind == "results":
+            for result in event.results:
+                self._result(slot, result)
 
-        cfg = self.cfg
-        spec = SliceSpec(slot.name, cfg.model.require_path(), cfg.model.tokenizer_path, cfg.model.dtype, cfg.engine,
-                         cfg.sampling, dict(cfg.cluster.mesh))
-        resources = dict(cfg.cluster.resources_per_host)
-        num_cpus, num_gpus = resources.pop("CPU", 0), resources.pop("GPU", 0)
-        if cfg.cluster.slice_head_resource:
-            resources[cfg.cluster.slice_head_resource] = 1
-        env = {}
-        if cfg.cluster.devices_per_host:
-            env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={cfg.cluster.devices_per_host}"
-        actor_cls = ray.remote(SliceWorker).options(
-            num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or None, max_concurrency=4, max_restarts=0,
-            runtime_env={"env_vars": env} if env else None)
-        slot.actor = actor_cls.remote(spec)
-        slot.start_ref, slot.poll_ref = slot.actor.start.remote(), None
-        return slot
-
-    def _started(self, slot: _Slot, ref) -> None:
-        import ray
-
-        try:
-            info = ray.get(ref)
-        except ray.exceptions.RayError as e:
-            self._slice_failed(slot, f"could not start: {_error_text(e)}")
+    def _result(self, slot: _Slot, result) -> None:
+        self._progress.add_timeline(slot.name, result.timeline)
+        held = slot.inflight.get(result.batch_id)
+        if held is None or held[0] != result.attempt:
+            self._state.event(f"{slot.name}: ignored a stale result for {result.batch_id}")
             return
-        slot.start_ref, slot.poll_ref = None, slot.actor.poll.remote(POLL_S)
-        self._state.event(f"{slot.name} ready (pid {info['pid']}, {len(info['devices'])} devices, "
-                          f"model loaded in {info['load_s']:.1f} s)")
-
-    def _polled(self, slot: _Slot, ref) -> None:
-        import ray
-
-        try:
-            results = ray.get(ref)
-        except ray.exceptions.RayError as e:
-            self._slice_failed(slot, f"died: {_error_text(e)}")
-            return
-        slot.poll_ref = slot.actor.poll.remote(POLL_S)
-        for result in results:
-            self._progress.add_timeline(slot.name, result.timeline)
-            held = slot.inflight.get(result.batch_id)
-            if held is None or held[0] != result.attempt:
-                self._state.event(f"{slot.name}: ignored a stale result for {result.batch_id}")
-                continue
-            self._release(slot, result.batch_id)
-            if isinstance(result, Failed):
-                self._attempt_failed(result.batch_id, f"on {slot.name}: {result.error}")
-            else:
-                self._completed(slot, result, held[1])
+        self._release(slot, result.batch_id)
+        if isinstance(result, Failed):
+            self._attempt_failed(result.batch_id, f"on {slot.name}: {result.error}")
+        else:
+            self._completed(slot, result, held[1])
 
     def _slice_failed(self, slot: _Slot, reason: str) -> None:
         """Requeue the slice's batches and replace it (up to cluster.max_slice_restarts times)."""
@@ -240,28 +211,18 @@ class Driver:
         for batch_id in list(slot.inflight):
             self._release(slot, batch_id)
             self._attempt_failed(batch_id, f"{slot.name} {reason}")
-        self._kill(slot)
+        slot.gang.kill()
         if slot.restarts >= self.cfg.cluster.max_slice_restarts:
             slot.dead = reason
             self._state.event(f"{slot.name} given up after {slot.restarts} restarts")
             return
         slot.restarts += 1
         self._state.event(f"{slot.name} restarting ({slot.restarts} of {self.cfg.cluster.max_slice_restarts})")
-        self._spawn(slot)
+        slot.gang.spawn()
 
     def _release(self, slot: _Slot, batch_id: str) -> None:
         _, prompt_ids = slot.inflight.pop(batch_id)
         slot.samples_held -= len(prompt_ids) * self.cfg.sampling.n
-
-    def _kill(self, slot: _Slot) -> None:
-        import ray
-
-        if slot.actor is not None:
-            try:
-                ray.kill(slot.actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
-        slot.actor = slot.start_ref = slot.poll_ref = None
 
     # -- batches ---------------------------------------------------------------------------------
 
@@ -283,7 +244,7 @@ class Driver:
             return
         slot.inflight[batch_id] = (record.attempts, prompts.column("prompt_id").to_pylist())
         slot.samples_held += prompts.num_rows * self.cfg.sampling.n
-        slot.actor.submit.remote(BatchWork(batch_id, record.attempts, prompts))
+        slot.gang.submit(BatchWork(batch_id, record.attempts, prompts))
         crash_point("dispatched")
 
     def _attempt_failed(self, batch_id: str, error: str) -> None:
@@ -375,11 +336,6 @@ def _format_summary(s: dict) -> str:
         last = (error or "").strip().splitlines()[-1:] or ["?"]
         lines.append(f"failed {batch_id}: {last[0]}")
     return "\n".join(lines)
-
-
-def _error_text(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[-1] if text else type(e).__name__
 
 
 def _on_signals(stop: threading.Event):

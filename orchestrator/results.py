@@ -34,6 +34,8 @@ class BatchWork:
     batch_id: str
     attempt: int
     prompts: pa.Table
+    seq: int = 0
+    """Position in the order the head sent batches to this slice (hosts feed them in this order)."""
 
     @property
     def num_prompts(self) -> int:

@@ -37,6 +37,12 @@ class SliceSpec:
     engine: EngineConfig
     sampling: SamplingConfig
     mesh: dict[str, int] = field(default_factory=lambda: {"model": 1})
+    num_hosts: int = 1
+    """Host processes of this slice; more than one runs the engine as one SPMD program across them."""
+    host_index: int = 0
+    """This host's place in the slice; host 0 is the jax.distributed coordinator and returns the results."""
+    devices_per_host: int | None = None
+    """CPU slices: XLA host devices this process exposes."""
 
 
 @dataclass
@@ -57,7 +63,7 @@ class SliceWorker:
 
     def __init__(self, spec: SliceSpec) -> None:
         self.spec = spec
-        self._inbox: queue.Queue[BatchWork] = queue.Queue()
+        self._inbox = _Inbox()
         self._outbox: queue.Queue[Result] = queue.Queue()
         self._stop = threading.Event()
         self._fatal: str | None = None
@@ -66,13 +72,34 @@ class SliceWorker:
         self._live: dict[str, _Live] = {}
         self._owner: dict[tuple[str, int], str] = {}  # (prompt_id, generation_index) -> batch_id
         self._timeline: list[dict] = []
+        self.steps = 0  # engine steps taken: the head's sign of life for this slice
         self._bucket = [time.time(), 0, 0, 0]  # start, steps, tokens, live sequences summed over steps
 
     # -- called by the head ----------------------------------------------------------------------
 
-    def start(self) -> dict:
-        """Load the model (once) and start the engine thread; returns what was loaded, for the head's log."""
+    def coordinator_address(self) -> str:
+        """host 0: "ip:port" for the slice's jax.distributed coordinator (a port free on this node now)."""
+        import socket
+
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"{ray.util.get_node_ip_address()}:{port}"
+
+    def start(self, coordinator: str | None = None) -> dict:
+        """Join the slice (multi-host), load the model (once) and start the engine thread.
+
+        Returns what was loaded, for the head's log. On a multi-host slice every host calls this with
+        host 0's coordinator address; the Engine then checks, before its first compiled call, that every
+        host holds the same configuration.
+        """
         t0 = time.perf_counter()
+        if self.spec.num_hosts > 1:
+            from engine.distributed import initialize
+
+            initialize(coordinator, self.spec.num_hosts, self.spec.host_index, self.spec.devices_per_host)
         from engine.engine import Engine
         from orchestrator.model_source import ModelSourceConfig, load_tokenizer
 
@@ -89,8 +116,9 @@ class SliceWorker:
     def submit(self, work: BatchWork) -> None:
         self._inbox.put(work)
 
-    def poll(self, timeout_s: float) -> list[Result]:
-        """Results ready now, waiting up to `timeout_s` for the first; raises if the engine thread died."""
+    def poll(self, timeout_s: float) -> tuple[list[Result], int]:
+        """(results ready now, engine steps so far), waiting up to `timeout_s` for a first result; raises if
+        the engine thread died."""
         out: list[Result] = []
         try:
             out.append(self._outbox.get(timeout=timeout_s))
@@ -100,7 +128,7 @@ class SliceWorker:
             pass
         if not out and self._fatal is not None:
             raise RuntimeError(f"slice {self.spec.name}'s engine thread died: {self._fatal}")
-        return out
+        return out, self.steps
 
     def pid(self) -> int:
         return os.getpid()
@@ -116,6 +144,10 @@ class SliceWorker:
 
     def _mesh(self):
         width = self.spec.mesh.get("model", 1)
+        if self.spec.num_hosts > 1:
+            from engine.distributed import slice_mesh
+
+            return slice_mesh(width)  # every device of every host: one SPMD program
         if width == 1:
             return None
         import jax
@@ -138,13 +170,45 @@ class SliceWorker:
             self._fatal = traceback.format_exc()
 
     def _feed(self) -> None:
-        """Queue the next batch whenever every request already in the engine has been admitted."""
+        """Queue the next batch whenever every request already in the engine has been admitted.
+
+        A multi-host slice must feed the same batches at the same steps on every host: every host
+        receives the same batches in the same order, an idle engine waits for the next one (the same
+        on every host), and a busy engine feeds when host 0 says so (one small broadcast a step).
+        """
+        if self.spec.num_hosts > 1:
+            self._feed_in_step()
+            return
         while self.engine.num_waiting == 0:
-            try:
-                work = self._inbox.get(timeout=0.05) if not self.engine.has_unfinished else self._inbox.get_nowait()
-            except queue.Empty:
+            work = self._inbox.get(timeout_s=0.05 if not self.engine.has_unfinished else 0.0)
+            if work is None:
                 return
             self._start(work)
+
+    def _feed_in_step(self) -> None:
+        if not self.engine.has_unfinished:
+            work = self._next_work()
+            if work is not None:
+                self._start(work)
+            return
+        if self.engine.num_waiting:
+            return  # the same on every host: the engine's state is
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        ready = np.int32(self.spec.host_index == 0 and self._inbox.ready())
+        if int(multihost_utils.broadcast_one_to_all(ready)):
+            work = self._next_work()
+            if work is not None:
+                self._start(work)
+
+    def _next_work(self) -> BatchWork | None:
+        """The next batch from the head, waiting for it (None when stopping)."""
+        while not self._stop.is_set():
+            work = self._inbox.get(timeout_s=0.05)
+            if work is not None:
+                return work
+        return None
 
     def _start(self, work: BatchWork) -> None:
         from engine.sequence import Request
@@ -175,6 +239,7 @@ class SliceWorker:
             self._owner.clear()
             self.engine.abort()
             return
+        self.steps += 1
         stats = self.engine.stats
         live_seqs, tokens = stats.active_seqs[-1], stats.decode_tokens[-1]
         pages = self.engine.snapshot()["pages_in_use"]
@@ -231,5 +296,37 @@ class SliceWorker:
             self.engine.stats.clear()  # only the last step is read here: keep a days-long run's memory flat
 
     def _emit(self, result: Result) -> None:
+        if self.spec.host_index != 0:
+            return  # every host computed it; host 0 alone returns it
         timeline, self._timeline = self._timeline, []
         self._outbox.put(dataclasses.replace(result, timeline=timeline))
+
+
+class _Inbox:
+    """Batches in the head's order (`BatchWork.seq`), whatever order the actor's threads deliver them in.
+
+    `submit` calls run on a threaded actor, so two of them may run out of order; a multi-host slice must
+    still feed every host the same batches in the same order.
+    """
+
+    def __init__(self) -> None:
+        self._items: dict[int, BatchWork] = {}
+        self._next = 0
+        self._changed = threading.Condition()
+
+    def put(self, work: BatchWork) -> None:
+        with self._changed:
+            self._items[work.seq] = work
+            self._changed.notify_all()
+
+    def ready(self) -> bool:
+        with self._changed:
+            return self._next in self._items
+
+    def get(self, timeout_s: float) -> BatchWork | None:
+        """The next batch in order, waiting up to `timeout_s`; None if it has not arrived."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._next in self._items, timeout=timeout_s):
+                return None
+            self._next += 1
+            return self._items.pop(self._next - 1)

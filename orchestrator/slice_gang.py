@@ -1,0 +1,163 @@
+"""One slice as the head sees it: a gang of host actors (one per host) started and torn down together.
+
+A single-host slice is a gang of one. On a multi-host slice the host actors are placed together (a
+Ray placement group), host 0 names the jax.distributed coordinator, every host gets every batch, and
+host 0 alone returns results; the others' polls are heartbeats. Liveness: a host actor that dies
+fails the slice at once; a slice that holds batches but takes no engine step for
+`cluster.host_timeout_s` (a hung host blocks the others inside a collective), or that does not
+start within it, is reported as failed too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.config import RunConfig
+from orchestrator.results import BatchWork, Result
+from orchestrator.slice import SliceSpec, SliceWorker
+
+POLL_S = 1.0
+
+
+@dataclass(frozen=True)
+class GangEvent:
+    kind: str  # "waiting" | "started" | "results" | "failed"
+    results: list[Result] | None = None
+    info: dict | None = None
+    reason: str | None = None
+
+
+class SliceGang:
+    def __init__(self, index: int, cfg: RunConfig) -> None:
+        self.index = index
+        self.cfg = cfg
+        self.actors: list[Any] = []
+        self.placement_group = None
+        self._starting: dict[Any, int] = {}  # start ref -> host
+        self._polls: dict[Any, int] = {}  # poll ref -> host
+        self._infos: list[dict] = []
+        self._since = time.monotonic()  # spawn, or host 0's last engine step
+        self._steps = -1
+
+    @property
+    def name(self) -> str:
+        return f"slice-{self.index}"
+
+    @property
+    def num_hosts(self) -> int:
+        return self.cfg.cluster.hosts_per_slice
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.actors) and not self._starting and len(self._polls) == len(self.actors)
+
+    def spawn(self) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        cfg = self.cfg
+        resources = dict(cfg.cluster.resources_per_host)
+        num_cpus, num_gpus = resources.pop("CPU", 0), resources.pop("GPU", 0)
+        env = {}
+        if cfg.cluster.devices_per_host:
+            env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={cfg.cluster.devices_per_host}"
+        if self.num_hosts > 1:
+            bundle = {"CPU": num_cpus, "GPU": num_gpus, **resources}
+            self.placement_group = ray.util.placement_group([{k: v for k, v in bundle.items() if v}] * self.num_hosts,
+                                                            strategy=cfg.cluster.placement_strategy)
+        self.actors, self._starting, self._polls, self._infos = [], {}, {}, []
+        for host in range(self.num_hosts):
+            host_resources = dict(resources)
+            if host == 0 and cfg.cluster.slice_head_resource:
+                host_resources[cfg.cluster.slice_head_resource] = 1
+            spec = SliceSpec(self.name, cfg.model.require_path(), cfg.model.tokenizer_path, cfg.model.dtype,
+                             cfg.engine, cfg.sampling, dict(cfg.cluster.mesh), num_hosts=self.num_hosts,
+                             host_index=host, devices_per_host=cfg.cluster.devices_per_host)
+            options: dict[str, Any] = dict(num_cpus=num_cpus, num_gpus=num_gpus, resources=host_resources or None,
+                                           max_concurrency=4, max_restarts=0,
+                                           runtime_env={"env_vars": env} if env else None)
+            if self.placement_group is not None:
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    self.placement_group, placement_group_bundle_index=host)
+            self.actors.append(ray.remote(SliceWorker).options(**options).remote(spec))
+        # Host 0's coordinator address goes to every host as an ObjectRef: no blocking call in the head.
+        coordinator = self.actors[0].coordinator_address.remote() if self.num_hosts > 1 else None
+        self._starting = {a.start.remote(coordinator): host for host, a in enumerate(self.actors)}
+        self._since = time.monotonic()
+        self._steps = -1
+        self._sent = 0  # batches submitted to these actors (BatchWork.seq)
+
+    def refs(self) -> list:
+        return [*self._starting, *self._polls]
+
+    def handle(self, ref) -> GangEvent:
+        """Take a finished start or poll call; returns what it means for the slice."""
+        import ray
+
+        if ref in self._starting:
+            self._starting.pop(ref)
+            try:
+                self._infos.append(ray.get(ref))
+            except ray.exceptions.RayError as e:
+                return GangEvent("failed", reason=f"could not start: {_error_text(e)}")
+            if self._starting:
+                return GangEvent("waiting")
+            self._polls = {a.poll.remote(POLL_S): host for host, a in enumerate(self.actors)}
+            self._since = time.monotonic()
+            return GangEvent("started", info=self._summary())
+        host = self._polls.pop(ref)
+        try:
+            results, steps = ray.get(ref)
+        except ray.exceptions.RayError as e:
+            where = f" (host {host})" if self.num_hosts > 1 else ""
+            return GangEvent("failed", reason=f"died{where}: {_error_text(e)}")
+        self._polls[self.actors[host].poll.remote(POLL_S)] = host
+        if host == 0 and steps != self._steps:
+            self._steps, self._since = steps, time.monotonic()
+        return GangEvent("results", results=results) if host == 0 else GangEvent("waiting")
+
+    def timed_out(self, holding_batches: bool) -> str | None:
+        """Why the slice counts as hung, or None."""
+        limit = self.cfg.cluster.host_timeout_s
+        idle = time.monotonic() - self._since
+        if self._starting and idle > limit:
+            return f"did not start within {limit:.0f} s (cluster.host_timeout_s)"
+        if holding_batches and idle > limit:
+            return f"took no engine step for {idle:.0f} s while holding batches (cluster.host_timeout_s)"
+        return None
+
+    def submit(self, work: BatchWork) -> None:
+        import ray
+
+        ref = ray.put(dataclasses.replace(work, seq=self._sent))  # one copy in the object store for every host
+        self._sent += 1
+        for actor in self.actors:
+            actor.submit.remote(ref)
+
+    def kill(self) -> None:
+        import ray
+
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        if self.placement_group is not None:
+            try:
+                ray.util.remove_placement_group(self.placement_group)
+            except Exception:  # noqa: BLE001
+                pass
+        self.actors, self.placement_group, self._starting, self._polls = [], None, {}, {}
+
+    def _summary(self) -> dict:
+        first = self._infos[0] if self._infos else {}
+        return {"pids": [i.get("pid") for i in self._infos], "devices": len(first.get("devices", [])),
+                "load_s": max((i.get("load_s", 0.0) for i in self._infos), default=0.0)}
+
+
+def _error_text(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[-1] if text else type(e).__name__

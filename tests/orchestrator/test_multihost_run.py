@@ -1,0 +1,148 @@
+"""Multi-host slices on a local Ray: each slice is a gang of host actors running one SPMD program.
+
+CPU hosts stand in for TPU hosts: each host actor is its own process with `devices_per_host` XLA
+devices, joined by jax.distributed (gloo collectives).
+"""
+
+import dataclasses
+import os
+import signal
+
+import pyarrow as pa
+import pytest
+
+import orchestrator.slice_gang as slice_gang
+from orchestrator.config import load_run_config
+from orchestrator.driver import Driver
+from orchestrator.manifest import read_manifest
+
+from .conftest import run_args, write_run_corpus
+from .test_driver import reference, samples
+
+pytestmark = [pytest.mark.ray, pytest.mark.multihost]
+
+
+def gang_args(hosts: int, devices: int, model: int, slices: int = 1) -> list[str]:
+    return [f"--cluster.num_slices={slices}", f"--cluster.hosts_per_slice={hosts}",
+            f"--cluster.devices_per_host={devices}", f"--cluster.mesh={{model: {model}}}",
+            f"--cluster.resources_per_host={{CPU: {2 / (hosts * slices)}}}", "--cluster.placement_strategy=PACK"]
+
+
+@pytest.mark.parametrize("sampling", [[], ["--sampling.temperature=0.8", "--sampling.top_p=0.9", "--sampling.n=2"]],
+                         ids=["greedy", "seeded"])
+def test_two_host_slice_equals_one_process(ray_local, run_model, tmp_path, sampling):
+    corpus = write_run_corpus(tmp_path / "corpus.jsonl", 16, seed=11)
+    run_dir = tmp_path / "run"
+    cfg = load_run_config(None, run_args(run_model, corpus, run_dir, *gang_args(2, 2, 2), *sampling))
+    outcome = Driver(cfg, show_progress=False).run()
+    assert outcome.exit_code == 0, outcome.summary
+    assert samples(run_dir) == reference(run_model, run_dir, cfg)
+    events = (run_dir / "events.log").read_text()
+    assert "slice-0 ready" in events and ", 4 devices," in events  # one mesh over both hosts' devices
+
+
+def test_two_slices_of_two_hosts_at_once(ray_local, run_model, tmp_path):
+    """One device a host and mesh.model = 2: tensor parallel across the two processes of each slice."""
+    corpus = write_run_corpus(tmp_path / "corpus.jsonl", 24, seed=12)
+    run_dir = tmp_path / "run"
+    cfg = load_run_config(None, run_args(run_model, corpus, run_dir, *gang_args(2, 1, 2, slices=2)))
+    assert Driver(cfg, show_progress=False).run().exit_code == 0
+    records = read_manifest(run_dir / "batches.jsonl")
+    assert {r.slice for r in records} == {"slice-0", "slice-1"}
+    assert samples(run_dir) == reference(run_model, run_dir, cfg)
+
+
+def test_host_with_another_config_is_caught_before_any_step(ray_local, run_model, tmp_path, monkeypatch, capsys):
+    real = slice_gang.SliceSpec
+
+    def host_1_differs(*args, **kwargs):
+        spec = real(*args, **kwargs)
+        if spec.host_index == 1:
+            spec = dataclasses.replace(spec, engine=dataclasses.replace(spec.engine, max_pages=spec.engine.max_pages + 8))
+        return spec
+
+    monkeypatch.setattr(slice_gang, "SliceSpec", host_1_differs)
+    corpus = write_run_corpus(tmp_path / "corpus.jsonl", 8, seed=13)
+    run_dir = tmp_path / "run"
+    cfg = load_run_config(None, run_args(run_model, corpus, run_dir, *gang_args(2, 1, 2),
+                                         "--cluster.max_slice_restarts=0", "--cluster.host_timeout_s=120"))
+    outcome = Driver(cfg, show_progress=False).run()
+    assert outcome.exit_code == 1 and outcome.summary["batches_done"] == 0
+    out = capsys.readouterr().out
+    assert "could not start" in out and "engine_config" in out, out[-2000:]
+    assert all(r.attempts == 0 for r in read_manifest(run_dir / "batches.jsonl"))  # no batch ever ran
+
+
+def test_host_given_another_batch_fails_that_batch_only(ray_local, run_model, tmp_path, monkeypatch):
+    real_submit = slice_gang.SliceGang.submit
+
+    def submit(self, work):
+        if work.batch_id != "b000000":
+            return real_submit(self, work)
+        import ray
+
+        work = dataclasses.replace(work, seq=self._sent)
+        self._sent += 1
+        ids = work.prompts["token_ids"].to_pylist()
+        ids[0] = ids[0][:-1] + [(ids[0][-1] + 1) % 500]
+        other = dataclasses.replace(work, prompts=work.prompts.set_column(
+            2, "token_ids", pa.array(ids, work.prompts.schema.field("token_ids").type)))
+        self.actors[0].submit.remote(ray.put(work))
+        self.actors[1].submit.remote(ray.put(other))
+
+    monkeypatch.setattr(slice_gang.SliceGang, "submit", submit)
+    corpus = write_run_corpus(tmp_path / "corpus.jsonl", 12, seed=14)
+    run_dir = tmp_path / "run"
+    cfg = load_run_config(None, run_args(run_model, corpus, run_dir, *gang_args(2, 1, 2), "--retry.max_attempts=2"))
+    outcome = Driver(cfg, show_progress=False).run()
+    assert outcome.exit_code == 1
+    records = {r.batch_id: r for r in read_manifest(run_dir / "batches.jsonl")}
+    assert records["b000000"].status == "failed" and records["b000000"].attempts == 2
+    assert "requests" in records["b000000"].error, records["b000000"].error
+    assert all(r.status == "done" for k, r in records.items() if k != "b000000")
+
+
+def test_host_killed_mid_batch_restarts_the_slice(ray_local, run_model, tmp_path):
+    corpus = write_run_corpus(tmp_path / "corpus.jsonl", 16, seed=15)
+    run_dir = tmp_path / "run"
+    cfg = load_run_config(None, run_args(run_model, corpus, run_dir, *gang_args(2, 1, 2)))
+    driver = Driver(cfg, show_progress=False)
+    killed = {}
+
+    def kill_host_1(slots):
+        killed["batches"] = list(slots[0].inflight)
+        os.kill(ray_local.get(slots[0].gang.actors[1].pid.remote()), signal.SIGKILL)
+
+    driver.on_actors_ready = kill_host_1
+    assert driver.run().exit_code == 0
+    assert killed["batches"]
+    records = {r.batch_id: r for r in read_manifest(run_dir / "batches.jsonl")}
+    assert all(records[b].attempts == 2 for b in killed["batches"])
+    events = (run_dir / "events.log").read_text()
+    assert "slice-0 died (host 1)" in events and "slice-0 restarting" in events
+    assert samples(run_dir) == reference(run_model, run_dir, cfg)
+
+
+@pytest.mark.slow
+def test_hung_host_times_out_and_the_slice_comes_back(ray_local, run_model, tmp_path):
+    corpus = write_run_corpus(tmp_path / "corpus.jsonl", 16, seed=16)
+    run_dir = tmp_path / "run"
+    cfg = load_run_config(None, run_args(run_model, corpus, run_dir, *gang_args(2, 1, 2), "--cluster.host_timeout_s=45"))
+    driver = Driver(cfg, show_progress=False)
+    stopped = {}
+
+    def stop_host_1(slots):
+        stopped["pid"] = ray_local.get(slots[0].gang.actors[1].pid.remote())
+        os.kill(stopped["pid"], signal.SIGSTOP)  # alive but silent: host 0 waits in a collective
+
+    driver.on_actors_ready = stop_host_1
+    try:
+        assert driver.run().exit_code == 0
+    finally:
+        try:
+            os.kill(stopped["pid"], signal.SIGKILL)
+        except (KeyError, ProcessLookupError):
+            pass
+    events = (run_dir / "events.log").read_text()
+    assert "took no engine step" in events and "slice-0 restarting" in events
+    assert samples(run_dir) == reference(run_model, run_dir, cfg)
