@@ -64,15 +64,15 @@ class SliceGang:
         env = {}
         if cfg.cluster.devices_per_host:
             env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={cfg.cluster.devices_per_host}"
+        head = {cfg.cluster.slice_head_resource: 1} if cfg.cluster.slice_head_resource else {}
         if self.num_hosts > 1:
-            bundle = {"CPU": num_cpus, "GPU": num_gpus, **resources}
-            self.placement_group = ray.util.placement_group([{k: v for k, v in bundle.items() if v}] * self.num_hosts,
-                                                            strategy=cfg.cluster.placement_strategy)
+            # An actor in a placement group draws only on its bundle: host 0's bundle carries the head resource.
+            bundles = [{k: v for k, v in {"CPU": num_cpus, "GPU": num_gpus, **resources, **(head if host == 0 else {})}
+                        .items() if v} for host in range(self.num_hosts)]
+            self.placement_group = ray.util.placement_group(bundles, strategy=cfg.cluster.placement_strategy)
         self.actors, self._starting, self._polls, self._infos = [], {}, {}, []
         for host in range(self.num_hosts):
-            host_resources = dict(resources)
-            if host == 0 and cfg.cluster.slice_head_resource:
-                host_resources[cfg.cluster.slice_head_resource] = 1
+            host_resources = {**resources, **(head if host == 0 else {})}
             spec = SliceSpec(self.name, cfg.model.require_path(), cfg.model.tokenizer_path, cfg.model.dtype,
                              cfg.engine, cfg.sampling, dict(cfg.cluster.mesh), num_hosts=self.num_hosts,
                              host_index=host, devices_per_host=cfg.cluster.devices_per_host)
