@@ -138,8 +138,7 @@ class Driver:
                     state.event(f"{batch_id} back to pending: the run stopped")
                 slot.gang.kill()
             state.flush(force=True)
-            remaining = sum(r.num_prompts for r in state.records.values() if r.status != "done")
-            progress.write(remaining, force=True, running=False)
+            progress.write(state.prompts_not_done, force=True, running=False)
             progress.close()
             summary = self._summary(state, progress, progress.elapsed_s)
             tracker.finish({k: v for k, v in summary.items() if isinstance(v, int | float | str)})
@@ -182,8 +181,7 @@ class Driver:
                 if hung:
                     self._slice_failed(slot, hung)
             self._state.flush()
-            remaining = sum(r.num_prompts for r in self._state.records.values() if r.status != "done")
-            self._progress.write(remaining)
+            self._progress.write(self._state.prompts_not_done)
 
     # -- slices ----------------------------------------------------------------------------------
 
@@ -273,8 +271,8 @@ class Driver:
                              before_replace=lambda: crash_point("output_tmp"))
         crash_point("output_written")
         record = self._state.mark_done(result.batch_id, result.stats, slot.name)
-        done = len(self._state.with_status("done"))
-        self._progress.batch_done(record, done, len(self._state.with_status("failed")))
+        done = self._state.counts["done"]
+        self._progress.batch_done(record, done, self._state.counts["failed"])
         s = result.stats
         self._tracker.log_batch({
             "batch_id": record.batch_id, "slice": slot.name, "num_prompts": record.num_prompts,

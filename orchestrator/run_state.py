@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import Counter
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -27,8 +28,11 @@ class RunState:
         self.run_dir = run_dir
         self.records: dict[str, BatchRecord] = {r.batch_id: r for r in records}
         self.flush_interval_s = flush_interval_s
+        self.counts: Counter[str] = Counter(r.status for r in records)
+        """Batches per status, kept up to date by `update` (the head's loop reads it, never scans)."""
+        self.prompts_not_done = sum(r.num_prompts for r in records if r.status != "done")
         self._dirty = False
-        self._last_flush = 0.0
+        self._next_flush = 0.0
         self._events = open(run_dir.events, "a", encoding="utf-8")
 
     # -- start-up --------------------------------------------------------------------------------
@@ -72,8 +76,13 @@ class RunState:
     # -- changes ---------------------------------------------------------------------------------
 
     def update(self, batch_id: str, **changes) -> BatchRecord:
-        record = dataclasses.replace(self.records[batch_id], **changes)
+        old = self.records[batch_id]
+        record = dataclasses.replace(old, **changes)
         self.records[batch_id] = record
+        if record.status != old.status:
+            self.counts[old.status] -= 1
+            self.counts[record.status] += 1
+            self.prompts_not_done += old.num_prompts * ((record.status != "done") - (old.status != "done"))
         self._dirty = True
         return record
 
@@ -106,14 +115,20 @@ class RunState:
         self._events.flush()
 
     def flush(self, force: bool = False) -> None:
-        """Replace batches.jsonl if anything changed (at most every flush_interval_s unless forced)."""
-        if not self._dirty or (not force and time.monotonic() - self._last_flush < self.flush_interval_s):
+        """Replace batches.jsonl if anything changed.
+
+        Unless forced, at most every flush_interval_s, and never more than a tenth of the time: a manifest
+        of a million batches takes a while to write, and the head's loop must not spend itself on it.
+        """
+        if not self._dirty or (not force and time.monotonic() < self._next_flush):
             return
+        start = time.monotonic()
         write_manifest(self.run_dir.manifest, list(self.records.values()),
                        before_replace=lambda: crash_point("manifest_tmp"))
         crash_point("manifest_written")
         self._dirty = False
-        self._last_flush = time.monotonic()
+        now = time.monotonic()
+        self._next_flush = now + max(self.flush_interval_s, 9 * (now - start))
 
     def close(self) -> None:
         self.flush(force=True)
