@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
-import os
 import signal
 import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pyarrow.parquet as pq
 
@@ -34,8 +31,6 @@ from orchestrator.results import BatchWork, Completed, Failed
 from orchestrator.run_state import RunState
 from orchestrator.rundir import RunDir
 from orchestrator.slice_gang import POLL_S, SliceGang
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
