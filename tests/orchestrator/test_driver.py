@@ -46,7 +46,16 @@ def samples(run_dir: Path) -> dict[tuple[str, int], list[int]]:
     return dict(zip(keys, table["token_ids"].to_pylist()))
 
 
-def test_run_end_to_end_and_rerun(ray_local, run_model, tmp_path, capsys):
+def start_together(monkeypatch) -> None:
+    """Hold the first dispatch until every slice is up, so that each gets work. (Otherwise which slice runs
+    what is timing: with a warm compilation cache the first one up can finish every batch before the
+    other has loaded its model.)"""
+    real = Driver._next_batch
+    monkeypatch.setattr(Driver, "_next_batch", lambda self: real(self) if all(s.ready for s in self.slots) else None)
+
+
+def test_run_end_to_end_and_rerun(ray_local, run_model, tmp_path, capsys, monkeypatch):
+    start_together(monkeypatch)
     corpus = write_run_corpus(tmp_path / "corpus.jsonl", 40)
     run_dir = tmp_path / "run"
     cfg = load_run_config(None, run_args(run_model, corpus, run_dir, "--sampling.temperature=0.8",
@@ -60,7 +69,7 @@ def test_run_end_to_end_and_rerun(ray_local, run_model, tmp_path, capsys):
     assert outcome.exit_code == 0
     records = read_manifest(run_dir / "batches.jsonl")
     assert len(records) >= 10 and all(r.status == "done" and r.attempts == 1 for r in records)
-    assert {r.slice for r in records} == {"slice-0", "slice-1"}  # both slices pulled work
+    assert {r.slice for r in records} == {"slice-0", "slice-1"}  # both slices pulled from the one queue
     assert outcome.summary["rows_rejected"] == 0 and outcome.summary["samples_done"] == 80
 
     # Every (prompt, generation_index) exactly once, equal to one engine running the whole plan alone.
