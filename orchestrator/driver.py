@@ -114,6 +114,7 @@ class Driver:
         self._pending: deque[str] = deque(todo)
         self._retry_at: dict[str, float] = {}
         self._attempts: Counter[str] = Counter()  # this run's attempts per batch
+        self._samples_tracked = 0
         state.event(f"run started: {len(todo)} of {len(state.records)} batches to do, "
                     f"{self.cfg.cluster.num_slices} slices")
         previous = _on_signals(self.stop)
@@ -275,9 +276,11 @@ class Driver:
             "num_output_tokens": s.num_output_tokens, "duration_s": s.duration_s,
             "tokens_per_s": s.num_output_tokens / max(s.duration_s, 1e-9), "pages": s.max_pages_in_use,
             "occupancy": s.occupancy, "attempts": record.attempts, "batches_done": done})
-        limit = getattr(self.cfg.tracker, "samples_table_rows", 0)
-        if limit and samples.num_rows:
-            self._tracker.add_samples(samples.slice(0, limit).drop_columns(["token_ids", "logprobs"]).to_pylist())
+        wanted = self.cfg.tracker.samples_table_rows - self._samples_tracked  # the table is bounded: stop when full
+        if wanted > 0 and samples.num_rows:
+            rows = samples.slice(0, wanted).drop_columns(["logprobs"]).to_pylist()
+            self._tracker.add_samples(rows)
+            self._samples_tracked += len(rows)
 
     # -- the end ---------------------------------------------------------------------------------
 

@@ -86,7 +86,11 @@ def test_run_end_to_end_and_rerun(ray_local, run_model, tmp_path, capsys, monkey
     tables = {p.name.split("_")[0]: json.loads(p.read_text())
               for p in (wandb_runs[0] / "files" / "media" / "table").glob("*.table.json")}
     assert len(tables["batches"]["data"]) == len(records)
-    assert 0 < len(tables["samples"]["data"]) <= cfg.tracker.samples_table_rows
+    assert len(tables["samples"]["data"]) == min(80, cfg.tracker.samples_table_rows)
+    columns = tables["samples"]["columns"]
+    for row in tables["samples"]["data"]:
+        key = (row[columns.index("prompt_id")], row[columns.index("generation_index")])
+        assert row[columns.index("num_output_tokens")] == len(got[key])  # the table shows the real samples
     assert (run_dir / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     s = status(run_dir)
