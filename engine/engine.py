@@ -128,6 +128,11 @@ class Engine:
         return self.scheduler.has_work
 
     @property
+    def num_pages_in_use(self) -> int:
+        """KV pages held now (O(1); `snapshot` also scans every page's refcount)."""
+        return self.runner.kv.allocator.num_used
+
+    @property
     def num_waiting(self) -> int:
         """Queued sequences not yet admitted (a caller feeding the engine adds more when this reaches 0)."""
         return len(self.scheduler.waiting)

@@ -242,7 +242,7 @@ class SliceWorker:
         self.steps += 1
         stats = self.engine.stats
         live_seqs, tokens = stats.active_seqs[-1], stats.decode_tokens[-1]
-        pages = self.engine.snapshot()["pages_in_use"]
+        pages = self.engine.num_pages_in_use  # per step: no scan of the pool
         for live in self._live.values():
             live.steps += 1
             live.seq_steps += live_seqs
