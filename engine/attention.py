@@ -38,7 +38,8 @@ def write_kv(kv_pages: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.
     return flat.reshape(kv_pages.shape)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "pages_per_block", "queries_per_block"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "pages_per_block", "queries_per_block",
+                                             "tiles_per_group"))
 def reference_ragged_paged_attention(
     q: jax.Array,
     kv_pages: jax.Array,
@@ -51,16 +52,21 @@ def reference_ragged_paged_attention(
     sliding_window: int | None = None,
     pages_per_block: int = 8,
     queries_per_block: int = 16,
+    tiles_per_group: int = 8,
 ) -> jax.Array:
     """Blocked ragged paged attention in plain JAX: online softmax over blocks of pages.
 
-    Work is cut into tiles of up to `queries_per_block` query rows of one sequence; every tile walks
-    the KV blocks (`pages_per_block` pages each) up to the longest sequence present, so the loop
-    length follows the data, not the pool size. Returns [T, num_heads, head_dim] in q's dtype;
-    rows that belong to no sequence are zero.
+    Work is cut into tiles of up to `queries_per_block` query rows of one sequence. A tile visits only
+    the KV blocks its queries can see (up to its last query's position; with a sliding window, from
+    the first block inside its first query's window), so a short or early tile costs little next to a
+    long one. Tiles are sorted by that count and processed `tiles_per_group` at a time, each group for
+    as many blocks as its busiest tile needs: one loop walks every (group, block) pair. A tile always
+    visits its blocks in order and skipped blocks are ones it would have masked whole, so its result
+    does not depend on which tiles share its group. Returns [T, num_heads, head_dim] in q's dtype; rows
+    that belong to no sequence are zero.
     """
     num_tokens, num_heads, head_dim = q.shape
-    _, page_size, combined, _ = kv_pages.shape
+    num_pages, page_size, combined, _ = kv_pages.shape
     num_kv_heads = combined // 2
     q_per_kv = num_heads // num_kv_heads
     max_seqs, pages_per_seq = page_indices.shape
@@ -72,8 +78,10 @@ def reference_ragged_paged_attention(
     kv_lens = jnp.where(present, kv_lens, 0)
     tiles_per_seq = (q_lens + bq - 1) // bq
     tile_end = jnp.cumsum(tiles_per_seq)
-    # Sum of ceil(q_len / bq) over at most min(S, T) non-empty sequences.
-    num_tiles = (num_tokens + min(max_seqs, num_tokens) * (bq - 1)) // bq
+    # Sum of ceil(q_len / bq) over at most min(S, T) non-empty sequences, rounded up to whole groups.
+    max_tiles = (num_tokens + min(max_seqs, num_tokens) * (bq - 1)) // bq
+    group = min(tiles_per_group, max_tiles)
+    num_tiles = -(-max_tiles // group) * group
     tile = jnp.arange(num_tiles)
     tile_seq = jnp.minimum(jnp.searchsorted(tile_end, tile, side="right"), max_seqs - 1)  # i32[tiles]
     tile_valid = tile < tile_end[-1]
@@ -83,47 +91,72 @@ def reference_ragged_paged_attention(
     row_valid = tile_valid[:, None] & (q_offset < q_lens[tile_seq][:, None])
     q_row = jnp.where(row_valid, cu_q_lens[tile_seq][:, None] + q_offset, num_tokens)  # T = dropped
     q_pos = (kv_lens[tile_seq] - q_lens[tile_seq])[:, None] + q_offset  # absolute position of each query row
-    tile_kv_len = kv_lens[tile_seq]
+    tile_kv_len = jnp.where(tile_valid, kv_lens[tile_seq], 0)
 
-    kv_split = kv_pages.reshape(kv_pages.shape[0], page_size, num_kv_heads, 2, head_dim)  # free view: K at 0, V at 1
+    # The blocks [first_block, end_block) each tile must visit.
+    last_pos = jnp.max(jnp.where(row_valid, q_pos, -1), axis=1)
+    end_block = (jnp.minimum(last_pos + 1, tile_kv_len) + block_tokens - 1) // block_tokens
+    if sliding_window is None:
+        first_block = jnp.zeros_like(end_block)
+    else:  # blocks wholly before the tile's first query's window hold nothing any of its queries may see
+        first_pos = jnp.min(jnp.where(row_valid, q_pos, jnp.iinfo(jnp.int32).max), axis=1)
+        first_block = jnp.maximum(first_pos - sliding_window + 1, 0) // block_tokens
+    work = jnp.maximum(end_block - first_block, 0)  # i32[tiles]
+    order = jnp.argsort(-work, stable=True)  # busiest first: a group's first tile has its most work
+    group_work = work[order[::group]]  # i32[groups]
+    group_end = jnp.cumsum(group_work)
+
+    kv_split = kv_pages.reshape(num_pages, page_size, num_kv_heads, 2, head_dim)  # free view: K at 0, V at 1
     qt = jnp.take(q, jnp.minimum(q_row, num_tokens - 1), axis=0).astype(jnp.float32)
-    qt = qt.reshape(num_tiles, bq, num_kv_heads, q_per_kv, head_dim) * sm_scale
+    qt = (qt.reshape(num_tiles, bq, num_kv_heads, q_per_kv, head_dim) * sm_scale)[order]
+    seq_s, first_s, work_s, pos_s, kv_len_s = (x[order] for x in (tile_seq, first_block, work, q_pos, tile_kv_len))
 
-    def kv_block(b, carry):
-        m, l, acc = carry  # m, l: [tiles, kvh, g, bq]; acc: [tiles, kvh, g, bq, d]
-        page_slot = jnp.minimum(b * pages_per_block + jnp.arange(pages_per_block), pages_per_seq - 1)
-        pages = page_indices[tile_seq][:, page_slot]  # [tiles, ppb]
+    def visit(i, carry):
+        """The i-th (group, block) pair: one block of KV for each of the group's tiles."""
+        m, l, acc = carry  # in sorted tile order; m, l: [tiles, kvh, g, bq]; acc: [tiles, kvh, g, bq, d]
+        g = jnp.searchsorted(group_end, i, side="right")
+        local = i - (group_end[g] - group_work[g])  # the group's block counter
+        start = g * group
+
+        def mine(x):
+            return jax.lax.dynamic_slice_in_dim(x, start, group, axis=0)
+
+        block = mine(first_s) + local  # i32[group] each tile's own block
+        active = local < mine(work_s)  # a tile with fewer blocks than its group's busiest sits out
+        page_slot = jnp.minimum(block[:, None] * pages_per_block + jnp.arange(pages_per_block), pages_per_seq - 1)
+        pages = jnp.take_along_axis(page_indices[mine(seq_s)], page_slot, axis=1)  # [group, ppb]
         # One gather each for K and V straight from the interleaved pool: no combined copy to split.
-        k = kv_split[pages, :, :, 0].reshape(num_tiles, block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
-        v = kv_split[pages, :, :, 1].reshape(num_tiles, block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
-        s = jnp.einsum("tqhgd,tkhd->thgqk", qt, k)
-        kv_pos = b * block_tokens + jnp.arange(block_tokens)
-        mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < tile_kv_len[:, None, None])
+        k = kv_split[pages, :, :, 0].reshape(group, block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
+        v = kv_split[pages, :, :, 1].reshape(group, block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
+        s = jnp.einsum("tqhgd,tkhd->thgqk", mine(qt), k)
+        kv_pos = block[:, None] * block_tokens + jnp.arange(block_tokens)  # [group, blk]
+        pos = mine(pos_s)
+        mask = ((kv_pos[:, None, :] <= pos[:, :, None]) & (kv_pos[:, None, :] < mine(kv_len_s)[:, None, None])
+                & active[:, None, None])
         if sliding_window is not None:
-            mask &= q_pos[:, :, None] - kv_pos[None, None, :] < sliding_window
-        mask = mask[:, None, None]  # [tiles, 1, 1, bq, blk]
+            mask &= pos[:, :, None] - kv_pos[:, None, :] < sliding_window
+        mask = mask[:, None, None]  # [group, 1, 1, bq, blk]
         s = jnp.where(mask, s, _MASKED)
-        m_new = jnp.maximum(m, s.max(axis=-1))
+        m_old = mine(m)
+        m_new = jnp.maximum(m_old, s.max(axis=-1))
         p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
-        alpha = jnp.exp(m - m_new)
-        l = l * alpha + p.sum(axis=-1)
-        acc = acc * alpha[..., None] + jnp.einsum("thgqk,tkhd->thgqd", p, v)
-        return m_new, l, acc
+        alpha = jnp.exp(m_old - m_new)
+        l_new = mine(l) * alpha + p.sum(axis=-1)
+        acc_new = mine(acc) * alpha[..., None] + jnp.einsum("thgqk,tkhd->thgqd", p, v)
+
+        def put(x, y):
+            return jax.lax.dynamic_update_slice_in_dim(x, y, start, axis=0)
+
+        return put(m, m_new), put(l, l_new), put(acc, acc_new)
 
     shape = (num_tiles, num_kv_heads, q_per_kv, bq)
     init = (jnp.full(shape, _MASKED, jnp.float32), jnp.zeros(shape, jnp.float32),
             jnp.zeros(shape + (head_dim,), jnp.float32))
-    num_blocks = (kv_lens.max() + block_tokens - 1) // block_tokens
-    if sliding_window is None:
-        first_block = 0
-    else:  # blocks wholly before every query's window hold nothing any query may see
-        first_block = jnp.maximum(jnp.min(jnp.where(row_valid, q_pos, jnp.iinfo(jnp.int32).max)) - sliding_window + 1,
-                                  0) // block_tokens
-    _, l, acc = jax.lax.fori_loop(first_block, num_blocks, kv_block, init)
-    out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [tiles, kvh, g, bq, d]
+    _, l, acc = jax.lax.fori_loop(0, group_end[-1], visit, init)
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [tiles, kvh, g, bq, d], sorted order
     out = out.transpose(0, 3, 1, 2, 4).reshape(num_tiles * bq, num_heads, head_dim)
     result = jnp.zeros((num_tokens, num_heads, head_dim), q.dtype)
-    return result.at[q_row.reshape(-1)].set(out.astype(q.dtype), mode="drop")
+    return result.at[q_row[order].reshape(-1)].set(out.astype(q.dtype), mode="drop")
 
 
 @functools.cache
@@ -159,6 +192,7 @@ def ragged_paged_attention(
     impl: str,
     pages_per_block: int,
     queries_per_block: int,
+    tiles_per_group: int = 8,
 ) -> jax.Array:
     """Dispatch to the Pallas TPU kernel or the blocked reference (`impl` from `resolve_attention_impl`)."""
     if impl == "pallas_tpu":
@@ -168,5 +202,5 @@ def ragged_paged_attention(
                       sliding_window=sliding_window)
     return reference_ragged_paged_attention(
         q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
-        pages_per_block=pages_per_block, queries_per_block=queries_per_block,
+        pages_per_block=pages_per_block, queries_per_block=queries_per_block, tiles_per_group=tiles_per_group,
     )

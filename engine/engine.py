@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import jax.numpy as jnp
 
+from engine import compile_cache
 from engine.config import EngineConfig
 from engine.distributed import agree
 from engine.model_config import ModelConfig
@@ -44,6 +45,7 @@ class Engine:
     def __init__(self, model_path: str | os.PathLike, config: EngineConfig = EngineConfig(),
                  dtype: str = "float32", mesh=None, tokenizer=None) -> None:
         self.config = config
+        compile_cache.enable()  # before the first compile: later processes load the step programs instead
         self.model_config = ModelConfig.from_pretrained(model_path)
         self.max_seq_len = config.max_seq_len or self.model_config.max_position_embeddings
         if config.max_pages * config.page_size < self.max_seq_len:

@@ -9,7 +9,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 from haliax import NamedArray
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from engine.model import kv_pool_axes
 from engine.model_config import ModelConfig
@@ -30,7 +30,10 @@ class KVCache:
         self.allocator = PageAllocator(num_pages)
         self._axes = kv_pool_axes(cfg, num_pages, page_size)
         self._dtype = dtype
-        self._sharding = None if mesh is None else NamedSharding(mesh, partition_spec(self._axes, mesh))
+        # An explicit sharding even without a mesh: the pool every step donates back comes out committed to
+        # this device, and a fresh pool must look the same to jit, or the first step compiles twice.
+        self._sharding = (SingleDeviceSharding(jax.local_devices()[0]) if mesh is None
+                          else NamedSharding(mesh, partition_spec(self._axes, mesh)))
         self.pool: NamedArray = self._zeros()
 
     def _zeros(self) -> NamedArray:

@@ -32,6 +32,7 @@ class AttentionSettings:
     queries_per_block: int
     num_pages: int  # pages per layer; layer i owns pool pages [i * num_pages, (i + 1) * num_pages)
     mesh: Mesh | None = None  # when it has a `model` axis > 1, attention runs per KV-head shard
+    tiles_per_group: int = 8  # query tiles the reference attention moves through the KV blocks together
 
 
 class Attention(eqx.Module):
@@ -142,7 +143,7 @@ def _attention(attn: Attention, h: NamedArray, pool: NamedArray, layer: jax.Arra
         out = ragged_paged_attention(
             q, kv, kv_lens, pages, cu_q_lens, num_seqs, sm_scale=cfg.head_dim**-0.5,
             sliding_window=cfg.sliding_window, impl=settings.impl, pages_per_block=settings.pages_per_block,
-            queries_per_block=settings.queries_per_block)
+            queries_per_block=settings.queries_per_block, tiles_per_group=settings.tiles_per_group)
         return out, kv
 
     mesh = settings.mesh

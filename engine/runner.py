@@ -91,7 +91,8 @@ class ModelRunner:
         self.kv = KVCache(model.config, engine.max_pages, engine.page_size, kv_dtype, mesh)
         impl = resolve_attention_impl(engine.attention_impl)
         self._settings = {
-            bq: AttentionSettings(impl, engine.attn_pages_per_block, bq, engine.max_pages, mesh)
+            bq: AttentionSettings(impl, engine.attn_pages_per_block, bq, engine.max_pages, mesh,
+                                  engine.attn_tiles_per_group)
             for bq in (1, engine.attn_queries_per_block)
         }
 
@@ -104,8 +105,11 @@ class ModelRunner:
         ps = self.engine.page_size
         n_tokens = sum(len(c.token_ids) for c in chunks)
         # Decode-only steps (one token a sequence) pad tokens like sequences: no padding tiles in attention.
-        T = bucket(n_tokens, MIN_SEQ_BUCKET if is_decode_only(chunks) else MIN_TOKEN_BUCKET)
-        S = bucket(len(chunks), MIN_SEQ_BUCKET)
+        # Steps with prompt chunks always take max_seqs sequence rows, so their compiled shapes vary in T
+        # alone (a few programs, not one per (T, S) pair); attention skips the empty rows.
+        decode_only = is_decode_only(chunks)
+        T = bucket(n_tokens, MIN_SEQ_BUCKET if decode_only else MIN_TOKEN_BUCKET)
+        S = bucket(len(chunks) if decode_only else self.engine.max_seqs, MIN_SEQ_BUCKET)
         token_ids = np.zeros(T, np.int32)
         positions = np.zeros(T, np.int32)
         slots = np.full(T, self.engine.max_pages * ps, np.int32)  # out of range: dropped
@@ -131,7 +135,7 @@ class ModelRunner:
             row += n
             last_of_chunk[s] = row - 1
         row_chunk = list(range(len(chunks))) if row_chunk is None else list(row_chunk)
-        last = np.zeros(bucket(len(row_chunk), MIN_SEQ_BUCKET), np.int32)
+        last = np.zeros(max(S, bucket(len(row_chunk), MIN_SEQ_BUCKET)), np.int32)
         last[:len(row_chunk)] = last_of_chunk[row_chunk]
         return StepInputs(token_ids, positions, slots, cu, kv_lens, pages, np.array([len(chunks)], np.int32), last)
 

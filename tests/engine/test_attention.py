@@ -78,9 +78,9 @@ class PagedBatch:
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-@pytest.mark.parametrize("blocks", [(1, 1), (2, 4), (8, 16)])
+@pytest.mark.parametrize("blocks", [(1, 1, 1), (2, 4, 3), (8, 16, 8)])
 def test_ragged_batch_matches_dense(page_size, blocks):
-    pages_per_block, queries_per_block = blocks
+    pages_per_block, queries_per_block, tiles_per_group = blocks
     rng = np.random.default_rng(page_size * 100 + pages_per_block)
     seq_lens = [1, 2, 17, 33, 64, 5, 40, 23]
     pps = math.ceil(max(seq_lens) / page_size)
@@ -90,13 +90,13 @@ def test_ragged_batch_matches_dense(page_size, blocks):
     split = [max(1, n // 3) for n in seq_lens]
     first = [(s, 0, split[s]) for s in range(len(seq_lens))]
     outs = batch.step(first, max_seqs=10, bucket_tokens=128, pages_per_block=pages_per_block,
-                      queries_per_block=queries_per_block)
+                      queries_per_block=queries_per_block, tiles_per_group=tiles_per_group)
     for (s, a, b), o in zip(first, outs):
         np.testing.assert_allclose(o, batch.dense(s, a, b), atol=1e-5, rtol=0)
     second = [(s, split[s], n) for s, n in enumerate(seq_lens) if n > split[s]]
     rng.shuffle(second)  # sequence order in a step is arbitrary
     outs = batch.step(second, max_seqs=10, bucket_tokens=256, pages_per_block=pages_per_block,
-                      queries_per_block=queries_per_block)
+                      queries_per_block=queries_per_block, tiles_per_group=tiles_per_group)
     for (s, a, b), o in zip(second, outs):
         np.testing.assert_allclose(o, batch.dense(s, a, b), atol=1e-5, rtol=0)
 
@@ -124,6 +124,28 @@ def test_sliding_window(window):
     for (s, a, b), o in zip(chunks, batch.step(chunks, 4, 64, sliding_window=window, pages_per_block=2,
                                                 queries_per_block=8)):
         np.testing.assert_allclose(o, batch.dense(s, a, b, window), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("group", [1, 3, 64])
+def test_tile_result_does_not_depend_on_the_other_tiles(group, window):
+    """Tiles are sorted by how many KV blocks they need and walked in groups: a sequence's output must be
+    bit-identical whatever else is in the step (other sequences, their order), as samples rely on."""
+    seq_lens = [1, 90, 3, 47, 16, 64, 2, 33]
+    chunks = [(0, 0, 1), (1, 40, 90), (2, 2, 3), (3, 0, 47), (4, 15, 16), (5, 20, 64), (6, 1, 2), (7, 0, 33)]
+    subsets = [chunks, chunks[::-1], [chunks[1], chunks[4]], [chunks[4], chunks[7], chunks[0]]]
+    results = {}
+    for subset in subsets:
+        batch = PagedBatch(np.random.default_rng(3), seq_lens, page_size=4, num_pages=80, pages_per_seq=23)
+        batch.step([(s, 0, a) for s, a, _ in chunks if a > 0], max_seqs=8, bucket_tokens=128, pages_per_block=2,
+                   queries_per_block=4, tiles_per_group=group, sliding_window=window)
+        outs = batch.step(subset, max_seqs=8, bucket_tokens=256, pages_per_block=2, queries_per_block=4,
+                          tiles_per_group=group, sliding_window=window)
+        for chunk, o in zip(subset, outs):
+            np.testing.assert_allclose(o, batch.dense(*chunk, window), atol=1e-5, rtol=0)
+            if chunk in results:
+                np.testing.assert_array_equal(o, results[chunk], err_msg=f"sequence {chunk[0]}")
+            results[chunk] = o
 
 
 def test_write_kv_drops_padding_slots():
