@@ -56,15 +56,39 @@ def reference_ragged_paged_attention(
 ) -> jax.Array:
     """Blocked ragged paged attention in plain JAX: online softmax over blocks of pages.
 
-    Work is cut into tiles of up to `queries_per_block` query rows of one sequence. A tile visits only
-    the KV blocks its queries can see (up to its last query's position; with a sliding window, from
-    the first block inside its first query's window), so a short or early tile costs little next to a
-    long one. Tiles are sorted by that count and processed `tiles_per_group` at a time, each group for
-    as many blocks as its busiest tile needs: one loop walks every (group, block) pair. A tile always
-    visits its blocks in order and skipped blocks are ones it would have masked whole, so its result
-    does not depend on which tiles share its group. Returns [T, num_heads, head_dim] in q's dtype; rows
-    that belong to no sequence are zero.
+    Work is cut into tiles of query rows of one sequence: one row for a sequence with one new token
+    (decoding), up to `queries_per_block` rows otherwise, so a decoding sequence in a step that also
+    carries prompt chunks costs what it costs in a decode-only step. A tile visits only the KV blocks
+    its queries can see (up to its last query's position; with a sliding window, from the first block
+    inside its first query's window), so a short or early tile costs little next to a long one. Tiles
+    are sorted by that count and processed `tiles_per_group` at a time, each group for as many blocks
+    as its busiest tile needs: one loop walks every (group, block) pair. A tile always visits its blocks
+    in order and skipped blocks are ones it would have masked whole, so its result does not depend on
+    which tiles share its group. Returns [T, num_heads, head_dim] in q's dtype; rows that belong to no
+    sequence are zero.
     """
+    num_tokens = q.shape[0]
+    max_seqs = page_indices.shape[0]
+    present = jnp.arange(max_seqs) < num_seqs[0]
+    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, pages_per_block=pages_per_block,
+              tiles_per_group=tiles_per_group)
+    if queries_per_block == 1:  # a decode-only step: one tile per token
+        return _attend(q, kv_pages, kv_lens, page_indices, cu_q_lens, present, queries_per_block=1,
+                       max_tiles=num_tokens, **kw)
+    single = present & (cu_q_lens[1:] - cu_q_lens[:-1] == 1)
+    decoding = _attend(q, kv_pages, kv_lens, page_indices, cu_q_lens, single, queries_per_block=1,
+                       max_tiles=min(max_seqs, num_tokens), **kw)
+    # Sum of ceil(q_len / bq) over at most min(S, T) non-empty sequences.
+    max_tiles = (num_tokens + min(max_seqs, num_tokens) * (queries_per_block - 1)) // queries_per_block
+    chunks = _attend(q, kv_pages, kv_lens, page_indices, cu_q_lens, present & ~single,
+                     queries_per_block=queries_per_block, max_tiles=max_tiles, **kw)
+    return decoding + chunks  # each is zero on the other's rows
+
+
+def _attend(q, kv_pages, kv_lens, page_indices, cu_q_lens, included, *, sm_scale, sliding_window,
+            pages_per_block, queries_per_block, tiles_per_group, max_tiles) -> jax.Array:
+    """Attention for the `included` sequences' query rows (the other rows stay zero), in tiles of
+    `queries_per_block` rows, at most `max_tiles` of them."""
     num_tokens, num_heads, head_dim = q.shape
     num_pages, page_size, combined, _ = kv_pages.shape
     num_kv_heads = combined // 2
@@ -73,14 +97,11 @@ def reference_ragged_paged_attention(
     bq = queries_per_block
     block_tokens = pages_per_block * page_size
 
-    present = jnp.arange(max_seqs) < num_seqs[0]
-    q_lens = jnp.where(present, cu_q_lens[1:] - cu_q_lens[:-1], 0)  # i32[S]
-    kv_lens = jnp.where(present, kv_lens, 0)
+    q_lens = jnp.where(included, cu_q_lens[1:] - cu_q_lens[:-1], 0)  # i32[S]
+    kv_lens = jnp.where(included, kv_lens, 0)
     tiles_per_seq = (q_lens + bq - 1) // bq
     tile_end = jnp.cumsum(tiles_per_seq)
-    # Sum of ceil(q_len / bq) over at most min(S, T) non-empty sequences, rounded up to whole groups.
-    max_tiles = (num_tokens + min(max_seqs, num_tokens) * (bq - 1)) // bq
-    group = min(tiles_per_group, max_tiles)
+    group = min(tiles_per_group, max_tiles)  # tiles are padded to whole groups
     num_tiles = -(-max_tiles // group) * group
     tile = jnp.arange(num_tiles)
     tile_seq = jnp.minimum(jnp.searchsorted(tile_end, tile, side="right"), max_seqs - 1)  # i32[tiles]
