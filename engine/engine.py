@@ -77,6 +77,7 @@ class Engine:
         self._arrivals = 0
         self._last_queued: Sequence | None = None  # the newest queued sequence, to group samples of one prompt
         self.stats = EngineStats()
+        self.num_multi_step_fallbacks = 0  # decode-only steps run singly because their pages were not free
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -205,6 +206,7 @@ class Engine:
             needs.append(max(0, math.ceil((seq.num_computed + limit) / ps) - len(seq.pages)))
         alloc = self.runner.kv.allocator
         if sum(needs) > alloc.num_free:
+            self.num_multi_step_fallbacks += 1
             return None
         for c, need in zip(chunks, needs):
             c.seq.pages.extend(alloc.allocate(need))
@@ -332,7 +334,8 @@ class Engine:
         alloc = self.runner.kv.allocator
         return {"active_seqs": len(self.scheduler.running), "waiting_seqs": len(self.scheduler.waiting),
                 "pages_in_use": alloc.num_used, "free_pages": alloc.num_free, "max_refcount": alloc.max_refcount,
-                "num_preemptions": self.scheduler.num_preemptions}
+                "num_preemptions": self.scheduler.num_preemptions,
+                "num_multi_step_fallbacks": self.num_multi_step_fallbacks}
 
     # -- helpers ---------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ import numpy as np
 class EngineStats:
     step_s: list[float] = field(default_factory=list)
     prefill_tokens: list[int] = field(default_factory=list)  # prompt (and recomputed) tokens per step
-    decode_tokens: list[int] = field(default_factory=list)  # tokens generated per step (every decode step of a call)
+    decode_tokens: list[int] = field(default_factory=list)  # tokens drawn per step (all of a multi-step call's)
     active_seqs: list[int] = field(default_factory=list)
     model_steps: list[int] = field(default_factory=list)  # forward passes per step: > 1 for a multi-step decode call
 
@@ -43,7 +43,8 @@ class StepTimer:
     """Context manager that records one step (one device call) into EngineStats.
 
     A multi-step decode call sets `decode_tokens` (every token it generated) and `model_steps` before the
-    block ends; otherwise each chunk that completes generated one token in one forward pass.
+    block ends; otherwise each chunk that completes (and each sibling forking from it) drew one token in one
+    forward pass.
     """
 
     def __init__(self, stats: EngineStats, chunks) -> None:
@@ -58,7 +59,8 @@ class StepTimer:
 
     def __exit__(self, *exc) -> None:
         self.stats.step_s.append(time.perf_counter() - self.start)
-        completed = sum(1 for c in self.chunks if c.completes)
+        # A chunk that completes draws a token, and so does each sibling forking from it (same logits).
+        completed = sum(1 + len(c.seq.siblings) for c in self.chunks if c.completes)
         self.stats.decode_tokens.append(completed if self.decode_tokens is None else self.decode_tokens)
         self.stats.prefill_tokens.append(sum(c.num_tokens for c in self.chunks if c.num_tokens > 1 or not c.completes))
         self.stats.active_seqs.append(len(self.chunks))
