@@ -104,3 +104,8 @@ def test_page_pressure_falls_back_to_single_steps(tiny_llama):
     for a, b in zip(got, ref):
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
     assert engine.runner.kv.allocator.num_used == 0
+
+
+def test_decode_steps_must_be_positive():
+    with pytest.raises(ValueError, match="engine.decode_steps must be at least 1"):
+        EngineConfig(decode_steps=0)
