@@ -34,12 +34,14 @@ class EngineConfig:
     as its busiest tile needs (tiles are sorted by need), so smaller groups waste less on short tiles."""
     attention_impl: Literal["auto", "reference", "pallas_tpu"] = "auto"
     """`auto` uses the Pallas TPU kernel on TPU and the blocked reference elsewhere (logged once)."""
+    decode_steps: int = 4
+    """Decode steps per device call when every running sequence is decoding; 1 turns multi-step decode off."""
     debug_invariants: bool = False
     """Check page-allocator and sequence invariants after every step (slow; for debugging)."""
 
     def __post_init__(self) -> None:
         positive = ("page_size", "max_pages", "max_seqs", "max_seqs_in_prefill", "max_prefill_size",
-                    "attn_pages_per_block", "attn_queries_per_block", "attn_tiles_per_group")
+                    "attn_pages_per_block", "attn_queries_per_block", "attn_tiles_per_group", "decode_steps")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"engine.{name} must be at least 1, got {getattr(self, name)}")

@@ -18,9 +18,9 @@ from engine import compile_cache
 from engine.config import EngineConfig
 from engine.distributed import agree
 from engine.model_config import ModelConfig
-from engine.runner import ModelRunner, RowSampling, SeqChunk
+from engine.runner import DecodeRow, ModelRunner, RowSampling, SeqChunk
 from engine.sampler import sample_base_key
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledChunk, Scheduler
 from engine.sequence import Request, Sequence
 from engine.stats import EngineStats, StepTimer
 from engine.stop import StopChecker
@@ -61,6 +61,7 @@ class Engine:
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self._stop_ids = sorted(self.eos_token_ids)  # what a multi-step call checks on the device
         # A mesh over several processes (a multi-host slice): every host runs this same program. Check that
         # the hosts agree before the first compiled call (KV pool), and on the requests before the next step.
         # Without such a mesh each process runs its own engine on its own devices and nothing is compared.
@@ -78,6 +79,7 @@ class Engine:
         self._arrivals = 0
         self._last_queued: Sequence | None = None  # the newest queued sequence, to group samples of one prompt
         self.stats = EngineStats()
+        self.num_multi_step_fallbacks = 0  # decode-only steps run singly because their pages were not free
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -147,6 +149,9 @@ class Engine:
         chunks = self.scheduler.schedule()
         if not chunks:
             raise RuntimeError(self._stuck_message())
+        limits = self._multi_step_limits(chunks)
+        if limits is not None:
+            return self._multi_step(chunks, limits)
         # Output rows: one per chunk, plus one per sibling of a sequence whose prompt completes now
         # (the siblings sample their first token from the same logits, each with its own key).
         row_seqs, row_chunk, forks = [], [], []
@@ -158,8 +163,7 @@ class Engine:
                 row_seqs += c.seq.siblings
                 row_chunk += [i] * len(c.seq.siblings)
         with StepTimer(self.stats, chunks):
-            rows = [RowSampling(q.request.sampling.temperature, q.request.sampling.top_k, q.request.sampling.top_p,
-                                q.base_key, len(q.token_ids)) for q in row_seqs]
+            rows = [_row_sampling(q) for q in row_seqs]
             tokens, logprobs = self.runner.step_sample(
                 [SeqChunk(c.seq.token_ids[c.seq.num_computed:c.seq.num_computed + c.num_tokens], c.seq.num_computed,
                           c.seq.pages) for c in chunks], rows, row_chunk)
@@ -177,14 +181,70 @@ class Engine:
             seq.token_ids.append(token)
             seq.logprobs.append(logprob)
             if seq.stop.push(token) is not None:
-                incremental = self.config.cleanup_mode == "incremental"
-                self.scheduler.finish(seq, free_pages=incremental)
-                if not incremental:
-                    self._retained.append(seq)
-                done.append(self._completion(seq))
+                done.append(self._finish(seq))
         if self.config.debug_invariants:
             self.check_invariants()
         return done
+
+    def _multi_step_limits(self, chunks: list[ScheduledChunk]) -> list[int] | None:
+        """Decode steps each sequence may take in one device call, its pages for them allocated; None when
+        this step must be a single one (not decode-only, a waiting sequence could be admitted now, or the
+        pages are not free: the single step's scheduling preempts where it must)."""
+        K = self.config.decode_steps
+        if K == 1 or self.scheduler.head_has_slots:
+            return None
+        if not all(c.num_tokens == 1 and c.completes and not c.seq.siblings for c in chunks):
+            return None
+        ps = self.config.page_size
+        limits, needs = [], []
+        for c in chunks:
+            seq = c.seq
+            generated = len(seq.token_ids) - seq.num_prompt_tokens
+            # Step i writes the KV of position num_computed + i (below max_seq_len, like a single step's chunk)
+            # and generates the token at num_computed + i + 1; a row never generates past max_new_tokens.
+            limit = min(K, seq.request.sampling.max_new_tokens - generated,
+                        self.max_seq_len - len(seq.token_ids) + 1)
+            limits.append(limit)
+            needs.append(max(0, math.ceil((seq.num_computed + limit) / ps) - len(seq.pages)))
+        alloc = self.runner.kv.allocator
+        if sum(needs) > alloc.num_free:
+            self.num_multi_step_fallbacks += 1
+            return None
+        for c, need in zip(chunks, needs):
+            c.seq.pages.extend(alloc.allocate(need))
+        return limits
+
+    def _multi_step(self, chunks: list[ScheduledChunk], limits: list[int]) -> list[Completion]:
+        """Several decode steps in one device call (EOS and limits checked on the device); the host then
+        feeds each row's tokens to its StopChecker, which may stop it earlier (a stop string)."""
+        seqs = [c.seq for c in chunks]
+        with StepTimer(self.stats, chunks) as timer:
+            rows = [DecodeRow(q.token_ids[-1], q.num_computed, q.pages, limit, _row_sampling(q))
+                    for q, limit in zip(seqs, limits)]
+            tokens, logprobs, steps = self.runner.multi_step_sample(rows, self._stop_ids, self.config.decode_steps)
+            timer.decode_tokens = int(steps.sum())
+            timer.model_steps = int(steps.max())
+        tokens, logprobs, steps = tokens.T.tolist(), logprobs.T.tolist(), steps.tolist()
+        done = []
+        for seq, row_tokens, row_logprobs, num_steps in zip(seqs, tokens, logprobs, steps):
+            for token, logprob in zip(row_tokens[:num_steps], row_logprobs[:num_steps]):
+                seq.num_computed += 1  # the KV of the token this one was generated from is cached
+                seq.token_ids.append(token)
+                seq.logprobs.append(logprob)
+                if seq.stop.push(token) is not None:  # later tokens of this row are dropped
+                    done.append(self._finish(seq))
+                    break
+        if self.config.debug_invariants:
+            self.check_invariants()
+        return done
+
+    def _finish(self, seq: Sequence) -> Completion:
+        """Take a finished sequence out of the running set; its pages go back now (incremental) or later."""
+        incremental = self.config.cleanup_mode == "incremental"
+        self.scheduler.finish(seq, free_pages=incremental)
+        if not incremental:
+            self._retained.append(seq)
+        return self._completion(seq)
 
     def _fork(self, parent: Sequence) -> None:
         """Siblings share the parent's full prompt pages and get a copy of its partial last page."""
@@ -276,7 +336,8 @@ class Engine:
         alloc = self.runner.kv.allocator
         return {"active_seqs": len(self.scheduler.running), "waiting_seqs": len(self.scheduler.waiting),
                 "pages_in_use": alloc.num_used, "free_pages": alloc.num_free, "max_refcount": alloc.max_refcount,
-                "num_preemptions": self.scheduler.num_preemptions}
+                "num_preemptions": self.scheduler.num_preemptions,
+                "num_multi_step_fallbacks": self.num_multi_step_fallbacks}
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -299,6 +360,12 @@ class Engine:
                 f"{alloc.num_free} of {alloc.num_pages} are free and {len(self._retained)} finished sequences "
                 f"still hold pages (engine.cleanup_mode={self.config.cleanup_mode}); raise engine.max_pages or use "
                 f"cleanup_mode=incremental")
+
+
+def _row_sampling(seq: Sequence) -> RowSampling:
+    """How the sequence's next token (at index len(token_ids)) is drawn."""
+    s = seq.request.sampling
+    return RowSampling(s.temperature, s.top_k, s.top_p, seq.base_key, len(seq.token_ids))
 
 
 def _load_tokenizer(model_path: str | os.PathLike):

@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from engine.attention import resolve_attention_impl
+from engine.axes import PAGE_SLOT
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache
 from engine.model import AttentionSettings, Transformer
@@ -52,6 +53,17 @@ class RowSampling:
     position: int  # index the new token will take in its sequence (prompt included)
 
 
+@dataclass(frozen=True)
+class DecodeRow:
+    """One decoding sequence of a multi-step call: it feeds its last token and may run `limit` steps."""
+
+    token_id: int  # the sequence's last token, not yet in the cache
+    start: int  # its position = tokens of this sequence already in the cache
+    pages: Sequence[int]  # the sequence's pages, covering at least start + limit tokens
+    limit: int  # most decode steps this row may take (>= 1)
+    sampling: RowSampling  # position = start + 1, the index of the first token it generates
+
+
 def is_decode_only(chunks: Sequence[SeqChunk]) -> bool:
     """One new token per sequence: tokens are padded like sequences and attention uses 1-query tiles."""
     return all(len(c.token_ids) == 1 for c in chunks)
@@ -76,9 +88,58 @@ def _forward_sample(model: Transformer, pool, inputs: StepInputs, settings: Atte
     return pool, _replicated(tokens, settings.mesh), _replicated(logprobs, settings.mesh)
 
 
+def _forward_sample_steps(model: Transformer, pool, settings: AttentionSettings, num_steps: int,
+                          token_ids, starts, limits, page_indices, num_seqs, temperature, top_k, top_p, base_keys,
+                          stop_ids):
+    """Up to `num_steps` decode steps in one call; each row stops on the device at a stop id or its limit.
+
+    Row s feeds token_ids[s] (i32[S]) at position starts[s] in step 0 and its own last token after that;
+    it takes at most limits[s] steps (0 for padding rows) and stops after a token in stop_ids[s]
+    (i32[S, E], padded with -1). A done row writes no more KV; the loop ends when every row is done.
+    Step i is the single decode step for the same tokens: same inputs, same 1-query attention, same key
+    (the generated token's position), so the tokens are those of `num_steps` single steps.
+    Returns tokens i32[K, S] and logprobs f32[K, S] (entries past a row's steps are junk) and steps i32[S].
+    """
+    S = token_ids.shape[0]
+    page_size = pool.axis_size(PAGE_SLOT)
+    rows = jnp.arange(S, dtype=jnp.int32)
+    present = rows < num_seqs[0]
+    cu_q_lens = jnp.minimum(jnp.arange(S + 1, dtype=jnp.int32), num_seqs[0])  # one query a row; padding rows empty
+    logits_indices = jnp.where(present, rows, 0)
+
+    def running(carry) -> jax.Array:
+        i, _, _, done, _, _, _ = carry
+        return (i < num_steps) & ~jnp.all(done)
+
+    def one_step(carry):
+        i, pool, tokens, done, steps, out_tokens, out_logprobs = carry
+        active = ~done
+        # A done row repeats its last position (its write is dropped, its token ignored): every index stays
+        # inside the pages it was given.
+        positions = starts + jnp.minimum(i, jnp.maximum(limits - 1, 0))  # i32[S]
+        pages = jnp.take_along_axis(page_indices, (positions // page_size)[:, None], axis=1)[:, 0]  # i32[S]
+        slots = jnp.where(active, pages * page_size + positions % page_size, settings.num_pages * page_size)
+        kv_lens = jnp.where(present, positions + 1, 0)
+        inputs = StepInputs(tokens, positions, slots, cu_q_lens, kv_lens, page_indices, num_seqs, logits_indices)
+        pool, logits = model(pool, inputs, settings)
+        new, logprobs = sample(logits.array, temperature, top_k, top_p, position_keys(base_keys, positions + 1))
+        steps = steps + active.astype(jnp.int32)
+        stopped = jnp.any(new[:, None] == stop_ids, axis=1)
+        done = done | (active & (stopped | (steps >= limits)))
+        return (i + 1, pool, jnp.where(active, new, tokens), done, steps, out_tokens.at[i].set(new),
+                out_logprobs.at[i].set(logprobs))
+
+    carry = (jnp.int32(0), pool, token_ids, limits <= 0, jnp.zeros(S, jnp.int32),
+             jnp.zeros((num_steps, S), jnp.int32), jnp.zeros((num_steps, S), jnp.float32))
+    _, pool, _, _, steps, out_tokens, out_logprobs = jax.lax.while_loop(running, one_step, carry)
+    mesh = settings.mesh
+    return pool, _replicated(out_tokens, mesh), _replicated(out_logprobs, mesh), _replicated(steps, mesh)
+
+
 # Module-level, so every runner with the same model structure and shapes reuses compiled programs.
 _step = jax.jit(_forward, donate_argnums=(1,), static_argnums=(3,))
 _step_sample = jax.jit(_forward_sample, donate_argnums=(1,), static_argnums=(3,))
+_steps_sample = jax.jit(_forward_sample_steps, donate_argnums=(1,), static_argnums=(2, 3))
 
 
 class ModelRunner:
@@ -165,3 +226,38 @@ class ModelRunner:
             temperature, top_k, top_p, keys, positions)
         n = len(rows)
         return np.asarray(tokens)[:n], np.asarray(logprobs)[:n]
+
+    def multi_step_sample(self, rows: Sequence[DecodeRow], stop_ids: Sequence[int], num_steps: int
+                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Up to `num_steps` decode steps of the rows in one device call, stopping rows at `stop_ids` or
+        their limits: (tokens i32[num_steps, rows], logprobs f32[num_steps, rows], steps i32[rows]).
+
+        Row r's tokens are tokens[:steps[r], r]; its KV is written for positions start .. start + steps - 1.
+        """
+        ps = self.engine.page_size
+        S = bucket(len(rows), MIN_SEQ_BUCKET)
+        pad = S - len(rows)
+        pages = np.zeros((S, self.pages_per_seq), np.int32)
+        for r, row in enumerate(rows):
+            end = row.start + row.limit
+            if (row.limit < 1 or end > self.max_seq_len or math.ceil(end / ps) > len(row.pages)
+                    or row.sampling.position != row.start + 1):
+                raise ValueError(f"decode row {r}: {row.limit} steps from position {row.start} with {len(row.pages)} "
+                                 f"pages (page_size {ps}, max_seq_len {self.max_seq_len})")
+            pages[r, :len(row.pages)] = row.pages
+        stops = np.full((S, bucket(len(stop_ids), 4)), -1, np.int32)  # E fixed per engine: one compile
+        stops[:len(rows), :len(stop_ids)] = list(stop_ids)
+        keys = np.zeros((S, 2), np.uint32)
+        keys[:len(rows)] = [row.sampling.base_key for row in rows]
+        self.kv.pool, tokens, logprobs, steps = _steps_sample(
+            self.model, self.kv.pool, self._settings[1], num_steps,
+            np.array([row.token_id for row in rows] + [0] * pad, np.int32),
+            np.array([row.start for row in rows] + [0] * pad, np.int32),
+            np.array([row.limit for row in rows] + [0] * pad, np.int32),
+            pages, np.array([len(rows)], np.int32),
+            np.array([row.sampling.temperature for row in rows] + [0.0] * pad, np.float32),
+            np.array([row.sampling.top_k for row in rows] + [0] * pad, np.int32),
+            np.array([row.sampling.top_p for row in rows] + [1.0] * pad, np.float32),
+            keys, stops)
+        n = len(rows)
+        return np.asarray(tokens)[:, :n], np.asarray(logprobs)[:, :n], np.asarray(steps)[:n]

@@ -49,6 +49,11 @@ class Scheduler:
         """Running sequences plus the siblings they will fork into (their slots are reserved at admission)."""
         return len(self.running) + sum(len(s.siblings) for s in self.running)
 
+    @property
+    def head_has_slots(self) -> bool:
+        """The first waiting sequence (with the siblings it will fork into) fits in the free slots now."""
+        return bool(self.waiting) and self.slots_in_use + 1 + len(self.waiting[0].siblings) <= self.config.max_seqs
+
     def _pages_needed(self, seq: Sequence, num_tokens: int) -> int:
         return max(0, math.ceil((seq.num_computed + num_tokens) / self.config.page_size) - len(seq.pages))
 
@@ -99,8 +104,7 @@ class Scheduler:
                 budget -= n
                 num_prefill += seq.num_pending > 1
         # 2. Admit waiting sequences while slots, budget and pages allow (FIFO: stop at the first that does not fit).
-        while (self.waiting and budget > 0 and num_prefill < self.config.max_seqs_in_prefill
-               and self.slots_in_use + 1 + len(self.waiting[0].siblings) <= self.config.max_seqs):
+        while self.head_has_slots and budget > 0 and num_prefill < self.config.max_seqs_in_prefill:
             seq = self.waiting[0]
             n = min(seq.num_pending, budget)
             if not self._grow(seq, n):

@@ -1,0 +1,111 @@
+"""Multi-step decode (engine.decode_steps): the same samples as one decode step per device call."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from engine.config import EngineConfig, SamplingConfig
+from engine.engine import Completion, Engine
+from engine.presets import write_model
+from engine.sequence import Request
+
+GREEDY = SamplingConfig(max_new_tokens=13, temperature=0.0, logprobs=True)
+SEEDED = SamplingConfig(max_new_tokens=13, temperature=0.8, top_p=0.9, top_k=50, seed=3, n=2, logprobs=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return write_model("tiny-llama", tmp_path_factory.mktemp("tiny-llama"))
+
+
+def prompts() -> list[tuple[int, ...]]:
+    rng = np.random.default_rng(0)
+    return [tuple(rng.integers(6, 512, int(n)).tolist()) for n in (3, 17, 40, 9, 33, 5)]
+
+
+def with_max_new(s: SamplingConfig, max_new_tokens: int, **kw) -> SamplingConfig:
+    return dataclasses.replace(s, max_new_tokens=max_new_tokens, **kw)
+
+
+def groups(stop: str) -> list[list[Request]]:
+    """Batches of at most 4 rows: every row decodes in a batch of one shape (the 4-row bucket) in every mode.
+
+    A row's float32 logits depend, in their last bits, on the padded batch size its step ran in; keeping
+    it fixed is what lets the logprobs of different modes be compared exactly.
+    """
+    p = prompts()
+    greedy = [Request(f"g{i}", p[i], with_max_new(GREEDY, m)) for i, m in zip((0, 1, 2, 3), (1, 2, 13, 7))]
+    seeded = [Request(f"s{i}", p[i], with_max_new(SEEDED, m), g) for i, m in ((2, 11), (4, 21)) for g in range(2)]
+    mixed = [Request("short", p[5], with_max_new(SEEDED, 2, n=1)), Request("one", p[3], with_max_new(GREEDY, 1)),
+             Request("stop", p[4], with_max_new(GREEDY, 24, stop=[stop])),
+             Request("long", p[1], with_max_new(SEEDED, 9, n=1))]
+    return [greedy, seeded, mixed]
+
+
+def run(path, decode_steps: int, batches: list[list[Request]], **config) -> tuple[list[Completion], Engine]:
+    engine = Engine(path, EngineConfig(**{"page_size": 8, "max_pages": 64, "max_seqs": 4, "max_seqs_in_prefill": 4,
+                                          "max_prefill_size": 256, "max_seq_len": 128, "decode_steps": decode_steps,
+                                          "debug_invariants": True, **config}))
+    return [c for batch in batches for c in engine.generate(batch, reset=False)], engine
+
+
+def mid_call_stop(path) -> tuple[str, int]:
+    """A stop string completed by a generated token that is neither the first nor the last of a 4- or 8-step call
+    (the first token comes from the prompt's step, then calls make tokens 2-5, 6-9, ... or 2-9, 10-17)."""
+    engine = Engine(path, EngineConfig(max_pages=64, max_seq_len=128, decode_steps=1))
+    ids = engine.generate([Request("stop", prompts()[4], with_max_new(GREEDY, 24))])[0].token_ids
+    text = engine.tokenizer.decode
+    for count in (3, 4, 7, 8, 11, 12):
+        piece = text(ids[count - 1:count])
+        if piece.strip() and "\ufffd" not in piece and piece not in text(ids[:count - 1]) and piece in text(ids[:count]):
+            return piece, count
+    raise AssertionError("no generated token makes a usable stop string; change the prompt")
+
+
+def test_decode_steps_give_the_samples_of_single_steps(tiny_llama):
+    stop, stop_at = mid_call_stop(tiny_llama)
+    batches = groups(stop)
+    ref, single = run(tiny_llama, 1, batches)
+    assert max(single.stats.model_steps) == 1
+    by_id = {(c.prompt_id, c.generation_index): c for c in ref}
+    # The cases are there: limits of 1 and 2 tokens, an EOS, a stop string mid-call, n=2 samples that differ.
+    assert [len(by_id[(i, 0)].token_ids) for i in ("g0", "g1", "one", "short")] == [1, 2, 1, 2]
+    assert any(c.finish_reason == "stop" and c.token_ids[-1] in single.eos_token_ids for c in ref)
+    assert by_id[("stop", 0)].finish_reason == "stop" and len(by_id[("stop", 0)].token_ids) == stop_at
+    assert by_id[("s4", 0)].token_ids != by_id[("s4", 1)].token_ids
+    for k in (4, 8):
+        got, engine = run(tiny_llama, k, batches)
+        assert got == ref, f"decode_steps={k}"  # token ids, logprobs (exactly), text and finish reasons
+        stats = engine.stats
+        assert max(stats.model_steps) == k, "the multi-step path must have run"
+        assert len(stats.step_s) < sum(stats.decode_tokens)
+        # The stop string fired mid-call: the tokens generated after it were dropped.
+        assert sum(stats.decode_tokens) > sum(len(c.token_ids) for c in got)
+        assert engine.runner.kv.allocator.num_used == 0
+
+
+def test_page_pressure_falls_back_to_single_steps(tiny_llama):
+    """Few pages and more requests than slots: a multi-step call's pages are not always free, so some
+    decode-only steps run singly (and preempt); the tokens are still those of single steps."""
+    p = prompts()
+    requests = [Request(f"r{i}", p[i % len(p)] + (i,), with_max_new(SEEDED if i % 2 else GREEDY, 5 + 3 * i, n=1))
+                for i in range(8)]
+    config = {"page_size": 4, "max_pages": 24, "max_seq_len": 96}
+    ref, single = run(tiny_llama, 1, [requests], **config)
+    got, engine = run(tiny_llama, 4, [requests], **config)
+    assert engine.num_multi_step_fallbacks > 0 and max(engine.stats.model_steps) == 4
+    assert [(c.token_ids, c.finish_reason, c.completion) for c in got] == \
+        [(c.token_ids, c.finish_reason, c.completion) for c in ref]
+    # Admissions and preemptions now fall at other points of each row's decode, so some of its steps run in
+    # batches of other shapes (mixed prefill steps, other buckets), which round the logits' last bits differently.
+    for a, b in zip(got, ref):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+    assert engine.runner.kv.allocator.num_used == 0
+
+
+def test_decode_steps_must_be_positive():
+    with pytest.raises(ValueError, match="engine.decode_steps must be at least 1"):
+        EngineConfig(decode_steps=0)
