@@ -144,7 +144,17 @@ def instrument(engine) -> list[dict]:
                             tokens=sum(len(c.token_ids) for c in chunks), seqs=len(chunks)))
         return result
 
-    runner.build_inputs, runner.step_sample = timed_build, timed_step
+    multi = runner.multi_step_sample
+
+    def timed_multi(rows, stop_ids, num_steps):
+        t = time.perf_counter()
+        tokens, logprobs, steps = multi(rows, stop_ids, num_steps)
+        S = max(4, 1 << (len(rows) - 1).bit_length())
+        records.append(dict(build_s=0.0, T=S * int(steps.max()), S=S, wall_s=time.perf_counter() - t, decode=True,
+                            multi=True, key=(S, S, "multi"), tokens=int(steps.sum()), seqs=len(rows)))
+        return tokens, logprobs, steps
+
+    runner.build_inputs, runner.step_sample, runner.multi_step_sample = timed_build, timed_step, timed_multi
     return records
 
 
@@ -242,11 +252,12 @@ def breakdown(cold: dict, warm: dict) -> list[str]:
              f"(first step minus warm median) {compile_s:.1f} s over {len(seen)} shape buckets (T, S, decode-only)"]
     recs = warm["records"]
     for name, sel in (("prefill/mixed steps", [r for r in recs if not r["decode"]]),
-                      ("decode-only steps", [r for r in recs if r["decode"]])):
+                      ("single decode steps", [r for r in recs if r["decode"] and not r.get("multi")]),
+                      ("multi-step decode", [r for r in recs if r.get("multi")])):
         dev = sum(r["wall_s"] - r["build_s"] for r in sel)
         real, padded = sum(r["tokens"] for r in sel), sum(r["T"] for r in sel)
         seqs, seq_slots = sum(r["seqs"] for r in sel), sum(r["S"] for r in sel)
-        lines.append(f"  {name:20s} {len(sel):4d} steps {dev:7.1f} s device call ({dev / max(len(sel), 1) * 1e3:6.0f} ms/step), "
+        lines.append(f"  {name:20s} {len(sel):4d} calls {dev:7.1f} s ({dev / max(len(sel), 1) * 1e3:6.0f} ms/call), "
                      f"{real} real of {padded} padded tokens ({real / max(padded, 1):.0%}), "
                      f"{seqs} of {seq_slots} seq rows, {real / max(dev, 1e-9):.0f} real tok/s")
     device = sum(r["wall_s"] - r["build_s"] for r in recs)

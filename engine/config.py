@@ -29,6 +29,8 @@ class EngineConfig:
     """KV pages per block of the blocked (online softmax) reference attention."""
     attn_queries_per_block: int = 16
     """Query tokens per block of the reference attention in steps that carry prompt chunks."""
+    attn_decode_pages_per_block: int = 2
+    """KV pages per block for one-query (decoding) tiles: little work per key, so a small last block wastes less."""
     attn_tiles_per_group: int = 8
     """Query tiles the reference attention processes together; each group walks only as many KV blocks
     as its busiest tile needs (tiles are sorted by need), so smaller groups waste less on short tiles."""
@@ -41,7 +43,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         positive = ("page_size", "max_pages", "max_seqs", "max_seqs_in_prefill", "max_prefill_size",
-                    "attn_pages_per_block", "attn_queries_per_block", "attn_tiles_per_group", "decode_steps")
+                    "attn_pages_per_block", "attn_queries_per_block", "attn_tiles_per_group", "attn_decode_pages_per_block",
+                    "decode_steps")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"engine.{name} must be at least 1, got {getattr(self, name)}")

@@ -33,6 +33,7 @@ class AttentionSettings:
     num_pages: int  # pages per layer; layer i owns pool pages [i * num_pages, (i + 1) * num_pages)
     mesh: Mesh | None = None  # when it has a `model` axis > 1, attention runs per KV-head shard
     tiles_per_group: int = 8  # query tiles the reference attention moves through the KV blocks together
+    decode_pages_per_block: int | None = None  # block size for one-query tiles (default: pages_per_block)
 
 
 class Attention(eqx.Module):
@@ -143,7 +144,8 @@ def _attention(attn: Attention, h: NamedArray, pool: NamedArray, layer: jax.Arra
         out = ragged_paged_attention(
             q, kv, kv_lens, pages, cu_q_lens, num_seqs, sm_scale=cfg.head_dim**-0.5,
             sliding_window=cfg.sliding_window, impl=settings.impl, pages_per_block=settings.pages_per_block,
-            queries_per_block=settings.queries_per_block, tiles_per_group=settings.tiles_per_group)
+            queries_per_block=settings.queries_per_block, tiles_per_group=settings.tiles_per_group,
+            decode_pages_per_block=settings.decode_pages_per_block)
         return out, kv
 
     mesh = settings.mesh

@@ -153,7 +153,7 @@ class ModelRunner:
         impl = resolve_attention_impl(engine.attention_impl)
         self._settings = {
             bq: AttentionSettings(impl, engine.attn_pages_per_block, bq, engine.max_pages, mesh,
-                                  engine.attn_tiles_per_group)
+                                  engine.attn_tiles_per_group, engine.attn_decode_pages_per_block)
             for bq in (1, engine.attn_queries_per_block)
         }
 

@@ -78,25 +78,28 @@ class PagedBatch:
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-@pytest.mark.parametrize("blocks", [(1, 1, 1), (2, 4, 3), (8, 16, 8)])
+@pytest.mark.parametrize("blocks", [(1, 1, 1, None), (2, 4, 3, 1), (8, 16, 8, 2)])
 def test_ragged_batch_matches_dense(page_size, blocks):
-    pages_per_block, queries_per_block, tiles_per_group = blocks
+    pages_per_block, queries_per_block, tiles_per_group, decode_pages_per_block = blocks
     rng = np.random.default_rng(page_size * 100 + pages_per_block)
     seq_lens = [1, 2, 17, 33, 64, 5, 40, 23]
     pps = math.ceil(max(seq_lens) / page_size)
     batch = PagedBatch(rng, seq_lens, page_size, num_pages=sum(math.ceil(n / page_size) for n in seq_lens) + 7,
                        pages_per_seq=pps)
-    # Step 1: prompts fed partially (prefill chunks of different sizes), step 2: the rest, step 3: decode-like.
+    # Step 1: prompts fed partially (prefill chunks of different sizes, one-token ones among them: the
+    # one-query tiles), step 2: the rest.
     split = [max(1, n // 3) for n in seq_lens]
     first = [(s, 0, split[s]) for s in range(len(seq_lens))]
     outs = batch.step(first, max_seqs=10, bucket_tokens=128, pages_per_block=pages_per_block,
-                      queries_per_block=queries_per_block, tiles_per_group=tiles_per_group)
+                      queries_per_block=queries_per_block, tiles_per_group=tiles_per_group,
+                      decode_pages_per_block=decode_pages_per_block)
     for (s, a, b), o in zip(first, outs):
         np.testing.assert_allclose(o, batch.dense(s, a, b), atol=1e-5, rtol=0)
     second = [(s, split[s], n) for s, n in enumerate(seq_lens) if n > split[s]]
     rng.shuffle(second)  # sequence order in a step is arbitrary
     outs = batch.step(second, max_seqs=10, bucket_tokens=256, pages_per_block=pages_per_block,
-                      queries_per_block=queries_per_block, tiles_per_group=tiles_per_group)
+                      queries_per_block=queries_per_block, tiles_per_group=tiles_per_group,
+                      decode_pages_per_block=decode_pages_per_block)
     for (s, a, b), o in zip(second, outs):
         np.testing.assert_allclose(o, batch.dense(s, a, b), atol=1e-5, rtol=0)
 
