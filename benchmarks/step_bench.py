@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from engine.config import EngineConfig
 from engine.model_config import ModelConfig
 from engine.presets import write_model
-from engine.runner import MIN_SEQ_BUCKET, MIN_TOKEN_BUCKET, ModelRunner, SeqChunk, bucket
+from engine.runner import ModelRunner, SeqChunk, _step
 from engine.weights import load_transformer
 
 PRESET = "llama-40m"
@@ -131,10 +131,9 @@ class ShapeBench:
         for p in pages:
             alloc.free(p)
         self.chunks = [SeqChunk([3 + s] * shape.new_tokens, shape.cached_tokens, p) for s, p in enumerate(pages)]
-        self.padded_tokens = bucket(shape.tokens, MIN_TOKEN_BUCKET)
-        self.padded_seqs = bucket(shape.num_seqs, MIN_SEQ_BUCKET)
-        self.first_call_s = seconds(lambda: runner.step(self.chunks))  # compiles unless an earlier shape had the same buckets
         self.inputs = jax.tree.map(jnp.asarray, runner.build_inputs(self.chunks))
+        self.padded_tokens, self.padded_seqs = self.inputs.token_ids.shape[0], self.inputs.kv_lens.shape[0]
+        self.first_call_s = seconds(lambda: runner.step(self.chunks))  # compiles unless an earlier shape had the same buckets
         # The settings runner.step picks: one query per tile for decode-only steps.
         bq = 1 if shape.kind == "decode" else runner.engine.attn_queries_per_block
         self.settings = runner._settings[bq]
@@ -149,7 +148,7 @@ class ShapeBench:
 
     def _device_step(self) -> None:
         r = self.runner
-        r.kv.pool, logits = r._step(r.model, r.kv.pool, self.inputs, self.settings)
+        r.kv.pool, logits = _step(r.model, r.kv.pool, self.inputs, self.settings)
         logits.array.block_until_ready()
 
     def time_once(self) -> None:
