@@ -127,6 +127,8 @@ def engine_cmd(model: Path, prompts: Path, out: Path, new_tokens: int, max_seq_l
 
 def instrument(engine) -> list[dict]:
     """Record each device call: shape bucket, wall time of step_sample, of input packing, real tokens."""
+    from engine.runner import MIN_SEQ_BUCKET, bucket
+
     runner, records, cur = engine.runner, [], {}
     build, step_sample = runner.build_inputs, runner.step_sample
 
@@ -149,7 +151,7 @@ def instrument(engine) -> list[dict]:
     def timed_multi(rows, stop_ids, num_steps):
         t = time.perf_counter()
         tokens, logprobs, steps = multi(rows, stop_ids, num_steps)
-        S = max(4, 1 << (len(rows) - 1).bit_length())
+        S = bucket(len(rows), MIN_SEQ_BUCKET)  # the rows the runner pads the call to
         records.append(dict(build_s=0.0, T=S * int(steps.max()), S=S, wall_s=time.perf_counter() - t, decode=True,
                             multi=True, key=(S, S, "multi"), tokens=int(steps.sum()), seqs=len(rows)))
         return tokens, logprobs, steps

@@ -214,16 +214,10 @@ class ModelRunner:
         """Process the chunks and pick a next token per row: (tokens i32[rows], logprobs f32[rows])."""
         inputs = self.build_inputs(chunks, row_chunk)
         S = inputs.logits_indices.shape[0]
-        pad = S - len(rows)
-        temperature = np.array([r.temperature for r in rows] + [0.0] * pad, np.float32)
-        top_k = np.array([r.top_k for r in rows] + [0] * pad, np.int32)
-        top_p = np.array([r.top_p for r in rows] + [1.0] * pad, np.float32)
-        keys = np.zeros((S, 2), np.uint32)
-        keys[:len(rows)] = [r.base_key for r in rows]
-        positions = np.array([r.position for r in rows] + [0] * pad, np.int32)
+        positions = np.array([r.position for r in rows] + [0] * (S - len(rows)), np.int32)
         self.kv.pool, tokens, logprobs = _step_sample(
             self.model, self.kv.pool, jax.tree.map(jnp.asarray, inputs), self._settings_for(chunks),
-            temperature, top_k, top_p, keys, positions)
+            *_sampling_arrays(rows, S), positions)
         n = len(rows)
         return np.asarray(tokens)[:n], np.asarray(logprobs)[:n]
 
@@ -247,17 +241,22 @@ class ModelRunner:
             pages[r, :len(row.pages)] = row.pages
         stops = np.full((S, bucket(len(stop_ids), 4)), -1, np.int32)  # E fixed per engine: one compile
         stops[:len(rows), :len(stop_ids)] = list(stop_ids)
-        keys = np.zeros((S, 2), np.uint32)
-        keys[:len(rows)] = [row.sampling.base_key for row in rows]
         self.kv.pool, tokens, logprobs, steps = _steps_sample(
             self.model, self.kv.pool, self._settings[1], num_steps,
             np.array([row.token_id for row in rows] + [0] * pad, np.int32),
             np.array([row.start for row in rows] + [0] * pad, np.int32),
             np.array([row.limit for row in rows] + [0] * pad, np.int32),
-            pages, np.array([len(rows)], np.int32),
-            np.array([row.sampling.temperature for row in rows] + [0.0] * pad, np.float32),
-            np.array([row.sampling.top_k for row in rows] + [0] * pad, np.int32),
-            np.array([row.sampling.top_p for row in rows] + [1.0] * pad, np.float32),
-            keys, stops)
+            pages, np.array([len(rows)], np.int32), *_sampling_arrays([row.sampling for row in rows], S), stops)
         n = len(rows)
         return np.asarray(tokens)[:, :n], np.asarray(logprobs)[:, :n], np.asarray(steps)[:n]
+
+
+def _sampling_arrays(rows: Sequence[RowSampling], size: int) -> tuple[np.ndarray, ...]:
+    """Temperature f32[size], top_k i32[size], top_p f32[size] and base keys u32[size, 2] of the rows,
+    padded with greedy rows (their tokens are never read)."""
+    pad = size - len(rows)
+    keys = np.zeros((size, 2), np.uint32)
+    keys[:len(rows)] = [r.base_key for r in rows]
+    return (np.array([r.temperature for r in rows] + [0.0] * pad, np.float32),
+            np.array([r.top_k for r in rows] + [0] * pad, np.int32),
+            np.array([r.top_p for r in rows] + [1.0] * pad, np.float32), keys)
