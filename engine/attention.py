@@ -187,19 +187,39 @@ def _log_choice_once(message: str) -> None:
     logger.warning(message)
 
 
-def resolve_attention_impl(requested: str) -> str:
-    """Which implementation `auto` means on this backend; a fallback is logged once."""
+def resolve_attention_impl(requested: str, dtype=jnp.float32) -> str:
+    """Which implementation `auto` means on this backend for a pool of `dtype`; a fallback is logged once."""
     backend = jax.default_backend()
     if requested == "auto":
         if backend == "tpu":
             return "pallas_tpu"
-        _log_choice_once(f"ragged paged attention: no Pallas kernel for backend {backend!r}; "
+        if backend == "cpu":
+            reason = _cpu_kernel_problem(dtype)
+            if reason is None:
+                return "cpu_kernel"
+            _log_choice_once(f"ragged paged attention: the native CPU kernel is not used ({reason}); "
+                             "using the blocked JAX reference implementation")
+            return "reference"
+        _log_choice_once(f"ragged paged attention: no kernel for backend {backend!r}; "
                          "using the blocked JAX reference implementation")
         return "reference"
     if requested == "pallas_tpu" and backend != "tpu":
         raise ValueError(f"engine.attention_impl=pallas_tpu needs a TPU, but JAX's backend is {backend!r}; "
                          "use engine.attention_impl=auto or reference")
+    if requested == "cpu_kernel":
+        reason = "JAX's backend is " + repr(backend) if backend != "cpu" else _cpu_kernel_problem(dtype)
+        if reason is not None:
+            raise ValueError(f"engine.attention_impl=cpu_kernel is not available: {reason}; "
+                             "use engine.attention_impl=auto or reference")
     return requested
+
+
+def _cpu_kernel_problem(dtype) -> str | None:
+    from engine import cpu_attention
+
+    if not cpu_attention.supports(dtype, dtype):
+        return f"it takes float32, the KV pool is {jnp.dtype(dtype).name}"
+    return cpu_attention.unavailable_reason()
 
 
 def ragged_paged_attention(
@@ -218,7 +238,13 @@ def ragged_paged_attention(
     tiles_per_group: int = 8,
     decode_pages_per_block: int | None = None,
 ) -> jax.Array:
-    """Dispatch to the Pallas TPU kernel or the blocked reference (`impl` from `resolve_attention_impl`)."""
+    """Dispatch to the Pallas TPU kernel, the native CPU kernel or the blocked reference (`impl` from
+    `resolve_attention_impl`; block and tile sizes only shape the reference)."""
+    if impl == "cpu_kernel":
+        from engine import cpu_attention
+
+        return cpu_attention.ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                                                    sm_scale=sm_scale, sliding_window=sliding_window)
     if impl == "pallas_tpu":
         from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention as kernel
 

@@ -27,6 +27,16 @@ def default_dir() -> Path:
     return Path(base) / "pagefleet" / "xla"
 
 
+def directory() -> str | None:
+    """The cache directory this process uses (or would use once enabled); None when it is off."""
+    if jax.config.jax_compilation_cache_dir:
+        return jax.config.jax_compilation_cache_dir
+    choice = os.environ.get(ENV, "").strip()
+    if choice.lower() == "off":
+        return None
+    return choice or str(default_dir())
+
+
 def enable() -> str | None:
     """Turn the persistent cache on for this process (before the first compile); returns its directory,
     or None when it is off."""

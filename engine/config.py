@@ -34,8 +34,9 @@ class EngineConfig:
     attn_tiles_per_group: int = 8
     """Query tiles the reference attention processes together; each group walks only as many KV blocks
     as its busiest tile needs (tiles are sorted by need), so smaller groups waste less on short tiles."""
-    attention_impl: Literal["auto", "reference", "pallas_tpu"] = "auto"
-    """`auto` uses the Pallas TPU kernel on TPU and the blocked reference elsewhere (logged once)."""
+    attention_impl: Literal["auto", "reference", "pallas_tpu", "cpu_kernel"] = "auto"
+    """`auto` uses the Pallas TPU kernel on TPU, the native CPU kernel (built on first use with the machine's
+    C++ compiler) for a float32 pool on CPU, and the blocked JAX reference otherwise (logged once)."""
     decode_steps: int = 4
     """Decode steps per device call when every running sequence is decoding; 1 turns multi-step decode off."""
     debug_invariants: bool = False

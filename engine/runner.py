@@ -150,7 +150,7 @@ class ModelRunner:
         self.max_seq_len = max_seq_len
         self.pages_per_seq = engine.pages_per_seq(max_seq_len)
         self.kv = KVCache(model.config, engine.max_pages, engine.page_size, kv_dtype, mesh)
-        impl = resolve_attention_impl(engine.attention_impl)
+        impl = resolve_attention_impl(engine.attention_impl, kv_dtype)
         self._settings = {
             bq: AttentionSettings(impl, engine.attn_pages_per_block, bq, engine.max_pages, mesh,
                                   engine.attn_tiles_per_group, engine.attn_decode_pages_per_block)

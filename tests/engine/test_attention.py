@@ -1,4 +1,5 @@
-"""Ragged paged attention against dense causal attention (float32, 1e-5)."""
+"""Ragged paged attention against dense causal attention (float32, 1e-5): the plain-JAX reference and the
+native CPU kernel, through the engine's dispatch."""
 
 from __future__ import annotations
 
@@ -8,11 +9,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.attention import reference_ragged_paged_attention, write_kv
+from engine import cpu_attention
+from engine.attention import ragged_paged_attention, resolve_attention_impl, write_kv
 
 NUM_KV_HEADS, Q_PER_KV, HEAD_DIM = 2, 3, 8
 NUM_HEADS = NUM_KV_HEADS * Q_PER_KV
 SCALE = HEAD_DIM**-0.5
+IMPLS = ["reference", "cpu_kernel"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_kernel_built():
+    """The kernel must build on the machines the tests run on (they have g++): a failure is a failure."""
+    assert cpu_attention.unavailable_reason() is None, cpu_attention.unavailable_reason()
 
 
 def dense_attention(q, k, v, q_positions, window=None):
@@ -47,7 +56,7 @@ class PagedBatch:
             used += need
         self.kv_pages = jnp.zeros((num_pages, page_size, 2 * NUM_KV_HEADS, HEAD_DIM), jnp.float32)
 
-    def step(self, chunks, max_seqs, bucket_tokens, **kw):
+    def step(self, chunks, max_seqs, bucket_tokens, impl="reference", sliding_window=None, **blocks):
         """chunks: list of (seq, start, end) new tokens; returns per-chunk outputs [end-start, H, d]."""
         q, k, v, slots, cu, kv_lens, pages = [], [], [], [], [0], [], []
         for s, a, b in chunks:
@@ -67,8 +76,10 @@ class PagedBatch:
         kvl = np.array(kv_lens + [0] * (max_seqs - ns), np.int32)
         pg = np.zeros((max_seqs, self.pages.shape[1]), np.int32)
         pg[:ns] = np.stack(pages)
-        out = reference_ragged_paged_attention(jnp.asarray(qa), self.kv_pages, jnp.asarray(kvl), jnp.asarray(pg),
-                                               jnp.asarray(cu_a), jnp.array([ns], jnp.int32), sm_scale=SCALE, **kw)
+        blocks = dict(dict(pages_per_block=8, queries_per_block=16), **blocks)
+        out = ragged_paged_attention(jnp.asarray(qa), self.kv_pages, jnp.asarray(kvl), jnp.asarray(pg), jnp.asarray(cu_a),
+                                     jnp.array([ns], jnp.int32), sm_scale=SCALE, sliding_window=sliding_window,
+                                     impl=impl, **blocks)
         out = np.asarray(out)
         assert np.all(out[n:] == 0), "padding rows must stay zero"
         return [out[cu[i]:cu[i + 1]] for i in range(ns)]
@@ -79,7 +90,7 @@ class PagedBatch:
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("blocks", [(1, 1, 1, None), (2, 4, 3, 1), (8, 16, 8, 2)])
-def test_ragged_batch_matches_dense(page_size, blocks):
+def test_ragged_batch_matches_dense(page_size, blocks, impl="reference"):
     pages_per_block, queries_per_block, tiles_per_group, decode_pages_per_block = blocks
     rng = np.random.default_rng(page_size * 100 + pages_per_block)
     seq_lens = [1, 2, 17, 33, 64, 5, 40, 23]
@@ -90,59 +101,68 @@ def test_ragged_batch_matches_dense(page_size, blocks):
     # one-query tiles), step 2: the rest.
     split = [max(1, n // 3) for n in seq_lens]
     first = [(s, 0, split[s]) for s in range(len(seq_lens))]
-    outs = batch.step(first, max_seqs=10, bucket_tokens=128, pages_per_block=pages_per_block,
+    outs = batch.step(first, max_seqs=10, bucket_tokens=128, impl=impl, pages_per_block=pages_per_block,
                       queries_per_block=queries_per_block, tiles_per_group=tiles_per_group,
                       decode_pages_per_block=decode_pages_per_block)
     for (s, a, b), o in zip(first, outs):
         np.testing.assert_allclose(o, batch.dense(s, a, b), atol=1e-5, rtol=0)
     second = [(s, split[s], n) for s, n in enumerate(seq_lens) if n > split[s]]
     rng.shuffle(second)  # sequence order in a step is arbitrary
-    outs = batch.step(second, max_seqs=10, bucket_tokens=256, pages_per_block=pages_per_block,
+    outs = batch.step(second, max_seqs=10, bucket_tokens=256, impl=impl, pages_per_block=pages_per_block,
                       queries_per_block=queries_per_block, tiles_per_group=tiles_per_group,
                       decode_pages_per_block=decode_pages_per_block)
     for (s, a, b), o in zip(second, outs):
         np.testing.assert_allclose(o, batch.dense(s, a, b), atol=1e-5, rtol=0)
 
 
-def test_prompt_in_many_chunks_and_single_tokens():
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_cpu_kernel_ragged_batch_matches_dense(page_size):
+    """The kernel ignores the reference's block sizes; page sizes and chunk shapes are what vary."""
+    test_ragged_batch_matches_dense(page_size, (8, 16, 8, 2), impl="cpu_kernel")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_prompt_in_many_chunks_and_single_tokens(impl):
     rng = np.random.default_rng(7)
     batch = PagedBatch(rng, [100, 37], page_size=4, num_pages=64, pages_per_seq=25)
     bounds = [0, 13, 14, 50, 51, 52, 99, 100]
     for a, b in zip(bounds[:-1], bounds[1:]):
         chunks = [(0, a, b)] + ([(1, a, min(b, 37))] if a < 37 else [])
-        outs = batch.step(chunks, max_seqs=4, bucket_tokens=64, pages_per_block=2, queries_per_block=4)
+        outs = batch.step(chunks, max_seqs=4, bucket_tokens=64, impl=impl, pages_per_block=2, queries_per_block=4)
         for (s, x, y), o in zip(chunks, outs):
             np.testing.assert_allclose(o, batch.dense(s, x, y), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("window", [1, 5, 16])
-def test_sliding_window(window):
+def test_sliding_window(window, impl):
     rng = np.random.default_rng(window)
     batch = PagedBatch(rng, [70, 9, 31], page_size=4, num_pages=40, pages_per_seq=18)
     chunks = [(0, 0, 30), (1, 0, 9), (2, 0, 31)]
-    for (s, a, b), o in zip(chunks, batch.step(chunks, 4, 96, sliding_window=window, pages_per_block=2,
+    for (s, a, b), o in zip(chunks, batch.step(chunks, 4, 96, impl=impl, sliding_window=window, pages_per_block=2,
                                                 queries_per_block=8)):
         np.testing.assert_allclose(o, batch.dense(s, a, b, window), atol=1e-5, rtol=0)
     chunks = [(0, 30, 70)]
-    for (s, a, b), o in zip(chunks, batch.step(chunks, 4, 64, sliding_window=window, pages_per_block=2,
+    for (s, a, b), o in zip(chunks, batch.step(chunks, 4, 64, impl=impl, sliding_window=window, pages_per_block=2,
                                                 queries_per_block=8)):
         np.testing.assert_allclose(o, batch.dense(s, a, b, window), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("window", [None, 6])
-@pytest.mark.parametrize("group", [1, 3, 64])
-def test_tile_result_does_not_depend_on_the_other_tiles(group, window):
-    """Tiles are sorted by how many KV blocks they need and walked in groups: a sequence's output must be
-    bit-identical whatever else is in the step (other sequences, their order), as samples rely on."""
+@pytest.mark.parametrize("impl,group", [("reference", 1), ("reference", 3), ("reference", 64), ("cpu_kernel", 1)])
+def test_tile_result_does_not_depend_on_the_other_tiles(impl, group, window):
+    """Tiles are sorted by how many KV blocks they need and walked in groups (the kernel hands out work
+    items biggest first): a sequence's output must be bit-identical whatever else is in the step (other
+    sequences, their order), as samples rely on."""
     seq_lens = [1, 90, 3, 47, 16, 64, 2, 33]
     chunks = [(0, 0, 1), (1, 40, 90), (2, 2, 3), (3, 0, 47), (4, 15, 16), (5, 20, 64), (6, 1, 2), (7, 0, 33)]
     subsets = [chunks, chunks[::-1], [chunks[1], chunks[4]], [chunks[4], chunks[7], chunks[0]]]
     results = {}
     for subset in subsets:
         batch = PagedBatch(np.random.default_rng(3), seq_lens, page_size=4, num_pages=80, pages_per_seq=23)
-        batch.step([(s, 0, a) for s, a, _ in chunks if a > 0], max_seqs=8, bucket_tokens=128, pages_per_block=2,
-                   queries_per_block=4, tiles_per_group=group, sliding_window=window)
-        outs = batch.step(subset, max_seqs=8, bucket_tokens=256, pages_per_block=2, queries_per_block=4,
+        batch.step([(s, 0, a) for s, a, _ in chunks if a > 0], max_seqs=8, bucket_tokens=128, impl=impl,
+                   pages_per_block=2, queries_per_block=4, tiles_per_group=group, sliding_window=window)
+        outs = batch.step(subset, max_seqs=8, bucket_tokens=256, impl=impl, pages_per_block=2, queries_per_block=4,
                           tiles_per_group=group, sliding_window=window)
         for chunk, o in zip(subset, outs):
             np.testing.assert_allclose(o, batch.dense(*chunk, window), atol=1e-5, rtol=0)
@@ -159,3 +179,17 @@ def test_write_kv_drops_padding_slots():
     assert np.all(out[2, 1, 0::2] == 1) and np.all(out[2, 1, 1::2] == 2)  # slot 5 = page 2, offset 1
     assert np.all(out[0, 0, 0::2] == 1)
     assert np.count_nonzero(out) == 2 * 2 * 4
+
+
+def test_auto_picks_the_cpu_kernel_for_float32_and_the_reference_otherwise():
+    assert resolve_attention_impl("auto", jnp.float32) == "cpu_kernel"
+    assert resolve_attention_impl("auto", jnp.bfloat16) == "reference"
+    assert resolve_attention_impl("reference", jnp.float32) == "reference"
+    with pytest.raises(ValueError, match="takes float32.*bfloat16"):
+        resolve_attention_impl("cpu_kernel", jnp.bfloat16)
+
+
+def test_cpu_kernel_build_failure_names_the_compiler(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(cpu_attention.KernelUnavailable, match="no C\\+\\+ compiler .*no-such-compiler.*set CXX"):
+        cpu_attention.build()

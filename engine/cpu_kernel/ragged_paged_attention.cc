@@ -1,0 +1,317 @@
+// Ragged paged attention for the CPU, as an XLA FFI custom call (see engine/cpu_attention.py).
+//
+// Same inputs, layout and result as engine.attention.reference_ragged_paged_attention:
+//   q            f32[T, H, D]            new tokens of all sequences, concatenated
+//   kv_pages     f32[P, page, 2*KVH, D]  K and V interleaved per KV head (k0 v0 k1 v1 ...)
+//   kv_lens      i32[S]                  tokens in each sequence's cache, this step's included
+//   page_indices i32[S, pages_per_seq]
+//   cu_q_lens    i32[S + 1]              sequence s owns q rows cu_q_lens[s]:cu_q_lens[s+1]
+//   num_seqs     i32[1]
+// Returns f32[T, H, D]; rows of no sequence are zero. Query head h reads KV head h / (H / KVH); a query
+// at position p sees cached positions k <= p (and p - k < window when window > 0).
+//
+// Why it exists: the plain-JAX reference must gather every KV block into a dense copy before XLA can
+// multiply it, and on a CPU that copy (plus tiny batched matmuls) is most of a step. Here each work item
+// (one sequence, one KV head, up to kRowsPerItem query tokens) reads its pages in place, page by page,
+// with an online softmax: the pool is read once per item and nothing is materialised.
+//
+// Each query row's arithmetic depends only on its own sequence (its q row, its pages, its positions),
+// never on which other rows or sequences share the call: results are batch-invariant.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kRowsPerItem = 16;  // query tokens per work item: a page of K/V is reused this many times
+constexpr int kMinLaneRows = 8;   // items with at least this many (token, head) rows put rows in vector lanes
+constexpr float kMasked = -1e30f;  // as in the reference: finite, so an all-masked page gives no inf - inf
+
+struct Problem {
+  const float* q;
+  const float* kv;
+  const int32_t* kv_lens;
+  const int32_t* pages;
+  const int32_t* cu;
+  float* out;
+  int64_t num_heads, head_dim, page_size, num_kv_heads, pages_per_seq;
+  float scale;
+  int32_t window;  // <= 0: none
+};
+
+struct Item {
+  int32_t seq, kv_head, row_begin, row_end;  // rows: global q rows
+  int64_t cost;
+};
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+// 16 query rows as the lanes of one vector (GCC vector extensions: AVX-512 registers where the CPU has
+// them, pairs of AVX registers otherwise).
+constexpr int kLanes = 16;
+typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+inline vf splat(float x) { return vf{} + x; }
+inline vi splat_i(int32_t x) { return vi{} + x; }
+
+// exp(x) lane by lane: Cephes' single-precision polynomial (about 1 ulp), x clamped to [-87.3, 88.3].
+inline vf vexp(vf x) {
+  x = x < splat(-87.3f) ? splat(-87.3f) : x;
+  x = x > splat(88.3f) ? splat(88.3f) : x;
+  const vf fx = x * 1.44269504088896341f + 0.5f;
+  vf n = __builtin_convertvector(__builtin_convertvector(fx, vi), vf);
+  n = n > fx ? n - 1.f : n;  // floor
+  x = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vf y = splat(1.9875691500e-4f);
+  y = y * x + 1.3981999507e-3f;
+  y = y * x + 8.3334519073e-3f;
+  y = y * x + 4.1665795894e-2f;
+  y = y * x + 1.6666665459e-1f;
+  y = y * x + 5.0000001201e-1f;
+  y = y * (x * x) + x + 1.f;
+  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+  return y * reinterpret_cast<const vf&>(e);
+}
+
+// Rows [row0, row0 + 16) of an item (row = token * G + head in group; rows past `rows` are padding) over
+// its pages, with the rows in vector lanes: a key's scores for 16 rows are 64 multiply-adds of a q column
+// by one broadcast K element, and a P row times V is 64 more, so there are no horizontal sums and each
+// K/V element loaded serves 16 rows.
+void run_lanes(const Problem& p, const Item& it, int64_t row0, int64_t rows, int32_t begin, int32_t end) {
+  const int64_t D = p.head_dim, G = p.num_heads / p.num_kv_heads, ps = p.page_size;
+  const int64_t combined = 2 * p.num_kv_heads;
+  const int32_t s = it.seq, h = it.kv_head;
+  const int32_t q_begin = p.cu[s], q_len = p.cu[s + 1] - p.cu[s], kv_len = p.kv_lens[s];
+  std::vector<vf> qt(D), acc(D, vf{});
+  alignas(64) int32_t pos_lanes[kLanes];
+  for (int lane = 0; lane < kLanes; ++lane) {
+    const int64_t i = row0 + lane;
+    if (i >= rows) {  // padding lane: sees no key, its output is dropped
+      pos_lanes[lane] = -1;
+      for (int64_t d = 0; d < D; ++d) qt[d][lane] = 0.f;
+      continue;
+    }
+    const int64_t r = it.row_begin + i / G, g = i % G;
+    pos_lanes[lane] = kv_len - q_len + static_cast<int32_t>(r - q_begin);
+    const float* src = p.q + (r * p.num_heads + h * G + g) * D;
+    for (int64_t d = 0; d < D; ++d) qt[d][lane] = src[d] * p.scale;
+  }
+  vi pos;
+  std::memcpy(&pos, pos_lanes, sizeof(pos));
+  vf m = splat(kMasked), l = vf{};
+  std::vector<vf> sc(ps);
+  const int32_t* seq_pages = p.pages + static_cast<int64_t>(s) * p.pages_per_seq;
+  for (int32_t page_slot = begin / ps; page_slot * ps < end; ++page_slot) {
+    const float* base = p.kv + static_cast<int64_t>(seq_pages[page_slot]) * ps * combined * D;
+    const int32_t t0 = page_slot * static_cast<int32_t>(ps);
+    const int32_t n = std::min<int32_t>(ps, end - t0);
+    for (int32_t j0 = 0; j0 < n; j0 += 8) {  // 8 keys at a time: 8 independent accumulators
+      const int32_t nj = std::min(8, n - j0);
+      vf a[8] = {};
+      const float* k[8];
+      for (int u = 0; u < 8; ++u) k[u] = base + ((j0 + std::min(u, nj - 1)) * combined + 2 * h) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        const vf qd = qt[d];
+#pragma GCC unroll 8
+        for (int u = 0; u < 8; ++u) a[u] += qd * k[u][d];
+      }
+      for (int u = 0; u < nj; ++u) sc[j0 + u] = a[u];
+    }
+    vf mx = m;
+    for (int32_t j = 0; j < n; ++j) {
+      const vi key = splat_i(t0 + j);
+      vi visible = key <= pos;
+      if (p.window > 0) visible &= (pos - key) < splat_i(p.window);
+      sc[j] = visible ? sc[j] : splat(kMasked);
+      mx = mx > sc[j] ? mx : sc[j];
+    }
+    const vf alpha = vexp(m - mx);
+    vf sum = vf{};
+    for (int32_t j = 0; j < n; ++j) {
+      const vi key = splat_i(t0 + j);
+      vi visible = key <= pos;
+      if (p.window > 0) visible &= (pos - key) < splat_i(p.window);
+      sc[j] = visible ? vexp(sc[j] - mx) : vf{};
+      sum += sc[j];
+    }
+    l = l * alpha + sum;
+    m = mx;
+    for (int64_t d0 = 0; d0 < D; d0 += 8) {  // 8 output columns at a time, kept in registers over the keys
+      const int64_t nd = std::min<int64_t>(8, D - d0);
+      vf a[8];
+      for (int u = 0; u < 8; ++u) a[u] = u < nd ? acc[d0 + u] * alpha : vf{};
+      for (int32_t j = 0; j < n; ++j) {
+        const float* v = base + (j * combined + 2 * h + 1) * D + d0;
+        const vf pj = sc[j];
+#pragma GCC unroll 8
+        for (int u = 0; u < 8; ++u) a[u] += pj * v[u < nd ? u : 0];
+      }
+      for (int u = 0; u < nd; ++u) acc[d0 + u] = a[u];
+    }
+  }
+  for (int lane = 0; lane < kLanes && row0 + lane < rows; ++lane) {
+    const int64_t i = row0 + lane, r = it.row_begin + i / G, g = i % G;
+    const float inv = l[lane] > 0.f ? 1.f / l[lane] : 0.f;
+    float* dst = p.out + (r * p.num_heads + h * G + g) * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = acc[d][lane] * inv;
+  }
+}
+
+void run_item(const Problem& p, const Item& it) {
+  const int64_t D = p.head_dim, G = p.num_heads / p.num_kv_heads, ps = p.page_size;
+  const int64_t combined = 2 * p.num_kv_heads;
+  const int32_t s = it.seq, h = it.kv_head;
+  const int32_t q_begin = p.cu[s], q_len = p.cu[s + 1] - p.cu[s], kv_len = p.kv_lens[s];
+  const int64_t rows = static_cast<int64_t>(it.row_end - it.row_begin) * G;  // (token, head-in-group)
+
+  std::vector<float> qbuf(rows * D), acc(rows * D, 0.f), m(rows, kMasked), l(rows, 0.f), sc(ps), pr(ps);
+  std::vector<int32_t> pos(rows);
+  int32_t first_pos = INT32_MAX, last_pos = -1;
+  for (int32_t r = it.row_begin; r < it.row_end; ++r) {
+    const int32_t position = kv_len - q_len + (r - q_begin);
+    first_pos = std::min(first_pos, position);
+    last_pos = std::max(last_pos, position);
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t i = (r - it.row_begin) * G + g;
+      pos[i] = position;
+      const float* src = p.q + (static_cast<int64_t>(r) * p.num_heads + h * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) qbuf[i * D + d] = src[d] * p.scale;
+    }
+  }
+  const int32_t end = std::min(kv_len, last_pos + 1);
+  const int32_t begin = p.window > 0 ? std::max(0, first_pos - p.window + 1) : 0;
+  if (rows >= kMinLaneRows) {
+    for (int64_t row0 = 0; row0 < rows; row0 += kLanes) run_lanes(p, it, row0, rows, begin, end);
+    return;
+  }
+  const int32_t* seq_pages = p.pages + static_cast<int64_t>(s) * p.pages_per_seq;
+
+  for (int32_t page_slot = begin / ps; page_slot * ps < end; ++page_slot) {
+    const int64_t page = seq_pages[page_slot];
+    const int32_t t0 = page_slot * static_cast<int32_t>(ps);
+    const int32_t n = std::min<int32_t>(ps, end - t0);
+    const float* base = p.kv + page * ps * combined * D;
+    for (int64_t i = 0; i < rows; ++i) {
+      const int32_t position = pos[i];
+      float mx = m[i];
+      for (int32_t j = 0; j < n; ++j) {
+        const int32_t k = t0 + j;
+        const bool visible = k <= position && (p.window <= 0 || position - k < p.window);
+        sc[j] = visible ? dot(&qbuf[i * D], base + (j * combined + 2 * h) * D, D) : kMasked;
+        mx = std::max(mx, sc[j]);
+      }
+      const float alpha = std::exp(m[i] - mx);
+      float sum = 0.f;
+      for (int32_t j = 0; j < n; ++j) {
+        const int32_t k = t0 + j;
+        const bool visible = k <= position && (p.window <= 0 || position - k < p.window);
+        pr[j] = visible ? std::exp(sc[j] - mx) : 0.f;
+        sum += pr[j];
+      }
+      l[i] = l[i] * alpha + sum;
+      m[i] = mx;
+      float* a = &acc[i * D];
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
+      for (int32_t j = 0; j < n; ++j) {
+        if (pr[j] == 0.f) continue;
+        const float* v = base + (j * combined + 2 * h + 1) * D;
+        const float w = pr[j];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) a[d] += w * v[d];
+      }
+    }
+  }
+  for (int32_t r = it.row_begin; r < it.row_end; ++r) {
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t i = (r - it.row_begin) * G + g;
+      const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+      float* dst = p.out + (static_cast<int64_t>(r) * p.num_heads + h * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = acc[i * D + d] * inv;
+    }
+  }
+}
+
+struct Shared {
+  Problem problem;
+  std::vector<Item> items;
+  std::atomic<size_t> next{0};
+  std::atomic<int> active{0};  // threads that may still be inside an item
+};
+
+void work(Shared& st) {
+  st.active.fetch_add(1);
+  for (size_t i; (i = st.next.fetch_add(1)) < st.items.size();) run_item(st.problem, st.items[i]);
+  st.active.fetch_sub(1);
+}
+
+ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kv_pages,
+                ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> cu_q_lens,
+                ffi::Buffer<ffi::S32> num_seqs, ffi::ResultBuffer<ffi::F32> out, float sm_scale, int32_t sliding_window) {
+  const auto qd = q.dimensions(), kd = kv_pages.dimensions(), pd = page_indices.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || pd.size() != 2) return ffi::Error::InvalidArgument("bad ranks");
+  Problem p{q.typed_data(), kv_pages.typed_data(), kv_lens.typed_data(), page_indices.typed_data(),
+            cu_q_lens.typed_data(), out->typed_data(), qd[1], qd[2], kd[1], kd[2] / 2, pd[1], sm_scale,
+            sliding_window};
+  if (kd[3] != p.head_dim || p.num_heads % p.num_kv_heads != 0)
+    return ffi::Error::InvalidArgument("q and kv_pages disagree on head_dim or heads");
+  std::memset(p.out, 0, sizeof(float) * qd[0] * qd[1] * qd[2]);
+
+  const int32_t n_seqs = std::min<int64_t>(num_seqs.typed_data()[0], pd[0]);
+  std::vector<Item> items;
+  for (int32_t s = 0; s < n_seqs; ++s) {
+    const int32_t begin = p.cu[s], end = p.cu[s + 1];
+    for (int32_t r = begin; r < end; r += kRowsPerItem) {
+      const int32_t r_end = std::min(end, r + kRowsPerItem);
+      const int64_t ctx = std::max<int64_t>(1, p.kv_lens[s] - (end - r_end));  // the last row's context
+      for (int32_t h = 0; h < p.num_kv_heads; ++h) items.push_back({s, h, r, r_end, ctx * (r_end - r)});
+    }
+  }
+  // Biggest first, then hand items out one at a time: the threads finish together.
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+
+  // Helpers run on XLA's intra-op pool. The caller never waits for a helper that has not started (the
+  // pool's threads may all be busy, for instance running this kernel for other devices): it waits only
+  // for helpers inside an item. A helper that starts late finds no item left and touches no buffer; the
+  // shared state it reads outlives this call.
+  auto shared = std::make_shared<Shared>();
+  shared->problem = p;
+  shared->items = std::move(items);
+  const int64_t helpers =
+      std::min<int64_t>(pool.num_threads() - 1, static_cast<int64_t>(shared->items.size()) - 1);
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([shared] { work(*shared); });
+  work(*shared);
+  while (shared->active.load() > 0) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagefleetRaggedPagedAttentionF32, Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int32_t>("sliding_window"));
