@@ -214,6 +214,14 @@ def resolve_attention_impl(requested: str, dtype=jnp.float32) -> str:
     return requested
 
 
+def prepare_attention_impl(requested: str, dtype=jnp.float32) -> None:
+    """Start what `resolve_attention_impl` will need (the CPU kernel's build) in the background."""
+    if requested in ("auto", "cpu_kernel") and jax.default_backend() == "cpu" and jnp.dtype(dtype) == jnp.float32:
+        from engine import cpu_attention
+
+        cpu_attention.prepare_in_background()
+
+
 def _cpu_kernel_problem(dtype) -> str | None:
     from engine import cpu_attention
 

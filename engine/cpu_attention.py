@@ -13,7 +13,6 @@ other dtypes, or when no compiler is found (logged once, with the reason).
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import logging
 import os
@@ -21,6 +20,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import jax
@@ -49,10 +49,13 @@ def _cpu_signature() -> str:
         return platform.processor()
 
 
+_TEMP_PREFIX = "pagefleet-kernel-"
+
+
 def _build_dir() -> Path:
     cache = compile_cache.directory()
     if cache is None:
-        return Path(tempfile.mkdtemp(prefix="pagefleet-kernel-"))
+        return Path(tempfile.mkdtemp(prefix=_TEMP_PREFIX))
     return Path(cache) / "kernels"
 
 
@@ -81,10 +84,34 @@ def build() -> Path:
     return library
 
 
-@functools.cache
+_load_lock = threading.Lock()
+_outcome: list[str | None] = []  # once decided: [None] (ready) or [why not], for the life of the process
+
+
+def unavailable_reason() -> str | None:
+    """None when the kernel is built, loaded and registered with XLA in this process (done on the first
+    call), else why it is not. A build started by prepare_in_background() is waited for, not repeated."""
+    with _load_lock:
+        if not _outcome:
+            try:
+                library = build()
+                _load(library)
+                _outcome.append(None)
+                if library.parent.name.startswith(_TEMP_PREFIX):  # no cache: the loaded library needs no file
+                    shutil.rmtree(library.parent, ignore_errors=True)
+            except (KernelUnavailable, OSError, subprocess.SubprocessError) as err:
+                _outcome.append(str(err))
+        return _outcome[0]
+
+
 def load() -> None:
-    """Build, load and register the kernel with XLA for this process (once). Raises KernelUnavailable."""
-    library = build()
+    """Make the kernel ready (see unavailable_reason); raises KernelUnavailable with the reason."""
+    reason = unavailable_reason()
+    if reason is not None:
+        raise KernelUnavailable(reason)
+
+
+def _load(library: Path) -> None:
     try:
         handler = ctypes.cdll.LoadLibrary(str(library)).PagefleetRaggedPagedAttentionF32
     except (OSError, AttributeError) as err:
@@ -92,14 +119,10 @@ def load() -> None:
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
 
 
-@functools.cache
-def unavailable_reason() -> str | None:
-    """None when the kernel is ready in this process, else why it is not."""
-    try:
-        load()
-    except KernelUnavailable as err:
-        return str(err)
-    return None
+def prepare_in_background() -> None:
+    """Start building and loading the kernel on a thread, so that the compiler runs while the caller does
+    other start-up work (reading weights, importing the tokenizer); later calls find it ready or wait."""
+    threading.Thread(target=unavailable_reason, name="pagefleet-kernel-build", daemon=True).start()
 
 
 def supports(q_dtype, kv_dtype) -> bool:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 
 from engine import compile_cache
+from engine.attention import prepare_attention_impl
 from engine.config import EngineConfig
 from engine.distributed import agree
 from engine.model_config import ModelConfig
@@ -24,6 +25,7 @@ from engine.scheduler import ScheduledChunk, Scheduler
 from engine.sequence import Request, Sequence
 from engine.stats import EngineStats, StepTimer
 from engine.stop import StopChecker
+from engine.tokenizer_cache import has_tokenizer, load_tokenizer
 from engine.weights import load_transformer
 
 
@@ -57,6 +59,7 @@ class Engine:
         jdtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}.get(dtype)
         if jdtype is None:
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
+        prepare_attention_impl(config.attention_impl, jdtype)  # the CPU kernel compiles while the tokenizer loads
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model_path)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -369,10 +372,4 @@ def _row_sampling(seq: Sequence) -> RowSampling:
 
 
 def _load_tokenizer(model_path: str | os.PathLike):
-    from pathlib import Path
-
-    if not (Path(model_path) / "tokenizer.json").exists() and not (Path(model_path) / "tokenizer_config.json").exists():
-        return None
-    import transformers
-
-    return transformers.AutoTokenizer.from_pretrained(model_path)
+    return load_tokenizer(model_path) if has_tokenizer(model_path) else None

@@ -61,10 +61,10 @@ def max_seq_len(source: ModelSourceConfig, engine: EngineConfig) -> int:
 
 
 def load_tokenizer(source: ModelSourceConfig):
-    """The tokenizer as transformers builds it (local directory; never the Hugging Face hub)."""
-    from transformers import AutoTokenizer
+    """The tokenizer as transformers' AutoTokenizer builds it (local directory; never the Hugging Face hub)."""
+    from engine.tokenizer_cache import load_tokenizer as load
 
-    return AutoTokenizer.from_pretrained(source.tokenizer_path, local_files_only=True)
+    return load(source.tokenizer_path, local_files_only=True)
 
 
 def tokenizer_fingerprint(source: ModelSourceConfig) -> str:

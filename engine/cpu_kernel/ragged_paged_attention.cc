@@ -50,7 +50,7 @@ struct Problem {
 };
 
 struct Item {
-  int32_t seq, kv_head, row_begin, row_end;  // rows: global q rows
+  int32_t seq, kv_head, row_begin, row_end;  // rows: global q rows; kv_head < 0: every head
   int64_t cost;
 };
 
@@ -69,6 +69,7 @@ typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
 inline vf splat(float x) { return vf{} + x; }
 inline vi splat_i(int32_t x) { return vi{} + x; }
+const vi lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
 // exp(x) lane by lane: Cephes' single-precision polynomial (about 1 ulp), x clamped to [-87.3, 88.3].
 inline vf vexp(vf x) {
@@ -173,57 +174,81 @@ void run_lanes(const Problem& p, const Item& it, int64_t row0, int64_t rows, int
   }
 }
 
+// A work item's rows over its pages. Items with few rows per KV head (decoding sequences: one token) hold
+// every head (kv_head < 0) and walk each page once, whole and in order, fetching the next page ahead:
+// pages are scattered in the pool, so the hardware prefetcher cannot guess them. Items with more rows
+// take one KV head and put the rows in vector lanes (run_lanes).
+template <int kHeadDim>  // > 0: head_dim known at compile time (loops unrolled); 0: any
 void run_item(const Problem& p, const Item& it) {
-  const int64_t D = p.head_dim, G = p.num_heads / p.num_kv_heads, ps = p.page_size;
+  const int64_t D = kHeadDim > 0 ? kHeadDim : p.head_dim, G = p.num_heads / p.num_kv_heads, ps = p.page_size;
   const int64_t combined = 2 * p.num_kv_heads;
-  const int32_t s = it.seq, h = it.kv_head;
+  const int32_t s = it.seq;
+  const bool all_heads = it.kv_head < 0;
+  const int64_t heads = all_heads ? p.num_heads : G;  // query heads per token in this item
+  const int64_t head0 = all_heads ? 0 : it.kv_head * G;
   const int32_t q_begin = p.cu[s], q_len = p.cu[s + 1] - p.cu[s], kv_len = p.kv_lens[s];
-  const int64_t rows = static_cast<int64_t>(it.row_end - it.row_begin) * G;  // (token, head-in-group)
-
-  std::vector<float> qbuf(rows * D), acc(rows * D, 0.f), m(rows, kMasked), l(rows, 0.f), sc(ps), pr(ps);
-  std::vector<int32_t> pos(rows);
-  int32_t first_pos = INT32_MAX, last_pos = -1;
-  for (int32_t r = it.row_begin; r < it.row_end; ++r) {
-    const int32_t position = kv_len - q_len + (r - q_begin);
-    first_pos = std::min(first_pos, position);
-    last_pos = std::max(last_pos, position);
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t i = (r - it.row_begin) * G + g;
-      pos[i] = position;
-      const float* src = p.q + (static_cast<int64_t>(r) * p.num_heads + h * G + g) * D;
-      for (int64_t d = 0; d < D; ++d) qbuf[i * D + d] = src[d] * p.scale;
-    }
-  }
+  const int64_t rows = static_cast<int64_t>(it.row_end - it.row_begin) * heads;  // (token, head)
+  int32_t first_pos = kv_len - q_len + (it.row_begin - q_begin), last_pos = first_pos + (it.row_end - it.row_begin) - 1;
   const int32_t end = std::min(kv_len, last_pos + 1);
   const int32_t begin = p.window > 0 ? std::max(0, first_pos - p.window + 1) : 0;
-  if (rows >= kMinLaneRows) {
+  if (!all_heads) {
     for (int64_t row0 = 0; row0 < rows; row0 += kLanes) run_lanes(p, it, row0, rows, begin, end);
     return;
   }
-  const int32_t* seq_pages = p.pages + static_cast<int64_t>(s) * p.pages_per_seq;
 
-  for (int32_t page_slot = begin / ps; page_slot * ps < end; ++page_slot) {
-    const int64_t page = seq_pages[page_slot];
+  const int64_t ps_lanes = (ps + kLanes - 1) / kLanes * kLanes;  // score buffers in whole vectors
+  std::vector<float> qbuf(rows * D), acc(rows * D, 0.f), m(rows, kMasked), l(rows, 0.f), sc(ps_lanes), pr(ps_lanes);
+  std::vector<int32_t> pos(rows), kv_off(rows);
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t r = it.row_begin + i / heads, hq = head0 + i % heads;
+    pos[i] = kv_len - q_len + static_cast<int32_t>(r - q_begin);
+    kv_off[i] = static_cast<int32_t>(2 * (hq / G) * D);  // this head's K row within a token's slot; V follows
+    const float* src = p.q + (r * p.num_heads + hq) * D;
+    for (int64_t d = 0; d < D; ++d) qbuf[i * D + d] = src[d] * p.scale;
+  }
+  const int32_t* seq_pages = p.pages + static_cast<int64_t>(s) * p.pages_per_seq;
+  const int64_t page_floats = ps * combined * D;
+  const int32_t last_slot = (end - 1) / static_cast<int32_t>(ps);
+  for (int32_t page_slot = begin / ps; page_slot <= last_slot && end > 0; ++page_slot) {
+    const float* base = p.kv + static_cast<int64_t>(seq_pages[page_slot]) * page_floats;
+    if (page_slot < last_slot) {
+      const char* next = reinterpret_cast<const char*>(p.kv + static_cast<int64_t>(seq_pages[page_slot + 1]) * page_floats);
+      for (int64_t off = 0; off < page_floats * static_cast<int64_t>(sizeof(float)); off += 64) __builtin_prefetch(next + off);
+    }
     const int32_t t0 = page_slot * static_cast<int32_t>(ps);
     const int32_t n = std::min<int32_t>(ps, end - t0);
-    const float* base = p.kv + page * ps * combined * D;
     for (int64_t i = 0; i < rows; ++i) {
       const int32_t position = pos[i];
+      const float* k_rows = base + kv_off[i];
+      for (int32_t j = 0; j < n; ++j) sc[j] = dot(&qbuf[i * D], k_rows + j * combined * D, D);
+      // Mask, max and exp over the page's keys 16 at a time (vector lanes = keys).
+      vf mxv = splat(m[i]);
+      for (int32_t j0 = 0; j0 < n; j0 += kLanes) {
+        vf v;
+        std::memcpy(&v, &sc[j0], sizeof(v));
+        const vi key = splat_i(t0 + j0) + lane_index;
+        vi visible = (key <= splat_i(position)) & (key < splat_i(t0 + n));
+        if (p.window > 0) visible &= (splat_i(position) - key) < splat_i(p.window);
+        v = visible ? v : splat(kMasked);
+        std::memcpy(&sc[j0], &v, sizeof(v));
+        mxv = mxv > v ? mxv : v;
+      }
       float mx = m[i];
-      for (int32_t j = 0; j < n; ++j) {
-        const int32_t k = t0 + j;
-        const bool visible = k <= position && (p.window <= 0 || position - k < p.window);
-        sc[j] = visible ? dot(&qbuf[i * D], base + (j * combined + 2 * h) * D, D) : kMasked;
-        mx = std::max(mx, sc[j]);
-      }
+      for (int lane = 0; lane < kLanes; ++lane) mx = std::max(mx, mxv[lane]);
       const float alpha = std::exp(m[i] - mx);
-      float sum = 0.f;
-      for (int32_t j = 0; j < n; ++j) {
-        const int32_t k = t0 + j;
-        const bool visible = k <= position && (p.window <= 0 || position - k < p.window);
-        pr[j] = visible ? std::exp(sc[j] - mx) : 0.f;
-        sum += pr[j];
+      vf sumv = vf{};
+      for (int32_t j0 = 0; j0 < n; j0 += kLanes) {
+        vf v;
+        std::memcpy(&v, &sc[j0], sizeof(v));
+        const vi key = splat_i(t0 + j0) + lane_index;
+        vi visible = (key <= splat_i(position)) & (key < splat_i(t0 + n));
+        if (p.window > 0) visible &= (splat_i(position) - key) < splat_i(p.window);
+        v = visible ? vexp(v - mx) : vf{};
+        std::memcpy(&pr[j0], &v, sizeof(v));
+        sumv += v;
       }
+      float sum = 0.f;
+      for (int lane = 0; lane < kLanes; ++lane) sum += sumv[lane];
       l[i] = l[i] * alpha + sum;
       m[i] = mx;
       float* a = &acc[i * D];
@@ -231,20 +256,18 @@ void run_item(const Problem& p, const Item& it) {
       for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
       for (int32_t j = 0; j < n; ++j) {
         if (pr[j] == 0.f) continue;
-        const float* v = base + (j * combined + 2 * h + 1) * D;
+        const float* v = k_rows + j * combined * D + D;
         const float w = pr[j];
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) a[d] += w * v[d];
       }
     }
   }
-  for (int32_t r = it.row_begin; r < it.row_end; ++r) {
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t i = (r - it.row_begin) * G + g;
-      const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-      float* dst = p.out + (static_cast<int64_t>(r) * p.num_heads + h * G + g) * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = acc[i * D + d] * inv;
-    }
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t r = it.row_begin + i / heads, hq = head0 + i % heads;
+    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+    float* dst = p.out + (r * p.num_heads + hq) * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = acc[i * D + d] * inv;
   }
 }
 
@@ -257,7 +280,12 @@ struct Shared {
 
 void work(Shared& st) {
   st.active.fetch_add(1);
-  for (size_t i; (i = st.next.fetch_add(1)) < st.items.size();) run_item(st.problem, st.items[i]);
+  const int64_t D = st.problem.head_dim;
+  for (size_t i; (i = st.next.fetch_add(1)) < st.items.size();) {
+    if (D == 64) run_item<64>(st.problem, st.items[i]);
+    else if (D == 128) run_item<128>(st.problem, st.items[i]);
+    else run_item<0>(st.problem, st.items[i]);
+  }
   st.active.fetch_sub(1);
 }
 
@@ -280,7 +308,12 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
     for (int32_t r = begin; r < end; r += kRowsPerItem) {
       const int32_t r_end = std::min(end, r + kRowsPerItem);
       const int64_t ctx = std::max<int64_t>(1, p.kv_lens[s] - (end - r_end));  // the last row's context
-      for (int32_t h = 0; h < p.num_kv_heads; ++h) items.push_back({s, h, r, r_end, ctx * (r_end - r)});
+      const int64_t group = p.num_heads / p.num_kv_heads;
+      if ((r_end - r) * group >= kMinLaneRows) {
+        for (int32_t h = 0; h < p.num_kv_heads; ++h) items.push_back({s, h, r, r_end, ctx * (r_end - r)});
+      } else {
+        items.push_back({s, -1, r, r_end, ctx * (r_end - r) * p.num_kv_heads});
+      }
     }
   }
   // Biggest first, then hand items out one at a time: the threads finish together.

@@ -1,0 +1,72 @@
+"""engine/tokenizer_cache.py: a remembered tokenizer class gives the tokenizer AutoTokenizer gives."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import transformers
+
+from engine import compile_cache, tokenizer_cache
+from engine.presets import write_model
+
+TEXT = "Hello, world! Ünïcödé  spaces\tand\nnew lines <|end|> 12345"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there?"}]
+
+
+@pytest.fixture
+def memo_dir(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(compile_cache, "directory", lambda: str(cache))
+    return cache / "tokenizers"
+
+
+def behaviour(tok) -> dict:
+    ids = tok(TEXT)["input_ids"]
+    return {"class": type(tok), "eos": tok.eos_token_id, "bos": tok.bos_token_id, "ids": ids,
+            "decode": tok.decode(ids + [0, 1, 2, 3, 4, 5], skip_special_tokens=False),
+            "chat": tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)}
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mistral", "tiny-qwen2"])
+def test_second_load_skips_autotokenizer_and_behaves_the_same(preset, tmp_path, memo_dir, monkeypatch):
+    model = write_model(preset, tmp_path / preset, seed=0)
+    first = tokenizer_cache.load_tokenizer(model)
+    assert behaviour(first) == behaviour(transformers.AutoTokenizer.from_pretrained(model))
+    assert len(list(memo_dir.glob("*.json"))) == 1
+
+    def no_auto(*args, **kwargs):
+        raise AssertionError("AutoTokenizer was called although the class was remembered")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_auto)
+    assert behaviour(tokenizer_cache.load_tokenizer(model)) == behaviour(first)
+
+
+def test_changed_tokenizer_files_decide_again(tmp_path, memo_dir, monkeypatch):
+    model = write_model("tiny-llama", tmp_path / "m", seed=0)
+    tokenizer_cache.load_tokenizer(model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["model_max_length"] = 123
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    calls = []
+    original = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: calls.append(a) or original(*a, **k))
+    assert tokenizer_cache.load_tokenizer(model).model_max_length == 123
+    assert len(calls) == 1 and len(list(memo_dir.glob("*.json"))) == 2
+
+
+def test_unusable_memo_falls_back_to_autotokenizer(tmp_path, memo_dir):
+    model = write_model("tiny-qwen2", tmp_path / "m", seed=0)
+    tokenizer_cache.load_tokenizer(model)
+    (memo,) = memo_dir.glob("*.json")
+    memo.write_text(json.dumps({"module": "transformers.no_such_module", "name": "Nope"}))
+    tok = tokenizer_cache.load_tokenizer(model)
+    assert behaviour(tok) == behaviour(transformers.AutoTokenizer.from_pretrained(model))
+    assert json.loads(memo.read_text())["name"] == type(tok).__qualname__  # rewritten
+
+
+def test_no_memo_when_the_cache_is_off(tmp_path, monkeypatch):
+    monkeypatch.setattr(compile_cache, "directory", lambda: None)
+    model = write_model("tiny-llama", tmp_path / "m", seed=0)
+    assert tokenizer_cache.load_tokenizer(model).eos_token_id is not None
+    assert not any(p.name == "tokenizers" for p in tmp_path.rglob("*"))
