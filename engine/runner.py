@@ -157,6 +157,16 @@ class ModelRunner:
             for bq in (1, engine.attn_queries_per_block)
         }
 
+    def decode_bucket(self, n: int) -> int:
+        """Rows of a decode-only step or a multi-step call for n sequences: a power of four, at most the
+        steps with prompt chunks' max_seqs bucket. Half as many programs to compile as powers of two; an
+        extra decode row costs little next to reading every weight once per step."""
+        cap = bucket(self.engine.max_seqs, MIN_SEQ_BUCKET)
+        rows = MIN_SEQ_BUCKET
+        while rows < n:
+            rows *= 4
+        return max(min(rows, cap), bucket(n, MIN_SEQ_BUCKET))
+
     def build_inputs(self, chunks: Sequence[SeqChunk], row_chunk: Sequence[int] | None = None) -> StepInputs:
         """Pack chunks into padded host arrays (see StepInputs for the layout).
 
@@ -169,8 +179,8 @@ class ModelRunner:
         # Steps with prompt chunks always take max_seqs sequence rows, so their compiled shapes vary in T
         # alone (a few programs, not one per (T, S) pair); attention skips the empty rows.
         decode_only = is_decode_only(chunks)
-        T = bucket(n_tokens, MIN_SEQ_BUCKET if decode_only else MIN_TOKEN_BUCKET)
-        S = bucket(len(chunks) if decode_only else self.engine.max_seqs, MIN_SEQ_BUCKET)
+        S = self.decode_bucket(len(chunks)) if decode_only else bucket(self.engine.max_seqs, MIN_SEQ_BUCKET)
+        T = S if decode_only else bucket(n_tokens, MIN_TOKEN_BUCKET)
         token_ids = np.zeros(T, np.int32)
         positions = np.zeros(T, np.int32)
         slots = np.full(T, self.engine.max_pages * ps, np.int32)  # out of range: dropped
@@ -229,7 +239,7 @@ class ModelRunner:
         Row r's tokens are tokens[:steps[r], r]; its KV is written for positions start .. start + steps - 1.
         """
         ps = self.engine.page_size
-        S = bucket(len(rows), MIN_SEQ_BUCKET)
+        S = self.decode_bucket(len(rows))
         pad = S - len(rows)
         pages = np.zeros((S, self.pages_per_seq), np.int32)
         for r, row in enumerate(rows):

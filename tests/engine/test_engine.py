@@ -218,3 +218,17 @@ def test_cleanup_modes(tiny_llama, mode):
     if mode == "none":
         engine.reset()
         assert engine.runner.kv.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("max_seqs,expected", [
+    (64, {1: 4, 4: 4, 5: 16, 16: 16, 17: 64, 33: 64, 64: 64}),
+    (100, {17: 64, 65: 128, 100: 128}),  # capped at the steps with prompt chunks' bucket (128), not 256
+    (8, {3: 4, 5: 8, 8: 8}),
+])
+def test_decode_rows_are_padded_to_powers_of_four_up_to_the_max_seqs_bucket(max_seqs, expected):
+    from types import SimpleNamespace
+
+    from engine.runner import ModelRunner
+
+    runner = SimpleNamespace(engine=EngineConfig(max_seqs=max_seqs, max_seqs_in_prefill=1))
+    assert {n: ModelRunner.decode_bucket(runner, n) for n in expected} == expected
