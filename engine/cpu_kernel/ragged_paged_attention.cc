@@ -11,12 +11,14 @@
 // at position p sees cached positions k <= p (and p - k < window when window > 0).
 //
 // Why it exists: the plain-JAX reference must gather every KV block into a dense copy before XLA can
-// multiply it, and on a CPU that copy (plus tiny batched matmuls) is most of a step. Here each work item
-// (one sequence, one KV head, up to kRowsPerItem query tokens) reads its pages in place, page by page,
-// with an online softmax: the pool is read once per item and nothing is materialised.
+// multiply it, and on a CPU that copy (plus tiny batched matmuls) was most of a step. Here each work item
+// (a sequence's up-to-kRowsPerItem query tokens, with one KV head or, for a decoding sequence, all of
+// them) reads its pages in place, page by page, with an online softmax: nothing is materialised.
 //
-// Each query row's arithmetic depends only on its own sequence (its q row, its pages, its positions),
-// never on which other rows or sequences share the call: results are batch-invariant.
+// Each query row's arithmetic depends only on its own sequence's chunk (its q rows, pages and positions),
+// never on which other sequences share the call or where they sit: results are bit-identical whatever
+// else is in the step. (How a prompt is cut into chunks can change the rounding, as it changes the
+// matmul shapes elsewhere in the step.)
 
 #include <algorithm>
 #include <atomic>
@@ -222,14 +224,17 @@ void run_item(const Problem& p, const Item& it) {
       const float* k_rows = base + kv_off[i];
       for (int32_t j = 0; j < n; ++j) sc[j] = dot(&qbuf[i * D], k_rows + j * combined * D, D);
       // Mask, max and exp over the page's keys 16 at a time (vector lanes = keys).
+      auto visible = [&](int32_t j0) {
+        const vi key = splat_i(t0 + j0) + lane_index;
+        vi seen = (key <= splat_i(position)) & (key < splat_i(t0 + n));
+        if (p.window > 0) seen &= (splat_i(position) - key) < splat_i(p.window);
+        return seen;
+      };
       vf mxv = splat(m[i]);
       for (int32_t j0 = 0; j0 < n; j0 += kLanes) {
         vf v;
         std::memcpy(&v, &sc[j0], sizeof(v));
-        const vi key = splat_i(t0 + j0) + lane_index;
-        vi visible = (key <= splat_i(position)) & (key < splat_i(t0 + n));
-        if (p.window > 0) visible &= (splat_i(position) - key) < splat_i(p.window);
-        v = visible ? v : splat(kMasked);
+        v = visible(j0) ? v : splat(kMasked);
         std::memcpy(&sc[j0], &v, sizeof(v));
         mxv = mxv > v ? mxv : v;
       }
@@ -240,10 +245,7 @@ void run_item(const Problem& p, const Item& it) {
       for (int32_t j0 = 0; j0 < n; j0 += kLanes) {
         vf v;
         std::memcpy(&v, &sc[j0], sizeof(v));
-        const vi key = splat_i(t0 + j0) + lane_index;
-        vi visible = (key <= splat_i(position)) & (key < splat_i(t0 + n));
-        if (p.window > 0) visible &= (splat_i(position) - key) < splat_i(p.window);
-        v = visible ? vexp(v - mx) : vf{};
+        v = visible(j0) ? vexp(v - mx) : vf{};
         std::memcpy(&pr[j0], &v, sizeof(v));
         sumv += v;
       }
