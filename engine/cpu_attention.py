@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import logging
 import os
 import platform
 import shutil
@@ -29,8 +28,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine import compile_cache
-
-logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernel") / "ragged_paged_attention.cc"
 TARGET = "pagefleet_ragged_paged_attention_f32"
@@ -66,9 +63,8 @@ def build() -> Path:
         raise KernelUnavailable(f"no C++ compiler {compiler!r} on PATH (set CXX)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     include = jax.ffi.include_dir()
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_signature(),
-                                    jaxlib.__version__,
-                                    include]).encode()).hexdigest()[:16]
+    parts = [SOURCE.read_text(), " ".join(FLAGS), version, _cpu_signature(), jaxlib.__version__, include]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     out_dir = _build_dir()
     library = out_dir / f"ragged_paged_attention-{key}.so"
     if library.exists():
