@@ -60,7 +60,9 @@ class Engine:
         if jdtype is None:
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
         prepare_attention_impl(config.attention_impl, jdtype)  # the CPU kernel compiles while the tokenizer loads
-        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model_path)
+        if tokenizer is None and has_tokenizer(model_path):
+            tokenizer = load_tokenizer(model_path)
+        self.tokenizer = tokenizer
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -370,6 +372,3 @@ def _row_sampling(seq: Sequence) -> RowSampling:
     s = seq.request.sampling
     return RowSampling(s.temperature, s.top_k, s.top_p, seq.base_key, len(seq.token_ids))
 
-
-def _load_tokenizer(model_path: str | os.PathLike):
-    return load_tokenizer(model_path) if has_tokenizer(model_path) else None

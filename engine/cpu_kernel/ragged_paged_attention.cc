@@ -119,6 +119,7 @@ void run_lanes(const Problem& p, const Item& it, int64_t row0, int64_t rows, int
   std::memcpy(&pos, pos_lanes, sizeof(pos));
   vf m = splat(kMasked), l = vf{};
   std::vector<vf> sc(ps);
+  std::vector<vi> seen(ps);  // which lanes (rows) may see each key of the page
   const int32_t* seq_pages = p.pages + static_cast<int64_t>(s) * p.pages_per_seq;
   for (int32_t page_slot = begin / ps; page_slot * ps < end; ++page_slot) {
     const float* base = p.kv + static_cast<int64_t>(seq_pages[page_slot]) * ps * combined * D;
@@ -139,18 +140,15 @@ void run_lanes(const Problem& p, const Item& it, int64_t row0, int64_t rows, int
     vf mx = m;
     for (int32_t j = 0; j < n; ++j) {
       const vi key = splat_i(t0 + j);
-      vi visible = key <= pos;
-      if (p.window > 0) visible &= (pos - key) < splat_i(p.window);
-      sc[j] = visible ? sc[j] : splat(kMasked);
+      seen[j] = key <= pos;
+      if (p.window > 0) seen[j] &= (pos - key) < splat_i(p.window);
+      sc[j] = seen[j] ? sc[j] : splat(kMasked);
       mx = mx > sc[j] ? mx : sc[j];
     }
     const vf alpha = vexp(m - mx);
     vf sum = vf{};
     for (int32_t j = 0; j < n; ++j) {
-      const vi key = splat_i(t0 + j);
-      vi visible = key <= pos;
-      if (p.window > 0) visible &= (pos - key) < splat_i(p.window);
-      sc[j] = visible ? vexp(sc[j] - mx) : vf{};
+      sc[j] = seen[j] ? vexp(sc[j] - mx) : vf{};
       sum += sc[j];
     }
     l = l * alpha + sum;
