@@ -31,7 +31,7 @@ from engine import compile_cache
 
 SOURCE = Path(__file__).with_name("cpu_kernel") / "ragged_paged_attention.cc"
 TARGET = "pagefleet_ragged_paged_attention_f32"
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-fopenmp-simd")
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-fopenmp-simd", "-ffp-contract=off")
 
 
 class KernelUnavailable(RuntimeError):

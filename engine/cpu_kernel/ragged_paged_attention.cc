@@ -56,9 +56,10 @@ struct Item {
   int64_t cost;
 };
 
+// In order, one term at a time: the same arithmetic as one lane of run_lanes, so a row's result does not
+// depend on which path its work item took (the item's size follows how the prompt was cut into chunks).
 inline float dot(const float* a, const float* b, int64_t n) {
   float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
   for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
   return acc;
 }
@@ -238,17 +239,15 @@ void run_item(const Problem& p, const Item& it) {
       }
       float mx = m[i];
       for (int lane = 0; lane < kLanes; ++lane) mx = std::max(mx, mxv[lane]);
-      const float alpha = std::exp(m[i] - mx);
-      vf sumv = vf{};
+      const float alpha = vexp(splat(m[i] - mx))[0];
       for (int32_t j0 = 0; j0 < n; j0 += kLanes) {
         vf v;
         std::memcpy(&v, &sc[j0], sizeof(v));
         v = visible(j0) ? vexp(v - mx) : vf{};
         std::memcpy(&pr[j0], &v, sizeof(v));
-        sumv += v;
       }
       float sum = 0.f;
-      for (int lane = 0; lane < kLanes; ++lane) sum += sumv[lane];
+      for (int32_t j = 0; j < n; ++j) sum += pr[j];  // in key order, as run_lanes adds
       l[i] = l[i] * alpha + sum;
       m[i] = mx;
       float* a = &acc[i * D];

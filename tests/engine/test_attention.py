@@ -193,3 +193,22 @@ def test_cpu_kernel_build_failure_names_the_compiler(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with pytest.raises(cpu_attention.KernelUnavailable, match="no C\\+\\+ compiler .*no-such-compiler.*set CXX"):
         cpu_attention.build()
+
+
+def test_cpu_kernel_row_is_bit_identical_in_a_long_chunk_and_alone():
+    """A query row gives the same bits whether its work item holds many rows (vector lanes) or one token
+    (the all-heads path): how a prompt is cut into chunks must not change the rounding."""
+    rng = np.random.default_rng(11)
+    pool = jnp.asarray(rng.standard_normal((16, 4, 2 * NUM_KV_HEADS, HEAD_DIM)).astype(np.float32))
+    q = rng.standard_normal((40, NUM_HEADS, HEAD_DIM)).astype(np.float32)
+    pages = jnp.asarray(rng.permutation(16)[:10].reshape(1, 10).astype(np.int32))
+
+    def attend(q_rows, start):
+        n = len(q_rows)
+        return np.asarray(ragged_paged_attention(
+            jnp.asarray(q_rows), pool, jnp.array([start + n]), pages, jnp.array([0, n]), jnp.array([1]),
+            sm_scale=SCALE, sliding_window=None, impl="cpu_kernel", pages_per_block=8, queries_per_block=16))
+
+    whole = attend(q, 0)
+    for t in (0, 17, 39):
+        np.testing.assert_array_equal(attend(q[t:t + 1], t)[0], whole[t])
