@@ -56,14 +56,6 @@ struct Item {
   int64_t cost;
 };
 
-// In order, one term at a time: the same arithmetic as one lane of run_lanes, so a row's result does not
-// depend on which path its work item took (the item's size follows how the prompt was cut into chunks).
-inline float dot(const float* a, const float* b, int64_t n) {
-  float acc = 0.f;
-  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
-  return acc;
-}
-
 // 16 query rows as the lanes of one vector (GCC vector extensions: AVX-512 registers where the CPU has
 // them, pairs of AVX registers otherwise).
 constexpr int kLanes = 16;
@@ -198,7 +190,9 @@ void run_item(const Problem& p, const Item& it) {
   }
 
   const int64_t ps_lanes = (ps + kLanes - 1) / kLanes * kLanes;  // score buffers in whole vectors
-  std::vector<float> qbuf(rows * D), acc(rows * D, 0.f), m(rows, kMasked), l(rows, 0.f), sc(ps_lanes), pr(ps_lanes);
+  std::vector<float> qbuf(rows * D), acc(rows * D, 0.f), m(rows, kMasked), l(rows, 0.f), scores(rows * ps_lanes),
+      pr(ps_lanes);
+  std::vector<vf> kt(D);  // 16 keys' K of one KV head, transposed: kt[d] holds element d of each key
   std::vector<int32_t> pos(rows), kv_off(rows);
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t r = it.row_begin + i / heads, hq = head0 + i % heads;
@@ -218,10 +212,38 @@ void run_item(const Problem& p, const Item& it) {
     }
     const int32_t t0 = page_slot * static_cast<int32_t>(ps);
     const int32_t n = std::min<int32_t>(ps, end - t0);
+    // Scores with the keys in vector lanes: 16 keys of one KV head are gathered column by column, then each
+    // lane sums q[d] * k[d] over d in order (the arithmetic of a row lane of run_lanes), so 16 keys advance
+    // at once with no horizontal sum and no serial chain per key. Lanes past the page's keys repeat its
+    // last key; the mask below hides them.
+    for (int32_t j0 = 0; j0 < n; j0 += kLanes) {
+      const int32_t nj = std::min<int32_t>(kLanes, n - j0);
+      vi offs;  // each lane's key, in floats from the block's first key
+      for (int u = 0; u < kLanes; ++u) offs[u] = static_cast<int32_t>(std::min(u, nj - 1) * combined * D);
+      for (int64_t h = 0; h < p.num_kv_heads; ++h) {
+        const float* k0 = base + (j0 * combined + 2 * h) * D;
+        for (int64_t d = 0; d < D; ++d) {
+#if defined(__AVX512F__)
+          kt[d] = __builtin_ia32_gathersiv16sf(vf{}, k0 + d, offs, static_cast<short>(-1), 4);
+#else
+          for (int u = 0; u < kLanes; ++u) kt[d][u] = k0[offs[u] + d];
+#endif
+        }
+        for (int64_t t = 0; t < rows / heads; ++t) {  // this KV head's query heads, token by token
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t i = t * heads + h * G + g;
+            const float* qi = &qbuf[i * D];
+            vf a = vf{};
+            for (int64_t d = 0; d < D; ++d) a += splat(qi[d]) * kt[d];
+            std::memcpy(&scores[i * ps_lanes + j0], &a, sizeof(a));
+          }
+        }
+      }
+    }
     for (int64_t i = 0; i < rows; ++i) {
       const int32_t position = pos[i];
       const float* k_rows = base + kv_off[i];
-      for (int32_t j = 0; j < n; ++j) sc[j] = dot(&qbuf[i * D], k_rows + j * combined * D, D);
+      float* sc = &scores[i * ps_lanes];
       // Mask, max and exp over the page's keys 16 at a time (vector lanes = keys).
       auto visible = [&](int32_t j0) {
         const vi key = splat_i(t0 + j0) + lane_index;
