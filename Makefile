@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test bench bench-plan
+.PHONY: demo test bench bench-plan bench-export
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,3 +26,6 @@ bench: $(STAMP)
 
 bench-plan: $(STAMP)
 	JAX_PLATFORMS=cpu RAY_AUTH_MODE=disabled $(VENV)/bin/python benchmarks/plan_bench.py --num-prompts 1000000 --num-cpus 2
+
+bench-export: $(STAMP)
+	$(VENV)/bin/python benchmarks/export_bench.py --samples 1000000 --memory-gb 0.25 --repeats 3

@@ -92,10 +92,22 @@ def _export(argv: list[str]) -> int:
     parser.add_argument("run_dir")
     parser.add_argument("--output", required=True, help="FILE.jsonl or FILE.parquet")
     parser.add_argument("--partial", action="store_true", help="export the done batches of an unfinished run")
+    parser.add_argument("--memory-gb", type=float, default=2.0,
+                        help="memory the sort may hold (default 2); a larger run is sorted in runs on disk beside "
+                             "--output, about as much space as the run's outputs/")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                        help="progress on stderr (default on)")
     args = parser.parse_args(argv)
-    from orchestrator.export import export
+    if args.memory_gb <= 0:
+        parser.error(f"--memory-gb must be positive, got {args.memory_gb}")
+    from tqdm import tqdm
 
-    count = export(args.run_dir, args.output, partial=args.partial)
+    from orchestrator.export import count_samples, done_outputs, export, print_progress
+
+    total = count_samples(done_outputs(args.run_dir, partial=args.partial))
+    with tqdm(total=total, desc="export", unit="sample", disable=not args.progress, file=sys.stderr) as bar:
+        count = export(args.run_dir, args.output, partial=args.partial, memory_bytes=int(args.memory_gb * 2**30),
+                       log=print_progress if args.progress else None, on_rows=bar.update)
     print(f"wrote {count:,} samples to {args.output}")
     return 0
 

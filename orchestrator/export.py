@@ -1,10 +1,26 @@
-"""`pagefleet export RUN_DIR --output FILE`: every sample in corpus order, then generation index."""
+"""`pagefleet export RUN_DIR --output FILE`: every sample in corpus order, then generation index.
+
+Packing puts corpus rows into batches longest first, so corpus order needs a sort over every sample of
+the run, and a 100M-prompt run's samples do not fit in memory. The sort keeps to a memory budget:
+when the done batches fit in it they are sorted in memory; otherwise they are read in order, sorted in
+runs of at most a third of the budget, each run written to a temporary parquet file (in small row
+groups), and the runs are merged. The merge holds one row group of each run and emits, round by
+round, every buffered sample up to the smallest last key among the buffers: all of those are final,
+since every run is sorted. Disk: the runs take about as much space as the run's outputs/, in a
+temporary directory (beside the output file for `export`) that is removed at the end, also on errors.
+"""
 
 from __future__ import annotations
 
 import json
+import math
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import closing
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -16,10 +32,16 @@ from orchestrator.rundir import RunDir
 
 RECORD_FIELDS = ["prompt_id", "generation_index", "completion", "token_ids", "logprobs", "finish_reason",
                  "num_prompt_tokens", "batch_id"]
+DEFAULT_MEMORY_BYTES = 2 * 2**30
+_SORT_KEYS = [("row", "ascending"), ("generation_index", "ascending")]
+_JSONL_ROWS = 4096  # samples converted to Python objects at a time
+
+Log = Callable[[str], None]
 
 
-def collect(run_dir_path: str | Path, partial: bool = False) -> pa.Table:
-    """The done batches' samples, sorted by corpus row then generation index (SAMPLE_SCHEMA)."""
+def done_outputs(run_dir_path: str | Path, partial: bool = False) -> list[Path]:
+    """The output files of the run's done batches, in manifest order; refuses an unfinished run unless
+    `partial`, and names any done batch whose output is missing."""
     run_dir = RunDir(Path(run_dir_path))
     if not run_dir.manifest.exists():
         raise FileNotFoundError(f"{run_dir.manifest} not found: {run_dir.root} is not a run directory")
@@ -28,27 +50,203 @@ def collect(run_dir_path: str | Path, partial: bool = False) -> pa.Table:
     if not_done and not partial:
         raise ValueError(f"{len(not_done)} of {len(records)} batches are not done (first: {not_done[0]}); finish the "
                          "run with `pagefleet run CONFIG`, or pass --partial to export what is done")
-    tables = [pq.read_table(run_dir.root / r.output).cast(SAMPLE_SCHEMA) for r in records if r.status == "done"]
-    table = pa.concat_tables(tables) if tables else SAMPLE_SCHEMA.empty_table()
-    order = pc.sort_indices(table, sort_keys=[("row", "ascending"), ("generation_index", "ascending")])
-    return table.take(order)
+    paths = []
+    for r in records:
+        if r.status != "done":
+            continue
+        path = run_dir.root / (r.output or f"outputs/{r.batch_id}.parquet")
+        if not path.exists():
+            raise FileNotFoundError(f"batch {r.batch_id} is done in {run_dir.manifest} but its samples file {path} "
+                                    "is missing; restore it, or set the batch back to pending and resume the run")
+        paths.append(path)
+    return paths
 
 
-def export(run_dir_path: str | Path, output: str | Path, partial: bool = False) -> int:
+def count_samples(paths: list[Path]) -> int:
+    return sum(pq.ParquetFile(p).metadata.num_rows for p in paths)
+
+
+def iter_sorted(paths: list[Path], tmp_dir: str | Path, memory_bytes: int = DEFAULT_MEMORY_BYTES,
+                log: Log | None = None) -> Iterator[pa.Table]:
+    """The samples of these batch output files (SAMPLE_SCHEMA) as consecutive tables in corpus row, then
+    generation index order, holding about `memory_bytes` at most; temporary runs go under `tmp_dir`.
+    Close the generator (or run it to the end) to remove them."""
+    size = sum(_uncompressed_bytes(p) for p in paths)
+    run_bytes = max(1, memory_bytes // 3)  # a run in memory, its sort order and its sorted copy
+    if size <= run_bytes:
+        yield from _sorted_in_memory(paths)
+        return
+    with tempfile.TemporaryDirectory(prefix=".pagefleet-export-", dir=tmp_dir) as tmp:
+        runs = _write_sorted_runs(paths, Path(tmp), run_bytes, count_samples(paths), log)
+        if log:
+            log(f"merging {len(runs)} sorted runs")
+        yield from _merge(runs)
+
+
+def collect(run_dir_path: str | Path, partial: bool = False, memory_bytes: int = DEFAULT_MEMORY_BYTES) -> pa.Table:
+    """All the done batches' samples in one table, in corpus order (for callers that want them in memory)."""
+    with closing(iter_sorted(done_outputs(run_dir_path, partial), run_dir_path, memory_bytes)) as tables:
+        parts = list(tables)
+    return pa.concat_tables(parts) if parts else SAMPLE_SCHEMA.empty_table()
+
+
+def page(paths: list[Path], tmp_dir: str | Path, offset: int, limit: int,
+         memory_bytes: int = DEFAULT_MEMORY_BYTES) -> tuple[int, list[dict]]:
+    """(how many samples there are, the records of `limit` of them from `offset` in corpus order)."""
+    total = count_samples(paths)
+    rows: list[dict] = []
+    if offset >= total or limit <= 0:
+        return total, rows
+    seen = 0  # samples before the current table
+    with closing(iter_sorted(paths, tmp_dir, memory_bytes)) as tables:
+        for table in tables:
+            start = max(offset - seen, 0)
+            if start < table.num_rows:
+                rows += table.slice(start, limit - len(rows)).select(RECORD_FIELDS).to_pylist()
+            seen += table.num_rows
+            if len(rows) >= limit:
+                break
+    return total, rows
+
+
+def export(run_dir_path: str | Path, output: str | Path, partial: bool = False,
+           memory_bytes: int = DEFAULT_MEMORY_BYTES, log: Log | None = None,
+           on_rows: Callable[[int], None] | None = None) -> int:
     """Write the samples to `output` (.jsonl or .parquet, atomically); returns how many."""
     output = Path(output)
     if output.suffix not in (".jsonl", ".parquet"):
         raise ValueError(f"--output must end in .jsonl or .parquet, got {output.name!r}")
-    table = collect(run_dir_path, partial).select(RECORD_FIELDS)
+    paths = done_outputs(run_dir_path, partial)
     output.parent.mkdir(parents=True, exist_ok=True)
-    if output.suffix == ".parquet":
-        atomic_write(output, lambda tmp: pq.write_table(table, tmp))
-    else:
-        def write(tmp: str) -> None:
-            with open(tmp, "w", encoding="utf-8") as f:
-                for batch in table.to_batches(max_chunksize=4096):
-                    for row in batch.to_pylist():
-                        f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    written = 0
 
-        atomic_write(output, write)
-    return table.num_rows
+    def write(tmp: str) -> None:
+        nonlocal written
+        tables = iter_sorted(paths, output.parent, memory_bytes, log)
+        schema = SAMPLE_SCHEMA.empty_table().select(RECORD_FIELDS).schema
+        if output.suffix == ".parquet":
+            with pq.ParquetWriter(tmp, schema) as writer:
+                for table in tables:
+                    writer.write_table(table.select(RECORD_FIELDS))
+                    written += table.num_rows
+                    if on_rows:
+                        on_rows(table.num_rows)
+            return
+        with open(tmp, "w", encoding="utf-8") as f:
+            for table in tables:
+                for batch in table.select(RECORD_FIELDS).to_batches(max_chunksize=_JSONL_ROWS):
+                    f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in batch.to_pylist())
+                written += table.num_rows
+                if on_rows:
+                    on_rows(table.num_rows)
+
+    atomic_write(output, write)
+    return written
+
+
+# -- the sort -------------------------------------------------------------------------------------
+
+def _uncompressed_bytes(path: Path) -> int:
+    meta = pq.ParquetFile(path).metadata
+    return sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+
+
+def _read(path: Path) -> pa.Table:
+    try:
+        return pq.read_table(path).cast(SAMPLE_SCHEMA)
+    except (pa.ArrowException, OSError, ValueError) as err:
+        raise ValueError(f"cannot read the samples file {path}: {err}") from err
+
+
+def _sort(table: pa.Table) -> pa.Table:
+    return table.take(pc.sort_indices(table, sort_keys=_SORT_KEYS))
+
+
+def _sorted_in_memory(paths: list[Path]) -> Iterator[pa.Table]:
+    if not paths:
+        return
+    yield _sort(pa.concat_tables([_read(p) for p in paths]))
+
+
+def _write_sorted_runs(paths: list[Path], tmp: Path, run_bytes: int, total_rows: int, log: Log | None) -> list[Path]:
+    runs: list[Path] = []
+    pending: list[pa.Table] = []
+    pending_bytes = pending_rows = 0
+    group_rows = 0
+
+    def flush() -> None:
+        nonlocal pending, pending_bytes, pending_rows, group_rows
+        if not group_rows:
+            # The merge holds a row group of every run, the next one while the last is still referenced,
+            # and the sorted copy of a round: a row group is a sixth of the run size over the runs.
+            row_bytes = max(1.0, pending_bytes / max(1, pending_rows))
+            num_runs = math.ceil(total_rows * row_bytes / run_bytes) + 1
+            group_rows = max(1, int(run_bytes / 2 / num_runs / row_bytes))
+        run = tmp / f"run-{len(runs):06d}.parquet"
+        pq.write_table(_sort(pa.concat_tables(pending)), run, row_group_size=group_rows)
+        runs.append(run)
+        pending, pending_bytes, pending_rows = [], 0, 0
+
+    for i, path in enumerate(paths, 1):
+        table = _read(path)
+        pending.append(table)
+        pending_bytes += table.nbytes
+        pending_rows += table.num_rows
+        if pending_bytes >= run_bytes:
+            flush()
+            if log:
+                log(f"sorted {i:,} of {len(paths):,} batches into {len(runs)} runs")
+    if pending:
+        flush()
+    return runs
+
+
+def _merge(runs: list[Path]) -> Iterator[pa.Table]:
+    # One row group at a time, read explicitly: iter_batches reads ahead and would hold most of each run.
+    files = [pq.ParquetFile(run) for run in runs]
+    next_group = [0] * len(runs)
+    buffers: list[pa.Table | None] = [None] * len(runs)
+
+    def refill(i: int) -> None:
+        while next_group[i] < files[i].num_row_groups:
+            table = files[i].read_row_group(next_group[i])
+            next_group[i] += 1
+            if table.num_rows:
+                buffers[i] = table.cast(SAMPLE_SCHEMA)
+                return
+        buffers[i] = None
+
+    for i in range(len(runs)):
+        refill(i)
+    while any(b is not None for b in buffers):
+        # Every run is sorted, so nothing still unread sorts before the smallest last buffered key.
+        last = min(_key(b, b.num_rows - 1) for b in buffers if b is not None)
+        pieces = []
+        for i, buf in enumerate(buffers):
+            if buf is None:
+                continue
+            n = _count_at_most(buf, last)
+            if n:
+                pieces.append(buf.slice(0, n))
+            if n == buf.num_rows:
+                refill(i)
+            else:
+                buffers[i] = buf.slice(n)
+        yield _sort(pa.concat_tables(pieces))
+
+
+def _key(table: pa.Table, i: int) -> tuple[int, int]:
+    return table["row"][i].as_py(), table["generation_index"][i].as_py()
+
+
+def _count_at_most(table: pa.Table, key: tuple[int, int]) -> int:
+    """How many leading samples of a sorted table have (row, generation_index) <= key."""
+    rows = table["row"].to_numpy()
+    lo = int(np.searchsorted(rows, key[0], side="left"))
+    hi = int(np.searchsorted(rows, key[0], side="right"))
+    gens = table["generation_index"].to_numpy()[lo:hi]
+    return lo + int(np.searchsorted(gens, key[1], side="right"))
+
+
+def print_progress(message: str) -> None:
+    print(f"pagefleet export: {message}", file=sys.stderr, flush=True)

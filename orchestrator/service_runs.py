@@ -217,15 +217,14 @@ class RunRegistry:
 
     def samples(self, name: str, offset: int, limit: int) -> dict[str, Any]:
         """Samples of the done batches in corpus order, then generation index: `limit` of them from `offset`."""
-        from orchestrator.export import RECORD_FIELDS, collect
+        from orchestrator.export import done_outputs, page
 
         self.describe(name)
         run_dir = self.run_dir(name)
         if not run_dir.manifest.exists():
             return {"name": name, "offset": offset, "limit": limit, "total": 0, "samples": []}
-        table = collect(run_dir.root, partial=True)
-        rows = table.slice(min(offset, table.num_rows), limit).select(RECORD_FIELDS).to_pylist()
-        return {"name": name, "offset": offset, "limit": limit, "total": table.num_rows, "samples": rows}
+        total, rows = page(done_outputs(run_dir.root, partial=True), run_dir.root, offset, limit)
+        return {"name": name, "offset": offset, "limit": limit, "total": total, "samples": rows}
 
 
 def _state(run: _Run | None, figures: dict[str, Any]) -> str:
