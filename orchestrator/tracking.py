@@ -39,7 +39,9 @@ class TrackerConfig:
     """W&B group; null groups by the run name, so the runs of one resumed job sit together."""
     samples_table_rows: int = 200
     """At most this many sample rows go to the `samples` table (the first ones to finish); 0 logs
-    no samples. Samples themselves live in RUN_DIR/outputs/; the table is a window onto them."""
+    no samples. The table is logged as soon as it is full, so it shows early in a long run and
+    survives a crash of the head; else at the end. Samples themselves live in RUN_DIR/outputs/; the
+    table is a window onto them."""
     batches_table_rows: int = WANDB_TABLE_MAX_ROWS
     """At most this many rows go to the `batches` table (the first batches to finish); every batch
     is still logged as a history row, so the charts cover the whole run."""
@@ -120,7 +122,8 @@ def sample_row(record: dict[str, Any]) -> list[Any]:
 
 
 class WandbTracker(HeadOnly):
-    """One W&B run per job: config at init, a history row per batch, two bounded tables at finish.
+    """One W&B run per job: config at init, a history row per batch, two bounded tables: `samples` as soon
+    as it is full (else at finish), `batches` at finish.
 
     Offline run files land under `run_dir/wandb/offline-run-<time>-<id>/` (the run's config, history
     and summary in `run-<id>.wandb`, the tables in `files/media/table/*.table.json`).
@@ -133,6 +136,7 @@ class WandbTracker(HeadOnly):
         self._config = config
         self._batch_rows: list[BatchRow] = []
         self._sample_rows: list[list[Any]] = []
+        self._samples_logged = False
         self._finished = False
         disabled = config.mode == "disabled"
         if not disabled:
@@ -161,6 +165,16 @@ class WandbTracker(HeadOnly):
         self._check_owner()
         room = self._config.samples_table_rows - len(self._sample_rows)
         self._sample_rows.extend(sample_row(r) for r in records[: max(room, 0)])
+        if room > 0 and len(self._sample_rows) == self._config.samples_table_rows:
+            self._log_samples()  # full: show it now, not days later at the end of a long run (or never, on a crash)
+
+    def _log_samples(self) -> None:
+        import wandb
+
+        if not self._samples_logged:
+            self._run.log({"samples": wandb.Table(columns=list(SAMPLE_COLUMNS), data=self._sample_rows,
+                                                  allow_mixed_types=True)})
+            self._samples_logged = True
 
     def finish(self, summary: dict[str, float | int | str]) -> None:
         self._check_owner()
@@ -174,9 +188,9 @@ class WandbTracker(HeadOnly):
         # Mixed types allowed: a column that holds an int in one row and a string in another must not
         # make the end of a multi-day run raise.
         data = [[row.get(k) for k in columns] for row in self._batch_rows]
-        batches = wandb.Table(columns=columns, data=data, allow_mixed_types=True)
-        samples = wandb.Table(columns=list(SAMPLE_COLUMNS), data=self._sample_rows, allow_mixed_types=True)
-        self._run.log({"batches": batches, "samples": samples})
+        self._run.log({"batches": wandb.Table(columns=columns, data=data, allow_mixed_types=True)})
+        if self._config.samples_table_rows:
+            self._log_samples()  # fewer samples than the table holds (or it was logged when it filled)
         self._run.summary.update(dict(summary))
         self._run.finish()
         self._finished = True

@@ -132,6 +132,26 @@ def test_offline_run_records_config_history_and_summary(offline_run):
     assert records[-1].WhichOneof("record_type") == "exit"  # the run was finished
 
 
+def test_samples_table_is_written_when_full_not_at_the_end(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    tracker = make_tracker(TrackerConfig(mode="offline", samples_table_rows=5), tmp_path, "demo", RUN_CONFIG)
+    tracker.log_batch(batch_row(0))
+    tracker.add_samples([sample_record(i) for i in range(3)])
+    tracker.add_samples([sample_record(i) for i in range(3, 9)])  # fills the table: a long run shows it now
+    (run,) = (tmp_path / "wandb").glob("offline-run-*")
+    tables = run / "files" / "media" / "table"
+    deadline = time.monotonic() + 30
+    while not list(tables.glob("samples_*.table.json")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    table = read_table(run, "samples")  # before finish(): what a crash of the head would leave
+    assert [row[0] for row in table["data"]] == [f"p{i:03d}" for i in range(5)]
+    tracker.add_samples([sample_record(9)])
+    tracker.finish(SUMMARY)
+    assert read_table(run, "samples") == table  # logged once
+    assert len(read_table(run, "batches")["data"]) == 1
+
+
 def test_disabled_and_noop_write_nothing(tmp_path):
     for config in (TrackerConfig(mode="disabled"), TrackerConfig(type="noop", mode="offline")):
         tracker = make_tracker(config, tmp_path / "run", "demo", RUN_CONFIG)
