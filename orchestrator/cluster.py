@@ -20,7 +20,9 @@ class ClusterConfig:
     """Ray resources each host actor of a slice requests, e.g. {"TPU": 4} for one v5p host's chips;
     a slice's host 0 also requests the slice's head resource when `slice_head_resource` is set."""
     slice_head_resource: str | None = None
-    """Ray's per-slice head resource on TPU (e.g. "TPU-v5p-16-head"): makes each slice land on its own pod slice."""
+    """Ray's per-slice head resource on TPU (e.g. "TPU-v5p-16-head"): makes each slice land on its own pod slice.
+    On a multi-host slice, host 0 takes it and the other hosts go to nodes with the same `ray.io/tpu-slice-name`
+    label as host 0's node (Ray labels TPU hosts so), never to another pod slice's hosts."""
     samples_in_flight_per_slice: int | None = None
     """Samples a slice holds at once (running plus queued in its engine); defaults to 2 * engine.max_seqs, so
     the next batches are already queued when slots free up and the engine stays full across batches."""

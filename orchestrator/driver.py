@@ -187,7 +187,8 @@ class Driver:
             self._slice_failed(slot, event.reason)
         elif event.kind == "started":
             info = event.info
-            self._state.event(f"{slot.name} ready (pids {info['pids']}, {info['devices']} devices, "
+            where = f", pod_slice {info['pod_slice']}" if info.get("pod_slice") else ""
+            self._state.event(f"{slot.name} ready (pids {info['pids']}, {info['devices']} devices{where}, "
                               f"model loaded in {info['load_s']:.1f} s)")
         elif event.kind == "results":
             for result in event.results:

@@ -35,7 +35,10 @@ class SliceGang:
         self.index = index
         self.cfg = cfg
         self.actors: list[Any] = []
-        self.placement_group = None
+        self.placement_group = None  # every host's bundle; on a TPU pod slice, hosts 1.. only
+        self._head_group = None  # on a TPU pod slice: host 0's bundle, with the slice head resource
+        self._locating = None  # on a TPU pod slice: the ref of the pod slice name of host 0's node
+        self._slice_name: str | None = None
         self._starting: dict[Any, int] = {}  # start ref -> host
         self._polls: dict[Any, int] = {}  # poll ref -> host
         self._infos: list[dict] = []
@@ -65,38 +68,75 @@ class SliceGang:
         if cfg.cluster.devices_per_host:
             env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={cfg.cluster.devices_per_host}"
         head = {cfg.cluster.slice_head_resource: 1} if cfg.cluster.slice_head_resource else {}
+        self._host_options = [
+            dict(num_cpus=num_cpus, num_gpus=num_gpus, resources={**resources, **(head if host == 0 else {})} or None,
+                 max_concurrency=4, max_restarts=0, runtime_env={"env_vars": env} if env else None)
+            for host in range(self.num_hosts)]
+        self.actors, self._starting, self._polls, self._infos = [], {}, {}, []
+        self._since = time.monotonic()
+        self._sent = 0  # batches submitted to these actors (BatchWork.seq)
+        self._slice_name = None
         if self.num_hosts > 1:
             # An actor in a placement group draws only on its bundle: host 0's bundle carries the head resource.
-            bundles = [{k: v for k, v in {"CPU": num_cpus, "GPU": num_gpus, **resources, **(head if host == 0 else {})}
-                        .items() if v} for host in range(self.num_hosts)]
+            bundles = [{k: v for k, v in {"CPU": num_cpus, "GPU": num_gpus, **(o["resources"] or {})}.items() if v}
+                       for o in self._host_options]
+            if head:
+                # A TPU pod slice: the head resource picks a slice (host 0 lands on its worker 0); which slice that
+                # is comes from the node's label, and the other hosts are then placed on the same slice (handle()).
+                self._head_group = ray.util.placement_group(bundles[:1])
+                self._other_bundles = bundles[1:]
+                self._locating = ray.remote(_slice_name).options(
+                    num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(self._head_group, 0)).remote()
+                return
             self.placement_group = ray.util.placement_group(bundles, strategy=cfg.cluster.placement_strategy)
-        self.actors, self._starting, self._polls, self._infos = [], {}, {}, []
-        for host in range(self.num_hosts):
-            host_resources = {**resources, **(head if host == 0 else {})}
+        self._start_hosts()
+
+    def _start_hosts(self) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        cfg = self.cfg
+        for host, options in enumerate(self._host_options):
             spec = SliceSpec(self.name, cfg.model.require_path(), cfg.model.tokenizer_path, cfg.model.dtype,
                              cfg.engine, cfg.sampling, dict(cfg.cluster.mesh), num_hosts=self.num_hosts,
                              host_index=host, devices_per_host=cfg.cluster.devices_per_host)
-            options: dict[str, Any] = dict(num_cpus=num_cpus, num_gpus=num_gpus, resources=host_resources or None,
-                                           max_concurrency=4, max_restarts=0,
-                                           runtime_env={"env_vars": env} if env else None)
-            if self.placement_group is not None:
-                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    self.placement_group, placement_group_bundle_index=host)
+            if self._head_group is not None:  # host 0 in the head's group, the others in the slice's
+                group, index = (self._head_group, 0) if host == 0 else (self.placement_group, host - 1)
+            else:
+                group, index = self.placement_group, host
+            if group is not None:
+                options = {**options, "scheduling_strategy": PlacementGroupSchedulingStrategy(group, index)}
             self.actors.append(ray.remote(SliceWorker).options(**options).remote(spec))
         # Host 0's coordinator address goes to every host as an ObjectRef: no blocking call in the head.
         coordinator = self.actors[0].coordinator_address.remote() if self.num_hosts > 1 else None
         self._starting = {a.start.remote(coordinator): host for host, a in enumerate(self.actors)}
         self._since = time.monotonic()
         self._steps = -1
-        self._sent = 0  # batches submitted to these actors (BatchWork.seq)
 
     def refs(self) -> list:
-        return [*self._starting, *self._polls]
+        return [*([self._locating] if self._locating is not None else []), *self._starting, *self._polls]
 
     def handle(self, ref) -> GangEvent:
-        """Take a finished start or poll call; returns what it means for the slice."""
+        """Take a finished locate, start or poll call; returns what it means for the slice."""
         import ray
 
+        if self._locating is not None and ref == self._locating:
+            self._locating = None
+            try:
+                name = ray.get(ref)
+            except ray.exceptions.RayError as e:
+                return GangEvent("failed", reason=f"could not start: {_error_text(e)}")
+            if not name:
+                return GangEvent("failed", reason=(
+                    f"could not start: host 0 holds {self.cfg.cluster.slice_head_resource} but its node has no "
+                    f"{SLICE_NAME_LABEL} label, so the other hosts cannot be placed on its pod slice; run on TPU "
+                    "nodes (Ray labels them), or unset cluster.slice_head_resource"))
+            self.placement_group = ray.util.placement_group(
+                self._other_bundles, strategy=self.cfg.cluster.placement_strategy,
+                bundle_label_selector=[{SLICE_NAME_LABEL: name}] * (self.num_hosts - 1))
+            self._slice_name = name
+            self._start_hosts()
+            return GangEvent("waiting")
         if ref in self._starting:
             self._starting.pop(ref)
             try:
@@ -123,7 +163,7 @@ class SliceGang:
         """Why the slice counts as hung, or None."""
         limit = self.cfg.cluster.host_timeout_s
         idle = time.monotonic() - self._since
-        if self._starting and idle > limit:
+        if (self._starting or self._locating is not None) and idle > limit:
             return f"did not start within {limit:.0f} s (cluster.host_timeout_s)"
         if holding_batches and idle > limit:
             return f"took no engine step for {idle:.0f} s while holding batches (cluster.host_timeout_s)"
@@ -145,17 +185,31 @@ class SliceGang:
                 ray.kill(actor, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
                 pass
-        if self.placement_group is not None:
-            try:
-                ray.util.remove_placement_group(self.placement_group)
-            except Exception:  # noqa: BLE001
-                pass
-        self.actors, self.placement_group, self._starting, self._polls = [], None, {}, {}
+        for group in (self.placement_group, self._head_group):
+            if group is not None:
+                try:
+                    ray.util.remove_placement_group(group)
+                except Exception:  # noqa: BLE001
+                    pass
+        self.actors, self.placement_group, self._head_group, self._starting, self._polls = [], None, None, {}, {}
+        self._locating = None
 
     def _summary(self) -> dict:
         first = self._infos[0] if self._infos else {}
         return {"pids": [i.get("pid") for i in self._infos], "devices": len(first.get("devices", [])),
-                "load_s": max((i.get("load_s", 0.0) for i in self._infos), default=0.0)}
+                "load_s": max((i.get("load_s", 0.0) for i in self._infos), default=0.0),
+                **({"pod_slice": self._slice_name} if self._slice_name else {})}
+
+
+SLICE_NAME_LABEL = "ray.io/tpu-slice-name"
+"""The node label Ray gives every host of a TPU pod slice (the slice's name)."""
+
+
+def _slice_name() -> str | None:
+    """The pod slice name of the node this runs on (a Ray task in host 0's placement group)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_labels().get(SLICE_NAME_LABEL)
 
 
 def _error_text(e: BaseException) -> str:
