@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -105,9 +106,17 @@ def _export(argv: list[str]) -> int:
     from orchestrator.export import count_samples, done_outputs, export, print_progress
 
     total = count_samples(done_outputs(args.run_dir, partial=args.partial))
-    with tqdm(total=total, desc="export", unit="sample", disable=not args.progress, file=sys.stderr) as bar:
-        count = export(args.run_dir, args.output, partial=args.partial, memory_bytes=int(args.memory_gb * 2**30),
-                       log=print_progress if args.progress else None, on_rows=bar.update)
+    try:
+        with tqdm(total=total, desc="export", unit="sample", disable=not args.progress, file=sys.stderr) as bar:
+            count = export(args.run_dir, args.output, partial=args.partial, memory_bytes=int(args.memory_gb * 2**30),
+                           log=print_progress if args.progress else None, on_rows=bar.update)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        print(f"pagefleet export: out of disk space beside {args.output} ({e}): the output and, for a run bigger "
+              "than --memory-gb, the sort's temporary runs each need about the size of the run's outputs/; free "
+              "space there, write --output elsewhere, or raise --memory-gb", file=sys.stderr)
+        return 1
     print(f"wrote {count:,} samples to {args.output}")
     return 0
 

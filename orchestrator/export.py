@@ -66,11 +66,11 @@ def count_samples(paths: list[Path]) -> int:
     return sum(pq.ParquetFile(p).metadata.num_rows for p in paths)
 
 
-def iter_sorted(paths: list[Path], tmp_dir: str | Path, memory_bytes: int = DEFAULT_MEMORY_BYTES,
+def iter_sorted(paths: list[Path], tmp_dir: str | Path | None, memory_bytes: int = DEFAULT_MEMORY_BYTES,
                 log: Log | None = None) -> Iterator[pa.Table]:
     """The samples of these batch output files (SAMPLE_SCHEMA) as consecutive tables in corpus row, then
-    generation index order, holding about `memory_bytes` at most; temporary runs go under `tmp_dir`.
-    Close the generator (or run it to the end) to remove them."""
+    generation index order, holding about `memory_bytes` at most; temporary runs go under `tmp_dir` (None:
+    the system's temporary directory). Close the generator (or run it to the end) to remove them."""
     size = sum(_uncompressed_bytes(p) for p in paths)
     run_bytes = max(1, memory_bytes // 3)  # a run in memory, its sort order and its sorted copy
     if size <= run_bytes:
@@ -90,7 +90,7 @@ def collect(run_dir_path: str | Path, partial: bool = False, memory_bytes: int =
     return pa.concat_tables(parts) if parts else SAMPLE_SCHEMA.empty_table()
 
 
-def page(paths: list[Path], tmp_dir: str | Path, offset: int, limit: int,
+def page(paths: list[Path], tmp_dir: str | Path | None, offset: int, limit: int,
          memory_bytes: int = DEFAULT_MEMORY_BYTES) -> tuple[int, list[dict]]:
     """(how many samples there are, the records of `limit` of them from `offset` in corpus order)."""
     total = count_samples(paths)

@@ -223,7 +223,7 @@ class RunRegistry:
         run_dir = self.run_dir(name)
         if not run_dir.manifest.exists():
             return {"name": name, "offset": offset, "limit": limit, "total": 0, "samples": []}
-        total, rows = page(done_outputs(run_dir.root, partial=True), run_dir.root, offset, limit)
+        total, rows = page(done_outputs(run_dir.root, partial=True), None, offset, limit)
         return {"name": name, "offset": offset, "limit": limit, "total": total, "samples": rows}
 
 

@@ -121,3 +121,24 @@ def test_export_command_with_a_small_budget(tmp_path, capsys):
         cli.main(["export", str(tmp_path / "run"), "--output", str(out), "--memory-gb", "0"])
     assert refused.value.code == 2
     assert "--memory-gb must be positive" in capsys.readouterr().err
+
+
+def test_export_out_of_disk_says_what_needs_the_space_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+    import errno
+
+    from orchestrator import export as export_module
+
+    make_run(tmp_path / "run", seed=5)
+    real = export_module._write_sorted_runs
+
+    def full_disk(paths, tmp, *args):
+        real(paths[:2], tmp, *args)  # some runs are written, then the disk fills
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(export_module, "_write_sorted_runs", full_disk)
+    out = tmp_path / "out" / "all.jsonl"
+    assert cli.main(["export", str(tmp_path / "run"), "--output", str(out), "--memory-gb", "0.0001",
+                     "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "out of disk space" in err and "--memory-gb" in err
+    assert list((tmp_path / "out").iterdir()) == []  # no partial output, no sort runs
