@@ -21,7 +21,7 @@ from engine.axes import PAGE_SLOT
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache
 from engine.model import AttentionSettings, Transformer
-from engine.sampler import position_keys, sample
+from engine.sampler import greedy_sample, position_keys, sample
 from engine.step_inputs import StepInputs
 
 MIN_TOKEN_BUCKET = 16
@@ -80,15 +80,16 @@ def _forward(model: Transformer, pool, inputs: StepInputs, settings: AttentionSe
     return pool, hax.named(_replicated(logits.array, settings.mesh), logits.axes)
 
 
-def _forward_sample(model: Transformer, pool, inputs: StepInputs, settings: AttentionSettings,
+def _forward_sample(model: Transformer, pool, inputs: StepInputs, settings: AttentionSettings, greedy: bool,
                     temperature, top_k, top_p, base_keys, positions):
-    """Forward and sample on the device: only tokens i32[S] and logprobs f32[S] come back to the host."""
+    """Forward and sample on the device: only tokens i32[S] and logprobs f32[S] come back to the host.
+    `greedy` (static): every row is greedy, so the program leaves out sampling altogether."""
     pool, logits = model(pool, inputs, settings)
-    tokens, logprobs = sample(logits.array, temperature, top_k, top_p, position_keys(base_keys, positions))
+    tokens, logprobs = _pick(logits.array, greedy, temperature, top_k, top_p, base_keys, positions)
     return pool, _replicated(tokens, settings.mesh), _replicated(logprobs, settings.mesh)
 
 
-def _forward_sample_steps(model: Transformer, pool, settings: AttentionSettings, num_steps: int,
+def _forward_sample_steps(model: Transformer, pool, settings: AttentionSettings, num_steps: int, greedy: bool,
                           token_ids, starts, limits, page_indices, num_seqs, temperature, top_k, top_p, base_keys,
                           stop_ids):
     """Up to `num_steps` decode steps in one call; each row stops on the device at a stop id or its limit.
@@ -122,7 +123,7 @@ def _forward_sample_steps(model: Transformer, pool, settings: AttentionSettings,
         kv_lens = jnp.where(present, positions + 1, 0)
         inputs = StepInputs(tokens, positions, slots, cu_q_lens, kv_lens, page_indices, num_seqs, logits_indices)
         pool, logits = model(pool, inputs, settings)
-        new, logprobs = sample(logits.array, temperature, top_k, top_p, position_keys(base_keys, positions + 1))
+        new, logprobs = _pick(logits.array, greedy, temperature, top_k, top_p, base_keys, positions + 1)
         steps = steps + active.astype(jnp.int32)
         stopped = jnp.any(new[:, None] == stop_ids, axis=1)
         done = done | (active & (stopped | (steps >= limits)))
@@ -138,8 +139,16 @@ def _forward_sample_steps(model: Transformer, pool, settings: AttentionSettings,
 
 # Module-level, so every runner with the same model structure and shapes reuses compiled programs.
 _step = jax.jit(_forward, donate_argnums=(1,), static_argnums=(3,))
-_step_sample = jax.jit(_forward_sample, donate_argnums=(1,), static_argnums=(3,))
-_steps_sample = jax.jit(_forward_sample_steps, donate_argnums=(1,), static_argnums=(2, 3))
+_step_sample = jax.jit(_forward_sample, donate_argnums=(1,), static_argnums=(3, 4))
+_steps_sample = jax.jit(_forward_sample_steps, donate_argnums=(1,), static_argnums=(2, 3, 4))
+
+
+def _pick(logits: jax.Array, greedy: bool, temperature, top_k, top_p, base_keys, positions):
+    """(tokens, logprobs) of `sample`; with `greedy` (static) the argmax alone, which is what `sample` gives
+    a greedy row: same token, same logprob."""
+    if greedy:
+        return greedy_sample(logits)
+    return sample(logits, temperature, top_k, top_p, position_keys(base_keys, positions))
 
 
 class ModelRunner:
@@ -227,7 +236,7 @@ class ModelRunner:
         positions = np.array([r.position for r in rows] + [0] * (S - len(rows)), np.int32)
         self.kv.pool, tokens, logprobs = _step_sample(
             self.model, self.kv.pool, jax.tree.map(jnp.asarray, inputs), self._settings_for(chunks),
-            *_sampling_arrays(rows, S), positions)
+            _all_greedy(rows), *_sampling_arrays(rows, S), positions)
         n = len(rows)
         return np.asarray(tokens)[:n], np.asarray(logprobs)[:n]
 
@@ -252,13 +261,17 @@ class ModelRunner:
         stops = np.full((S, bucket(len(stop_ids), 4)), -1, np.int32)  # E fixed per engine: one compile
         stops[:len(rows), :len(stop_ids)] = list(stop_ids)
         self.kv.pool, tokens, logprobs, steps = _steps_sample(
-            self.model, self.kv.pool, self._settings[1], num_steps,
+            self.model, self.kv.pool, self._settings[1], num_steps, _all_greedy([row.sampling for row in rows]),
             np.array([row.token_id for row in rows] + [0] * pad, np.int32),
             np.array([row.start for row in rows] + [0] * pad, np.int32),
             np.array([row.limit for row in rows] + [0] * pad, np.int32),
             pages, np.array([len(rows)], np.int32), *_sampling_arrays([row.sampling for row in rows], S), stops)
         n = len(rows)
         return np.asarray(tokens)[:, :n], np.asarray(logprobs)[:, :n], np.asarray(steps)[:n]
+
+
+def _all_greedy(rows: Sequence[RowSampling]) -> bool:
+    return all(r.temperature == 0 for r in rows)
 
 
 def _sampling_arrays(rows: Sequence[RowSampling], size: int) -> tuple[np.ndarray, ...]:

@@ -104,8 +104,8 @@ def sample(
     if not jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key):
         keys = jax.random.wrap_key_data(keys.astype(jnp.uint32), impl=KEY_IMPL)
     vocab_size = logits.shape[-1]
+    greedy_tokens, _ = greedy_sample(logits)  # i32[S]
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # f32[S, V]
-    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # i32[S]
     sampled_rows = temperature > 0  # bool[S]
     # A greedy row still flows through the sampled branch; divide by 1 there to keep it finite.
     scaled = logits / jnp.where(sampled_rows, temperature, 1.0)[:, None]  # f32[S, V]
@@ -122,6 +122,15 @@ def sample(
     sampled_tokens = jax.lax.cond(jnp.any(sampled_rows), draw, lambda: greedy_tokens)  # i32[S]
     tokens = jnp.where(sampled_rows, sampled_tokens, greedy_tokens)  # i32[S]
     logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]  # f32[S]
+    return tokens, logprobs
+
+
+def greedy_sample(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`sample` for rows that are all greedy (temperature 0): `(argmax tokens i32[S], their raw logprobs f32[S])`,
+    the same values `sample` gives each such row, without the sampling machinery in the program."""
+    logits = logits.astype(jnp.float32)
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # ties go to the lowest index
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]
     return tokens, logprobs
 
 

@@ -109,3 +109,26 @@ def test_page_pressure_falls_back_to_single_steps(tiny_llama):
 def test_decode_steps_must_be_positive():
     with pytest.raises(ValueError, match="engine.decode_steps must be at least 1"):
         EngineConfig(decode_steps=0)
+
+
+def test_a_greedy_job_leaves_sampling_out_of_its_programs(tiny_llama, monkeypatch):
+    """Greedy steps compile without sort, cumsum and threefry (about half of a step program's compile time);
+    the samples, logprobs included, are those of the sampling program."""
+    import engine.runner
+
+    p = prompts()
+    requests = [Request(f"g{i}", p[i], with_max_new(GREEDY, 9)) for i in range(3)]
+    # Shapes no other test uses (max_seqs=3, 24-token prompt budget): these programs are traced here, fresh.
+    shapes = dict(max_seqs=3, max_seqs_in_prefill=3, max_prefill_size=24)
+    with monkeypatch.context() as m:
+        m.setattr(engine.runner, "_all_greedy", lambda rows: False)  # the sampling program, as for mixed steps
+        expected, _ = run(tiny_llama, 4, [requests], **shapes, max_pages=60)
+
+    def no_sampling(*args, **kwargs):
+        raise AssertionError("a sampling program was traced")
+
+    monkeypatch.setattr(engine.runner, "sample", no_sampling)
+    got, _ = run(tiny_llama, 4, [requests], **shapes, max_pages=62)  # new pool shape: traced again
+    assert got == expected
+    with pytest.raises(AssertionError, match="sampling program was traced"):  # the patch does bite
+        run(tiny_llama, 4, [[Request("s", p[0], with_max_new(SEEDED, 3, n=1))]], **shapes, max_pages=62)

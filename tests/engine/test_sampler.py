@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.sampler import position_keys, sample, sample_base_key, sample_key
+from engine.sampler import greedy_sample, position_keys, sample, sample_base_key, sample_key
 
 VOCAB = 128
 SETTINGS = [  # (temperature, top_k, top_p)
@@ -213,3 +213,19 @@ def test_fast_paths_do_not_change_a_rows_token():
     one_sampled, _ = jax.jit(sample)(logits, greedy_t.at[0].set(0.9), top_k, plain["top_p"], keys)
     np.testing.assert_array_equal(np.asarray(all_greedy)[1:], np.asarray(one_sampled)[1:])
     np.testing.assert_array_equal(np.asarray(all_greedy), np.argmax(np.asarray(logits), axis=-1))
+
+
+def test_greedy_program_gives_what_sample_gives_greedy_rows():
+    """An all-greedy step runs `greedy_sample` (no sampling in its program); a greedy row must get the same
+    token and the same logprob bits as from `sample`, alone or among sampled rows."""
+    logits = _logits(8, vocab=300, seed=5) * 2
+    logits[2, [7, 40]] = logits[2].max() + 0.5  # a tie
+    keys = jnp.asarray(np.stack([sample_base_key(0, f"p{i}", 0) for i in range(8)]))
+    greedy_tokens, greedy_logprobs = jax.jit(greedy_sample)(jnp.asarray(logits))
+    temperature = jnp.zeros(8).at[1].set(0.9).at[6].set(1.2)  # rows 1 and 6 sample, the rest are greedy
+    for t in (jnp.zeros(8), temperature):
+        tokens, logprobs = jax.jit(sample)(jnp.asarray(logits), t, jnp.full(8, 20, jnp.int32), jnp.full(8, 0.9), keys)
+        greedy = np.asarray(t) == 0
+        np.testing.assert_array_equal(np.asarray(tokens)[greedy], np.asarray(greedy_tokens)[greedy])
+        np.testing.assert_array_equal(np.asarray(logprobs)[greedy], np.asarray(greedy_logprobs)[greedy])
+    assert int(greedy_tokens[2]) == 7
