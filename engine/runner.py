@@ -80,16 +80,16 @@ def _forward(model: Transformer, pool, inputs: StepInputs, settings: AttentionSe
     return pool, hax.named(_replicated(logits.array, settings.mesh), logits.axes)
 
 
-def _forward_sample(model: Transformer, pool, inputs: StepInputs, settings: AttentionSettings, greedy: bool,
+def _forward_sample(model: Transformer, pool, inputs: StepInputs, settings: AttentionSettings, mode: str,
                     temperature, top_k, top_p, base_keys, positions):
     """Forward and sample on the device: only tokens i32[S] and logprobs f32[S] come back to the host.
-    `greedy` (static): every row is greedy, so the program leaves out sampling altogether."""
+    `mode` (static, `_sampling_mode`) leaves out of the program what no row of the step needs."""
     pool, logits = model(pool, inputs, settings)
-    tokens, logprobs = _pick(logits.array, greedy, temperature, top_k, top_p, base_keys, positions)
+    tokens, logprobs = _pick(logits.array, mode, temperature, top_k, top_p, base_keys, positions)
     return pool, _replicated(tokens, settings.mesh), _replicated(logprobs, settings.mesh)
 
 
-def _forward_sample_steps(model: Transformer, pool, settings: AttentionSettings, num_steps: int, greedy: bool,
+def _forward_sample_steps(model: Transformer, pool, settings: AttentionSettings, num_steps: int, mode: str,
                           token_ids, starts, limits, page_indices, num_seqs, temperature, top_k, top_p, base_keys,
                           stop_ids):
     """Up to `num_steps` decode steps in one call; each row stops on the device at a stop id or its limit.
@@ -123,7 +123,7 @@ def _forward_sample_steps(model: Transformer, pool, settings: AttentionSettings,
         kv_lens = jnp.where(present, positions + 1, 0)
         inputs = StepInputs(tokens, positions, slots, cu_q_lens, kv_lens, page_indices, num_seqs, logits_indices)
         pool, logits = model(pool, inputs, settings)
-        new, logprobs = _pick(logits.array, greedy, temperature, top_k, top_p, base_keys, positions + 1)
+        new, logprobs = _pick(logits.array, mode, temperature, top_k, top_p, base_keys, positions + 1)
         steps = steps + active.astype(jnp.int32)
         stopped = jnp.any(new[:, None] == stop_ids, axis=1)
         done = done | (active & (stopped | (steps >= limits)))
@@ -143,12 +143,12 @@ _step_sample = jax.jit(_forward_sample, donate_argnums=(1,), static_argnums=(3, 
 _steps_sample = jax.jit(_forward_sample_steps, donate_argnums=(1,), static_argnums=(2, 3, 4))
 
 
-def _pick(logits: jax.Array, greedy: bool, temperature, top_k, top_p, base_keys, positions):
-    """(tokens, logprobs) of `sample`; with `greedy` (static) the argmax alone, which is what `sample` gives
-    a greedy row: same token, same logprob."""
-    if greedy:
+def _pick(logits: jax.Array, mode: str, temperature, top_k, top_p, base_keys, positions):
+    """(tokens, logprobs) of `sample`, from a program with only what `mode` needs: for `greedy` the argmax
+    alone, for `sample` no top-k/top-p sort. Each gives every row the token and logprob `sample` gives it."""
+    if mode == "greedy":
         return greedy_sample(logits)
-    return sample(logits, temperature, top_k, top_p, position_keys(base_keys, positions))
+    return sample(logits, temperature, top_k, top_p, position_keys(base_keys, positions), truncation=mode == "truncate")
 
 
 class ModelRunner:
@@ -236,7 +236,7 @@ class ModelRunner:
         positions = np.array([r.position for r in rows] + [0] * (S - len(rows)), np.int32)
         self.kv.pool, tokens, logprobs = _step_sample(
             self.model, self.kv.pool, jax.tree.map(jnp.asarray, inputs), self._settings_for(chunks),
-            _all_greedy(rows), *_sampling_arrays(rows, S), positions)
+            _sampling_mode(rows, self.model.config.vocab_size), *_sampling_arrays(rows, S), positions)
         n = len(rows)
         return np.asarray(tokens)[:n], np.asarray(logprobs)[:n]
 
@@ -261,7 +261,8 @@ class ModelRunner:
         stops = np.full((S, bucket(len(stop_ids), 4)), -1, np.int32)  # E fixed per engine: one compile
         stops[:len(rows), :len(stop_ids)] = list(stop_ids)
         self.kv.pool, tokens, logprobs, steps = _steps_sample(
-            self.model, self.kv.pool, self._settings[1], num_steps, _all_greedy([row.sampling for row in rows]),
+            self.model, self.kv.pool, self._settings[1], num_steps,
+            _sampling_mode([row.sampling for row in rows], self.model.config.vocab_size),
             np.array([row.token_id for row in rows] + [0] * pad, np.int32),
             np.array([row.start for row in rows] + [0] * pad, np.int32),
             np.array([row.limit for row in rows] + [0] * pad, np.int32),
@@ -270,8 +271,14 @@ class ModelRunner:
         return np.asarray(tokens)[:, :n], np.asarray(logprobs)[:, :n], np.asarray(steps)[:n]
 
 
-def _all_greedy(rows: Sequence[RowSampling]) -> bool:
-    return all(r.temperature == 0 for r in rows)
+def _sampling_mode(rows: Sequence[RowSampling], vocab_size: int) -> str:
+    """What a step's program must be able to do: `greedy` (every row is greedy), `sample` (no sampled row
+    truncates) or `truncate` (top-k or top-p). A job's steps all share one mode, so it compiles one variant;
+    the sampler is about half of a step program's compile time, the sort most of that."""
+    sampled = [r for r in rows if r.temperature > 0]
+    if not sampled:
+        return "greedy"
+    return "truncate" if any(0 < r.top_k < vocab_size or r.top_p < 1.0 for r in sampled) else "sample"
 
 
 def _sampling_arrays(rows: Sequence[RowSampling], size: int) -> tuple[np.ndarray, ...]:

@@ -75,8 +75,12 @@ def sample(
     top_k: jax.Array,
     top_p: jax.Array,
     keys: jax.Array,
+    truncation: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """Draw one token per row; returns `(tokens: i32[S], logprobs: f32[S])`. Pure and jittable.
+
+    `truncation=False` (static) promises that no sampled row truncates (top_k off, top_p 1): the program
+    then leaves out the top-k/top-p sort, with the same results.
 
     Inputs (S rows, V vocabulary entries), each row with its own settings:
       logits:      f32[S, V]  the model's logits for the next token
@@ -115,8 +119,8 @@ def sample(
     # every row is greedy, and skip the sort when no row truncates. The draw is made in vocabulary order
     # in every case (truncation only masks), so a row's token never depends on which path its batch took.
     def draw() -> jax.Array:
-        masked = jax.lax.cond(jnp.any(truncates), lambda: jax.vmap(_truncate_row)(scaled, top_k, top_p),
-                              lambda: scaled)  # f32[S, V]
+        masked = scaled if not truncation else jax.lax.cond(
+            jnp.any(truncates), lambda: jax.vmap(_truncate_row)(scaled, top_k, top_p), lambda: scaled)  # f32[S, V]
         return jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
 
     sampled_tokens = jax.lax.cond(jnp.any(sampled_rows), draw, lambda: greedy_tokens)  # i32[S]

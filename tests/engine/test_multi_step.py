@@ -121,7 +121,7 @@ def test_a_greedy_job_leaves_sampling_out_of_its_programs(tiny_llama, monkeypatc
     # Shapes no other test uses (max_seqs=3, 24-token prompt budget): these programs are traced here, fresh.
     shapes = dict(max_seqs=3, max_seqs_in_prefill=3, max_prefill_size=24)
     with monkeypatch.context() as m:
-        m.setattr(engine.runner, "_all_greedy", lambda rows: False)  # the sampling program, as for mixed steps
+        m.setattr(engine.runner, "_sampling_mode", lambda rows, vocab: "truncate")  # the full sampling program
         expected, _ = run(tiny_llama, 4, [requests], **shapes, max_pages=60)
 
     def no_sampling(*args, **kwargs):
@@ -132,3 +132,25 @@ def test_a_greedy_job_leaves_sampling_out_of_its_programs(tiny_llama, monkeypatc
     assert got == expected
     with pytest.raises(AssertionError, match="sampling program was traced"):  # the patch does bite
         run(tiny_llama, 4, [[Request("s", p[0], with_max_new(SEEDED, 3, n=1))]], **shapes, max_pages=62)
+
+
+def test_a_job_without_top_k_or_top_p_leaves_the_sort_out(tiny_llama, monkeypatch):
+    import engine.runner
+    import engine.sampler
+
+    p = prompts()
+    plain = SamplingConfig(max_new_tokens=9, temperature=0.9, seed=5, n=2, logprobs=True)  # top_k, top_p off
+    requests = [Request(f"t{i}", p[i], plain, g) for i in range(2) for g in range(2)]
+    shapes = dict(max_seqs=3, max_seqs_in_prefill=3, max_prefill_size=24)
+    with monkeypatch.context() as m:
+        m.setattr(engine.runner, "_sampling_mode", lambda rows, vocab: "truncate")
+        expected, _ = run(tiny_llama, 4, [requests], **shapes, max_pages=64)
+
+    def no_sort(*args, **kwargs):
+        raise AssertionError("the top-k/top-p sort was traced")
+
+    monkeypatch.setattr(engine.sampler, "_truncate_row", no_sort)
+    got, _ = run(tiny_llama, 4, [requests], **shapes, max_pages=66)
+    assert got == expected
+    with pytest.raises(AssertionError, match="sort was traced"):
+        run(tiny_llama, 4, [[Request("k", p[0], dataclasses.replace(plain, top_p=0.9))]], **shapes, max_pages=66)

@@ -229,3 +229,15 @@ def test_greedy_program_gives_what_sample_gives_greedy_rows():
         np.testing.assert_array_equal(np.asarray(tokens)[greedy], np.asarray(greedy_tokens)[greedy])
         np.testing.assert_array_equal(np.asarray(logprobs)[greedy], np.asarray(greedy_logprobs)[greedy])
     assert int(greedy_tokens[2]) == 7
+
+
+def test_program_without_truncation_gives_the_same_samples():
+    """A step whose sampled rows all have top_k and top_p off runs `sample(truncation=False)` (no sort)."""
+    logits = jnp.asarray(_logits(8, vocab=300, seed=6))
+    keys = jnp.asarray(np.stack([sample_base_key(1, f"p{i}", 0) for i in range(8)]))
+    temperature = jnp.full(8, 0.8).at[3].set(0.0)  # one greedy row among them
+    off = (jnp.zeros(8, jnp.int32), jnp.ones(8))
+    full = jax.jit(sample)(logits, temperature, *off, keys)
+    lean = jax.jit(lambda *a: sample(*a, truncation=False))(logits, temperature, *off, keys)
+    for a, b in zip(full, lean):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
