@@ -1,10 +1,10 @@
 """`pagefleet export RUN_DIR --output FILE`: every sample in corpus order, then generation index.
 
 Packing puts corpus rows into batches longest first, so corpus order needs a sort over every sample of
-the run, and a 100M-prompt run's samples do not fit in memory. The sort keeps to a memory budget:
-when the done batches fit in it they are sorted in memory; otherwise they are read in order, sorted in
-runs of at most a third of the budget, each run written to a temporary parquet file (in small row
-groups), and the runs are merged. The merge holds one row group of each run and emits, round by
+the run, and a 100M-prompt run's samples do not fit in memory. The sort keeps to a memory budget: when
+the done batches fit in a third of it they are sorted in memory; otherwise they are read in order,
+sorted in runs of at most a third of the budget, each run written to a temporary parquet file (in small
+row groups), and the runs are merged. The merge holds one row group of each run and emits, round by
 round, every buffered sample up to the smallest last key among the buffers: all of those are final,
 since every run is sorted. Disk: the runs take about as much space as the run's outputs/, in a
 temporary directory (beside the output file for `export`) that is removed at the end, also on errors.
@@ -85,7 +85,7 @@ def iter_sorted(paths: list[Path], tmp_dir: str | Path | None, memory_bytes: int
 
 def collect(run_dir_path: str | Path, partial: bool = False, memory_bytes: int = DEFAULT_MEMORY_BYTES) -> pa.Table:
     """All the done batches' samples in one table, in corpus order (for callers that want them in memory)."""
-    with closing(iter_sorted(done_outputs(run_dir_path, partial), run_dir_path, memory_bytes)) as tables:
+    with closing(iter_sorted(done_outputs(run_dir_path, partial), None, memory_bytes)) as tables:
         parts = list(tables)
     return pa.concat_tables(parts) if parts else SAMPLE_SCHEMA.empty_table()
 
@@ -120,25 +120,24 @@ def export(run_dir_path: str | Path, output: str | Path, partial: bool = False,
     output.parent.mkdir(parents=True, exist_ok=True)
     written = 0
 
-    def write(tmp: str) -> None:
+    def records() -> Iterator[pa.Table]:
         nonlocal written
-        tables = iter_sorted(paths, output.parent, memory_bytes, log)
-        schema = SAMPLE_SCHEMA.empty_table().select(RECORD_FIELDS).schema
+        for table in iter_sorted(paths, output.parent, memory_bytes, log):
+            yield table.select(RECORD_FIELDS)
+            written += table.num_rows
+            if on_rows:
+                on_rows(table.num_rows)
+
+    def write(tmp: str) -> None:
         if output.suffix == ".parquet":
-            with pq.ParquetWriter(tmp, schema) as writer:
-                for table in tables:
-                    writer.write_table(table.select(RECORD_FIELDS))
-                    written += table.num_rows
-                    if on_rows:
-                        on_rows(table.num_rows)
+            with pq.ParquetWriter(tmp, pa.schema([SAMPLE_SCHEMA.field(f) for f in RECORD_FIELDS])) as writer:
+                for table in records():
+                    writer.write_table(table)
             return
         with open(tmp, "w", encoding="utf-8") as f:
-            for table in tables:
-                for batch in table.select(RECORD_FIELDS).to_batches(max_chunksize=_JSONL_ROWS):
+            for table in records():
+                for batch in table.to_batches(max_chunksize=_JSONL_ROWS):
                     f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in batch.to_pylist())
-                written += table.num_rows
-                if on_rows:
-                    on_rows(table.num_rows)
 
     atomic_write(output, write)
     return written
