@@ -274,7 +274,8 @@ class ModelRunner:
 def _sampling_mode(rows: Sequence[RowSampling], vocab_size: int) -> str:
     """What a step's program must be able to do: `greedy` (every row is greedy), `sample` (no sampled row
     truncates) or `truncate` (top-k or top-p). A job's steps all share one mode, so it compiles one variant;
-    the sampler is about half of a step program's compile time, the sort most of that."""
+    the sampler is about half of a step program's compile time, the sort most of that. A row truncates by
+    the test `sample` applies on the device (`truncates`)."""
     sampled = [r for r in rows if r.temperature > 0]
     if not sampled:
         return "greedy"

@@ -108,8 +108,8 @@ def sample(
     if not jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key):
         keys = jax.random.wrap_key_data(keys.astype(jnp.uint32), impl=KEY_IMPL)
     vocab_size = logits.shape[-1]
-    greedy_tokens, _ = greedy_sample(logits)  # i32[S]
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # f32[S, V]
+    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # i32[S]
     sampled_rows = temperature > 0  # bool[S]
     # A greedy row still flows through the sampled branch; divide by 1 there to keep it finite.
     scaled = logits / jnp.where(sampled_rows, temperature, 1.0)[:, None]  # f32[S, V]
