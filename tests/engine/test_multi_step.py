@@ -100,9 +100,10 @@ def test_page_pressure_falls_back_to_single_steps(tiny_llama):
     assert [(c.token_ids, c.finish_reason, c.completion) for c in got] == \
         [(c.token_ids, c.finish_reason, c.completion) for c in ref]
     # Admissions and preemptions now fall at other points of each row's decode, so some of its steps run in
-    # batches of other shapes (mixed prefill steps, other buckets), which round the logits' last bits differently.
+    # batches of other shapes (mixed prefill steps, other buckets), which round the logits' last bits differently
+    # (up to ~1.3e-5 on this model's logprobs): the end-to-end bound, 1e-4.
     for a, b in zip(got, ref):
-        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
     assert engine.runner.kv.allocator.num_used == 0
 
 
