@@ -20,7 +20,7 @@ class Request:
     generation_index: int = 0
 
 
-@dataclass
+@dataclass(eq=False)  # a sequence is a mutable state: the scheduler's `in` and `remove` compare identity
 class Sequence:
     request: Request
     arrival: int  # admission order (FIFO); preempted sequences keep theirs

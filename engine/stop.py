@@ -46,8 +46,11 @@ class StopChecker:
     once, so a stop string is caught on the token that completes it). When the sample ends on EOS,
     a stop id or the length limit, pending ids are decoded as they are (an unfinished character
     becomes U+FFFD). The text is that of the completion alone, as `decode(token_ids)` gives it
-    (a SentencePiece decoder may drop the first token's leading space). Each push decodes O(window) ids and searches only the new text plus
-    the last `longest stop string - 1` characters, so a sample costs O(length), not O(length^2).
+    (a SentencePiece decoder may drop the first token's leading space). Each push decodes O(window)
+    ids and searches only the new text plus the last `longest stop string - 1` characters, so a
+    sample costs O(length), not O(length^2). Without stop strings there is no text to watch: the
+    ids are decoded once, when the sample ends (per-token decoding was most of the engine's host
+    time on a fast device).
     """
 
     def __init__(
@@ -110,6 +113,8 @@ class StopChecker:
             return self._finish("stop", flush=True)
         self._text_ids = len(self._ids)
         at_limit = len(self._ids) >= self._max_new_tokens
+        if not self._stop_strings:  # no text to watch: decode once, when the sample ends
+            return self._finish("length", flush=True) if at_limit else None
         cut = self._advance_text(flush=at_limit)
         if cut is not None:
             return self._finish("stop", cut=cut)

@@ -197,3 +197,30 @@ def test_bpe_completion_is_text_before_the_stop(tokenizer, text, data):
         assert decision.completion == text
         assert kept == [*ids, EOS]
     assert decision.finish_reason == "stop" and decision.num_tokens == len(kept)
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(alphabet=ALPHABET + "🦀ü", max_size=40), data=st.data())
+def test_without_stop_strings_the_text_is_decoded_once(tokenizer, text, data):
+    """No stop string to watch: one decode when the sample ends (not two per token), and the same completion
+    as the incremental path gives, whether EOS ends it or the length limit cuts a character in two."""
+    ids = tokenizer.encode(text).ids
+    limit = data.draw(st.integers(1, len(ids) + 1))
+    calls = []
+
+    def counted(token_ids: list[int]) -> str:
+        calls.append(len(token_ids))
+        return tokenizer.decode(token_ids)
+
+    def finish(stop: list[str], decode) -> StopDecision:
+        checker = StopChecker(stop_strings=stop, eos_token_ids={EOS}, max_new_tokens=limit, decode=decode)
+        for token in [*ids, EOS]:
+            if (decision := checker.push(token)) is not None:
+                return decision
+        raise AssertionError("the sample did not finish")
+
+    got = finish([], counted)
+    assert len(calls) <= 2  # the whole text, and the empty prefix before it
+    assert got == finish(["\x00"], tokenizer.decode)  # a stop string that never occurs: the incremental path
+    assert got.completion == tokenizer.decode(([*ids, EOS][:limit])[:len(ids)])
+    assert got.finish_reason == ("stop" if limit == len(ids) + 1 else "length")
