@@ -25,7 +25,7 @@ from engine.scheduler import ScheduledChunk, Scheduler
 from engine.sequence import Request, Sequence
 from engine.stats import EngineStats, StepTimer
 from engine.stop import StopChecker
-from engine.tokenizer_cache import has_tokenizer, load_tokenizer
+from engine.tokenizer_cache import has_tokenizer, load_tokenizer, text_decoder
 from engine.weights import load_transformer
 
 
@@ -63,6 +63,7 @@ class Engine:
         if tokenizer is None and has_tokenizer(model_path):
             tokenizer = load_tokenizer(model_path)
         self.tokenizer = tokenizer
+        self._decode = (lambda ids: "") if tokenizer is None else text_decoder(tokenizer)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -345,9 +346,6 @@ class Engine:
                 "num_multi_step_fallbacks": self.num_multi_step_fallbacks}
 
     # -- helpers ---------------------------------------------------------------------------------
-
-    def _decode(self, token_ids: list[int]) -> str:
-        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
     def _completion(self, seq: Sequence) -> Completion:
         d = seq.stop.decision

@@ -17,6 +17,7 @@ import importlib
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from engine import compile_cache
@@ -48,6 +49,28 @@ def load_tokenizer(model_path: str | os.PathLike, **kwargs):
     if memo is not None and cls.__module__.startswith("transformers."):
         _write(memo, {"module": cls.__module__, "name": cls.__qualname__})
     return tokenizer
+
+
+def text_decoder(tokenizer) -> Callable[[list[int]], str]:
+    """`ids -> tokenizer.decode(ids, skip_special_tokens=False)`, as cheap as it can be made.
+
+    The stop checker decodes twice per generated token when stop strings are set. For transformers'
+    `TokenizersBackend` and its subclasses that override neither `decode` nor `_decode` (the Llama,
+    Mistral and Qwen2 tokenizers), without clean-up of spaces, that decode is the Rust tokenizer's own
+    behind ~10 us of Python: call the Rust one directly.
+    """
+    backend = getattr(tokenizer, "_tokenizer", None)
+    try:
+        from tokenizers import Tokenizer
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        Tokenizer = TokenizersBackend = None
+    if (TokenizersBackend is not None and isinstance(tokenizer, TokenizersBackend)
+            and isinstance(backend, Tokenizer) and not tokenizer.clean_up_tokenization_spaces
+            and type(tokenizer).decode is TokenizersBackend.decode
+            and type(tokenizer)._decode is TokenizersBackend._decode):
+        return lambda ids: backend.decode(ids, skip_special_tokens=False)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def _memo_path(path: Path, kwargs: dict) -> Path | None:

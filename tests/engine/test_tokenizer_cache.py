@@ -70,3 +70,35 @@ def test_no_memo_when_the_cache_is_off(tmp_path, monkeypatch):
     model = write_model("tiny-llama", tmp_path / "m", seed=0)
     assert tokenizer_cache.load_tokenizer(model).eos_token_id is not None
     assert not any(p.name == "tokenizers" for p in tmp_path.rglob("*"))
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mistral", "tiny-qwen2"])
+def test_text_decoder_decodes_as_the_tokenizer_does(preset, tmp_path):
+    """The stop checker's decoder: the Rust tokenizer's decode called directly where transformers' decode is
+    only that, the same text for any ids (special tokens, byte pieces cut mid-character); a class that
+    decodes its own way keeps its own decode."""
+    import numpy as np
+
+    tok = tokenizer_cache.load_tokenizer(write_model(preset, tmp_path / preset, seed=0))
+    decode = tokenizer_cache.text_decoder(tok)
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        ids = rng.integers(0, len(tok), int(rng.integers(0, 12))).tolist()
+        assert decode(ids) == tok.decode(ids, skip_special_tokens=False)
+    ids = tok(TEXT)["input_ids"]
+    assert decode(ids) == tok.decode(ids, skip_special_tokens=False)
+
+    tok.decode = lambda *args, **kwargs: pytest.fail("transformers' decode was called")
+    decode(ids)  # the direct path: transformers' Python is not in the way
+
+    class OwnDecode(type(tok)):
+        def _decode(self, token_ids, **kwargs):
+            return "own"
+
+    tok.__class__ = OwnDecode
+    del tok.decode
+    assert tokenizer_cache.text_decoder(tok)(ids) == "own"
+    tok.__class__ = OwnDecode.__mro__[1]
+    tok.clean_up_tokenization_spaces = True  # transformers' decode would clean up spaces: it stays in the way
+    tok.decode = lambda *args, **kwargs: "via transformers"
+    assert tokenizer_cache.text_decoder(tok)(ids) == "via transformers"
