@@ -198,7 +198,9 @@ class ModelRunner:
         pages = np.zeros((S, self.pages_per_seq), np.int32)
         last_of_chunk = np.zeros(len(chunks), np.int32)
         row = 0
-        for s, c in enumerate(chunks):
+        if decode_only:  # the common step on a fast device: filled from lists, not per-sequence numpy ops
+            self._fill_decode(chunks, token_ids, positions, slots, cu, kv_lens, pages, last_of_chunk)
+        for s, c in enumerate(() if decode_only else chunks):
             n = len(c.token_ids)
             end = c.start + n
             if n == 0 or end > self.max_seq_len or math.ceil(end / ps) > len(c.pages):
@@ -219,12 +221,29 @@ class ModelRunner:
         last[:len(row_chunk)] = last_of_chunk[row_chunk]
         return StepInputs(token_ids, positions, slots, cu, kv_lens, pages, np.array([len(chunks)], np.int32), last)
 
+    def _fill_decode(self, chunks: Sequence[SeqChunk], token_ids: np.ndarray, positions: np.ndarray,
+                     slots: np.ndarray, cu: np.ndarray, kv_lens: np.ndarray, pages: np.ndarray,
+                     last_of_chunk: np.ndarray) -> None:
+        """build_inputs' arrays for chunks of one token each: chunk s is token row s."""
+        ps, n = self.engine.page_size, len(chunks)
+        starts = [c.start for c in chunks]
+        for s, (c, start) in enumerate(zip(chunks, starts)):
+            if start + 1 > self.max_seq_len or start // ps >= len(c.pages):
+                raise ValueError(f"chunk {s}: 1 token at position {start} with {len(c.pages)} pages "
+                                 f"(page_size {ps}, max_seq_len {self.max_seq_len})")
+            pages[s, :len(c.pages)] = c.pages
+        token_ids[:n] = [c.token_ids[0] for c in chunks]
+        positions[:n] = starts
+        slots[:n] = [c.pages[start // ps] * ps + start % ps for c, start in zip(chunks, starts)]
+        cu[:n] = last_of_chunk[:] = range(n)
+        kv_lens[:n] = [start + 1 for start in starts]
+
     def _settings_for(self, chunks: Sequence[SeqChunk]) -> AttentionSettings:
         return self._settings[1 if is_decode_only(chunks) else self.engine.attn_queries_per_block]
 
     def step(self, chunks: Sequence[SeqChunk]) -> np.ndarray:
         """Process the chunks; returns f32[len(chunks), vocab] logits of each chunk's last token."""
-        inputs = jax.tree.map(jnp.asarray, self.build_inputs(chunks))
+        inputs = self.build_inputs(chunks)  # host arrays: the jitted call copies them (cheaper than jnp.asarray)
         self.kv.pool, logits = _step(self.model, self.kv.pool, inputs, self._settings_for(chunks))
         return np.asarray(logits.array)[:len(chunks)]  # read the local replica, slice on the host
 
@@ -235,7 +254,7 @@ class ModelRunner:
         S = inputs.logits_indices.shape[0]
         positions = np.array([r.position for r in rows] + [0] * (S - len(rows)), np.int32)
         self.kv.pool, tokens, logprobs = _step_sample(
-            self.model, self.kv.pool, jax.tree.map(jnp.asarray, inputs), self._settings_for(chunks),
+            self.model, self.kv.pool, inputs, self._settings_for(chunks),
             _sampling_mode(rows, self.model.config.vocab_size), *_sampling_arrays(rows, S), positions)
         n = len(rows)
         return np.asarray(tokens)[:n], np.asarray(logprobs)[:n]

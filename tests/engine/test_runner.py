@@ -1,0 +1,45 @@
+"""ModelRunner.build_inputs: the host arrays a step program reads (decode-only steps take a path of their own)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.presets import write_model
+from engine.runner import SeqChunk
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    model = write_model("tiny-llama", tmp_path_factory.mktemp("tiny-llama"))
+    return Engine(model, EngineConfig(page_size=8, max_pages=64, max_seq_len=128, max_seqs=8)).runner
+
+
+def test_decode_only_inputs(runner):
+    chunks = [SeqChunk([5], 0, [3]), SeqChunk([7], 9, [1, 4]), SeqChunk([9], 16, [2, 0, 6])]
+    got = runner.build_inputs(chunks, [0, 0, 1, 2])
+    np.testing.assert_array_equal(got.token_ids, [5, 7, 9, 0])  # 3 sequences in the 4-row bucket
+    np.testing.assert_array_equal(got.positions, [0, 9, 16, 0])
+    np.testing.assert_array_equal(got.slot_mapping, [3 * 8, 4 * 8 + 1, 6 * 8, 64 * 8])  # padding: out of range
+    np.testing.assert_array_equal(got.cu_q_lens, [0, 1, 2, 3, 3])
+    np.testing.assert_array_equal(got.kv_lens, [1, 10, 17, 0])
+    expected_pages = np.zeros((4, runner.pages_per_seq), np.int32)
+    expected_pages[0, :1], expected_pages[1, :2], expected_pages[2, :3] = [3], [1, 4], [2, 0, 6]
+    np.testing.assert_array_equal(got.page_indices, expected_pages)
+    np.testing.assert_array_equal(got.num_seqs, [3])
+    np.testing.assert_array_equal(got.logits_indices, [0, 0, 1, 2])
+    np.testing.assert_array_equal(runner.build_inputs(chunks).logits_indices, [0, 1, 2, 0])
+    # The same sequences with a prompt chunk among them take the general path: same per-token arrays.
+    mixed = runner.build_inputs(chunks + [SeqChunk([1, 2], 0, [5])])
+    np.testing.assert_array_equal(mixed.slot_mapping[:3], got.slot_mapping[:3])
+    np.testing.assert_array_equal(mixed.page_indices[:3], got.page_indices[:3])
+    np.testing.assert_array_equal(mixed.kv_lens[:3], got.kv_lens[:3])
+
+
+def test_a_decode_token_beyond_its_pages_is_refused(runner):
+    with pytest.raises(ValueError, match="chunk 1: 1 token at position 8 with 1 pages"):
+        runner.build_inputs([SeqChunk([5], 0, [3]), SeqChunk([1], 8, [3])])
+    with pytest.raises(ValueError, match="chunk 0: 1 token at position 128"):
+        runner.build_inputs([SeqChunk([5], 128, list(range(17)))])
