@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test bench bench-plan bench-export
+.PHONY: demo test bench bench-plan bench-export bench-host
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -29,3 +29,6 @@ bench-plan: $(STAMP)
 
 bench-export: $(STAMP)
 	$(VENV)/bin/python benchmarks/export_bench.py --samples 1000000 --memory-gb 0.25 --repeats 3
+
+bench-host: $(STAMP)
+	JAX_PLATFORMS=cpu $(VENV)/bin/python benchmarks/host_bench.py --repeats 5

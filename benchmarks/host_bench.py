@@ -1,0 +1,108 @@
+"""How much of the engine loop is host work, on a model whose device step is fast.
+
+On a TPU a decode step of a large model takes milliseconds, the same order as the Python that schedules
+it, feeds the sampled tokens to each sample's stop checker and builds the next step's inputs. This
+reproduces that regime on a CPU with the `tiny-llama` preset (its steps take about a millisecond) and
+splits the wall time of `Engine.generate` into:
+- device: from each jitted step program's call until its outputs are ready (the call is timed through a
+  wrapper that blocks on the outputs, so asynchronous dispatch does not hide anything);
+- host: everything else (scheduling, stop checks, detokenization, input packing, finishing samples).
+
+For each case it prints tokens/s of the loop, tokens/s the device calls alone would allow, and their
+ratio (1.0: the host costs nothing). Cases: greedy with no stop strings, greedy with a stop string (the
+text must then be watched token by token), and one decode step per device call instead of
+`engine.decode_steps` (4). Every figure is the median over `--repeats` runs, the cases interleaved.
+
+Run from the repository root:
+    PYTHONPATH=$PWD JAX_PLATFORMS=cpu python benchmarks/host_bench.py [--prompts 512] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+import engine.runner
+from engine.config import EngineConfig, SamplingConfig
+from engine.engine import Engine
+from engine.presets import write_model
+from engine.sequence import Request
+
+CASES = {  # name: (stop strings, decode steps per device call)
+    "no stop strings": ([], 4),
+    "a stop string": (["zqzq"], 4),  # never produced here: every token's text is decoded and searched
+    "no stop strings, 1 step/call": ([], 1),
+}
+
+_device_s = [0.0]
+
+
+def _timed(program):
+    def call(*args, **kwargs):
+        start = time.perf_counter()
+        out = jax.block_until_ready(program(*args, **kwargs))
+        _device_s[0] += time.perf_counter() - start
+        return out
+    return call
+
+
+def _requests(num: int, stop: list[str], new_tokens: int) -> list[Request]:
+    rng = np.random.default_rng(0)
+    sampling = SamplingConfig(max_new_tokens=new_tokens, temperature=0.0, stop=stop)
+    return [Request(f"p{i}", tuple(rng.integers(10, 500, int(rng.integers(8, 64))).tolist()), sampling)
+            for i in range(num)]
+
+
+def run_case(model: Path, stop: list[str], decode_steps: int, num: int, new_tokens: int,
+             engines: dict) -> dict:
+    if decode_steps not in engines:
+        engines[decode_steps] = Engine(model, EngineConfig(
+            max_seqs=64, max_prefill_size=512, max_seqs_in_prefill=8, page_size=16, max_pages=2048,
+            max_seq_len=256, decode_steps=decode_steps))
+        engines[decode_steps].generate(_requests(64, stop, new_tokens))  # compile every bucket it will use
+    engine = engines[decode_steps]
+    requests = _requests(num, stop, new_tokens)
+    _device_s[0] = 0.0
+    start = time.perf_counter()
+    done = engine.generate(requests)
+    wall = time.perf_counter() - start
+    tokens = sum(len(c.token_ids) for c in done)
+    return {"wall": wall, "device": _device_s[0], "tokens": tokens}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+
+    engine.runner._step_sample = _timed(engine.runner._step_sample)
+    engine.runner._steps_sample = _timed(engine.runner._steps_sample)
+    model = write_model("tiny-llama", Path(tempfile.mkdtemp(prefix="pagefleet-hostbench-")) / "tiny-llama")
+    engines: dict = {}
+    results: dict[str, list[dict]] = {name: [] for name in CASES}
+    for _ in range(args.repeats):
+        for name, (stop, steps) in CASES.items():
+            results[name].append(run_case(model, stop, steps, args.prompts, args.new_tokens, engines))
+
+    print(f"engine loop on tiny-llama: {args.prompts} prompts of 8-63 tokens, {args.new_tokens} new tokens, "
+          f"greedy, 64 slots; medians of {args.repeats}")
+    print(f"  {'case':30s} {'wall s':>7s} {'device s':>9s} {'host s':>7s} {'loop tok/s':>11s} "
+          f"{'device tok/s':>13s} {'ratio':>6s}")
+    for name, runs in results.items():
+        wall = statistics.median(r["wall"] for r in runs)
+        device = statistics.median(r["device"] for r in runs)
+        tokens = runs[0]["tokens"]
+        print(f"  {name:30s} {wall:7.2f} {device:9.2f} {wall - device:7.2f} {tokens / wall:11.0f} "
+              f"{tokens / device:13.0f} {device / wall:6.2f}")
+
+
+if __name__ == "__main__":
+    main()
