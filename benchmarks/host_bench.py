@@ -85,12 +85,13 @@ def main() -> None:
 
     engine.runner._step_sample = _timed(engine.runner._step_sample)
     engine.runner._steps_sample = _timed(engine.runner._steps_sample)
-    model = write_model("tiny-llama", Path(tempfile.mkdtemp(prefix="pagefleet-hostbench-")) / "tiny-llama")
     engines: dict = {}
     results: dict[str, list[dict]] = {name: [] for name in CASES}
-    for _ in range(args.repeats):
-        for name, (stop, steps) in CASES.items():
-            results[name].append(run_case(model, stop, steps, args.prompts, args.new_tokens, engines))
+    with tempfile.TemporaryDirectory(prefix="pagefleet-hostbench-") as tmp:
+        model = write_model("tiny-llama", Path(tmp) / "tiny-llama")
+        for _ in range(args.repeats):
+            for name, (stop, steps) in CASES.items():
+                results[name].append(run_case(model, stop, steps, args.prompts, args.new_tokens, engines))
 
     print(f"engine loop on tiny-llama: {args.prompts} prompts of 8-63 tokens, {args.new_tokens} new tokens, "
           f"greedy, 64 slots; medians of {args.repeats}")
