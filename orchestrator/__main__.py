@@ -1,3 +1,3 @@
-from orchestrator.cli import main
+from orchestrator.cli import entry
 
-raise SystemExit(main())
+raise SystemExit(entry())

@@ -161,3 +161,34 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"pagefleet {command}: {e}", file=sys.stderr)
         return 2
+
+
+TORCH_ENV = "PAGEFLEET_ALLOW_TORCH"
+
+
+def hide_torch() -> bool:
+    """Make this process behave as if torch were not installed (pagefleet never uses it), unless
+    `PAGEFLEET_ALLOW_TORCH=1`; returns whether it did.
+
+    transformers imports torch whenever it is installed, before it decides a tokenizer's class (its
+    configuration module needs it for rope): ~3 s of a first `pagefleet generate` on a machine with torch,
+    for nothing. `importlib.util.find_spec` reports a module that is None in `sys.modules` as absent, so
+    transformers takes its torch-free path, the one it takes where torch is not installed."""
+    if os.environ.get(TORCH_ENV, "").strip().lower() in ("1", "true", "yes") or "torch" in sys.modules:
+        return False
+    sys.modules["torch"] = None  # type: ignore[assignment]
+    import logging
+
+    class _NoTorchNotice(logging.Filter):  # transformers' import-time notice, which would read as a fault
+        def filter(self, record: logging.LogRecord) -> bool:
+            return not record.getMessage().startswith("PyTorch was not found")
+
+    logging.getLogger("transformers").addFilter(_NoTorchNotice())
+    return True
+
+
+def entry() -> int:
+    """The `pagefleet` console script and `python -m orchestrator`: `main` in a process without torch."""
+    hide_torch()
+    return main()
+

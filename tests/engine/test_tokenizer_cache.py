@@ -102,3 +102,42 @@ def test_text_decoder_decodes_as_the_tokenizer_does(preset, tmp_path):
     tok.clean_up_tokenization_spaces = True  # transformers' decode would clean up spaces: it stays in the way
     tok.decode = lambda *args, **kwargs: "via transformers"
     assert tokenizer_cache.text_decoder(tok)(ids) == "via transformers"
+
+
+_WITHOUT_TORCH = r"""
+import json, sys
+from orchestrator.cli import hide_torch
+assert hide_torch()
+from engine.tokenizer_cache import load_tokenizer
+from tests.engine.test_tokenizer_cache import behaviour
+out = {}
+for path in sys.argv[1:]:
+    b = behaviour(load_tokenizer(path))
+    out[path] = {**b, "class": b["class"].__module__ + "." + b["class"].__qualname__}
+loaded = sorted(m for m, v in sys.modules.items() if v is not None and (m == "torch" or m.startswith("torch.")))
+print(json.dumps({"tokenizers": out, "torch_modules": loaded}))
+"""
+
+
+def test_the_command_line_decides_each_tokenizer_as_with_torch_without_importing_it(tmp_path):
+    """`pagefleet` hides torch from transformers (3 s of imports for nothing): the tokenizer AutoTokenizer
+    picks and how it tokenizes must be the ones it picks with torch installed, for every family."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    models = [str(write_model(p, tmp_path / p, seed=0)) for p in ("tiny-llama", "tiny-mistral", "tiny-qwen2")]
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "PAGEFLEET_COMPILE_CACHE": "off"}  # no memo: AutoTokenizer decides
+    env.pop("PAGEFLEET_ALLOW_TORCH", None)
+    proc = subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, *models], capture_output=True, text=True, env=env,
+                          cwd=root, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "PyTorch was not found" not in proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["torch_modules"] == []
+    for model in models:
+        with_torch = behaviour(transformers.AutoTokenizer.from_pretrained(model))
+        with_torch["class"] = with_torch["class"].__module__ + "." + with_torch["class"].__qualname__
+        assert result["tokenizers"][model] == with_torch
