@@ -9,6 +9,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q -e '.[dev]'
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(VENV)/bin/python -m engine.kernel_build  # the CPU attention kernel, built once here rather than by the first job
 	touch $(STAMP)
 
 # The embedded default: a tiny random Llama (written once by init-model), the bundled corpus of 1,200 prompts,

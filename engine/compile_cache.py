@@ -15,9 +15,8 @@ cached here. The directory is trusted code: do not point it at a place others ma
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
-
-import jax
 
 ENV = "PAGEFLEET_COMPILE_CACHE"
 
@@ -28,9 +27,14 @@ def default_dir() -> Path:
 
 
 def directory() -> str | None:
-    """The cache directory this process uses (or would use once enabled); None when it is off."""
-    if jax.config.jax_compilation_cache_dir:
-        return jax.config.jax_compilation_cache_dir
+    """The cache directory this process uses (or would use once enabled); None when it is off. Does not
+    import JAX (the CPU kernel's build asks before JAX is imported): until it is, only the environment can
+    have set JAX's own setting."""
+    jax = sys.modules.get("jax")
+    configured = (jax.config.jax_compilation_cache_dir if jax is not None and hasattr(jax, "config")
+                  else os.environ.get("JAX_COMPILATION_CACHE_DIR"))
+    if configured:
+        return configured
     choice = os.environ.get(ENV, "").strip()
     if choice.lower() == "off":
         return None
@@ -40,6 +44,8 @@ def directory() -> str | None:
 def enable() -> str | None:
     """Turn the persistent cache on for this process (before the first compile); returns its directory,
     or None when it is off."""
+    import jax
+
     directory = jax.config.jax_compilation_cache_dir
     if not directory:
         choice = os.environ.get(ENV, "").strip()

@@ -129,4 +129,9 @@ def run_generate(cfg: GenerateConfig) -> int:
 
 def main(argv: list[str]) -> int:
     cfg = draccus.parse(config_class=GenerateConfig, args=argv, prog="pagefleet generate")
+    if cfg.engine.attention_impl in ("auto", "cpu_kernel") and cfg.dtype == "float32":
+        from engine import kernel_build
+
+        if kernel_build.backend_is_cpu_only():  # the compiler runs while JAX, the tokenizer and weights load
+            kernel_build.start()
     return run_generate(cfg)
