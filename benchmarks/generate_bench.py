@@ -146,17 +146,35 @@ def instrument(engine) -> list[dict]:
                             tokens=sum(len(c.token_ids) for c in chunks), seqs=len(chunks)))
         return result
 
-    multi = runner.multi_step_sample
+    # Multi-step calls may be dispatched ahead of the host's reading (engine.pipeline_decode): a call's time
+    # runs from its dispatch, or from the end of the previous read if later, to the end of its read.
+    dispatch, chain, fetch = runner.dispatch_multi_step, runner.chain_multi_step, runner.fetch_multi_step
+    started, last_read = {}, [0.0]
 
-    def timed_multi(rows, stop_ids, num_steps):
+    def timed_dispatch(*args, **kwargs):
         t = time.perf_counter()
-        tokens, logprobs, steps = multi(rows, stop_ids, num_steps)
-        S = runner.decode_bucket(len(rows))  # the rows the runner pads the call to
-        records.append(dict(build_s=0.0, T=S * int(steps.max()), S=S, wall_s=time.perf_counter() - t, decode=True,
-                            multi=True, key=(S, S, "multi"), tokens=int(steps.sum()), seqs=len(rows)))
+        pending = dispatch(*args, **kwargs)
+        started[id(pending)] = t
+        return pending
+
+    def timed_chain(*args, **kwargs):
+        t = time.perf_counter()
+        pending = chain(*args, **kwargs)
+        started[id(pending)] = t
+        return pending
+
+    def timed_fetch(pending):
+        tokens, logprobs, steps = fetch(pending)
+        end = time.perf_counter()
+        S = int(pending.stops.shape[0])  # the rows the runner pads the call to
+        records.append(dict(build_s=0.0, T=S * int(steps.max()), S=S,
+                            wall_s=end - max(started.pop(id(pending)), last_read[0]), decode=True, multi=True,
+                            key=(S, S, "multi"), tokens=int(steps.sum()), seqs=pending.num_rows))
+        last_read[0] = end
         return tokens, logprobs, steps
 
-    runner.build_inputs, runner.step_sample, runner.multi_step_sample = timed_build, timed_step, timed_multi
+    runner.build_inputs, runner.step_sample = timed_build, timed_step
+    runner.dispatch_multi_step, runner.chain_multi_step, runner.fetch_multi_step = timed_dispatch, timed_chain, timed_fetch
     return records
 
 

@@ -3,15 +3,18 @@
 On a TPU a decode step of a large model takes milliseconds, the same order as the Python that schedules
 it, feeds the sampled tokens to each sample's stop checker and builds the next step's inputs. This
 reproduces that regime on a CPU with the `tiny-llama` preset (its steps take about a millisecond) and
-splits the wall time of `Engine.generate` into:
-- device: from each jitted step program's call until its outputs are ready (the call is timed through a
-  wrapper that blocks on the outputs, so asynchronous dispatch does not hide anything);
-- host: everything else (scheduling, stop checks, detokenization, input packing, finishing samples).
+times `Engine.generate` twice per case:
+- once with each jitted step program timed from its call until its outputs are ready (through a wrapper
+  that blocks on them): the device time, and the host time beside it when nothing overlaps
+  (scheduling, stop checks, detokenization, input packing, finishing samples);
+- once as it runs: the loop's wall time, where the host's work overlaps device calls dispatched ahead
+  (`engine.pipeline_decode`).
 
 For each case it prints tokens/s of the loop, tokens/s the device calls alone would allow, and their
-ratio (1.0: the host costs nothing). Cases: greedy with no stop strings, greedy with a stop string (the
-text must then be watched token by token), and one decode step per device call instead of
-`engine.decode_steps` (4). Every figure is the median over `--repeats` runs, the cases interleaved.
+ratio (1.0: the host costs nothing). Cases: greedy with no stop strings, the same without pipelining,
+greedy with a stop string (the text must then be watched token by token), and one decode step per device
+call instead of `engine.decode_steps` (4). Every figure is the median over `--repeats` runs, the cases
+interleaved.
 
 Run from the repository root:
     PYTHONPATH=$PWD JAX_PLATFORMS=cpu python benchmarks/host_bench.py [--prompts 512] [--repeats 5]
@@ -34,17 +37,21 @@ from engine.engine import Engine
 from engine.presets import write_model
 from engine.sequence import Request
 
-CASES = {  # name: (stop strings, decode steps per device call)
-    "no stop strings": ([], 4),
-    "a stop string": (["zqzq"], 4),  # never produced here: every token's text is decoded and searched
-    "no stop strings, 1 step/call": ([], 1),
+CASES = {  # name: (stop strings, decode steps per device call, pipeline_decode)
+    "no stop strings": ([], 4, True),
+    "no stop strings, no pipelining": ([], 4, False),
+    "a stop string": (["zqzq"], 4, True),  # never produced here: every token's text is decoded and searched
+    "no stop strings, 1 step/call": ([], 1, True),
 }
 
 _device_s = [0.0]
+_timing = [False]
 
 
 def _timed(program):
     def call(*args, **kwargs):
+        if not _timing[0]:
+            return program(*args, **kwargs)
         start = time.perf_counter()
         out = jax.block_until_ready(program(*args, **kwargs))
         _device_s[0] += time.perf_counter() - start
@@ -59,22 +66,26 @@ def _requests(num: int, stop: list[str], new_tokens: int) -> list[Request]:
             for i in range(num)]
 
 
-def run_case(model: Path, stop: list[str], decode_steps: int, num: int, new_tokens: int,
+def run_case(model: Path, stop: list[str], decode_steps: int, pipeline: bool, num: int, new_tokens: int,
              engines: dict) -> dict:
-    if decode_steps not in engines:
-        engines[decode_steps] = Engine(model, EngineConfig(
+    key = (decode_steps, pipeline)
+    if key not in engines:
+        engines[key] = Engine(model, EngineConfig(
             max_seqs=64, max_prefill_size=512, max_seqs_in_prefill=8, page_size=16, max_pages=2048,
-            max_seq_len=256, decode_steps=decode_steps))
+            max_seq_len=256, decode_steps=decode_steps, pipeline_decode=pipeline))
         # The timed workload once, untimed: every shape bucket it uses is compiled before the first timing.
-        engines[decode_steps].generate(_requests(num, stop, new_tokens))
-    engine = engines[decode_steps]
-    requests = _requests(num, stop, new_tokens)
-    _device_s[0] = 0.0
-    start = time.perf_counter()
-    done = engine.generate(requests)
-    wall = time.perf_counter() - start
-    tokens = sum(len(c.token_ids) for c in done)
-    return {"wall": wall, "device": _device_s[0], "tokens": tokens}
+        engines[key].generate(_requests(num, stop, new_tokens))
+    engine = engines[key]
+    result = {}
+    for timing in (True, False):
+        _timing[0], _device_s[0] = timing, 0.0
+        start = time.perf_counter()
+        done = engine.generate(_requests(num, stop, new_tokens))
+        result["serial" if timing else "wall"] = time.perf_counter() - start
+        if timing:
+            result["device"] = _device_s[0]
+    result["tokens"] = sum(len(c.token_ids) for c in done)
+    return result
 
 
 def main() -> None:
@@ -91,18 +102,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="pagefleet-hostbench-") as tmp:
         model = write_model("tiny-llama", Path(tmp) / "tiny-llama")
         for _ in range(args.repeats):
-            for name, (stop, steps) in CASES.items():
-                results[name].append(run_case(model, stop, steps, args.prompts, args.new_tokens, engines))
+            for name, (stop, steps, pipeline) in CASES.items():
+                results[name].append(run_case(model, stop, steps, pipeline, args.prompts, args.new_tokens, engines))
 
     print(f"engine loop on tiny-llama: {args.prompts} prompts of 8-63 tokens, {args.new_tokens} new tokens, "
           f"greedy, 64 slots; medians of {args.repeats}")
-    print(f"  {'case':30s} {'wall s':>7s} {'device s':>9s} {'host s':>7s} {'loop tok/s':>11s} "
+    print("  device: the step programs, each timed to its outputs; host: the rest of that timed run; wall: the loop "
+          "untimed (host work overlapping calls dispatched ahead)")
+    print(f"  {'case':32s} {'device s':>9s} {'host s':>7s} {'wall s':>7s} {'loop tok/s':>11s} "
           f"{'device tok/s':>13s} {'ratio':>6s}")
     for name, runs in results.items():
         wall = statistics.median(r["wall"] for r in runs)
         device = statistics.median(r["device"] for r in runs)
+        host = statistics.median(r["serial"] - r["device"] for r in runs)
         tokens = runs[0]["tokens"]
-        print(f"  {name:30s} {wall:7.2f} {device:9.2f} {wall - device:7.2f} {tokens / wall:11.0f} "
+        print(f"  {name:32s} {device:9.2f} {host:7.2f} {wall:7.2f} {tokens / wall:11.0f} "
               f"{tokens / device:13.0f} {device / wall:6.2f}")
 
 

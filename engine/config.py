@@ -39,6 +39,12 @@ class EngineConfig:
     C++ compiler) for a float32 pool on CPU, and the blocked JAX reference otherwise (logged once)."""
     decode_steps: int = 4
     """Decode steps per device call when every running sequence is decoding; 1 turns multi-step decode off."""
+    pipeline_decode: bool = True
+    """Dispatch the next multi-step decode call (the same rows, continued on the device) before reading the
+    current one, so that the host's work on each call's tokens overlaps the next call; only while no waiting
+    sequence could take a slot, and not when one waits and a row's length limit ends it in the current call.
+    Same tokens either way. A row finished by a stop string rides one call longer (discarded); one that stops
+    at EOS keeps its slot one call longer. False reads each call before dispatching the next."""
     debug_invariants: bool = False
     """Check page-allocator and sequence invariants after every step (slow; for debugging)."""
 

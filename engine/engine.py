@@ -13,13 +13,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import jax.numpy as jnp
+import numpy as np
 
 from engine import compile_cache
 from engine.attention import prepare_attention_impl
 from engine.config import EngineConfig
 from engine.distributed import agree
 from engine.model_config import ModelConfig
-from engine.runner import DecodeRow, ModelRunner, RowSampling, SeqChunk
+from engine.runner import DecodeRow, ModelRunner, PendingSteps, RowSampling, SeqChunk
 from engine.sampler import sample_base_key
 from engine.scheduler import ScheduledChunk, Scheduler
 from engine.sequence import Request, Sequence
@@ -86,6 +87,10 @@ class Engine:
         self._last_queued: Sequence | None = None  # the newest queued sequence, to group samples of one prompt
         self.stats = EngineStats()
         self.num_multi_step_fallbacks = 0  # decode-only steps run singly because their pages were not free
+        # A multi-step call continuing the previous one's rows, dispatched before the host read that one
+        # (engine.pipeline_decode): (its rows' sequences, the call). step() reads it next.
+        self._ahead: tuple[list[Sequence], PendingSteps] | None = None
+        self.num_pipelined_calls = 0  # multi-step calls dispatched ahead that way
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -152,6 +157,8 @@ class Engine:
         if not self._requests_agreed:  # requests were added since the hosts last compared them
             agree({"requests": self._requests_digest.hexdigest()})
             self._requests_agreed = True
+        if self._ahead is not None:
+            return self._step_ahead()
         chunks = self.scheduler.schedule()
         if not chunks:
             raise RuntimeError(self._stuck_message())
@@ -205,11 +212,7 @@ class Engine:
         limits, needs = [], []
         for c in chunks:
             seq = c.seq
-            generated = len(seq.token_ids) - seq.num_prompt_tokens
-            # Step i writes the KV of position num_computed + i (below max_seq_len, like a single step's chunk)
-            # and generates the token at num_computed + i + 1; a row never generates past max_new_tokens.
-            limit = min(K, seq.request.sampling.max_new_tokens - generated,
-                        self.max_seq_len - len(seq.token_ids) + 1)
+            limit = min(K, self._remaining(seq))
             limits.append(limit)
             needs.append(max(0, math.ceil((seq.num_computed + limit) / ps) - len(seq.pages)))
         alloc = self.runner.kv.allocator
@@ -220,19 +223,77 @@ class Engine:
             c.seq.pages.extend(alloc.allocate(need))
         return limits
 
+    def _remaining(self, seq: Sequence) -> int:
+        """Tokens a decoding sequence may still generate. Step i of a multi-step call writes the KV of
+        position num_computed + i (below max_seq_len, like a single step's chunk) and generates the token at
+        num_computed + i + 1; a row never generates past max_new_tokens."""
+        generated = len(seq.token_ids) - seq.num_prompt_tokens
+        return min(seq.request.sampling.max_new_tokens - generated, self.max_seq_len - len(seq.token_ids) + 1)
+
     def _multi_step(self, chunks: list[ScheduledChunk], limits: list[int]) -> list[Completion]:
         """Several decode steps in one device call (EOS and limits checked on the device); the host then
-        feeds each row's tokens to its StopChecker, which may stop it earlier (a stop string)."""
+        feeds each row's tokens to its StopChecker, which may stop it earlier (a stop string). With
+        engine.pipeline_decode the call continuing these rows is dispatched before this one is read."""
         seqs = [c.seq for c in chunks]
         with StepTimer(self.stats, chunks) as timer:
             rows = [DecodeRow(q.token_ids[-1], q.num_computed, q.pages, limit, _row_sampling(q))
                     for q, limit in zip(seqs, limits)]
-            tokens, logprobs, steps = self.runner.multi_step_sample(rows, self._stop_ids, self.config.decode_steps)
+            pending = self.runner.dispatch_multi_step(rows, self._stop_ids, self.config.decode_steps,
+                                                      [self._remaining(q) for q in seqs])
+            self._ahead = self._chain(seqs, pending)
+            tokens, logprobs, steps = self.runner.fetch_multi_step(pending)
             timer.decode_tokens = int(steps.sum())
             timer.model_steps = int(steps.max())
+        return self._take_steps(seqs, tokens, logprobs, steps)
+
+    def _chain(self, seqs: list[Sequence], prev: PendingSteps) -> tuple[list[Sequence], PendingSteps] | None:
+        """Dispatch the call continuing `prev`'s rows (not yet read) when pipelining applies: no waiting
+        sequence could be admitted now, none waits or no row reaches its length limit in `prev` (its slot
+        would idle through the new call while a sequence waits for it), some row is still running, and every
+        running row's pages can cover both calls. Rows the host has finished take no steps in it; a row that
+        stops at EOS in `prev` idles in it (one call's delay for a waiting sequence)."""
+        if not self.config.pipeline_decode or self.scheduler.head_has_slots:
+            return None
+        alive = [not q.stop.finished for q in seqs]
+        if not any(alive):
+            return None
+        K, ps = self.config.decode_steps, self.config.page_size
+        if self.scheduler.waiting and any(a and self._remaining(q) <= K for q, a in zip(seqs, alive)):
+            return None
+        # The host has read every call before `prev`: each row's KV covers num_computed tokens, and `prev`
+        # and this call together write at most min(2K, remaining) more.
+        needs = [max(0, math.ceil((q.num_computed + min(2 * K, self._remaining(q))) / ps) - len(q.pages)) if a else 0
+                 for q, a in zip(seqs, alive)]
+        alloc = self.runner.kv.allocator
+        if sum(needs) > alloc.num_free:
+            return None
+        for q, need in zip(seqs, needs):
+            if need:
+                q.pages.extend(alloc.allocate(need))
+        pages = [q.pages if a else [] for q, a in zip(seqs, alive)]
+        self.num_pipelined_calls += 1
+        return seqs, self.runner.chain_multi_step(prev, pages, alive, K)
+
+    def _step_ahead(self) -> list[Completion]:
+        """Read the call dispatched ahead, after dispatching the one that continues it (when it applies)."""
+        seqs, pending = self._ahead
+        live = [q for q in seqs if not q.stop.finished]
+        with StepTimer(self.stats, [ScheduledChunk(q, 1) for q in live]) as timer:
+            self._ahead = self._chain(seqs, pending)
+            tokens, logprobs, steps = self.runner.fetch_multi_step(pending)
+            timer.decode_tokens = int(steps[np.array([not q.stop.finished for q in seqs])].sum())
+            timer.model_steps = int(steps.max())
+        return self._take_steps(seqs, tokens, logprobs, steps)
+
+    def _take_steps(self, seqs: list[Sequence], tokens: np.ndarray, logprobs: np.ndarray, steps: np.ndarray
+                    ) -> list[Completion]:
+        """Feed each row's tokens of one multi-step call to its sequence; a row the host finished before
+        (a stop string in the previous call, the device running ahead) is skipped."""
         tokens, logprobs, steps = tokens.T.tolist(), logprobs.T.tolist(), steps.tolist()
         done = []
         for seq, row_tokens, row_logprobs, num_steps in zip(seqs, tokens, logprobs, steps):
+            if seq.stop.finished:
+                continue
             for token, logprob in zip(row_tokens[:num_steps], row_logprobs[:num_steps]):
                 seq.num_computed += 1  # the KV of the token this one was generated from is cached
                 seq.token_ids.append(token)
@@ -240,6 +301,8 @@ class Engine:
                 if seq.stop.push(token) is not None:  # later tokens of this row are dropped
                     done.append(self._finish(seq))
                     break
+        if self._ahead is not None and all(q.stop.finished for q in self._ahead[0]):
+            self._ahead = None  # every row it continues has finished: nothing in it is wanted
         if self.config.debug_invariants:
             self.check_invariants()
         return done
@@ -313,12 +376,14 @@ class Engine:
         if self.scheduler.has_work:
             raise RuntimeError("reset while sequences are still running; finish or drop them first")
         self._retained = []
+        self._ahead = None
         self.runner.kv.reset(mode or self.config.reset_mode)
 
     def abort(self) -> None:
         """Drop every queued and running sequence, free all pages and reset (after a failed step)."""
         self.scheduler.waiting.clear()
         self.scheduler.running.clear()
+        self._ahead = None
         self._last_queued = None
         self._retained = []
         # Every host aborts together, so the request record starts afresh everywhere (a batch the hosts
@@ -343,7 +408,8 @@ class Engine:
         return {"active_seqs": len(self.scheduler.running), "waiting_seqs": len(self.scheduler.waiting),
                 "pages_in_use": alloc.num_used, "free_pages": alloc.num_free, "max_refcount": alloc.max_refcount,
                 "num_preemptions": self.scheduler.num_preemptions,
-                "num_multi_step_fallbacks": self.num_multi_step_fallbacks}
+                "num_multi_step_fallbacks": self.num_multi_step_fallbacks,
+                "num_pipelined_calls": self.num_pipelined_calls}
 
     # -- helpers ---------------------------------------------------------------------------------
 

@@ -137,10 +137,41 @@ def _forward_sample_steps(model: Transformer, pool, settings: AttentionSettings,
     return pool, _replicated(out_tokens, mesh), _replicated(out_logprobs, mesh), _replicated(steps, mesh)
 
 
+def _chained_inputs(tokens, steps, token_ids, starts, remaining, limits, alive, stop_ids, num_steps: int):
+    """The inputs of the multi-step call that continues the rows of one not yet read by the host: each row
+    feeds its last token at its next position, and takes min(num_steps, its remaining tokens) steps unless
+    it stopped on the device (a stop id: then `steps < limits`, or its last token is one), ran out, was
+    already done, or the host says it finished (`alive` false). Done rows take 0 steps: no KV is written."""
+    S = steps.shape[0]
+    last = jnp.where(steps > 0, tokens[jnp.maximum(steps - 1, 0), jnp.arange(S)], token_ids)
+    stopped = (steps > 0) & jnp.any(last[:, None] == stop_ids, axis=1)
+    remaining = remaining - steps
+    limits = jnp.where(alive & (limits > 0) & ~stopped, jnp.minimum(num_steps, remaining), 0)
+    return last, starts + steps, remaining, limits
+
+
 # Module-level, so every runner with the same model structure and shapes reuses compiled programs.
 _step = jax.jit(_forward, donate_argnums=(1,), static_argnums=(3,))
 _step_sample = jax.jit(_forward_sample, donate_argnums=(1,), static_argnums=(3, 4))
 _steps_sample = jax.jit(_forward_sample_steps, donate_argnums=(1,), static_argnums=(2, 3, 4))
+_chain = jax.jit(_chained_inputs, static_argnums=(8,))
+
+
+@dataclass
+class PendingSteps:
+    """A multi-step call dispatched and not yet read: its device outputs, and what a call continuing its
+    rows needs (`ModelRunner.chain_multi_step`)."""
+    tokens: jax.Array  # i32[K, S]
+    logprobs: jax.Array  # f32[K, S]
+    steps: jax.Array  # i32[S]
+    token_ids: jax.Array | np.ndarray  # the call's inputs, i32[S]
+    starts: jax.Array | np.ndarray
+    limits: jax.Array | np.ndarray
+    remaining: jax.Array | np.ndarray  # tokens each row may still generate from this call's start on
+    mode: str
+    sampling: tuple  # _sampling_arrays of the rows
+    stops: np.ndarray
+    num_rows: int
 
 
 def _pick(logits: jax.Array, mode: str, temperature, top_k, top_p, base_keys, positions):
@@ -259,35 +290,62 @@ class ModelRunner:
         n = len(rows)
         return np.asarray(tokens)[:n], np.asarray(logprobs)[:n]
 
-    def multi_step_sample(self, rows: Sequence[DecodeRow], stop_ids: Sequence[int], num_steps: int
-                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Up to `num_steps` decode steps of the rows in one device call, stopping rows at `stop_ids` or
-        their limits: (tokens i32[num_steps, rows], logprobs f32[num_steps, rows], steps i32[rows]).
-
-        Row r's tokens are tokens[:steps[r], r]; its KV is written for positions start .. start + steps - 1.
-        """
+    def dispatch_multi_step(self, rows: Sequence[DecodeRow], stop_ids: Sequence[int], num_steps: int,
+                            remaining: Sequence[int] | None = None) -> PendingSteps:
+        """Start up to `num_steps` decode steps of the rows in one device call, stopping rows at `stop_ids`
+        or their limits, without waiting for it (`fetch_multi_step` reads it). Row r's KV is written for
+        positions start .. start + steps - 1. `remaining[r]` (default: the row's limit) is how many tokens
+        row r may generate in this call and any call chained to it."""
         ps = self.engine.page_size
         S = self.decode_bucket(len(rows))
         pad = S - len(rows)
-        pages = np.zeros((S, self.pages_per_seq), np.int32)
         for r, row in enumerate(rows):
             end = row.start + row.limit
             if (row.limit < 1 or end > self.max_seq_len or math.ceil(end / ps) > len(row.pages)
                     or row.sampling.position != row.start + 1):
                 raise ValueError(f"decode row {r}: {row.limit} steps from position {row.start} with {len(row.pages)} "
                                  f"pages (page_size {ps}, max_seq_len {self.max_seq_len})")
-            pages[r, :len(row.pages)] = row.pages
         stops = np.full((S, bucket(len(stop_ids), 4)), -1, np.int32)  # E fixed per engine: one compile
         stops[:len(rows), :len(stop_ids)] = list(stop_ids)
-        self.kv.pool, tokens, logprobs, steps = _steps_sample(
-            self.model, self.kv.pool, self._settings[1], num_steps,
-            _sampling_mode([row.sampling for row in rows], self.model.config.vocab_size),
-            np.array([row.token_id for row in rows] + [0] * pad, np.int32),
-            np.array([row.start for row in rows] + [0] * pad, np.int32),
-            np.array([row.limit for row in rows] + [0] * pad, np.int32),
-            pages, np.array([len(rows)], np.int32), *_sampling_arrays([row.sampling for row in rows], S), stops)
-        n = len(rows)
-        return np.asarray(tokens)[:, :n], np.asarray(logprobs)[:, :n], np.asarray(steps)[:n]
+        limits = [row.limit for row in rows]
+        remaining = limits if remaining is None else list(remaining)
+        mode = _sampling_mode([row.sampling for row in rows], self.model.config.vocab_size)
+        sampling = _sampling_arrays([row.sampling for row in rows], S)
+        pending = PendingSteps(None, None, None, np.array([row.token_id for row in rows] + [0] * pad, np.int32),
+                               np.array([row.start for row in rows] + [0] * pad, np.int32),
+                               np.array(limits + [0] * pad, np.int32), np.array(remaining + [0] * pad, np.int32),
+                               mode, sampling, stops, len(rows))
+        return self._launch(pending, [row.pages for row in rows], num_steps)
+
+    def chain_multi_step(self, prev: PendingSteps, pages: Sequence[Sequence[int]], alive: Sequence[bool],
+                         num_steps: int) -> PendingSteps:
+        """Dispatch the call that continues `prev`'s rows from its device outputs, before the host has read
+        them: the host's work on `prev`'s tokens then overlaps this call. `pages[r]` must cover row r's
+        position after `prev` plus `min(num_steps, remaining)` (the caller allocates for both calls at
+        once); `alive[r]` false makes row r take no steps (the host finished it)."""
+        S = prev.steps.shape[0]
+        live = np.zeros(S, bool)
+        live[:len(alive)] = alive
+        token_ids, starts, remaining, limits = _chain(prev.tokens, prev.steps, prev.token_ids, prev.starts,
+                                                      prev.remaining, prev.limits, live, prev.stops, num_steps)
+        pending = PendingSteps(None, None, None, token_ids, starts, limits, remaining, prev.mode, prev.sampling,
+                               prev.stops, prev.num_rows)
+        return self._launch(pending, pages, num_steps)
+
+    def _launch(self, pending: PendingSteps, pages: Sequence[Sequence[int]], num_steps: int) -> PendingSteps:
+        page_array = np.zeros((pending.stops.shape[0], self.pages_per_seq), np.int32)
+        for r, row_pages in enumerate(pages):
+            page_array[r, :len(row_pages)] = row_pages
+        self.kv.pool, pending.tokens, pending.logprobs, pending.steps = _steps_sample(
+            self.model, self.kv.pool, self._settings[1], num_steps, pending.mode, pending.token_ids, pending.starts,
+            pending.limits, page_array, np.array([pending.num_rows], np.int32), *pending.sampling, pending.stops)
+        return pending
+
+    def fetch_multi_step(self, pending: PendingSteps) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Wait for a dispatched call: (tokens i32[num_steps, rows], logprobs f32[num_steps, rows],
+        steps i32[rows]); row r's tokens are tokens[:steps[r], r]."""
+        n = pending.num_rows
+        return np.asarray(pending.tokens)[:, :n], np.asarray(pending.logprobs)[:, :n], np.asarray(pending.steps)[:n]
 
 
 def _sampling_mode(rows: Sequence[RowSampling], vocab_size: int) -> str:

@@ -76,11 +76,13 @@ def test_decode_steps_give_the_samples_of_single_steps(tiny_llama):
     assert any(c.finish_reason == "stop" and c.token_ids[-1] in single.eos_token_ids for c in ref)
     assert by_id[("stop", 0)].finish_reason == "stop" and len(by_id[("stop", 0)].token_ids) == stop_at
     assert by_id[("s4", 0)].token_ids != by_id[("s4", 1)].token_ids
-    for k in (4, 8):
-        got, engine = run(tiny_llama, k, batches)
+    for k, pipeline in ((4, True), (8, True), (4, False)):
+        got, engine = run(tiny_llama, k, batches, pipeline_decode=pipeline)
         assert got == ref, f"decode_steps={k}"  # token ids, logprobs (exactly), text and finish reasons
         stats = engine.stats
         assert max(stats.model_steps) == k, "the multi-step path must have run"
+        # Each batch fills every slot: nothing waits, so calls are dispatched ahead of the host's reading.
+        assert (engine.num_pipelined_calls > 0) == pipeline
         assert len(stats.step_s) < sum(stats.decode_tokens)
         # The stop string fired mid-call: the tokens generated after it were dropped.
         assert sum(stats.decode_tokens) > sum(len(c.token_ids) for c in got)
@@ -104,6 +106,37 @@ def test_page_pressure_falls_back_to_single_steps(tiny_llama):
     # (up to ~1.3e-5 on this model's logprobs): the end-to-end bound, 1e-4.
     for a, b in zip(got, ref):
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
+    assert engine.runner.kv.allocator.num_used == 0
+
+
+def test_requests_added_while_a_call_runs_ahead_join_after_it(tiny_llama):
+    """The orchestrator feeds the engine between steps: a request that arrives while a multi-step call is
+    dispatched ahead waits for it, and every sample is still the one its request gives alone."""
+    p = prompts()
+    first = [Request(f"a{i}", p[i], with_max_new(SEEDED if i % 2 else GREEDY, 30, n=1)) for i in range(2)]
+    late = [Request(f"b{i}", p[i + 2], with_max_new(SEEDED if i % 2 else GREEDY, 12, n=1)) for i in range(3)]
+    alone = {c.prompt_id: c for r in first + late for c in run(tiny_llama, 1, [[r]])[0]}
+    engine = Engine(tiny_llama, EngineConfig(page_size=8, max_pages=64, max_seqs=4, max_seqs_in_prefill=4,
+                                             max_prefill_size=256, max_seq_len=128, decode_steps=4,
+                                             debug_invariants=True))
+    done = [c for r in first for c in [engine.add_request(r)] if c is not None]
+    while engine._ahead is None:
+        done += engine.step()
+    for r in late:
+        engine.add_request(r)
+    pipelined = engine.num_pipelined_calls
+    done += engine.step()  # reads the call ahead, dispatches nothing more: the new requests wait
+    assert engine._ahead is None and engine.num_pipelined_calls == pipelined and engine.num_waiting > 0
+    while engine.has_unfinished:
+        done += engine.step()
+    assert sorted(c.prompt_id for c in done) == sorted(alone)
+    for c in done:
+        ref = alone[c.prompt_id]
+        assert (c.token_ids, c.finish_reason, c.completion) == (ref.token_ids, ref.finish_reason, ref.completion)
+        np.testing.assert_allclose(c.logprobs, ref.logprobs, atol=1e-4, rtol=0)  # other batch shapes: last bits
+    assert engine.num_pipelined_calls > pipelined  # the late ones ran ahead too once nothing waited
+    engine.release_finished()
+    engine.reset()
     assert engine.runner.kv.allocator.num_used == 0
 
 
