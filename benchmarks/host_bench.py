@@ -72,7 +72,7 @@ def run_case(model: Path, stop: list[str], decode_steps: int, pipeline: bool, nu
     if key not in engines:
         engines[key] = Engine(model, EngineConfig(
             max_seqs=64, max_prefill_size=512, max_seqs_in_prefill=8, page_size=16, max_pages=2048,
-            max_seq_len=256, decode_steps=decode_steps, pipeline_decode=pipeline))
+            max_seq_len=max(256, 64 + new_tokens), decode_steps=decode_steps, pipeline_decode=pipeline))
         # The timed workload once, untimed: every shape bucket it uses is compiled before the first timing.
         engines[key].generate(_requests(num, stop, new_tokens))
     engine = engines[key]
@@ -84,6 +84,9 @@ def run_case(model: Path, stop: list[str], decode_steps: int, pipeline: bool, nu
         result["serial" if timing else "wall"] = time.perf_counter() - start
         if timing:
             result["device"] = _device_s[0]
+    errors = [c.error for c in done if c.error]
+    if errors:
+        raise SystemExit(f"{len(errors)} requests failed, e.g. {errors[0]}")
     result["tokens"] = sum(len(c.token_ids) for c in done)
     return result
 

@@ -41,10 +41,10 @@ class EngineConfig:
     """Decode steps per device call when every running sequence is decoding; 1 turns multi-step decode off."""
     pipeline_decode: bool = True
     """Dispatch the next multi-step decode call (the same rows, continued on the device) before reading the
-    current one, so that the host's work on each call's tokens overlaps the next call; only while no waiting
-    sequence could take a slot, and not when one waits and a row's length limit ends it in the current call.
-    Same tokens either way. A row finished by a stop string rides one call longer (discarded); one that stops
-    at EOS keeps its slot one call longer. False reads each call before dispatching the next."""
+    current one, so that the host's work on each call's tokens overlaps the next call; only while no
+    sequence waits for a slot (a row that stops would keep its slot one call longer). Same tokens either
+    way; a row finished by a stop string runs one call more, its tokens discarded. False reads each call
+    before dispatching the next."""
     debug_invariants: bool = False
     """Check page-allocator and sequence invariants after every step (slow; for debugging)."""
 
