@@ -63,8 +63,8 @@ def _build_dir() -> Path:
         return _temp_dir[0]
 
 
-def _plan() -> tuple[str, list[str], Path]:
-    """(compiler, the command line less its output, the library's path); raises KernelUnavailable."""
+def _plan() -> tuple[list[str], Path]:
+    """(the command line less its output, the library's path); raises KernelUnavailable."""
     compiler = os.environ.get("CXX") or "g++"
     if shutil.which(compiler) is None:
         raise KernelUnavailable(f"no C++ compiler {compiler!r} on PATH (set CXX)")
@@ -72,7 +72,7 @@ def _plan() -> tuple[str, list[str], Path]:
     include = include_dir()
     parts = [SOURCE.read_text(), " ".join(FLAGS), version, _cpu_signature(), jaxlib.__version__, include]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
-    return compiler, [compiler, *FLAGS, "-isystem", include, str(SOURCE)], _build_dir() / f"ragged_paged_attention-{key}.so"
+    return [compiler, *FLAGS, "-isystem", include, str(SOURCE)], _build_dir() / f"ragged_paged_attention-{key}.so"
 
 
 def _compile(cmd: list[str], library: Path) -> Path:
@@ -111,7 +111,7 @@ def _submit(cmd: list[str], library: Path, background: bool) -> Future:
 def build() -> Path:
     """Compile the kernel (or find it compiled, or wait for the build `start()` began); returns the shared
     library's path."""
-    _, cmd, library = _plan()
+    cmd, library = _plan()
     try:
         return _submit(cmd, library, background=False).result()
     except OSError as err:
@@ -122,7 +122,7 @@ def start() -> None:
     """Begin the build on a thread if the library is not there yet; never raises (a problem is reported by
     the `build()` that needs the kernel)."""
     try:
-        _, cmd, library = _plan()
+        cmd, library = _plan()
         if not library.exists():
             _submit(cmd, library, background=True)
     except (KernelUnavailable, OSError, subprocess.SubprocessError):

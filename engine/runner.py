@@ -157,7 +157,7 @@ _steps_sample = jax.jit(_forward_sample_steps, donate_argnums=(1,), static_argnu
 _chain = jax.jit(_chained_inputs, static_argnums=(8,))
 
 
-@dataclass
+@dataclass(frozen=True)
 class PendingSteps:
     """A multi-step call dispatched and not yet read: its device outputs, and what a call continuing its
     rows needs (`ModelRunner.chain_multi_step`)."""
@@ -311,11 +311,10 @@ class ModelRunner:
         remaining = limits if remaining is None else list(remaining)
         mode = _sampling_mode([row.sampling for row in rows], self.model.config.vocab_size)
         sampling = _sampling_arrays([row.sampling for row in rows], S)
-        pending = PendingSteps(None, None, None, np.array([row.token_id for row in rows] + [0] * pad, np.int32),
-                               np.array([row.start for row in rows] + [0] * pad, np.int32),
-                               np.array(limits + [0] * pad, np.int32), np.array(remaining + [0] * pad, np.int32),
-                               mode, sampling, stops, len(rows))
-        return self._launch(pending, [row.pages for row in rows], num_steps)
+        return self._launch(np.array([row.token_id for row in rows] + [0] * pad, np.int32),
+                            np.array([row.start for row in rows] + [0] * pad, np.int32),
+                            np.array(limits + [0] * pad, np.int32), np.array(remaining + [0] * pad, np.int32),
+                            mode, sampling, stops, len(rows), [row.pages for row in rows], num_steps)
 
     def chain_multi_step(self, prev: PendingSteps, pages: Sequence[Sequence[int]], alive: Sequence[bool],
                          num_steps: int) -> PendingSteps:
@@ -328,18 +327,19 @@ class ModelRunner:
         live[:len(alive)] = alive
         token_ids, starts, remaining, limits = _chain(prev.tokens, prev.steps, prev.token_ids, prev.starts,
                                                       prev.remaining, prev.limits, live, prev.stops, num_steps)
-        pending = PendingSteps(None, None, None, token_ids, starts, limits, remaining, prev.mode, prev.sampling,
-                               prev.stops, prev.num_rows)
-        return self._launch(pending, pages, num_steps)
+        return self._launch(token_ids, starts, limits, remaining, prev.mode, prev.sampling, prev.stops,
+                            prev.num_rows, pages, num_steps)
 
-    def _launch(self, pending: PendingSteps, pages: Sequence[Sequence[int]], num_steps: int) -> PendingSteps:
-        page_array = np.zeros((pending.stops.shape[0], self.pages_per_seq), np.int32)
+    def _launch(self, token_ids, starts, limits, remaining, mode: str, sampling: tuple, stops: np.ndarray,
+                num_rows: int, pages: Sequence[Sequence[int]], num_steps: int) -> PendingSteps:
+        page_array = np.zeros((stops.shape[0], self.pages_per_seq), np.int32)
         for r, row_pages in enumerate(pages):
             page_array[r, :len(row_pages)] = row_pages
-        self.kv.pool, pending.tokens, pending.logprobs, pending.steps = _steps_sample(
-            self.model, self.kv.pool, self._settings[1], num_steps, pending.mode, pending.token_ids, pending.starts,
-            pending.limits, page_array, np.array([pending.num_rows], np.int32), *pending.sampling, pending.stops)
-        return pending
+        self.kv.pool, tokens, logprobs, steps = _steps_sample(
+            self.model, self.kv.pool, self._settings[1], num_steps, mode, token_ids, starts, limits, page_array,
+            np.array([num_rows], np.int32), *sampling, stops)
+        return PendingSteps(tokens, logprobs, steps, token_ids, starts, limits, remaining, mode, sampling, stops,
+                            num_rows)
 
     def fetch_multi_step(self, pending: PendingSteps) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Wait for a dispatched call: (tokens i32[num_steps, rows], logprobs f32[num_steps, rows],
