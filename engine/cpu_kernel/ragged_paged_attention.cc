@@ -27,7 +27,12 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
@@ -62,7 +67,32 @@ constexpr int kLanes = 16;
 typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
-inline vf splat(float x) { return vf{} + x; }
+// Every lane x (a broadcast; `vf{} + x` would be 0.0f + x, an add the compiler must keep for x = -0.0f).
+inline vf splat(float x) { return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+// a * b + c rounded once. The kernel is built with -ffp-contract=off, so that the compiler never fuses a
+// multiply-add in one path and not in another (a row must get the same bits whichever path its item takes);
+// the multiply-adds of the dot products are fused here explicitly, the same way in every path.
+inline vf fma(vf a, vf b, vf c) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vf>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b),
+                                              reinterpret_cast<__m512>(c)));
+#elif defined(__FMA__)
+  typedef float half_vf __attribute__((vector_size(kLanes / 2 * sizeof(float))));
+  struct Halves { half_vf lo, hi; };
+  const Halves x = reinterpret_cast<const Halves&>(a), y = reinterpret_cast<const Halves&>(b),
+               z = reinterpret_cast<const Halves&>(c);
+  Halves r{reinterpret_cast<half_vf>(_mm256_fmadd_ps(reinterpret_cast<__m256>(x.lo), reinterpret_cast<__m256>(y.lo),
+                                                     reinterpret_cast<__m256>(z.lo))),
+           reinterpret_cast<half_vf>(_mm256_fmadd_ps(reinterpret_cast<__m256>(x.hi), reinterpret_cast<__m256>(y.hi),
+                                                     reinterpret_cast<__m256>(z.hi)))};
+  return reinterpret_cast<const vf&>(r);
+#else
+  vf r;
+  for (int i = 0; i < kLanes; ++i) r[i] = std::fma(a[i], b[i], c[i]);
+  return r;
+#endif
+}
 inline vi splat_i(int32_t x) { return vi{} + x; }
 const vi lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
@@ -94,7 +124,8 @@ void run_lanes(const Problem& p, const Item& it, int64_t row0, int64_t rows, int
   const int64_t combined = 2 * p.num_kv_heads;
   const int32_t s = it.seq, h = it.kv_head;
   const int32_t q_begin = p.cu[s], q_len = p.cu[s + 1] - p.cu[s], kv_len = p.kv_lens[s];
-  std::vector<vf> qt(D), acc(D, vf{});
+  const int64_t D8 = (D + 7) / 8 * 8;  // accumulators are moved 8 columns at a time
+  std::vector<vf> qt(D), acc(D8, vf{});
   alignas(64) int32_t pos_lanes[kLanes];
   for (int lane = 0; lane < kLanes; ++lane) {
     const int64_t i = row0 + lane;
@@ -111,7 +142,7 @@ void run_lanes(const Problem& p, const Item& it, int64_t row0, int64_t rows, int
   vi pos;
   std::memcpy(&pos, pos_lanes, sizeof(pos));
   vf m = splat(kMasked), l = vf{};
-  std::vector<vf> sc(ps);
+  std::vector<vf> sc((ps + 7) / 8 * 8);  // scores are stored 8 keys at a time
   std::vector<vi> seen(ps);  // which lanes (rows) may see each key of the page
   const int32_t* seq_pages = p.pages + static_cast<int64_t>(s) * p.pages_per_seq;
   for (int32_t page_slot = begin / ps; page_slot * ps < end; ++page_slot) {
@@ -120,15 +151,18 @@ void run_lanes(const Problem& p, const Item& it, int64_t row0, int64_t rows, int
     const int32_t n = std::min<int32_t>(ps, end - t0);
     for (int32_t j0 = 0; j0 < n; j0 += 8) {  // 8 keys at a time: 8 independent accumulators
       const int32_t nj = std::min(8, n - j0);
+      // Only constant indices into a[] and k[]: the compiler keeps the 8 accumulators in registers.
       vf a[8] = {};
       const float* k[8];
+#pragma GCC unroll 8
       for (int u = 0; u < 8; ++u) k[u] = base + ((j0 + std::min(u, nj - 1)) * combined + 2 * h) * D;
       for (int64_t d = 0; d < D; ++d) {
         const vf qd = qt[d];
 #pragma GCC unroll 8
-        for (int u = 0; u < 8; ++u) a[u] += qd * k[u][d];
+        for (int u = 0; u < 8; ++u) a[u] = fma(qd, splat(k[u][d]), a[u]);
       }
-      for (int u = 0; u < nj; ++u) sc[j0 + u] = a[u];
+#pragma GCC unroll 8
+      for (int u = 0; u < 8; ++u) sc[j0 + u] = a[u];  // keys past nj: ignored below
     }
     vf mx = m;
     for (int32_t j = 0; j < n; ++j) {
@@ -149,14 +183,20 @@ void run_lanes(const Problem& p, const Item& it, int64_t row0, int64_t rows, int
     for (int64_t d0 = 0; d0 < D; d0 += 8) {  // 8 output columns at a time, kept in registers over the keys
       const int64_t nd = std::min<int64_t>(8, D - d0);
       vf a[8];
-      for (int u = 0; u < 8; ++u) a[u] = u < nd ? acc[d0 + u] * alpha : vf{};
-      for (int32_t j = 0; j < n; ++j) {
-        const float* v = base + (j * combined + 2 * h + 1) * D + d0;
-        const vf pj = sc[j];
 #pragma GCC unroll 8
-        for (int u = 0; u < 8; ++u) a[u] += pj * v[u < nd ? u : 0];
-      }
-      for (int u = 0; u < nd; ++u) acc[d0 + u] = a[u];
+      for (int u = 0; u < 8; ++u) a[u] = acc[d0 + u] * alpha;  // columns past D: padding, never read out
+      auto keys = [&](auto whole) {  // whole: all 8 columns exist (no per-column test in the loop)
+        for (int32_t j = 0; j < n; ++j) {
+          const float* v = base + (j * combined + 2 * h + 1) * D + d0;
+          const vf pj = sc[j];
+#pragma GCC unroll 8
+          for (int u = 0; u < 8; ++u) a[u] = fma(pj, splat(v[decltype(whole)::value || u < nd ? u : 0]), a[u]);
+        }
+      };
+      if (nd == 8) keys(std::true_type{});
+      else keys(std::false_type{});
+#pragma GCC unroll 8
+      for (int u = 0; u < 8; ++u) acc[d0 + u] = a[u];
     }
   }
   for (int lane = 0; lane < kLanes && row0 + lane < rows; ++lane) {
@@ -234,7 +274,7 @@ void run_item(const Problem& p, const Item& it) {
             const int64_t i = t * heads + h * G + g;
             const float* qi = &qbuf[i * D];
             vf a = vf{};
-            for (int64_t d = 0; d < D; ++d) a += splat(qi[d]) * kt[d];
+            for (int64_t d = 0; d < D; ++d) a = fma(splat(qi[d]), kt[d], a);
             std::memcpy(&scores[i * ps_lanes + j0], &a, sizeof(a));
           }
         }
@@ -280,7 +320,7 @@ void run_item(const Problem& p, const Item& it) {
         const float* v = k_rows + j * combined * D + D;
         const float w = pr[j];
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) a[d] += w * v[d];
+        for (int64_t d = 0; d < D; ++d) a[d] = std::fma(w, v[d], a[d]);
       }
     }
   }
