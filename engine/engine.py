@@ -258,6 +258,10 @@ class Engine:
         if not any(alive):
             return None
         K, ps = self.config.decode_steps, self.config.page_size
+        # A row that reaches its last token in `prev` is known to end there: when every row does, there is
+        # nothing to continue (the call would find every row done).
+        if not any(a and self._remaining(q) > K for q, a in zip(seqs, alive)):
+            return None
         # The host has read every call before `prev`: each row's KV covers num_computed tokens, and `prev`
         # and this call together write at most min(2K, remaining) more.
         needs = [max(0, math.ceil((q.num_computed + min(2 * K, self._remaining(q))) / ps) - len(q.pages)) if a else 0

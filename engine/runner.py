@@ -120,7 +120,8 @@ def _forward_sample_steps(model: Transformer, pool, settings: AttentionSettings,
         positions = starts + jnp.minimum(i, jnp.maximum(limits - 1, 0))  # i32[S]
         pages = jnp.take_along_axis(page_indices, (positions // page_size)[:, None], axis=1)[:, 0]  # i32[S]
         slots = jnp.where(active, pages * page_size + positions % page_size, settings.num_pages * page_size)
-        kv_lens = jnp.where(present, positions + 1, 0)
+        # The CPU kernel skips a row with no keys: a done row's attention (its token is ignored) costs nothing.
+        kv_lens = jnp.where(present & (active | (settings.impl != "cpu_kernel")), positions + 1, 0)
         inputs = StepInputs(tokens, positions, slots, cu_q_lens, kv_lens, page_indices, num_seqs, logits_indices)
         pool, logits = model(pool, inputs, settings)
         new, logprobs = _pick(logits.array, mode, temperature, top_k, top_p, base_keys, positions + 1)

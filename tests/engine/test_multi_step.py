@@ -140,6 +140,32 @@ def test_requests_added_while_a_call_runs_ahead_join_after_it(tiny_llama):
     assert engine.runner.kv.allocator.num_used == 0
 
 
+def test_no_call_runs_ahead_when_every_row_ends_in_the_one_before(tiny_llama, monkeypatch):
+    """A call continues the rows of the call before it only when some row can still generate after that
+    one: rows that reach max_new_tokens there end there, and a call after them would find nothing to do."""
+    p = prompts()
+    requests = [Request(f"short{i}", p[i % 6], with_max_new(GREEDY, 5)) for i in range(12)]
+    requests += [Request(f"long{i}", p[i], with_max_new(GREEDY, 21)) for i in range(2)]
+    shapes = dict(max_seqs=16, max_seqs_in_prefill=16, max_pages=128)
+    expected, _ = run(tiny_llama, 4, [requests], **shapes, pipeline_decode=False)
+    engine = Engine(tiny_llama, EngineConfig(page_size=8, max_prefill_size=256, max_seq_len=128, decode_steps=4,
+                                             debug_invariants=True, **shapes))
+    calls, launch = [], engine.runner._launch
+
+    def counted(token_ids, starts, limits, *args):
+        calls.append(int(np.sum(np.asarray(limits) > 0)))  # rows that take steps in the call
+        return launch(token_ids, starts, limits, *args)
+
+    monkeypatch.setattr(engine.runner, "_launch", counted)
+    got = engine.generate(requests)
+    for c, ref in zip(got, expected, strict=True):
+        assert (c.prompt_id, c.token_ids, c.finish_reason) == (ref.prompt_id, ref.token_ids, ref.finish_reason)
+        np.testing.assert_allclose(c.logprobs, ref.logprobs, atol=1e-4, rtol=0)  # other batch shapes: last bits
+    # The first token comes from the prompt's step, then 4 a call: the short rows end in the first call,
+    # the long ones in the fifth, which nothing follows.
+    assert calls == [14, 2, 2, 2, 2] and engine.num_pipelined_calls == 4
+
+
 def test_decode_steps_must_be_positive():
     with pytest.raises(ValueError, match="engine.decode_steps must be at least 1"):
         EngineConfig(decode_steps=0)
