@@ -312,10 +312,14 @@ class ModelRunner:
         remaining = limits if remaining is None else list(remaining)
         mode = _sampling_mode([row.sampling for row in rows], self.model.config.vocab_size)
         sampling = _sampling_arrays([row.sampling for row in rows], S)
-        return self._launch(np.array([row.token_id for row in rows] + [0] * pad, np.int32),
-                            np.array([row.start for row in rows] + [0] * pad, np.int32),
-                            np.array(limits + [0] * pad, np.int32), np.array(remaining + [0] * pad, np.int32),
-                            mode, sampling, stops, len(rows), [row.pages for row in rows], num_steps)
+        per_row = (np.array([row.token_id for row in rows] + [0] * pad, np.int32),
+                   np.array([row.start for row in rows] + [0] * pad, np.int32),
+                   np.array(limits + [0] * pad, np.int32), np.array(remaining + [0] * pad, np.int32))
+        if self._settings[1].mesh is None:
+            # On the pool's device, as a chained call's come from the device: numpy arguments would be another
+            # jit signature, and so a second compile of the same program (and of _chain's).
+            per_row = jax.device_put(per_row, self.kv.pool.array.sharding)
+        return self._launch(*per_row, mode, sampling, stops, len(rows), [row.pages for row in rows], num_steps)
 
     def chain_multi_step(self, prev: PendingSteps, pages: Sequence[Sequence[int]], alive: Sequence[bool],
                          num_steps: int) -> PendingSteps:
