@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test bench bench-plan bench-export bench-host
+.PHONY: demo test bench bench-plan bench-export bench-host bench-generate
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -33,3 +33,6 @@ bench-export: $(STAMP)
 
 bench-host: $(STAMP)
 	JAX_PLATFORMS=cpu $(VENV)/bin/python benchmarks/host_bench.py --repeats 5
+
+bench-generate: $(STAMP)
+	JAX_PLATFORMS=cpu $(VENV)/bin/python benchmarks/generate_bench.py --repeats 3

@@ -23,8 +23,8 @@ never stops transformers, and the engine's early stops are counted, not hidden).
    minus that bucket's warm median), prefill and decode steps (device call, padding waste), host;
 5. how many prompts give the same greedy tokens on both sides (reported, not asserted).
 
-One invocation takes about 7 to 8 minutes on 2 cores (one whole-process pair, then the engine cold and
-warm in process). On a shared machine one pair is noisy: use `--repeats 3` when there is time.
+One invocation takes about 4 minutes on 2 cores (one whole-process pair, then the engine cold and warm in
+process), 7 with `--repeats 3` (`make bench-generate`). On a shared machine one pair is noisy.
 `--engine-flags` takes any `pagefleet generate --engine.*` flags, to compare engine configs.
 
 `--hf-worker` is the transformers side (run as a subprocess by the benchmark): it left-pads
