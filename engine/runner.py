@@ -315,10 +315,12 @@ class ModelRunner:
         per_row = (np.array([row.token_id for row in rows] + [0] * pad, np.int32),
                    np.array([row.start for row in rows] + [0] * pad, np.int32),
                    np.array(limits + [0] * pad, np.int32), np.array(remaining + [0] * pad, np.int32))
-        if self._settings[1].mesh is None:
-            # On the pool's device, as a chained call's come from the device: numpy arguments would be another
-            # jit signature, and so a second compile of the same program (and of _chain's).
-            per_row = jax.device_put(per_row, self.kv.pool.array.sharding)
+        # Placed as a chained call's are (the device outputs of _chain: replicated over the mesh): numpy arguments
+        # would be another jit signature, and so a second compile of the same program (and of _chain's). Every
+        # host builds the same rows; no cross-host check (device_put would make one on every call).
+        mesh = self._settings[1].mesh
+        replicated = self.kv.pool.array.sharding if mesh is None else NamedSharding(mesh, P())
+        per_row = tuple(jax.make_array_from_process_local_data(replicated, x) for x in per_row)
         return self._launch(*per_row, mode, sampling, stops, len(rows), [row.pages for row in rows], num_steps)
 
     def chain_multi_step(self, prev: PendingSteps, pages: Sequence[Sequence[int]], alive: Sequence[bool],

@@ -9,6 +9,7 @@ import pytest
 
 from engine import runner as runner_module
 from engine.config import EngineConfig, SamplingConfig
+from engine.distributed import slice_mesh
 from engine.engine import Completion, Engine
 from engine.presets import write_model
 from engine.sequence import Request
@@ -167,14 +168,16 @@ def test_no_call_runs_ahead_when_every_row_ends_in_the_one_before(tiny_llama, mo
     assert calls == [14, 2, 2, 2, 2] and engine.num_pipelined_calls == 4
 
 
-def test_a_call_and_the_calls_chained_to_it_share_one_program(tiny_llama):
+@pytest.mark.parametrize("model_axis", [None, 2])
+def test_a_call_and_the_calls_chained_to_it_share_one_program(tiny_llama, model_axis):
     """The first call of a run of pipelined calls gets its rows from the host, the next ones from the
     device: both must hit the same compiled program (a second signature compiles it again, ~1 s a shape on
-    a machine's first job)."""
+    a machine's first job), on one device and on a mesh."""
     p = prompts()
     requests = [Request(f"r{i}", p[i], with_max_new(GREEDY, 17)) for i in range(3)]
+    mesh = None if model_axis is None else slice_mesh(model_axis)
     engine = Engine(tiny_llama, EngineConfig(page_size=8, max_pages=64, max_seqs=4, max_seqs_in_prefill=4,
-                                             max_prefill_size=256, max_seq_len=128, decode_steps=4))
+                                             max_prefill_size=256, max_seq_len=128, decode_steps=4), mesh=mesh)
     runner_module._steps_sample.clear_cache()
     runner_module._chain.clear_cache()
     engine.generate(requests)
