@@ -24,8 +24,9 @@ class ClusterConfig:
     On a multi-host slice, host 0 takes it and the other hosts go to nodes with the same `ray.io/tpu-slice-name`
     label as host 0's node (Ray labels TPU hosts so), never to another pod slice's hosts."""
     samples_in_flight_per_slice: int | None = None
-    """Samples a slice holds at once (running plus queued in its engine); defaults to 2 * engine.max_seqs, so
-    the next batches are already queued when slots free up and the engine stays full across batches."""
+    """Unfinished samples a slice holds at once (running plus queued in its engine, counted sample by sample as
+    they finish); defaults to 2 * engine.max_seqs, so the next batches are already queued when slots free up
+    and the engine stays full across batches."""
     max_slice_restarts: int = 3
     """Times a slice that died (or failed to start) is replaced before the run gives up on it."""
     placement_strategy: str = "SPREAD"

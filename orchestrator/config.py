@@ -48,6 +48,12 @@ class RunConfig:
     def resolved_run_dir(self) -> str:
         return self.run_dir or os.path.join("manifests", self.name)
 
+    @property
+    def samples_in_flight_per_slice(self) -> int:
+        """Unfinished samples the head keeps at each slice (cluster.samples_in_flight_per_slice, else twice the
+        engine's slots: the next batches wait in the engine's queue when slots free up)."""
+        return self.cluster.samples_in_flight_per_slice or 2 * self.engine.max_seqs
+
     def sample_affecting(self) -> dict[str, Any]:
         """The keys a plan is tied to, as plain data (corpus, model source, sampling, packing)."""
         corpus = dataclasses.asdict(self.corpus)

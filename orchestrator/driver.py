@@ -2,9 +2,10 @@
 
 The head owns all durable state (batches.jsonl, outputs/, events.log) and the tracker; slices get
 batches and return `Completed | Failed` as data. Each slice holds about
-`cluster.samples_in_flight_per_slice` samples (default 2 x engine.max_seqs): the next batches are
-already queued in its engine when slots free up, so it never drains between batches; a slice
-that frees up pulls the next pending batch, so faster slices do more. A batch's outputs are written
+`cluster.samples_in_flight_per_slice` unfinished samples (default 2 x engine.max_seqs; the slice
+reports how many of those sent to it have finished): the next batches are already queued in its
+engine when slots free up, so it never drains between batches, even while a batch waits on one long
+sample; a slice that frees up pulls the next pending batch, so faster slices do more. A batch's outputs are written
 atomically before it is marked done. A failed attempt is retried after an exponential backoff, up to
 `retry.max_attempts`; a dead slice's batches go back to pending and the slice is replaced.
 """
@@ -39,7 +40,8 @@ class _Slot:
 
     gang: SliceGang
     inflight: dict[str, tuple[int, list[str]]] = field(default_factory=dict)  # batch -> (attempt, prompt ids)
-    samples_held: int = 0  # samples of the batches in `inflight`
+    samples_sent: int = 0  # to the slice's current actors
+    samples_finished: int = 0  # of those, as the slice last reported (never more than have finished)
     restarts: int = 0
     dead: str | None = None  # why it was given up on
 
@@ -50,6 +52,11 @@ class _Slot:
     @property
     def ready(self) -> bool:
         return self.gang.ready
+
+    @property
+    def samples_held(self) -> int:
+        """Samples sent to the slice and not known to have finished (an upper bound on its queue)."""
+        return self.samples_sent - self.samples_finished
 
     @property
     def actor(self):
@@ -79,7 +86,7 @@ class Driver:
         self.slots: list[_Slot] = []
         self.on_actors_ready = None  # tests: called with the slots once every live slice has started
         self.on_slices_done = None  # tests: called with the slots before the actors are stopped
-        self._samples_in_flight = cfg.cluster.samples_in_flight_per_slice or 2 * cfg.engine.max_seqs
+        self._samples_in_flight = cfg.samples_in_flight_per_slice
 
     # -- the run ---------------------------------------------------------------------------------
 
@@ -191,6 +198,7 @@ class Driver:
             self._state.event(f"{slot.name} ready (pids {info['pids']}, {info['devices']} devices{where}, "
                               f"model loaded in {info['load_s']:.1f} s)")
         elif event.kind == "results":
+            slot.samples_finished = event.samples_finished
             for result in event.results:
                 self._result(slot, result)
 
@@ -200,7 +208,7 @@ class Driver:
         if held is None or held[0] != result.attempt:
             self._state.event(f"{slot.name}: ignored a stale result for {result.batch_id}")
             return
-        self._release(slot, result.batch_id)
+        slot.inflight.pop(result.batch_id)
         if isinstance(result, Failed):
             self._attempt_failed(result.batch_id, f"on {slot.name}: {result.error}")
         else:
@@ -210,7 +218,7 @@ class Driver:
         """Requeue the slice's batches and replace it (up to cluster.max_slice_restarts times)."""
         self._state.event(f"{slot.name} {reason}")
         for batch_id in list(slot.inflight):
-            self._release(slot, batch_id)
+            slot.inflight.pop(batch_id)
             self._attempt_failed(batch_id, f"{slot.name} {reason}")
         slot.gang.kill()
         if slot.restarts >= self.cfg.cluster.max_slice_restarts:
@@ -219,11 +227,8 @@ class Driver:
             return
         slot.restarts += 1
         self._state.event(f"{slot.name} restarting ({slot.restarts} of {self.cfg.cluster.max_slice_restarts})")
+        slot.samples_sent = slot.samples_finished = 0  # counted afresh by the new actors
         slot.gang.spawn()
-
-    def _release(self, slot: _Slot, batch_id: str) -> None:
-        _, prompt_ids = slot.inflight.pop(batch_id)
-        slot.samples_held -= len(prompt_ids) * self.cfg.sampling.n
 
     # -- batches ---------------------------------------------------------------------------------
 
@@ -244,7 +249,7 @@ class Driver:
             self._attempt_failed(batch_id, f"could not read {self.run_dir.batch_file(batch_id)}: {e}")
             return
         slot.inflight[batch_id] = (record.attempts, prompts.column("prompt_id").to_pylist())
-        slot.samples_held += prompts.num_rows * self.cfg.sampling.n
+        slot.samples_sent += prompts.num_rows * self.cfg.sampling.n
         slot.gang.submit(BatchWork(batch_id, record.attempts, prompts))
         crash_point("dispatched")
 

@@ -1,10 +1,13 @@
 """A slice: one process that owns an engine and runs the batches the head sends it.
 
 The head calls `submit(work)` (queues a batch, returns at once) and `poll(timeout_s)` (the results
-that are ready). A background thread runs the engine and feeds it: the next queued batch enters the
-engine as soon as the current one's requests have all been admitted, so the engine stays full across
-batch boundaries. A slice never writes the run directory and never talks to the tracker; what it
-measured travels back with its results.
+that are ready, and how many of the samples sent here have finished: the head keeps the slice's
+unfinished samples, not its unfinished batches, at its budget, so that the samples of a batch that
+already stopped never hold back the next batch while one long sample runs on). A background thread
+runs the engine and feeds it: the next queued batch enters the engine as soon as the current one's
+requests have all been admitted, so the engine stays full across batch boundaries. A slice never
+writes the run directory and never talks to the tracker; what it measured travels back with its
+results.
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ class SliceSpec:
     """This host's place in the slice; host 0 is the jax.distributed coordinator and returns the results."""
     devices_per_host: int | None = None
     """CPU slices: XLA host devices this process exposes."""
+    samples_in_flight: int | None = None
+    """The head's budget of unfinished samples here (RunConfig.samples_in_flight_per_slice): once the slice
+    holds fewer, it returns the head's poll early so that the head sends the next batch. None: it never does."""
 
 
 @dataclass
@@ -73,7 +79,13 @@ class SliceWorker:
         self._owner: dict[tuple[str, int], str] = {}  # (prompt_id, generation_index) -> batch_id
         self._timeline: list[dict] = []
         self.steps = 0  # engine steps taken: the head's sign of life for this slice
-        self._bucket = [time.time(), 0, 0, 0]  # start, steps, tokens, live sequences summed over steps
+        self.samples_finished = 0
+        """Samples sent here that left the slice's work: finished by the engine, or in a batch that failed.
+        Only grows (written by the engine thread alone)."""
+        self._wakes = 0  # the head was woken for the batches received up to this count
+        # The timeline bucket being filled: start (the first step's), steps, tokens, live sequences summed over
+        # steps. Closed after TIMELINE_BUCKET_S, and whenever a result leaves: every step is in one bucket.
+        self._bucket = [0.0, 0, 0, 0]
 
     # -- called by the head ----------------------------------------------------------------------
 
@@ -116,19 +128,21 @@ class SliceWorker:
     def submit(self, work: BatchWork) -> None:
         self._inbox.put(work)
 
-    def poll(self, timeout_s: float) -> tuple[list[Result], int]:
-        """(results ready now, engine steps so far), waiting up to `timeout_s` for a first result; raises if
-        the engine thread died."""
-        out: list[Result] = []
+    def poll(self, timeout_s: float) -> tuple[list[Result], int, int]:
+        """(results ready now, engine steps so far, samples finished so far), waiting up to `timeout_s` for a
+        first result, or for the slice to fall below the head's budget (`_wake_head`); raises if the engine
+        thread died."""
+        out: list[Result | None] = []
         try:
             out.append(self._outbox.get(timeout=timeout_s))
             while True:
                 out.append(self._outbox.get_nowait())
         except queue.Empty:
             pass
+        results = [r for r in out if r is not None]  # None: the slice fell below its budget (_wake_head)
         if not out and self._fatal is not None:
             raise RuntimeError(f"slice {self.spec.name}'s engine thread died: {self._fatal}")
-        return out, self.steps
+        return results, self.steps, self.samples_finished  # read last: it counts every result returned
 
     def pid(self) -> int:
         return os.getpid()
@@ -221,6 +235,7 @@ class SliceWorker:
         for r in requests[::sampling.n]:
             error = self.engine.validate(r)
             if error is not None:
+                self.samples_finished += len(requests)
                 self._emit(Failed(work.batch_id, work.attempt, self.spec.name, f"prompt {r.prompt_id!r}: {error}"))
                 return
         self._live[work.batch_id] = _Live(work, len(requests), time.time())
@@ -229,11 +244,13 @@ class SliceWorker:
             self.engine.add_request(r)
 
     def _step(self) -> None:
+        started = time.time()
         try:
             finished = self.engine.step()
         except Exception:
             error = traceback.format_exc(limit=8)
             for live in self._live.values():
+                self.samples_finished += live.expected - len(live.done)
                 self._emit(Failed(live.work.batch_id, live.work.attempt, self.spec.name, error))
             self._live.clear()
             self._owner.clear()
@@ -247,7 +264,8 @@ class SliceWorker:
             live.steps += 1
             live.seq_steps += live_seqs
             live.max_pages = max(live.max_pages, pages)
-        self._account(live_seqs, tokens)
+        self._account(started, live_seqs, tokens)
+        self.samples_finished += len(finished)
         for c in finished:
             batch = self._live[self._owner.pop((c.prompt_id, c.generation_index))]
             batch.done[(c.prompt_id, c.generation_index)] = c
@@ -258,6 +276,19 @@ class SliceWorker:
                     self.engine.release_finished()
         if not self.engine.has_unfinished:
             self.engine.reset()  # idle: every page back, the same way on every host
+        self._wake_head()
+
+    def _wake_head(self) -> None:
+        """Return the head's pending poll once the slice holds fewer unfinished samples than the head's budget:
+        the head learns how many finished and sends the next batch now, not at the next batch's end (many
+        steps later when one long sample holds a batch open). At most once per batch received, so a slice
+        never wakes the head more often than it takes batches."""
+        budget, received = self.spec.samples_in_flight, self._inbox.batches_received
+        if budget is None or self._wakes == received or self.spec.host_index != 0:
+            return
+        if self._inbox.prompts_received * self.spec.sampling.n - self.samples_finished < budget:
+            self._wakes = received
+            self._outbox.put(None)
 
     def _completed(self, live: _Live) -> Completed:
         n = self.spec.sampling.n
@@ -282,23 +313,31 @@ class SliceWorker:
         table = pa.Table.from_pydict(columns, schema=SAMPLE_SCHEMA)
         return Completed(work.batch_id, work.attempt, self.spec.name, with_stats(table, stats), stats)
 
-    def _account(self, live_seqs: int, tokens: int) -> None:
-        """Fold one step into the current 1 s timeline bucket."""
+    def _account(self, started: float, live_seqs: int, tokens: int) -> None:
+        """Fold one step (begun at `started`) into the current timeline bucket."""
         b = self._bucket
+        if not b[1]:
+            b[0] = started  # a bucket spans steps only: an idle slice's wait is in none
         b[1] += 1
         b[2] += tokens
         b[3] += live_seqs
-        now = time.time()
-        if now - b[0] >= TIMELINE_BUCKET_S:
-            self._timeline.append({"t": now, "steps": b[1], "tokens_per_s": b[2] / (now - b[0]),
+        if time.time() - b[0] >= TIMELINE_BUCKET_S:
+            self._close_bucket()
+
+    def _close_bucket(self) -> None:
+        b = self._bucket
+        if b[1]:
+            now = time.time()
+            self._timeline.append({"t": now, "steps": b[1], "tokens_per_s": b[2] / max(now - b[0], 1e-9),
                                    "occupancy": b[3] / b[1] / self.spec.engine.max_seqs})
-            self._bucket = [now, 0, 0, 0]
+            self._bucket = [0.0, 0, 0, 0]
             self.engine.stats.clear()  # only the last step is read here: keep a days-long run's memory flat
 
     def _emit(self, result: Result) -> None:
+        self._close_bucket()  # the steps so far travel with this result: a run's last steps are counted too
+        timeline, self._timeline = self._timeline, []  # taken on every host, so that none grows it for days
         if self.spec.host_index != 0:
             return  # every host computed it; host 0 alone returns it
-        timeline, self._timeline = self._timeline, []
         self._outbox.put(dataclasses.replace(result, timeline=timeline))
 
 
@@ -313,10 +352,14 @@ class _Inbox:
         self._items: dict[int, BatchWork] = {}
         self._next = 0
         self._changed = threading.Condition()
+        self.batches_received = 0
+        self.prompts_received = 0
 
     def put(self, work: BatchWork) -> None:
         with self._changed:
             self._items[work.seq] = work
+            self.batches_received += 1
+            self.prompts_received += work.num_prompts
             self._changed.notify_all()
 
     def ready(self) -> bool:

@@ -26,6 +26,8 @@ POLL_S = 1.0
 class GangEvent:
     kind: str  # "waiting" | "started" | "results" | "failed"
     results: list[Result] | None = None
+    samples_finished: int | None = None
+    """With "results": samples the slice has finished since it started (SliceWorker.samples_finished)."""
     info: dict | None = None
     reason: str | None = None
 
@@ -99,7 +101,8 @@ class SliceGang:
         for host, options in enumerate(self._host_options):
             spec = SliceSpec(self.name, cfg.model.require_path(), cfg.model.tokenizer_path, cfg.model.dtype,
                              cfg.engine, cfg.sampling, dict(cfg.cluster.mesh), num_hosts=self.num_hosts,
-                             host_index=host, devices_per_host=cfg.cluster.devices_per_host)
+                             host_index=host, devices_per_host=cfg.cluster.devices_per_host,
+                             samples_in_flight=cfg.samples_in_flight_per_slice)
             if self._head_group is not None:  # host 0 in the head's group, the others in the slice's
                 group, index = (self._head_group, 0) if host == 0 else (self.placement_group, host - 1)
             else:
@@ -150,14 +153,15 @@ class SliceGang:
             return GangEvent("started", info=self._summary())
         host = self._polls.pop(ref)
         try:
-            results, steps = ray.get(ref)
+            results, steps, samples_finished = ray.get(ref)
         except ray.exceptions.RayError as e:
             where = f" (host {host})" if self.num_hosts > 1 else ""
             return GangEvent("failed", reason=f"died{where}: {_error_text(e)}")
         self._polls[self.actors[host].poll.remote(POLL_S)] = host
         if host == 0 and steps != self._steps:
             self._steps, self._since = steps, time.monotonic()
-        return GangEvent("results", results=results) if host == 0 else GangEvent("waiting")
+        return GangEvent("results", results=results, samples_finished=samples_finished) if host == 0 \
+            else GangEvent("waiting")
 
     def timed_out(self, holding_batches: bool) -> str | None:
         """Why the slice counts as hung, or None."""

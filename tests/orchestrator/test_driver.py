@@ -187,7 +187,10 @@ def test_occupancy_with_early_stops(ray_local, run_model, tmp_path):
     reasons = Counter(table["finish_reason"].to_pylist())
     stopped = [len(t) for t, r in zip(table["token_ids"].to_pylist(), table["finish_reason"].to_pylist()) if r == "stop"]
     assert 0.2 * len(table) < reasons["stop"] < 0.9 * len(table) and len(set(stopped)) >= 8
-    assert outcome.summary["mean_occupancy"] >= 0.85, outcome.summary
+    # The engine is never short of queued sequences here until the last batch (0.943 on every run, however
+    # fast): the head counts the slice's unfinished samples, not its unfinished batches. Counting batches
+    # (a batch's early-stopped samples held its budget until its last sample ended) gave 0.83-0.87.
+    assert outcome.summary["mean_occupancy"] >= 0.9, outcome.summary
     assert status(run_dir)["mean_occupancy"] == pytest.approx(outcome.summary["mean_occupancy"], abs=1e-3)
 
 

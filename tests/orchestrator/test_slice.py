@@ -1,0 +1,69 @@
+"""The slice's side of the head's flow control, in one process (no Ray): it counts finished samples one by
+one and, below the head's budget, returns the head's pending poll before any batch has finished."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+
+from engine.config import EngineConfig, SamplingConfig
+from orchestrator.planner import BATCH_SCHEMA
+from orchestrator.results import BatchWork, Completed
+from orchestrator.slice import SliceSpec, SliceWorker
+
+N = 2  # samples per prompt
+
+
+def worker(model: str, samples_in_flight: int | None) -> SliceWorker:
+    engine = EngineConfig(page_size=8, max_pages=96, max_seqs=8, max_seqs_in_prefill=4, max_prefill_size=128,
+                          max_seq_len=128)
+    spec = SliceSpec("slice-t", model, model, "float32", engine, SamplingConfig(max_new_tokens=12, n=N),
+                     samples_in_flight=samples_in_flight)
+    w = SliceWorker(spec)
+    w.start()
+    return w
+
+
+def batch(batch_id: str, seq: int, num_prompts: int) -> BatchWork:
+    prompts = pa.table({"prompt_id": [f"{batch_id}-{i}" for i in range(num_prompts)],
+                        "row": list(range(num_prompts)),
+                        "token_ids": [[5 + i, 6, 7, 8 + seq] for i in range(num_prompts)]}, schema=BATCH_SCHEMA)
+    return BatchWork(batch_id, 1, prompts, seq=seq)
+
+
+def poll_until_done(w: SliceWorker, batch_ids: set[str]) -> tuple[list, int]:
+    got, finished = [], 0
+    while {r.batch_id for r in got} != batch_ids:
+        results, _, finished = w.poll(timeout_s=60)
+        got += results
+    return got, finished
+
+
+@pytest.mark.parametrize("budget", [None, 2 * N])
+def test_a_slice_at_its_budget_answers_the_poll_with_its_results(run_model, budget):
+    """Holding as many unfinished samples as the head allows (or with no budget), the slice has nothing to
+    ask for: the head's poll comes back with the batch's results, and every sample counts as finished."""
+    w = worker(run_model, budget)
+    try:
+        w.submit(batch("b0", 0, 2))
+        results, _, finished = w.poll(timeout_s=60)
+        assert [r.batch_id for r in results] == ["b0"] and isinstance(results[0], Completed)
+        assert finished == 2 * N
+    finally:
+        w.stop()
+
+
+def test_a_slice_below_its_budget_wakes_the_head_once_per_batch(run_model):
+    """Below the budget the poll returns at the batch's first step, with no result yet, so that the head
+    sends the next batch while this one runs; the count of finished samples ends at every sample sent."""
+    w = worker(run_model, 100)
+    try:
+        w.submit(batch("b0", 0, 2))
+        results, steps, finished = w.poll(timeout_s=60)
+        assert results == [] and steps >= 1 and finished < 2 * N
+        w.submit(batch("b1", 1, 3))
+        got, finished = poll_until_done(w, {"b0", "b1"})
+        assert finished == 5 * N
+        assert w._wakes == 2  # one wake for each batch received, none more
+    finally:
+        w.stop()
