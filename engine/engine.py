@@ -175,7 +175,7 @@ class Engine:
                 forks.append(c.seq)
                 row_seqs += c.seq.siblings
                 row_chunk += [i] * len(c.seq.siblings)
-        with StepTimer(self.stats, chunks):
+        with StepTimer(self.stats, chunks, self.runner.clock):
             rows = [_row_sampling(q) for q in row_seqs]
             tokens, logprobs = self.runner.step_sample(
                 [SeqChunk(c.seq.token_ids[c.seq.num_computed:c.seq.num_computed + c.num_tokens], c.seq.num_computed,
@@ -235,7 +235,7 @@ class Engine:
         feeds each row's tokens to its StopChecker, which may stop it earlier (a stop string). With
         engine.pipeline_decode the call continuing these rows is dispatched before this one is read."""
         seqs = [c.seq for c in chunks]
-        with StepTimer(self.stats, chunks) as timer:
+        with StepTimer(self.stats, chunks, self.runner.clock) as timer:
             rows = [DecodeRow(q.token_ids[-1], q.num_computed, q.pages, limit, _row_sampling(q))
                     for q, limit in zip(seqs, limits)]
             pending = self.runner.dispatch_multi_step(rows, self._stop_ids, self.config.decode_steps,
@@ -280,7 +280,7 @@ class Engine:
         """Read the call dispatched ahead, after dispatching the one that continues it (when it applies)."""
         seqs, pending = self._ahead
         live = [q for q in seqs if not q.stop.finished]
-        with StepTimer(self.stats, [ScheduledChunk(q, 1) for q in live]) as timer:
+        with StepTimer(self.stats, [ScheduledChunk(q, 1) for q in live], self.runner.clock) as timer:
             self._ahead = self._chain(seqs, pending)
             tokens, logprobs, steps = self.runner.fetch_multi_step(pending)
             timer.decode_tokens = int(steps[np.array([not q.stop.finished for q in seqs])].sum())
@@ -340,13 +340,15 @@ class Engine:
 
     def generate(self, requests: Iterable[Request], reset: bool = True,
                  on_finish: Callable[[Completion], None] | None = None) -> list[Completion]:
-        """Run every request to completion; results in request order. Ends with a reset unless told not to."""
+        """Run every request to completion; results in request order. Ends with a reset unless told not to.
+        `stats` then describe this call alone (its performance summary: `stats.summary(max_seqs)`)."""
         requests = list(requests)
         keys = [(r.prompt_id, r.generation_index) for r in requests]
         if len(set(keys)) != len(keys):
             dup = next(k for i, k in enumerate(keys) if k in keys[:i])
             raise ValueError(f"(prompt_id, generation_index)={dup} appears more than once; each sample needs its own key")
         results: dict[tuple[str, int], Completion] = {}
+        self.stats.clear()
         for r in requests:
             early = self.add_request(r)
             if early is not None:

@@ -22,6 +22,7 @@ from engine.config import EngineConfig
 from engine.kv_cache import KVCache
 from engine.model import AttentionSettings, Transformer
 from engine.sampler import greedy_sample, position_keys, sample
+from engine.stats import DeviceClock
 from engine.step_inputs import StepInputs
 
 MIN_TOKEN_BUCKET = 16
@@ -191,6 +192,7 @@ class ModelRunner:
         self.max_seq_len = max_seq_len
         self.pages_per_seq = engine.pages_per_seq(max_seq_len)
         self.kv = KVCache(model.config, engine.max_pages, engine.page_size, kv_dtype, mesh)
+        self.clock = DeviceClock()  # every dispatch and every wait for outputs below is timed on it
         impl = resolve_attention_impl(engine.attention_impl, kv_dtype)
         self._settings = {
             bq: AttentionSettings(impl, engine.attn_pages_per_block, bq, engine.max_pages, mesh,
@@ -276,8 +278,9 @@ class ModelRunner:
     def step(self, chunks: Sequence[SeqChunk]) -> np.ndarray:
         """Process the chunks; returns f32[len(chunks), vocab] logits of each chunk's last token."""
         inputs = self.build_inputs(chunks)  # host arrays: the jitted call copies them (cheaper than jnp.asarray)
-        self.kv.pool, logits = _step(self.model, self.kv.pool, inputs, self._settings_for(chunks))
-        return np.asarray(logits.array)[:len(chunks)]  # read the local replica, slice on the host
+        with self.clock.timing():
+            self.kv.pool, logits = _step(self.model, self.kv.pool, inputs, self._settings_for(chunks))
+            return np.asarray(logits.array)[:len(chunks)]  # read the local replica, slice on the host
 
     def step_sample(self, chunks: Sequence[SeqChunk], rows: Sequence[RowSampling],
                     row_chunk: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -285,11 +288,12 @@ class ModelRunner:
         inputs = self.build_inputs(chunks, row_chunk)
         S = inputs.logits_indices.shape[0]
         positions = np.array([r.position for r in rows] + [0] * (S - len(rows)), np.int32)
-        self.kv.pool, tokens, logprobs = _step_sample(
-            self.model, self.kv.pool, inputs, self._settings_for(chunks),
-            _sampling_mode(rows, self.model.config.vocab_size), *_sampling_arrays(rows, S), positions)
+        mode, sampling = _sampling_mode(rows, self.model.config.vocab_size), _sampling_arrays(rows, S)
         n = len(rows)
-        return np.asarray(tokens)[:n], np.asarray(logprobs)[:n]
+        with self.clock.timing():
+            self.kv.pool, tokens, logprobs = _step_sample(self.model, self.kv.pool, inputs, self._settings_for(chunks),
+                                                          mode, *sampling, positions)
+            return np.asarray(tokens)[:n], np.asarray(logprobs)[:n]
 
     def dispatch_multi_step(self, rows: Sequence[DecodeRow], stop_ids: Sequence[int], num_steps: int,
                             remaining: Sequence[int] | None = None) -> PendingSteps:
@@ -320,7 +324,8 @@ class ModelRunner:
         # host builds the same rows; no cross-host check (device_put would make one on every call).
         mesh = self._settings[1].mesh
         replicated = self.kv.pool.array.sharding if mesh is None else NamedSharding(mesh, P())
-        per_row = tuple(jax.make_array_from_process_local_data(replicated, x) for x in per_row)
+        with self.clock.timing():
+            per_row = tuple(jax.make_array_from_process_local_data(replicated, x) for x in per_row)
         return self._launch(*per_row, mode, sampling, stops, len(rows), [row.pages for row in rows], num_steps)
 
     def chain_multi_step(self, prev: PendingSteps, pages: Sequence[Sequence[int]], alive: Sequence[bool],
@@ -332,8 +337,9 @@ class ModelRunner:
         S = prev.steps.shape[0]
         live = np.zeros(S, bool)
         live[:len(alive)] = alive
-        token_ids, starts, remaining, limits = _chain(prev.tokens, prev.steps, prev.token_ids, prev.starts,
-                                                      prev.remaining, prev.limits, live, prev.stops, num_steps)
+        with self.clock.timing():
+            token_ids, starts, remaining, limits = _chain(prev.tokens, prev.steps, prev.token_ids, prev.starts,
+                                                          prev.remaining, prev.limits, live, prev.stops, num_steps)
         return self._launch(token_ids, starts, limits, remaining, prev.mode, prev.sampling, prev.stops,
                             prev.num_rows, pages, num_steps)
 
@@ -342,9 +348,10 @@ class ModelRunner:
         page_array = np.zeros((stops.shape[0], self.pages_per_seq), np.int32)
         for r, row_pages in enumerate(pages):
             page_array[r, :len(row_pages)] = row_pages
-        self.kv.pool, tokens, logprobs, steps = _steps_sample(
-            self.model, self.kv.pool, self._settings[1], num_steps, mode, token_ids, starts, limits, page_array,
-            np.array([num_rows], np.int32), *sampling, stops)
+        with self.clock.timing():
+            self.kv.pool, tokens, logprobs, steps = _steps_sample(
+                self.model, self.kv.pool, self._settings[1], num_steps, mode, token_ids, starts, limits, page_array,
+                np.array([num_rows], np.int32), *sampling, stops)
         return PendingSteps(tokens, logprobs, steps, token_ids, starts, limits, remaining, mode, sampling, stops,
                             num_rows)
 
@@ -352,7 +359,8 @@ class ModelRunner:
         """Wait for a dispatched call: (tokens i32[num_steps, rows], logprobs f32[num_steps, rows],
         steps i32[rows]); row r's tokens are tokens[:steps[r], r]."""
         n = pending.num_rows
-        return np.asarray(pending.tokens)[:, :n], np.asarray(pending.logprobs)[:, :n], np.asarray(pending.steps)[:n]
+        with self.clock.timing():
+            return np.asarray(pending.tokens)[:, :n], np.asarray(pending.logprobs)[:, :n], np.asarray(pending.steps)[:n]
 
 
 def _sampling_mode(rows: Sequence[RowSampling], vocab_size: int) -> str:

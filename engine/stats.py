@@ -1,40 +1,75 @@
-"""Per-call performance: step wall times and the tokens each step carried."""
+"""Per-call performance: step wall times, the tokens each step carried, and host against device time."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
 
 
+class DeviceClock:
+    """Seconds the host has spent in device calls: dispatching programs and waiting for their outputs.
+
+    The runner times every call it makes into the device with it; the rest of the engine loop's time is
+    host work (scheduling, input packing, stop checks, bookkeeping). On a CPU backend the "device" is the
+    host's own cores, so the split says where the loop waits, not which silicon ran.
+    """
+
+    def __init__(self) -> None:
+        self.total_s = 0.0
+
+    @contextmanager
+    def timing(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.total_s += time.perf_counter() - start
+
+
 @dataclass
 class EngineStats:
     step_s: list[float] = field(default_factory=list)
+    device_s: list[float] = field(default_factory=list)  # of each step's wall time, in device calls
     prefill_tokens: list[int] = field(default_factory=list)  # prompt (and recomputed) tokens per step
     decode_tokens: list[int] = field(default_factory=list)  # tokens drawn per step (all of a multi-step call's)
     active_seqs: list[int] = field(default_factory=list)
     model_steps: list[int] = field(default_factory=list)  # forward passes per step: > 1 for a multi-step decode call
+    first_start: float | None = None  # perf_counter at the first step's start
+    last_end: float = 0.0  # perf_counter at the last step's end
 
     def clear(self) -> None:
-        for values in (self.step_s, self.prefill_tokens, self.decode_tokens, self.active_seqs, self.model_steps):
+        for values in (self.step_s, self.device_s, self.prefill_tokens, self.decode_tokens, self.active_seqs,
+                       self.model_steps):
             values.clear()
+        self.first_start, self.last_end = None, 0.0
 
     def summary(self, max_seqs: int) -> dict[str, float]:
-        """p50/p90/max step time (ms), prefill and decode tokens/s, mean slot occupancy (fraction of max_seqs),
-        mean forward passes per step (device call)."""
+        """p50/p90/max step time (ms); the loop's wall time from the first step's start to the last one's end,
+        split into device calls and host work between and around them (s); prefill and decode tokens/s over
+        the steps; mean and peak slot occupancy (fraction of max_seqs); mean forward passes per step (device
+        call)."""
         if not self.step_s:
             return {"steps": 0}
         t = np.asarray(self.step_s)
         total = float(t.sum())
+        wall = self.last_end - self.first_start
+        device = float(sum(self.device_s))
         return {
             "steps": len(t),
             "step_ms_p50": float(np.percentile(t, 50) * 1e3),
             "step_ms_p90": float(np.percentile(t, 90) * 1e3),
             "step_ms_max": float(t.max() * 1e3),
+            "wall_s": wall,
+            "device_s": device,
+            "host_s": wall - device,
             "prefill_tokens_per_s": sum(self.prefill_tokens) / total,
             "decode_tokens_per_s": sum(self.decode_tokens) / total,
             "mean_slot_occupancy": float(np.mean(self.active_seqs)) / max_seqs,
+            "max_slot_occupancy": max(self.active_seqs) / max_seqs,
             "mean_model_steps": float(np.mean(self.model_steps)),
         }
 
@@ -47,18 +82,25 @@ class StepTimer:
     forward pass.
     """
 
-    def __init__(self, stats: EngineStats, chunks) -> None:
+    def __init__(self, stats: EngineStats, chunks, clock: DeviceClock) -> None:
         self.stats = stats
         self.chunks = chunks
+        self.clock = clock
         self.decode_tokens: int | None = None
         self.model_steps = 1
 
     def __enter__(self) -> "StepTimer":
         self.start = time.perf_counter()
+        self.device_start = self.clock.total_s
+        if self.stats.first_start is None:
+            self.stats.first_start = self.start
         return self
 
     def __exit__(self, *exc) -> None:
-        self.stats.step_s.append(time.perf_counter() - self.start)
+        end = time.perf_counter()
+        self.stats.step_s.append(end - self.start)
+        self.stats.device_s.append(self.clock.total_s - self.device_start)
+        self.stats.last_end = end
         # A chunk that completes draws a token, and so does each sibling forking from it (same logits).
         completed = sum(1 + len(c.seq.siblings) for c in self.chunks if c.completes)
         self.stats.decode_tokens.append(completed if self.decode_tokens is None else self.decode_tokens)

@@ -33,6 +33,9 @@ class GenerateConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     progress: bool = True
     """Show a progress bar on stderr."""
+    stats_output: str | None = None
+    """Also write the engine's performance summary and counters (steps, host and device seconds, tokens/s,
+    slot occupancy, preemptions, ...) to this JSON file."""
 
 
 def _prompt_tokens(row: object, tokenizer) -> tuple[str, list[int] | None, str | None]:
@@ -120,10 +123,18 @@ def run_generate(cfg: GenerateConfig) -> int:
     _write_atomically(Path(cfg.output), lines)
     errors = sum(1 for c in by_key.values() if c.error)
     summary = engine.stats.summary(cfg.engine.max_seqs)
-    print(f"wrote {len(lines)} samples to {cfg.output} ({errors} with errors); "
-          f"{summary.get('decode_tokens_per_s', 0):.1f} decode tok/s, "
-          f"{summary.get('prefill_tokens_per_s', 0):.1f} prefill tok/s, "
-          f"mean slot occupancy {summary.get('mean_slot_occupancy', 0):.2f}", file=sys.stderr)
+    counters = {k: v for k, v in engine.snapshot().items()
+                if k in ("num_preemptions", "num_multi_step_fallbacks", "num_pipelined_calls")}
+    print(f"wrote {len(lines)} samples to {cfg.output} ({errors} with errors)", file=sys.stderr)
+    if summary["steps"]:
+        print(f"{summary['steps']} steps in {summary['wall_s']:.2f} s (device calls {summary['device_s']:.2f} s, "
+              f"host {summary['host_s']:.2f} s; step p50 {summary['step_ms_p50']:.1f} ms, "
+              f"p90 {summary['step_ms_p90']:.1f} ms, max {summary['step_ms_max']:.1f} ms); "
+              f"{summary['decode_tokens_per_s']:.1f} decode tok/s, {summary['prefill_tokens_per_s']:.1f} prefill tok/s; "
+              f"slot occupancy mean {summary['mean_slot_occupancy']:.2f}, max {summary['max_slot_occupancy']:.2f}; "
+              f"{counters['num_preemptions']} preemptions", file=sys.stderr)
+    if cfg.stats_output:
+        _write_atomically(Path(cfg.stats_output), [json.dumps({**summary, **counters}, indent=1) + "\n"])
     return 0
 
 

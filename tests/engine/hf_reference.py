@@ -64,3 +64,10 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int],
     scores = torch.stack(out.scores)[:, 0]  # [steps, vocab]
     top2 = torch.topk(scores, 2, dim=-1).values
     return out.sequences[0, len(prompt):].tolist(), float((top2[:, 0] - top2[:, 1]).min())
+
+
+def varied_prompts(vocab: int, count: int = 64, seed: int = 0) -> list[list[int]]:
+    """`count` prompts of 1 to 400 tokens (the edges 1, 2, 15-17, 399, 400 included), ids in [6, vocab)."""
+    rng = np.random.default_rng(seed)
+    lengths = np.concatenate([[1, 2, 15, 16, 17, 399, 400], rng.integers(1, 401, count - 7)])
+    return [rng.integers(6, vocab, int(n)).tolist() for n in lengths]

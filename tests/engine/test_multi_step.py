@@ -13,6 +13,7 @@ from engine.distributed import slice_mesh
 from engine.engine import Completion, Engine
 from engine.presets import write_model
 from engine.sequence import Request
+from engine.stats import EngineStats
 
 GREEDY = SamplingConfig(max_new_tokens=13, temperature=0.0, logprobs=True)
 SEEDED = SamplingConfig(max_new_tokens=13, temperature=0.8, top_p=0.9, top_k=50, seed=3, n=2, logprobs=True)
@@ -51,7 +52,14 @@ def run(path, decode_steps: int, batches: list[list[Request]], **config) -> tupl
     engine = Engine(path, EngineConfig(**{"page_size": 8, "max_pages": 64, "max_seqs": 4, "max_seqs_in_prefill": 4,
                                           "max_prefill_size": 256, "max_seq_len": 128, "decode_steps": decode_steps,
                                           "debug_invariants": True, **config}))
-    return [c for batch in batches for c in engine.generate(batch, reset=False)], engine
+    out, calls = [], EngineStats()
+    for batch in batches:
+        out += engine.generate(batch, reset=False)
+        for name, values in vars(engine.stats).items():  # each call's stats start afresh: keep every call's steps
+            if isinstance(values, list):
+                getattr(calls, name).extend(values)
+    engine.stats = calls
+    return out, engine
 
 
 def mid_call_stop(path) -> tuple[str, int]:
