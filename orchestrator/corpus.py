@@ -245,17 +245,24 @@ def _text(value: Any, what: str) -> str | Rejection:
     return value
 
 
+def row_id(record: dict, id_field: str | None, default: str | None) -> str | None | Rejection:
+    """The row's id as a string (a string or integer field), `default` when it has none."""
+    if not id_field or record.get(id_field) is None:
+        return default
+    value = record[id_field]
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        return Rejection("wrong_type", f"field {id_field!r} is a {type(value).__name__}, not a string or integer")
+    return str(value)
+
+
 def extract_prompt(raw: RawRow, config: CorpusConfig) -> Prompt | Rejection:
     """The prompt a well-formed row holds, or why the row cannot be used."""
     if raw.reason is not None:
         return Rejection(raw.reason, raw.detail or "")
     record = raw.record
-    prompt_id: str = str(raw.row)
-    if config.id_field and record.get(config.id_field) is not None:
-        value = record[config.id_field]
-        if isinstance(value, bool) or not isinstance(value, (str, int)):
-            return Rejection("wrong_type", f"field {config.id_field!r} is a {type(value).__name__}, not a string or integer")
-        prompt_id = str(value)
+    prompt_id = row_id(record, config.id_field, str(raw.row))
+    if isinstance(prompt_id, Rejection):
+        return prompt_id
     has_messages = bool(config.messages_field) and record.get(config.messages_field) is not None
     has_text = bool(config.text_field) and record.get(config.text_field) is not None
     if has_messages and has_text:

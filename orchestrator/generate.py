@@ -17,6 +17,7 @@ from pathlib import Path
 import draccus
 
 from engine.config import EngineConfig, SamplingConfig
+from orchestrator.corpus import CorpusConfig, RawRow, Rejection, extract_prompt, row_id
 
 
 @dataclass(frozen=True)
@@ -38,28 +39,41 @@ class GenerateConfig:
     slot occupancy, preemptions, ...) to this JSON file."""
 
 
-def _prompt_tokens(row: object, tokenizer) -> tuple[str, list[int] | None, str | None]:
-    """(prompt_id, token ids or None, error or None) for one parsed input line."""
+# The generate input's fields, judged by the same rules as a run's corpus rows (orchestrator.corpus).
+_FIELDS = CorpusConfig(path="", id_field="id", text_field="prompt", messages_field="messages")
+
+
+def _parse_line(raw: bytes, line_no: int, tokenizer) -> tuple[str | None, list[int] | None, str | None]:
+    """(prompt_id or None when the line has none, token ids or None, error or None) for one input line.
+
+    Lines are judged as `pagefleet run` judges corpus rows, and an error names the same reasons as its
+    rejected.jsonl: a line that is not UTF-8, not JSON or not an object, an empty prompt or message list, a
+    field of the wrong type or no prompt field at all is an error record, never repaired or dropped."""
+    try:
+        row = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        return None, None, f"undecodable: line {line_no} is not UTF-8 ({e.reason} at byte {e.start})"
+    except ValueError as e:
+        return None, None, f"malformed_row: line {line_no} is not valid JSON ({e})"
     if not isinstance(row, dict):
-        return "", None, "line is not a JSON object"
-    pid = str(row.get("id", ""))
-    if "prompt_token_ids" in row:
+        return None, None, f"malformed_row: line {line_no} is a JSON {type(row).__name__}, not an object"
+    pid = row_id(row, "id", None)
+    if isinstance(pid, Rejection):
+        return None, None, f"{pid.reason}: {pid.detail}"
+    if "prompt_token_ids" in row:  # bypasses the tokenizer ("prompt" or "messages" beside it are not read)
         ids = row["prompt_token_ids"]
-        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-            return pid, None, "prompt_token_ids must be a list of integers"
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            return pid, None, "wrong_type: prompt_token_ids must be a list of integers"
         return pid, ids, None
+    parsed = extract_prompt(RawRow(line_no - 1, "", line_no, row), _FIELDS)
+    if isinstance(parsed, Rejection):
+        return pid, None, f"{parsed.reason}: {parsed.detail}"
     if tokenizer is None:
         return pid, None, "the model directory has no tokenizer; give prompt_token_ids"
-    if "messages" in row:
-        msgs = row["messages"]
-        if not isinstance(msgs, list) or not all(isinstance(m, dict) and isinstance(m.get("content"), str)
-                                                 for m in msgs):
-            return pid, None, "messages must be a list of {role, content} objects"
-        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    if parsed.messages is not None:
+        text = tokenizer.apply_chat_template(parsed.messages, tokenize=False, add_generation_prompt=True)
         return pid, tokenizer(text, add_special_tokens=False)["input_ids"], None
-    if isinstance(row.get("prompt"), str):
-        return pid, tokenizer(row["prompt"])["input_ids"], None
-    return pid, None, "line has none of prompt, messages or prompt_token_ids"
+    return pid, tokenizer(parsed.text)["input_ids"], None
 
 
 def _write_atomically(path: Path, lines: list[str]) -> None:
@@ -86,15 +100,11 @@ def run_generate(cfg: GenerateConfig) -> int:
     requests, failed = [], []
     order: list[tuple[str, int]] = []
     first_line: dict[str, int] = {}
-    with open(cfg.input, encoding="utf-8", errors="replace") as f:
+    with open(cfg.input, "rb") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                row, err = None, f"line {line_no}: malformed JSON ({e.msg})"
-            pid, ids, err = _prompt_tokens(row, engine.tokenizer) if row is not None else (f"line-{line_no}", None, err)
+            pid, ids, err = _parse_line(line, line_no, engine.tokenizer)
             pid = pid or f"line-{line_no}"
             if pid in first_line:  # a repeated id would make two prompts' samples indistinguishable
                 ids, err = None, f"duplicate id {pid!r} (first on line {first_line[pid]})"

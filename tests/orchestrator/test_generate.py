@@ -44,7 +44,8 @@ def test_generate_writes_one_record_per_sample_in_input_order(tmp_path, model_di
         (p, g) for p in ["a", "b", "line-3", "c", "d", "line-6"] for g in (0, 1)]
     by = {(r["prompt_id"], r["generation_index"]): r for r in records}
     assert by[("line-6", 0)]["error"] == "duplicate id 'a' (first on line 1)"
-    assert "malformed JSON" in by[("line-3", 0)]["error"] and by[("d", 1)]["error"].startswith("empty prompt")
+    assert by[("line-3", 0)]["error"].startswith("malformed_row: line 3 is not valid JSON")
+    assert by[("d", 1)]["error"] == "empty_prompt: field 'prompt' is empty"
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert by[("b", 0)]["num_prompt_tokens"] == len(tok(chat, add_special_tokens=False)["input_ids"])
@@ -53,6 +54,45 @@ def test_generate_writes_one_record_per_sample_in_input_order(tmp_path, model_di
         assert r["finish_reason"] in ("stop", "length") and 1 <= len(r["token_ids"]) <= 6
         assert len(r["logprobs"]) == len(r["token_ids"]) and all(lp <= 0 for lp in r["logprobs"])
     assert by[("a", 0)]["token_ids"] != by[("a", 1)]["token_ids"]  # two samples, two random streams
+
+
+def test_generate_judges_bad_lines_as_a_run_judges_corpus_rows(tmp_path, model_dir):
+    """Each bad line becomes a record naming the reason `pagefleet run` writes to rejected.jsonl; nothing is
+    repaired (a line that is not UTF-8 is not decoded with replacement characters) and the good lines run."""
+    lines = [b'{"id": "ok", "prompt": "Hello there"}',
+             b'{"id": "bytes", "prompt": "caf\xe9"}',  # Latin-1, not UTF-8: not even its id is read
+             b'{"id": "blank", "prompt": "   "}',
+             b'[1, 2, 3]',
+             b'{"id": {"x": 1}, "prompt": "an id that is an object"}',
+             b'{"id": "num", "prompt": 17}',
+             b'{"id": "both", "prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}',
+             b'{"id": "nochat", "messages": []}',
+             b'{"id": "nofield", "text": "hi"}',
+             b'{"id": "bools", "prompt_token_ids": [true, false]}',
+             b'{"id": 7, "prompt_token_ids": [5, 6, 7], "prompt": "token ids win"}']
+    (tmp_path / "in.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    out = tmp_path / "out.jsonl"
+    code = generate_main(["--model", str(model_dir), "--input", str(tmp_path / "in.jsonl"), "--output", str(out),
+                          "--sampling.max_new_tokens=3", "--engine.max_seq_len=128", "--engine.max_pages=16",
+                          "--progress=false"])
+    assert code == 0
+    by = {r["prompt_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert list(by) == ["ok", "line-2", "blank", "line-4", "line-5", "num", "both", "nochat", "nofield", "bools", "7"]
+    expected = {"line-2": "undecodable: line 2 is not UTF-8 (invalid continuation byte at byte 30)",
+                "blank": "empty_prompt: field 'prompt' is empty",
+                "line-4": "malformed_row: line 4 is a JSON list, not an object",
+                "line-5": "wrong_type: field 'id' is a dict, not a string or integer",
+                "num": "wrong_type: field 'prompt' is a int, not a string",
+                "both": "malformed_row: row has both 'prompt' and 'messages'",
+                "nochat": "empty_prompt: field 'messages' is an empty list",
+                "nofield": "missing_field: row has no 'prompt' or 'messages' field",
+                "bools": "wrong_type: prompt_token_ids must be a list of integers"}
+    assert {pid: r.get("error") for pid, r in by.items() if pid in expected} == expected
+    for pid in expected:
+        assert by[pid]["token_ids"] == [] and by[pid]["finish_reason"] is None
+    for pid in ("ok", "7"):
+        assert "error" not in by[pid] and len(by[pid]["token_ids"]) >= 1
+    assert by["7"]["num_prompt_tokens"] == 3
 
 
 def test_generate_refuses_unknown_keys_and_tiny_capacity(tmp_path, model_dir):
