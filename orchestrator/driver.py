@@ -27,7 +27,7 @@ from orchestrator.atomic import atomic_write_parquet
 from orchestrator.config import RunConfig
 from orchestrator.faults import crash_point
 from orchestrator.lock import RunLock
-from orchestrator.progress import RunProgress, mean_occupancy, read_timeline
+from orchestrator.progress import RunProgress, engine_time, format_engine_time, mean_occupancy, read_timeline
 from orchestrator.results import BatchWork, Completed, Failed
 from orchestrator.run_state import RunState
 from orchestrator.rundir import RunDir
@@ -307,9 +307,13 @@ class Driver:
             summary["session_batches"] = progress.session_batches
             summary["session_output_tokens"] = progress.session_tokens
             summary["tokens_per_s"] = round(progress.tokens_per_s, 2)
-        occupancy = mean_occupancy(read_timeline(self.run_dir))
+        timeline = read_timeline(self.run_dir)
+        occupancy = mean_occupancy(timeline)
         if occupancy is not None:
             summary["mean_occupancy"] = round(occupancy, 4)
+        split = engine_time(timeline)
+        if split is not None:
+            summary["engine_device_s"], summary["engine_host_s"] = round(split[0], 3), round(split[1], 3)
         return summary
 
     def _plot(self) -> None:
@@ -340,6 +344,8 @@ def _format_summary(s: dict) -> str:
                      f"{s['session_s']:,.1f} s = {s['tokens_per_s']:,.1f} tokens/s")
     if "mean_occupancy" in s:
         lines.append(f"slot occupancy   {s['mean_occupancy']:.1%} of engine.max_seqs (mean over engine steps)")
+    if "engine_device_s" in s:
+        lines.append(f"engine time      {format_engine_time((s['engine_device_s'], s['engine_host_s']))}")
     for batch_id, error in s["failed"].items():
         last = (error or "").strip().splitlines()[-1:] or ["?"]
         lines.append(f"failed {batch_id}: {last[0]}")

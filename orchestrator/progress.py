@@ -97,3 +97,19 @@ def mean_occupancy(timeline: list[dict]) -> float | None:
     if not steps:
         return None
     return sum(b["occupancy"] * b.get("steps", 1) for b in timeline) / steps
+
+
+def engine_time(timeline: list[dict]) -> tuple[float, float] | None:
+    """(device_s, host_s): the engine loop's time in device calls and in host work (scheduling, input packing,
+    stop checks, the slice's bookkeeping) over the whole run, every slice summed; None before any bucket has
+    them. A large host share says the slice waits on Python, not on the accelerator."""
+    timed = [b for b in timeline if "device_s" in b]
+    if not timed:
+        return None
+    return sum(b["device_s"] for b in timed), sum(b["host_s"] for b in timed)
+
+
+def format_engine_time(split: tuple[float, float]) -> str:
+    device, host = split
+    return (f"device calls {device:,.1f} s, host work {host:,.1f} s "
+            f"({host / max(device + host, 1e-9):.0%} of the engine loop on the host)")

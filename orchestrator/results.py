@@ -68,7 +68,8 @@ class Completed:
     samples: pa.Table  # SAMPLE_SCHEMA, batch order then generation_index
     stats: BatchStats
     timeline: list[dict] = field(default_factory=list)
-    """The slice's steps since its previous result, in 1 s buckets: {t (epoch s), tokens_per_s, occupancy}."""
+    """The slice's steps since its previous result, in 1 s buckets: {t (epoch s), steps, tokens_per_s, occupancy,
+    device_s and host_s (the engine loop's time in device calls and in host work between them)}."""
 
 
 @dataclass(frozen=True)

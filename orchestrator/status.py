@@ -10,7 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 from orchestrator.manifest import read_manifest
-from orchestrator.progress import mean_occupancy, read_timeline
+from orchestrator.progress import engine_time, format_engine_time, mean_occupancy, read_timeline
 from orchestrator.rundir import RunDir
 
 
@@ -46,6 +46,7 @@ def status(run_dir_path: str | Path) -> dict:
     remaining = sum(r.num_prompts for r in records if r.status != "done")
     rate = progress.get("prompts_per_s") or 0.0
     plan = run_dir.read_run_json().get("plan", {}) if run_dir.run_json.exists() else {}
+    timeline = read_timeline(run_dir)
     return {
         "run_dir": str(run_dir.root),
         "head": head,
@@ -59,7 +60,8 @@ def status(run_dir_path: str | Path) -> dict:
         "tokens_per_s": progress.get("tokens_per_s"),
         "eta_s": (remaining / rate if rate else None) if head else None,
         "progress_updated_at": progress.get("updated_at"),
-        "mean_occupancy": mean_occupancy(read_timeline(run_dir)),
+        "mean_occupancy": mean_occupancy(timeline),
+        "engine_time": dict(zip(("device_s", "host_s"), split)) if (split := engine_time(timeline)) else None,
         "failed": [{"batch_id": r.batch_id, "attempts": r.attempts, "error": r.error}
                    for r in records if r.status == "failed"],
     }
@@ -83,6 +85,8 @@ def format_status(s: dict) -> str:
         lines.append(f"eta            {s['eta_s'] / 60:,.1f} min")
     if s["mean_occupancy"] is not None:
         lines.append(f"slot occupancy {s['mean_occupancy']:.1%} of engine.max_seqs (mean over engine steps)")
+    if s["engine_time"] is not None:
+        lines.append(f"engine time    {format_engine_time((s['engine_time']['device_s'], s['engine_time']['host_s']))}")
     for f in s["failed"]:
         lines.append(f"failed {f['batch_id']} after {f['attempts']} attempts:")
         lines += [f"    {line}" for line in (f["error"] or "").strip().splitlines()[-6:]]

@@ -17,7 +17,7 @@ from orchestrator.export import collect
 from orchestrator.lock import RunLock
 from orchestrator.manifest import read_manifest
 from orchestrator.planner import plan
-from orchestrator.status import status
+from orchestrator.status import format_status, status
 
 from .conftest import run_args, write_run_corpus
 
@@ -192,6 +192,11 @@ def test_occupancy_with_early_stops(ray_local, run_model, tmp_path):
     # (a batch's early-stopped samples held its budget until its last sample ended) gave 0.83-0.87.
     assert outcome.summary["mean_occupancy"] >= 0.9, outcome.summary
     assert status(run_dir)["mean_occupancy"] == pytest.approx(outcome.summary["mean_occupancy"], abs=1e-3)
+    # The engine loop's time in device calls and in host work, from the slice's timeline (one slice here).
+    device_s, host_s = outcome.summary["engine_device_s"], outcome.summary["engine_host_s"]
+    assert device_s > 0 and host_s > 0 and device_s + host_s <= outcome.summary["session_s"], outcome.summary
+    assert status(run_dir)["engine_time"] == pytest.approx({"device_s": device_s, "host_s": host_s}, abs=1e-3)
+    assert "% of the engine loop on the host" in format_status(status(run_dir))
 
 
 def test_slices_that_cannot_start_end_the_run_with_the_reason(ray_local, run_model, tmp_path, capsys):

@@ -1,7 +1,10 @@
-"""The slice's side of the head's flow control, in one process (no Ray): it counts finished samples one by
-one and, below the head's budget, returns the head's pending poll before any batch has finished."""
+"""The slice in one process (no Ray): its side of the head's flow control (it counts finished samples one by
+one and, below the head's budget, returns the head's pending poll before any batch has finished), and the
+timeline its results carry."""
 
 from __future__ import annotations
+
+import time
 
 import pyarrow as pa
 import pytest
@@ -65,5 +68,25 @@ def test_a_slice_below_its_budget_wakes_the_head_once_per_batch(run_model):
         got, finished = poll_until_done(w, {"b0", "b1"})
         assert finished == 5 * N
         assert w._wakes == 2  # one wake for each batch received, none more
+    finally:
+        w.stop()
+
+
+def test_the_timeline_splits_every_step_into_device_calls_and_host_work(run_model):
+    """Each bucket of the timeline a result carries holds its steps' time in device calls and in host work,
+    taken from the engine's stats before they are cleared: every step counted once, none twice."""
+    w = worker(run_model, None)
+    try:
+        t = time.perf_counter()
+        w.submit(batch("b0", 0, 3))
+        w.submit(batch("b1", 1, 3))
+        got, _ = poll_until_done(w, {"b0", "b1"})
+        wall = time.perf_counter() - t
+        buckets = [b for r in got for b in r.timeline]
+        assert sum(b["steps"] for b in buckets) == w.steps
+        for b in buckets:
+            assert b["device_s"] > 0 and b["host_s"] >= 0, b
+        assert sum(b["device_s"] + b["host_s"] for b in buckets) <= wall
+        assert w.engine.stats.step_s == []  # cleared at the last bucket's close: a days-long run stays flat
     finally:
         w.stop()
