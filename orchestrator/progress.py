@@ -111,5 +111,5 @@ def engine_time(timeline: list[dict]) -> tuple[float, float] | None:
 
 def format_engine_time(split: tuple[float, float]) -> str:
     device, host = split
-    return (f"device calls {device:,.1f} s, host work {host:,.1f} s "
+    return (f"device calls {device:,.1f} s, host work {host:,.1f} s, summed over slices "
             f"({host / max(device + host, 1e-9):.0%} of the engine loop on the host)")
