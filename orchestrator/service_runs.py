@@ -22,7 +22,6 @@ from typing import Any
 import yaml
 
 from orchestrator.config import ConfigError, RunConfig, diff_keys, load_run_config
-from orchestrator.config_types import check_types
 from orchestrator.driver import Driver, RunOutcome
 from orchestrator.rundir import RunDir
 from orchestrator.service_body import BodyTooLargeWhenExpanded, load_body
@@ -55,11 +54,11 @@ def check_name(name: Any) -> str:
     return name
 
 
-def parse_run_config(body: bytes, runs_root: Path, max_expanded_bytes: int = 1 << 20) -> RunConfig:
+def parse_run_config(body: bytes, runs_root: Path, max_expanded_bytes: int) -> RunConfig:
     """A run config from a YAML or JSON body, loaded as strictly as `pagefleet run` loads a file; run_dir set.
 
     Aliases may not expand the body beyond `max_expanded_bytes` of text (service_body.load_body), and every
-    value must have its key's type (config_types: a `sampling.stop` entry is a string, never a printed list).
+    value must have its key's type (load_run_config: a `sampling.stop` entry is a string, never a printed list).
     """
     try:
         text = body.decode("utf-8")
@@ -74,7 +73,6 @@ def parse_run_config(body: bytes, runs_root: Path, max_expanded_bytes: int = 1 <
     if "name" not in data:
         raise ConfigError("name is required: the service keys runs by name (its run directory is <runs-root>/<name>)")
     name = check_name(data["name"])
-    check_types(data, RunConfig, "config: ")
     run_dir = runs_root / name
     if data.get("run_dir") not in (None, str(run_dir)):
         raise ConfigError(f"run_dir is set by the service to <runs-root>/<name> ({run_dir}); leave run_dir out")
@@ -110,10 +108,10 @@ class _Run:
 class RunRegistry:
     """The runs this replica started, plus those found under `runs_root` by name."""
 
-    def __init__(self, runs_root: str | Path, policy: DataPolicy | None = None) -> None:
+    def __init__(self, runs_root: str | Path, policy: DataPolicy) -> None:
         self.root = Path(runs_root).resolve()
         self.root.mkdir(parents=True, exist_ok=True)
-        self.policy = policy or DataPolicy.build([str(self.root.parent)], [], ".")
+        self.policy = policy
         """What a run may read; every config is checked against it before it starts (submit and resume)."""
         self._runs: dict[str, _Run] = {}
         self._lock = threading.Lock()
