@@ -220,3 +220,12 @@ def test_pagefleet_run_refuses_mistyped_values_in_files_and_overrides(tmp_path, 
         assert len(err.splitlines()) == 1 and key in err, (text, overrides, err)
         assert (str(config_file) in err) if not overrides else (overrides[0] in err), err
         assert not (tmp_path / "run").exists()
+
+
+def test_allow_url_takes_a_scheme_and_a_bucket():
+    from orchestrator.service_paths import allowed_url
+
+    assert allowed_url("gs://my-bucket") == ("gs", "my-bucket") and allowed_url("S3://b/") == ("s3", "b")
+    for bad in ("gs://", "my-bucket", "gs://b/some/prefix", "file:///data", "memory://x", "simplecache::gs://b"):
+        with pytest.raises(ValueError, match="--allow-url"):
+            allowed_url(bad)
