@@ -76,6 +76,9 @@ def load_run_config(config_path: str | Path | None, overrides: list[str] | tuple
     """Load a YAML run config and apply draccus overrides (`--sampling.n=4`)."""
     if config_path is not None and not Path(config_path).is_file():
         raise ConfigError(f"config file {str(config_path)!r} not found")
+    from orchestrator.config_types import check_config_types
+
+    check_config_types(RunConfig, config_path, overrides)  # strict: a value of the wrong type is never converted
     try:
         return draccus.parse(RunConfig, config_path=config_path, args=list(overrides), exit_on_error=False)
     except draccus.utils.DecodingError as e:

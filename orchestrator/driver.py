@@ -27,6 +27,7 @@ from orchestrator.atomic import atomic_write_parquet
 from orchestrator.config import RunConfig
 from orchestrator.faults import crash_point
 from orchestrator.lock import RunLock
+from orchestrator.output_plan import plan_fingerprint, stamp
 from orchestrator.progress import RunProgress, engine_time, format_engine_time, mean_occupancy, read_timeline
 from orchestrator.results import BatchWork, Completed, Failed
 from orchestrator.run_state import RunState
@@ -99,7 +100,8 @@ class Driver:
             if not planned.already_planned:
                 print(planned.stats.format())
             crash_point("planned")
-            state = RunState.recover(self.run_dir, self.cfg.sampling.n)
+            self._plan = plan_fingerprint(self.run_dir.read_run_json()["fingerprints"])
+            state = RunState.recover(self.run_dir, self.cfg.sampling.n, self._plan)
             try:
                 todo = state.with_status("pending")
                 if not todo:
@@ -269,7 +271,7 @@ class Driver:
             self._attempt_failed(result.batch_id, f"{slot.name} returned {samples.num_rows} samples that do not match "
                                  f"the batch's {len(prompt_ids)} prompts x {n} (internal error)")
             return
-        atomic_write_parquet(self.run_dir.output_file(result.batch_id), samples,
+        atomic_write_parquet(self.run_dir.output_file(result.batch_id), stamp(samples, self._plan, prompt_ids),
                              before_replace=lambda: crash_point("output_tmp"))
         crash_point("output_written")
         record = self._state.mark_done(result.batch_id, result.stats, slot.name)

@@ -149,6 +149,9 @@ def run_generate(cfg: GenerateConfig) -> int:
 
 
 def main(argv: list[str]) -> int:
+    from orchestrator.config_types import check_config_types
+
+    check_config_types(GenerateConfig, None, argv)  # `--sampling.stop=[1]` is refused, not read as "1"
     cfg = draccus.parse(config_class=GenerateConfig, args=argv, prog="pagefleet generate")
     if cfg.engine.attention_impl in ("auto", "cpu_kernel") and cfg.dtype == "float32":
         from engine import kernel_build

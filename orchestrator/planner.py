@@ -28,7 +28,8 @@ from orchestrator.manifest import BatchRecord, batch_id, write_manifest
 from orchestrator.model_source import max_seq_len, model_fingerprint, tokenizer_fingerprint
 from orchestrator.packing import PackingLimits, lower_bound, pack
 from orchestrator.report import PlanStats
-from orchestrator.rundir import RunDir, check_same_plan, config_hash, versions
+from orchestrator.output_plan import first_foreign, plan_fingerprint
+from orchestrator.rundir import PlanMismatch, RunDir, check_same_plan, config_hash, versions
 from orchestrator.atomic import atomic_write_parquet, atomic_write_text
 from orchestrator.tokenize import PromptTokenizer, shard_item
 
@@ -69,6 +70,7 @@ def plan_locked(cfg: RunConfig) -> PlanResult:
     if run_dir.is_planned():
         check_same_plan(run_dir, cfg.sample_affecting(), prints)
         return PlanResult(run_dir.root, PlanStats.from_json(run_dir.read_run_json()["plan"]), True)
+    _refuse_foreign_outputs(run_dir, plan_fingerprint(prints))
     stats, records = _plan_into(cfg, run_dir, files)
     run_dir.write_run_json({
         "name": cfg.name,
@@ -84,6 +86,17 @@ def plan_locked(cfg: RunConfig) -> PlanResult:
         events.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} planned {stats.num_batches} batches: "
                      f"{stats.accepted} prompts accepted, {stats.rows_read - stats.accepted} rejected\n")
     return PlanResult(run_dir.root, stats, False)
+
+
+def _refuse_foreign_outputs(run_dir: RunDir, plan: str) -> None:
+    """Planning afresh into a directory that holds outputs of another plan (run.json removed, then another seed or
+    corpus) must not adopt them: refuse before any work, naming the fix."""
+    foreign = first_foreign(run_dir.outputs, plan)
+    if foreign is not None:
+        count = len(list(run_dir.outputs.glob("*.parquet")))
+        raise PlanMismatch(f"{foreign} (one of {count} output files in {run_dir.outputs}) was not computed for this "
+                           f"plan (config, corpus, tokenizer or model); use a new run directory (--run_dir=DIR or "
+                           f"--name=NAME), or remove {run_dir.outputs} to recompute every batch")
 
 
 def _plan_into(cfg: RunConfig, run_dir: RunDir, files: list[str]) -> tuple[PlanStats, list[BatchRecord]]:

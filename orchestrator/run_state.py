@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 from orchestrator.atomic import remove_stale_temporaries
 from orchestrator.faults import crash_point
 from orchestrator.manifest import BatchRecord, read_manifest, write_manifest
+from orchestrator.output_plan import belongs
 from orchestrator.results import BatchStats, stats_of
 from orchestrator.rundir import RunDir
 
@@ -38,12 +39,14 @@ class RunState:
     # -- start-up --------------------------------------------------------------------------------
 
     @classmethod
-    def recover(cls, run_dir: RunDir, samples_per_prompt: int, flush_interval_s: float = 1.0) -> RunState:
+    def recover(cls, run_dir: RunDir, samples_per_prompt: int, plan: str, flush_interval_s: float = 1.0) -> RunState:
         """Load the manifest and repair what a crashed or stopped head left behind.
 
         `running` goes back to `pending`; an output written before the crash is adopted (its batch
-        becomes `done`, nothing is recomputed); a `done` batch whose output is missing is redone;
-        `failed` batches become `pending` again, since a new run retries them.
+        becomes `done`, nothing is recomputed) when it holds every sample and was computed for this
+        plan (fingerprint `plan`) and this batch's prompts (output_plan.belongs), else it is removed and
+        recomputed; a `done` batch whose output is missing is redone; `failed` batches become `pending`
+        again, since a new run retries them.
         """
         removed = sum(remove_stale_temporaries(d) for d in (run_dir.root, run_dir.outputs))
         run_dir.outputs.mkdir(exist_ok=True)
@@ -57,13 +60,16 @@ class RunState:
                     state.update(r.batch_id, status="pending", output=None)
                     state.event(f"{r.batch_id} was done but {output.name} is missing; it will be recomputed")
                 continue
-            if output.exists():
-                stats = _adoptable(output, r.num_prompts * samples_per_prompt)
+            if output.exists() and not run_dir.batch_file(r.batch_id).exists():
+                state.event(f"{r.batch_id}: kept {output.name} but did not adopt it: its batch file is missing, so "
+                            "nothing shows it holds this batch's prompts")
+            elif output.exists():
+                stats, why = _adoptable(output, samples_per_prompt, r.num_prompts, plan, run_dir.batch_file(r.batch_id))
                 if stats is not None:
                     state.mark_done(r.batch_id, stats, slice=r.slice, adopted=True)
                     continue
                 output.unlink()
-                state.event(f"{r.batch_id}: removed {output.name}, which does not hold the batch's samples")
+                state.event(f"{r.batch_id}: removed {output.name}, which does not hold the batch's samples ({why})")
             if r.status == "running":
                 state.update(r.batch_id, status="pending")
                 state.event(f"{r.batch_id} was running when the previous head stopped; back to pending")
@@ -140,13 +146,14 @@ class RunState:
         return [r for r in self.records.values() if r.status in statuses]
 
 
-def _adoptable(output: Path, expected_samples: int) -> BatchStats | None:
-    """The stats of a complete output file, or None when it is not one."""
+def _adoptable(output: Path, n: int, num_prompts: int, plan: str, batch_file: Path) -> tuple[BatchStats | None, str]:
+    """(the stats of a complete output file of this plan's batch, '') or (None, why it is not one)."""
     try:
         meta = pq.read_metadata(output)
-    except Exception:  # noqa: BLE001 - unreadable means not adoptable; it is recomputed
-        return None
-    stats = stats_of(meta.schema.to_arrow_schema())
-    if stats is None or meta.num_rows != expected_samples:
-        return None
-    return stats
+        stats = stats_of(meta.schema.to_arrow_schema())
+        if stats is None or meta.num_rows != num_prompts * n:
+            return None, f"{meta.num_rows} of {num_prompts * n} samples"
+        why = belongs(output, meta, plan, batch_file, n)
+    except Exception as e:  # noqa: BLE001 - unreadable means not adoptable; it is recomputed
+        return None, f"unreadable: {type(e).__name__}"
+    return (None, why) if why else (stats, "")

@@ -31,6 +31,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--token-file", default=None,
                         help=f"where the token is kept, made on first start, mode 0600 (default {DEFAULT_TOKEN_FILE})")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
+    parser.add_argument("--data-root", action="append", default=[], metavar="DIR",
+                        help="a directory runs may read corpora and models from (repeatable; default the runs root's "
+                        "parent); paths are resolved (links, ..) before they are checked")
+    parser.add_argument("--allow-url", action="append", default=[], metavar="SCHEME://BUCKET",
+                        help="a bucket runs may read from, e.g. gs://my-bucket (repeatable); other URLs are refused")
     args = parser.parse_args(argv)
     if not is_loopback(args.host) and not args.allow_remote:
         raise ValueError(f"--host {args.host} is not a loopback address: the API starts and cancels runs, so exposing "
@@ -44,13 +49,17 @@ def main(argv: list[str]) -> int:
 
     token, source = resolve_token(args.token, args.token_file)
     cfg = ServiceConfig(runs_root=os.path.abspath(args.runs_root), max_body_bytes=args.max_body_bytes,
-                        workdir=os.getcwd())
+                        workdir=os.getcwd(), data_roots=tuple(os.path.abspath(d) for d in args.data_root),
+                        allow_urls=tuple(args.allow_url))
+    policy = cfg.policy()  # a malformed --allow-url is refused here, before Ray starts
     ensure_ray(ClusterConfig())
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(service_app(cfg, token), name="pagefleet", route_prefix="/", blocking=False)
     url = f"http://{args.host}:{args.port}"
     print(f"pagefleet serve: {url} (OpenAPI schema {url}/openapi.json, docs {url}/docs)")
     print(f"runs under {cfg.runs_root}; bearer token from {source}")
+    print(f"runs may read under {', '.join(str(r) for r in policy.roots)}"
+          + (f" and from {', '.join(f'{s}://{b}' for s, b in policy.urls)}" if policy.urls else "; no URLs"))
     print("send `Authorization: Bearer <token>` with every request; Ctrl-C stops the service (runs stay resumable)")
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` and process managers stop it like Ctrl-C does
     try:

@@ -4,13 +4,15 @@ One FastAPI ingress deployment (num_cpus=0, so the slices get the CPUs) holds th
 run is a background thread in the replica running the same Driver as `pagefleet run`, which creates
 its own slice actors on the same Ray cluster. Every route, the OpenAPI schema and the docs included,
 needs the bearer token (service_auth.BearerAuth). Errors are JSON `{"detail": ...}`: 400 for a bad
-config or name, 404 for an unknown run, 409 for a conflict, 413 for a body over the limit.
+config or name (a path outside the data roots, a URL not allowed, a value of the wrong type, aliases that
+expand too far), 404 for an unknown run, 409 for a conflict, 413 for a body over the limit.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Query, Request
@@ -19,6 +21,7 @@ from ray import serve
 
 from orchestrator.config import ConfigError
 from orchestrator.service_auth import BearerAuth, token_digest
+from orchestrator.service_paths import DataPolicy
 from orchestrator.service_runs import RunConflict, RunNameError, RunRegistry, UnknownRun, check_name, parse_run_config
 
 MAX_OFFSET = 10**12
@@ -34,6 +37,18 @@ class ServiceConfig:
     """Most samples one GET /runs/{name}/samples returns (`limit`)."""
     workdir: str | None = None
     """Directory the replica resolves relative paths in run configs against (where `pagefleet serve` started)."""
+    data_roots: tuple[str, ...] = ()
+    """Directories under which corpus and model paths must lie (after resolving links and `..`); empty means the
+    runs root's parent."""
+    allow_urls: tuple[str, ...] = ()
+    """`scheme://bucket` URLs runs may read (e.g. gs://my-bucket); any other URL in a config is refused."""
+
+    def policy(self) -> DataPolicy:
+        """What runs may read, with relative paths resolved against workdir (else the current directory)."""
+        base = self.workdir or os.getcwd()
+        roots = self.data_roots or (str(Path(self.runs_root if os.path.isabs(self.runs_root)
+                                             else os.path.join(base, self.runs_root)).resolve().parent),)
+        return DataPolicy.build(roots, self.allow_urls, base)
 
 
 class BodyTooLarge(Exception):
@@ -63,7 +78,7 @@ def build_app(registry: RunRegistry, token_sha256: str, cfg: ServiceConfig) -> F
     @app.post("/runs", status_code=202, openapi_extra=_CONFIG_BODY, summary="Submit a run config; start it")
     async def submit(request: Request) -> dict[str, Any]:
         body = await _read_body(request, cfg.max_body_bytes)
-        run_cfg = parse_run_config(body, registry.root)
+        run_cfg = parse_run_config(body, registry.root, cfg.max_body_bytes)
         return registry.submit(run_cfg)
 
     @app.get("/runs", summary="Runs of this service and under its runs root")
@@ -124,7 +139,7 @@ class ServiceIngress:
             os.chdir(cfg.workdir)  # relative corpus and model paths mean what they mean to `pagefleet run` there
         self.cfg = cfg
         self.token_sha256 = token_sha256
-        self.registry = RunRegistry(cfg.runs_root)
+        self.registry = RunRegistry(cfg.runs_root, cfg.policy())
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_app(self.registry, self.token_sha256, self.cfg)

@@ -24,6 +24,8 @@ import yaml
 from orchestrator.config import ConfigError, RunConfig, diff_keys, load_run_config
 from orchestrator.driver import Driver, RunOutcome
 from orchestrator.rundir import RunDir
+from orchestrator.service_body import BodyTooLargeWhenExpanded, load_body
+from orchestrator.service_paths import DataPolicy
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +54,17 @@ def check_name(name: Any) -> str:
     return name
 
 
-def parse_run_config(body: bytes, runs_root: Path) -> RunConfig:
-    """A run config from a YAML or JSON body, loaded as strictly as `pagefleet run` loads a file; run_dir set."""
+def parse_run_config(body: bytes, runs_root: Path, max_expanded_bytes: int) -> RunConfig:
+    """A run config from a YAML or JSON body, loaded as strictly as `pagefleet run` loads a file; run_dir set.
+
+    Aliases may not expand the body beyond `max_expanded_bytes` of text (service_body.load_body), and every
+    value must have its key's type (load_run_config: a `sampling.stop` entry is a string, never a printed list).
+    """
     try:
         text = body.decode("utf-8")
-        data = yaml.safe_load(text)
+        data = load_body(text, max_expanded_bytes)
+    except BodyTooLargeWhenExpanded as e:
+        raise ConfigError(str(e)) from None
     except (UnicodeDecodeError, yaml.YAMLError, RecursionError) as e:
         raise ConfigError(f"the body is not a YAML or JSON run config: {str(e)[:300]}") from None
     if not isinstance(data, dict):
@@ -100,9 +108,11 @@ class _Run:
 class RunRegistry:
     """The runs this replica started, plus those found under `runs_root` by name."""
 
-    def __init__(self, runs_root: str | Path) -> None:
+    def __init__(self, runs_root: str | Path, policy: DataPolicy) -> None:
         self.root = Path(runs_root).resolve()
         self.root.mkdir(parents=True, exist_ok=True)
+        self.policy = policy
+        """What a run may read; every config is checked against it before it starts (submit and resume)."""
         self._runs: dict[str, _Run] = {}
         self._lock = threading.Lock()
 
@@ -117,6 +127,7 @@ class RunRegistry:
 
         name = check_name(cfg.name)
         run_dir = self.run_dir(name)
+        self.policy.check(cfg)  # before anything opens the corpus or model (PathRefused: HTTP 400)
         try:
             Driver(cfg, show_progress=False)  # the head's own config checks, before anything starts
         except ValueError as e:
