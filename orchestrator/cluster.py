@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import stat
+import tempfile
 from dataclasses import dataclass, field
 
 
@@ -54,7 +56,8 @@ class ClusterConfig:
 
 
 def ensure_ray(cluster: ClusterConfig) -> None:
-    """Connect to the cluster named by RAY_ADDRESS, or start a local Ray in this process."""
+    """Connect to the cluster named by RAY_ADDRESS, or start a local Ray in this process (its session files under
+    `local_ray_temp_dir()`)."""
     import ray
 
     if ray.is_initialized():
@@ -62,4 +65,29 @@ def ensure_ray(cluster: ClusterConfig) -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
     else:
-        ray.init(num_cpus=cluster.local_num_cpus, include_dashboard=False, log_to_driver=False)
+        ray.init(num_cpus=cluster.local_num_cpus, include_dashboard=False, log_to_driver=False,
+                 _temp_dir=local_ray_temp_dir())
+
+
+_MAX_TEMP_BASE = 48  # Ray puts unix sockets ~60 characters below its temp dir; a socket path holds 107
+
+
+def local_ray_temp_dir() -> str | None:
+    """Where a local Ray keeps its session (logs, sockets, spilled objects): `pagefleet-ray-UID` in the user's temp
+    directory (TMPDIR; /tmp when that is unset or too long for Ray's socket paths), made 0700 and checked to be
+    the user's own, instead of Ray's default /tmp/ray, which every user on the machine shares and can write.
+    None when RAY_TMPDIR is set: Ray then uses what the user chose."""
+    if os.environ.get("RAY_TMPDIR"):
+        return None
+    base = tempfile.gettempdir()
+    if len(base) > _MAX_TEMP_BASE:
+        base = "/tmp"
+    path = os.path.join(base, f"pagefleet-ray-{os.getuid()}")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise PermissionError(f"{path} is not a directory of this user's; remove it, or set RAY_TMPDIR to a directory "
+                           "of your own for Ray's session files")
+    if info.st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return path

@@ -42,7 +42,8 @@ class RunState:
         """Load the manifest and repair what a crashed or stopped head left behind.
 
         `running` goes back to `pending`; an output written before the crash is adopted (its batch
-        becomes `done`, nothing is recomputed); a `done` batch whose output is missing is redone;
+        becomes `done`, nothing is recomputed); a `done` batch whose output is missing, truncated or unreadable
+        (its parquet footer is read, one small read a batch) is redone;
         `failed` batches become `pending` again, since a new run retries them.
         """
         removed = sum(remove_stale_temporaries(d) for d in (run_dir.root, run_dir.outputs))
@@ -56,6 +57,12 @@ class RunState:
                 if not output.exists():
                     state.update(r.batch_id, status="pending", output=None)
                     state.event(f"{r.batch_id} was done but {output.name} is missing; it will be recomputed")
+                elif _adoptable(output, r.num_prompts * samples_per_prompt) is None:
+                    # Written atomically, so only something outside pagefleet cut or damaged it (a copy, a disk).
+                    output.unlink()
+                    state.update(r.batch_id, status="pending", output=None)
+                    state.event(f"{r.batch_id} was done but {output} is corrupt or truncated; removed it, and the "
+                                "batch will be recomputed")
                 continue
             if output.exists():
                 stats = _adoptable(output, r.num_prompts * samples_per_prompt)
