@@ -74,9 +74,12 @@ def _run(argv: list[str]) -> int:
     elif outcome.exit_code == INTERRUPTED:
         print("pagefleet run: stopped; rerun the same command to resume", file=sys.stderr)
     elif outcome.exit_code == BATCHES_FAILED:
+        failed = outcome.summary["failed"]
+        first = next(iter(failed.items()), None)
+        example = f" (first, {first[0]}: {(first[1] or '?').strip().splitlines()[-1]})" if first else ""
         print(f"pagefleet run: {outcome.summary['batches_failed']} batches failed and "
-              f"{outcome.summary['batches_pending']} did not run; `pagefleet status {outcome.summary['run_dir']}` "
-              "shows the errors, and rerunning retries them", file=sys.stderr)
+              f"{outcome.summary['batches_pending']} did not run{example}; `pagefleet status "
+              f"{outcome.summary['run_dir']}` shows the errors, and rerunning retries them", file=sys.stderr)
     return outcome.exit_code
 
 

@@ -110,10 +110,10 @@ class PromptTokenizer:
         prompt_ids, reasons, details, lengths, kept = [], [], [], [], []
         for i, p in enumerate(parsed):
             tokens = encoded.get(i)
-            if isinstance(tokens, Rejection):
+            prompt_ids.append(p.prompt_id if isinstance(p, Prompt) else None)
+            if isinstance(tokens, Rejection):  # a chat that cannot be rendered: its id is known
                 p, tokens = tokens, None
             problem = (p.reason, p.detail) if not isinstance(p, Prompt) else self.check(tokens)
-            prompt_ids.append(p.prompt_id if isinstance(p, Prompt) else None)
             reasons.append(problem[0] if problem else None)
             details.append(problem[1] if problem else None)
             lengths.append(len(tokens) if tokens is not None else 0)
