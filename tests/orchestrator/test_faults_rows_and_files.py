@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -57,7 +58,9 @@ def _no_constant(name: str):
 
 
 def one_line(err: str, *needles: str) -> str:
-    """The stderr line naming every needle (a fault is one line, not a traceback)."""
+    """The stderr line naming every needle (a fault is one line, not a traceback). Ray Data's logger may still
+    hold an earlier test's captured stderr, and its complaint about that closed stream is not ours: skipped."""
+    err = re.sub(r"--- Logging error ---.*?\nArguments: [^\n]*\n", "", err, flags=re.DOTALL)
     assert "Traceback" not in err, err
     lines = [line for line in err.splitlines() if all(n in line for n in needles)]
     assert lines, f"no line names {needles}:\n{err}"
@@ -134,7 +137,7 @@ def test_nan_weights_are_named_at_load_and_stop_the_run_without_restarts(ray_loc
     assert code == exit_codes.FAULT
     one_line(err, "stopped on a fault", name, "NaN")
     events = (tmp_path / "run" / "events.log").read_text()
-    assert "slice-0 could not start" in events and "restarting" not in events  # deterministic: no restarts
+    assert "slice-0 could not start" in events and "slice-0 restarting" not in events  # deterministic: no restarts
 
 
 def test_non_finite_logits_fail_their_batch_once_and_json_never_holds_nan(ray_local, run_model, tmp_path, capsys):
@@ -393,6 +396,7 @@ def test_outputs_follow_the_umask_and_local_ray_stays_out_of_the_shared_tmp(done
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_TMPDIR", "TMPDIR",
                                                             "PAGEFLEET_DISK_FULL_AT", "PAGEFLEET_CRASH_AT")}
+    env["RAY_raylet_start_wait_time_s"] = "300"  # a second local Ray beside the tests' own, on a busy machine
     proc = subprocess.run([sys.executable, "-m", "orchestrator", "run", str(done_run["config"]),
                            *run_args(run_model, done_run["corpus"], run_dir, "--cluster.num_slices=1")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
