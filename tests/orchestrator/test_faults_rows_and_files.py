@@ -409,5 +409,5 @@ def test_outputs_follow_the_umask_and_local_ray_stays_out_of_the_shared_tmp(done
         assert path.stat().st_mode & 0o777 == 0o750, path
     own = Path("/tmp") / f"pagefleet-ray-{os.getuid()}"
     assert own.stat().st_mode & 0o777 == 0o700 and own.stat().st_uid == os.getuid()
-    assert list(own.glob(f"session_*_{proc.pid}")), f"no Ray session of pid {proc.pid} under {own}"
+    assert list(own.glob(f"ray/session_*_{proc.pid}")), f"no Ray session of pid {proc.pid} under {own}"
     assert not list(Path("/tmp/ray").glob(f"session_*_{proc.pid}"))
