@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from orchestrator.atomic import atomic_write_parquet
 from orchestrator import exit_codes
+from orchestrator.atomic import atomic_write_parquet
 from orchestrator.config import RunConfig
 from orchestrator.faults import crash_point
 from orchestrator.lock import RunLock
