@@ -44,6 +44,11 @@ class Completion:
     error: str | None = None
 
 
+NON_FINITE_ERROR = ("non_finite: the model produced NaN or Inf logits; the checkpoint's weights (or the dtype's "
+                    "range) are at fault, and rerunning will not help")
+"""`Completion.error` of a sample whose logits were not finite; it starts with `non_finite:` (a deterministic fault)."""
+
+
 class Engine:
     def __init__(self, model_path: str | os.PathLike, config: EngineConfig = EngineConfig(),
                  dtype: str = "float32", mesh=None, tokenizer=None) -> None:
@@ -421,6 +426,11 @@ class Engine:
         d = seq.stop.decision
         n = d.num_tokens
         keep_logprobs = seq.request.sampling.logprobs
+        # A chosen token's raw logprob is non-finite only when its step's logits held NaN or +Inf: the tokens are
+        # garbage (argmax of NaN is 0), so the sample is an error, never a result (a deterministic fault).
+        if not all(math.isfinite(x) for x in seq.logprobs[:n]):
+            return Completion(seq.request.prompt_id, seq.request.generation_index, "", [], None, None,
+                              seq.num_prompt_tokens, NON_FINITE_ERROR)
         return Completion(seq.request.prompt_id, seq.request.generation_index, d.completion,
                           seq.token_ids[seq.num_prompt_tokens:seq.num_prompt_tokens + n],
                           seq.logprobs[:n] if keep_logprobs else None, d.finish_reason, seq.num_prompt_tokens)

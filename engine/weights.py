@@ -2,7 +2,9 @@
 
 Each parameter is built with `jax.make_array_from_callback`: every device reads only its own slice
 from the memory-mapped files, so no host ever materialises a whole sharded tensor it does not hold.
-Handles one `model.safetensors` or a sharded checkpoint with `model.safetensors.index.json`.
+Handles one `model.safetensors` or a sharded checkpoint with `model.safetensors.index.json`. Every part
+read is checked for NaN/Inf (CheckpointError names the tensor and file); `engine.checkpoint_check` finds
+missing, truncated and misshapen tensors from the headers before any of this runs.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from haliax import NamedArray
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from engine.axes import TENSOR_PARALLEL, ModelAxes
+from engine.checkpoint_check import CheckpointError, check_checkpoint
 from engine.model import Attention, DecoderLayer, Transformer
 from engine.model_config import ModelConfig
 
@@ -57,6 +60,18 @@ class SafetensorsCheckpoint:
 
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
+
+    def file_of(self, name: str) -> Path:
+        return self._tensors[name][0]
+
+    def finite(self, name: str, values: np.ndarray) -> np.ndarray:
+        """`values` (read from tensor `name`) unchanged; raises CheckpointError naming the tensor and its file when
+        they hold NaN or Inf, which would make every sample garbage (all-zero tokens, NaN logprobs)."""
+        if (values.dtype.kind == "f" or values.dtype == ml_dtypes.bfloat16) and not np.isfinite(values).all():
+            bad = np.argwhere(~np.isfinite(np.asarray(values, dtype=np.float32)))
+            raise CheckpointError(f"{self.file_of(name)}: tensor {name} holds {len(bad):,} NaN or Inf values (first at "
+                                  f"index {tuple(int(i) for i in bad[0])} of the part read); the checkpoint is corrupt")
+        return values
 
     def get(self, name: str) -> np.ndarray:
         """The tensor as a read-only memory-mapped array (no data is read until it is sliced)."""
@@ -97,19 +112,21 @@ def load_transformer(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | No
                      config: ModelConfig | None = None) -> Transformer:
     """Load a Llama/Mistral/Qwen2 checkpoint into a `Transformer` (parameters in `dtype`)."""
     cfg = config or ModelConfig.from_pretrained(path)
+    check_checkpoint(path, cfg)  # headers only: a missing, truncated or misshapen tensor is named before any read
     ckpt = SafetensorsCheckpoint(path)
     ax = ModelAxes.of(cfg)
     np_dtype = np.dtype(jnp.dtype(dtype))
     L, E, V, M, KV, G, D = ax.Layers, ax.Embed, ax.Vocab, ax.Mlp, ax.KVHeads, ax.QPerKV, ax.HeadSize
 
     def one(name: str, axes, to_named: Callable[[np.ndarray], np.ndarray]) -> NamedArray:
-        return _place(axes, lambda idx: to_named(ckpt.get(name))[idx], np_dtype, mesh)
+        return _place(axes, lambda idx: ckpt.finite(name, to_named(ckpt.get(name))[idx]), np_dtype, mesh)
 
     def stacked(suffix: str, axes, to_named: Callable[[np.ndarray], np.ndarray]) -> NamedArray:
         """`model.layers.{i}.<suffix>` for every layer, stacked on a leading `layers` axis."""
         def read(idx):
             layers = range(cfg.num_layers)[idx[0]]
-            return np.stack([to_named(ckpt.get(f"model.layers.{i}.{suffix}"))[idx[1:]] for i in layers])
+            return np.stack([ckpt.finite(f"model.layers.{i}.{suffix}", to_named(ckpt.get(f"model.layers.{i}.{suffix}"))[idx[1:]])
+                             for i in layers])
         return _place((L,) + axes, read, np_dtype, mesh)
 
     t = lambda w: w.T  # torch Linear stores [out, in]; we store [in, out...]

@@ -36,9 +36,11 @@ def atomic_write(path: str | Path, write: Callable[[str], None], fsync: bool = T
         if before_replace is not None:
             before_replace()
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError) and e.filename is None:
+            e.filename = str(path)  # a full disk's error names no file by itself
         raise
     if not fsync:
         return

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
 import os
 import sys
+
+from orchestrator.exit_codes import BATCHES_FAILED, FAULT, INTERRUPTED, OK
 
 
 def _init_model(argv: list[str]) -> int:
@@ -31,7 +32,7 @@ def _generate(argv: list[str]) -> int:
 def _plan(argv: list[str]) -> int:
     if not argv or argv[0].startswith("-"):
         print("usage: pagefleet plan CONFIG.yaml [--section.key=value ...]", file=sys.stderr)
-        return 2
+        return FAULT
     from orchestrator.config import ConfigError, load_run_config
     from orchestrator.lock import RunDirLocked
     from orchestrator.rundir import PlanMismatch
@@ -43,7 +44,7 @@ def _plan(argv: list[str]) -> int:
         result = plan(cfg)
     except (ConfigError, PlanMismatch, RunDirLocked, FileNotFoundError, ValueError) as e:
         print(f"pagefleet plan: {e}", file=sys.stderr)
-        return 2
+        return FAULT
     if result.already_planned:
         print(f"{result.run_dir} is already planned with this config and corpus; nothing to do")
     print(result.stats.format())
@@ -54,7 +55,7 @@ def _plan(argv: list[str]) -> int:
 def _run(argv: list[str]) -> int:
     if not argv or argv[0].startswith("-"):
         print("usage: pagefleet run CONFIG.yaml [--section.key=value ...]", file=sys.stderr)
-        return 2
+        return FAULT
     from orchestrator.config import ConfigError, load_run_config
     from orchestrator.lock import RunDirLocked
     from orchestrator.rundir import PlanMismatch
@@ -66,13 +67,18 @@ def _run(argv: list[str]) -> int:
         outcome = Driver(cfg, show_progress=sys.stderr.isatty() or bool(os.environ.get("PAGEFLEET_PROGRESS"))).run()
     except (ConfigError, PlanMismatch, RunDirLocked) as e:
         print(f"pagefleet run: {e}", file=sys.stderr)
-        return 2
-    if outcome.exit_code == 130:
+        return FAULT
+    if outcome.exit_code == FAULT:
+        print(f"pagefleet run: stopped on a fault: {outcome.fault}", file=sys.stderr)
+    elif outcome.exit_code == INTERRUPTED:
         print("pagefleet run: stopped; rerun the same command to resume", file=sys.stderr)
-    elif outcome.exit_code:
+    elif outcome.exit_code == BATCHES_FAILED:
+        failed = outcome.summary["failed"]
+        first = next(iter(failed.items()), None)
+        example = f" (first, {first[0]}: {(first[1] or '?').strip().splitlines()[-1]})" if first else ""
         print(f"pagefleet run: {outcome.summary['batches_failed']} batches failed and "
-              f"{outcome.summary['batches_pending']} did not run; `pagefleet status {outcome.summary['run_dir']}` "
-              "shows the errors, and rerunning retries them", file=sys.stderr)
+              f"{outcome.summary['batches_pending']} did not run{example}; `pagefleet status "
+              f"{outcome.summary['run_dir']}` shows the errors, and rerunning retries them", file=sys.stderr)
     return outcome.exit_code
 
 
@@ -84,7 +90,9 @@ def _status(argv: list[str]) -> int:
     from orchestrator.status import format_status, status
 
     s = status(args.run_dir)
-    print(json.dumps(s, indent=1) if args.json else format_status(s))
+    from orchestrator.json_out import dumps
+
+    print(dumps(s, indent=1) if args.json else format_status(s))
     return 0
 
 
@@ -116,7 +124,7 @@ def _export(argv: list[str]) -> int:
         print(f"pagefleet export: out of disk space beside {args.output} ({e}): the output and, for a run bigger "
               "than --memory-gb, the sort's temporary runs each need about the size of the run's outputs/; free "
               "space there, write --output elsewhere, or raise --memory-gb", file=sys.stderr)
-        return 1
+        return FAULT
     print(f"wrote {count:,} samples to {args.output}")
     return 0
 
@@ -149,18 +157,33 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: pagefleet {" + ",".join(COMMANDS) + "} ...", file=sys.stderr)
-        return 0 if argv else 2
+        return OK if argv else FAULT
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
         print(f"pagefleet: unknown command {command!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
-        return 2
+        return FAULT
     try:
         return COMMANDS[command](rest)
+    except KeyboardInterrupt:
+        print(f"pagefleet {command}: interrupted", file=sys.stderr)
+        return INTERRUPTED
     except (ValueError, FileNotFoundError) as e:  # configuration and input errors: the message names the fix
         if os.environ.get("PAGEFLEET_DEBUG"):
             raise
         print(f"pagefleet {command}: {e}", file=sys.stderr)
-        return 2
+        return FAULT
+    except OSError as e:  # a full disk (DiskFull names the file and the fix), a permission, a device
+        if os.environ.get("PAGEFLEET_DEBUG"):
+            raise
+        print(f"pagefleet {command}: {e.strerror or e}" if e.errno in (errno.ENOSPC, errno.EDQUOT)
+              else f"pagefleet {command}: {e}", file=sys.stderr)
+        return FAULT
+    except Exception as e:  # noqa: BLE001 - a fault of pagefleet itself: exit FAULT, never "a batch failed"
+        if os.environ.get("PAGEFLEET_DEBUG"):
+            raise
+        print(f"pagefleet {command}: internal error: {type(e).__name__}: {e} (rerun with PAGEFLEET_DEBUG=1 for "
+              "the traceback)", file=sys.stderr)
+        return FAULT
 
 
 TORCH_ENV = "PAGEFLEET_ALLOW_TORCH"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import stat
+import tempfile
 from dataclasses import dataclass, field
 
 
@@ -54,7 +56,8 @@ class ClusterConfig:
 
 
 def ensure_ray(cluster: ClusterConfig) -> None:
-    """Connect to the cluster named by RAY_ADDRESS, or start a local Ray in this process."""
+    """Connect to the cluster named by RAY_ADDRESS, or start a local Ray in this process (its session files under
+    `local_ray_temp_dir()`)."""
     import ray
 
     if ray.is_initialized():
@@ -62,4 +65,30 @@ def ensure_ray(cluster: ClusterConfig) -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
     else:
-        ray.init(num_cpus=cluster.local_num_cpus, include_dashboard=False, log_to_driver=False)
+        ray.init(num_cpus=cluster.local_num_cpus, include_dashboard=False, log_to_driver=False,
+                 _temp_dir=local_ray_temp_dir())
+
+
+_MAX_TEMP_BASE = 16  # Ray's longest unix socket lies ~90 characters below this base; a socket path holds 107
+
+
+def local_ray_temp_dir() -> str | None:
+    """Where a local Ray keeps its session (logs, sockets, spilled objects): `pagefleet-ray-UID/ray` in the user's
+    temp directory (TMPDIR; /tmp when that is unset or too long for Ray's socket paths), instead of Ray's default
+    /tmp/ray, which every user on the machine shares. Ray makes its own directory world-writable, so it goes one
+    level down, inside `pagefleet-ray-UID`, made 0700 and checked to be the user's own. None when RAY_TMPDIR is set:
+    Ray then uses what the user chose."""
+    if os.environ.get("RAY_TMPDIR"):
+        return None
+    base = tempfile.gettempdir()
+    if len(base) > _MAX_TEMP_BASE:
+        base = "/tmp"
+    own = os.path.join(base, f"pagefleet-ray-{os.getuid()}")
+    os.makedirs(own, mode=0o700, exist_ok=True)
+    info = os.lstat(own)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise PermissionError(f"{own} is not a directory of this user's; remove it, or set RAY_TMPDIR to a directory "
+                              "of your own for Ray's session files")
+    if info.st_mode & 0o077:
+        os.chmod(own, 0o700)
+    return os.path.join(own, "ray")

@@ -154,7 +154,7 @@ def _json_document(data: bytes) -> list | None:
     """A .json file's rows when it is one JSON document, None when it is JSON lines."""
     try:
         doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # not one document: read as lines, judged one by one
         return None
     return doc if isinstance(doc, list) else [doc]
 
@@ -210,7 +210,7 @@ def read_rows(shard: Shard) -> Iterator[RawRow]:
             yield RawRow(row, shard.file, line, None, "undecodable", f"line is not UTF-8: {e.reason} at byte {e.start}")
         else:
             try:
-                record = json.loads(text)
+                record = loads_row(text)
             except ValueError as e:
                 yield RawRow(row, shard.file, line, None, "malformed_row", f"not valid JSON: {e}")
             else:
@@ -220,6 +220,15 @@ def read_rows(shard: Shard) -> Iterator[RawRow]:
                     yield RawRow(row, shard.file, line, None, "malformed_row",
                                  f"row is a JSON {type(record).__name__}, not an object")
         row += 1
+
+
+def loads_row(text: str):
+    """`json.loads(text)`; a row nested too deeply for the parser (100,000 levels) raises ValueError, as any row
+    that is not usable JSON does, instead of RecursionError."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("the row is nested too deeply to read") from None
 
 
 def number_shards(shards: list[Shard], counts: list[tuple[int, int]]) -> list[Shard]:

@@ -7,12 +7,16 @@ reports how many of those sent to it have finished): the next batches are alread
 engine when slots free up, so it never drains between batches, even while a batch waits on one long
 sample; a slice that frees up pulls the next pending batch, so faster slices do more. A batch's outputs are written
 atomically before it is marked done. A failed attempt is retried after an exponential backoff, up to
-`retry.max_attempts`; a dead slice's batches go back to pending and the slice is replaced.
+`retry.max_attempts`; a dead slice's batches go back to pending and the slice is replaced. A deterministic
+fault is never retried: a batch whose prompts the engine refuses, whose logits are not finite or whose batch
+file is missing is failed at once; a checkpoint the slices cannot load (found by name at the head from the
+safetensors headers, or NaN/Inf found by a slice as it loads) and a full disk stop the run (exit_codes.FAULT).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import signal
 import threading
@@ -23,6 +27,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from orchestrator import exit_codes
 from orchestrator.atomic import atomic_write_parquet
 from orchestrator.config import RunConfig
 from orchestrator.faults import crash_point
@@ -68,8 +73,22 @@ class _Slot:
 @dataclass(frozen=True)
 class RunOutcome:
     exit_code: int
-    """0: every batch done; 1: some batch failed or could not run; 130: stopped before the end."""
+    """An `orchestrator.exit_codes` status: OK, BATCHES_FAILED, FAULT (stopped on a fault) or INTERRUPTED."""
     summary: dict
+    fault: str | None = None
+    """With FAULT: why the run stopped, in one line that names the file or key and the fix."""
+
+
+class DiskFull(OSError):
+    """The disk (or quota) holding the run directory is full; the message names the file and the recovery."""
+
+
+def disk_full(e: OSError, where: Path) -> DiskFull | None:
+    """A DiskFull for an out-of-space error `e`, None for any other error."""
+    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return None
+    return DiskFull(e.errno, f"out of disk space writing {e.filename or where} ({e.strerror}); free space there and "
+                    "rerun the same command: the run resumes where it stopped, losing nothing written")
 
 
 class Driver:
@@ -88,30 +107,50 @@ class Driver:
         self.on_actors_ready = None  # tests: called with the slots once every live slice has started
         self.on_slices_done = None  # tests: called with the slots before the actors are stopped
         self._samples_in_flight = cfg.samples_in_flight_per_slice
+        self._fault: str | None = None  # why the run stopped early on a fault (exit_codes.FAULT)
 
     # -- the run ---------------------------------------------------------------------------------
 
     def run(self) -> RunOutcome:
+        model = self.cfg.model.require_path()
+        if "://" not in model:  # headers only, before planning: a bad checkpoint stops the run once, by name
+            from engine.checkpoint_check import check_checkpoint
+
+            check_checkpoint(model)
+        with RunLock(self.run_dir.root):
+            try:
+                return self._run_locked()
+            except OSError as e:
+                full = disk_full(e, self.run_dir.root)
+                if full is None:
+                    raise
+                _best_effort_event(self.run_dir, f"the run stopped: {full.strerror}")
+                raise full from None
+
+    def _run_locked(self) -> RunOutcome:
         from orchestrator.cluster import ensure_ray
         from orchestrator.planner import plan_locked
 
-        with RunLock(self.run_dir.root):
-            planned = plan_locked(self.cfg)  # starts Ray only when there is something to plan
-            if not planned.already_planned:
-                print(planned.stats.format())
-            crash_point("planned")
-            self._plan = plan_fingerprint(self.run_dir.read_run_json()["fingerprints"])
-            state = RunState.recover(self.run_dir, self.cfg.sampling.n, self._plan)
+        planned = plan_locked(self.cfg)  # starts Ray only when there is something to plan
+        if not planned.already_planned:
+            print(planned.stats.format())
+        crash_point("planned")
+        self._plan = plan_fingerprint(self.run_dir.read_run_json()["fingerprints"])
+        state = RunState.recover(self.run_dir, self.cfg.sampling.n, self._plan)
+        try:
+            todo = state.with_status("pending")
+            if not todo:
+                summary = self._summary(state, None, session_s=0.0)
+                print(f"all {len(state.records)} batches of {self.run_dir.root} are done; nothing to compute")
+                return RunOutcome(exit_codes.OK, summary)
+            ensure_ray(self.cfg.cluster)
+            return self._execute(state, [r.batch_id for r in todo])
+        finally:
             try:
-                todo = state.with_status("pending")
-                if not todo:
-                    summary = self._summary(state, None, session_s=0.0)
-                    print(f"all {len(state.records)} batches of {self.run_dir.root} are done; nothing to compute")
-                    return RunOutcome(0, summary)
-                ensure_ray(self.cfg.cluster)
-                return self._execute(state, [r.batch_id for r in todo])
-            finally:
                 state.close()
+            except OSError:
+                if self._fault is None:
+                    raise
 
     def _execute(self, state: RunState, todo: list[str]) -> RunOutcome:
         from orchestrator.tracking import make_tracker
@@ -132,32 +171,52 @@ class Driver:
             for slot in self.slots:
                 slot.gang.spawn()
             self._loop()
+        except OSError as e:
+            full = disk_full(e, self.run_dir.root)
+            if full is None:
+                raise
+            self._fault = full.strerror
         finally:
             _restore_signals(previous)
             stopped = self.stop.is_set()
             if self.on_slices_done is not None:
                 self.on_slices_done(self.slots)
+            requeued = []
             for slot in self.slots:
                 for batch_id in slot.inflight:  # stopped mid-batch: resumable, nothing half-done stays "running"
                     state.update(batch_id, status="pending")
-                    state.event(f"{batch_id} back to pending: the run stopped")
+                    requeued.append(batch_id)
                 slot.gang.kill()
-            state.flush(force=True)
-            progress.write(state.prompts_not_done, force=True, running=False)
+            try:
+                for batch_id in requeued:
+                    state.event(f"{batch_id} back to pending: the run stopped")
+                if self._fault is not None:
+                    state.event(f"the run stopped on a fault: {self._fault}")
+                state.flush(force=True)
+                progress.write(state.prompts_not_done, force=True, running=False)
+            except OSError:
+                if self._fault is None:
+                    raise  # with a fault (a full disk), the state written so far is the resume point
             progress.close()
             summary = self._summary(state, progress, progress.elapsed_s)
             tracker.finish({k: v for k, v in summary.items() if isinstance(v, int | float | str)})
-            self._plot()
+            if self._fault is None:
+                self._plot()
             print(_format_summary(summary))
+        if self._fault is not None:
+            return RunOutcome(exit_codes.FAULT, summary, self._fault)
         if stopped:
-            return RunOutcome(130, summary)
-        return RunOutcome(0 if summary["batches_done"] == summary["batches"] else 1, summary)
+            return RunOutcome(exit_codes.INTERRUPTED, summary)
+        return RunOutcome(exit_codes.OK if summary["batches_done"] == summary["batches"] else exit_codes.BATCHES_FAILED,
+                          summary)
 
     def _loop(self) -> None:
         import ray
 
         announced = False
         while self._pending or any(s.inflight for s in self.slots):
+            if self._fault is not None:
+                return
             if self.stop.is_set():
                 self._state.event("stop requested; leaving the remaining batches pending")
                 return
@@ -165,7 +224,7 @@ class Driver:
             if not live:
                 reasons = "; ".join(f"{s.name}: {s.dead}" for s in self.slots)
                 self._state.event(f"every slice failed; stopping ({reasons})")
-                print(f"pagefleet run: every slice failed, so the remaining batches stay pending:\n  {reasons}")
+                self._fault = f"every slice failed, so the remaining batches stay pending ({reasons})"
                 return
             for slot in live:
                 while slot.ready and (not slot.inflight or slot.samples_held < self._samples_in_flight):
@@ -192,7 +251,10 @@ class Driver:
 
     def _handle(self, slot: _Slot, ref) -> None:
         event = slot.gang.handle(ref)
-        if event.kind == "failed":
+        if event.kind == "failed" and event.fatal:  # e.g. NaN weights: every slice would fail the same way
+            self._state.event(f"{slot.name} {event.reason}; stopping the run: restarting cannot help")
+            self._fault = f"{slot.name} {event.reason}"
+        elif event.kind == "failed":
             self._slice_failed(slot, event.reason)
         elif event.kind == "started":
             info = event.info
@@ -212,7 +274,7 @@ class Driver:
             return
         slot.inflight.pop(result.batch_id)
         if isinstance(result, Failed):
-            self._attempt_failed(result.batch_id, f"on {slot.name}: {result.error}")
+            self._attempt_failed(result.batch_id, f"on {slot.name}: {result.error}", final=result.deterministic)
         else:
             self._completed(slot, result, held[1])
 
@@ -245,18 +307,22 @@ class Driver:
     def _dispatch(self, slot: _Slot, batch_id: str) -> None:
         record = self._state.mark_running(batch_id, slot.name)
         self._attempts[batch_id] += 1
+        path = self.run_dir.batch_file(batch_id)
         try:
-            prompts = pq.read_table(self.run_dir.batch_file(batch_id))
-        except Exception as e:  # noqa: BLE001 - a bad batch file fails this batch, not the run
-            self._attempt_failed(batch_id, f"could not read {self.run_dir.batch_file(batch_id)}: {e}")
+            prompts = pq.read_table(path)
+        except Exception as e:  # noqa: BLE001 - a bad batch file fails this batch, not the run; retrying cannot help
+            what = "is missing" if isinstance(e, FileNotFoundError) else f"cannot be read ({e})"
+            self._attempt_failed(batch_id, f"{path} {what}; the plan is damaged: remove {self.run_dir.manifest} and "
+                                 "rerun to re-plan (outputs already written are adopted)", final=True)
             return
         slot.inflight[batch_id] = (record.attempts, prompts.column("prompt_id").to_pylist())
         slot.samples_sent += prompts.num_rows * self.cfg.sampling.n
         slot.gang.submit(BatchWork(batch_id, record.attempts, prompts))
         crash_point("dispatched")
 
-    def _attempt_failed(self, batch_id: str, error: str) -> None:
-        final = self._attempts[batch_id] >= self.cfg.retry.max_attempts
+    def _attempt_failed(self, batch_id: str, error: str, final: bool = False) -> None:
+        """Retry the batch after a backoff, or mark it failed: when `final` (a deterministic fault) or out of attempts."""
+        final = final or self._attempts[batch_id] >= self.cfg.retry.max_attempts
         self._state.mark_failed(batch_id, error, final)
         if not final:
             self._retry_at[batch_id] = time.time() + self.cfg.retry.wait_s(self._attempts[batch_id])
@@ -352,6 +418,15 @@ def _format_summary(s: dict) -> str:
         last = (error or "").strip().splitlines()[-1:] or ["?"]
         lines.append(f"failed {batch_id}: {last[0]}")
     return "\n".join(lines)
+
+
+def _best_effort_event(run_dir: RunDir, text: str) -> None:
+    """Append to events.log where the head's RunState is not at hand; a full disk may refuse even this."""
+    try:
+        with open(run_dir.events, "a", encoding="utf-8") as f:
+            f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} {text}\n")
+    except OSError:
+        pass
 
 
 def _on_signals(stop: threading.Event):

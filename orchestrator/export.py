@@ -12,8 +12,10 @@ temporary directory (beside the output file for `export`) that is removed at the
 
 from __future__ import annotations
 
-import json
 import math
+import os
+import shutil
+import socket
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -26,6 +28,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from orchestrator.atomic import atomic_write
+from orchestrator.json_out import dumps
 from orchestrator.manifest import read_manifest
 from orchestrator.results import SAMPLE_SCHEMA
 from orchestrator.rundir import RunDir
@@ -62,8 +65,17 @@ def done_outputs(run_dir_path: str | Path, partial: bool = False) -> list[Path]:
     return paths
 
 
+def metadata(path: Path) -> pq.FileMetaData:
+    """The samples file's parquet footer; a truncated or corrupt file raises ValueError naming it and the fix."""
+    try:
+        return pq.read_metadata(path)
+    except (pa.ArrowException, OSError) as err:
+        raise ValueError(f"the samples file {path} is corrupt or truncated ({err}); rerun `pagefleet run` with the "
+                         "run's config: it finds the file on start and recomputes that batch") from None
+
+
 def count_samples(paths: list[Path]) -> int:
-    return sum(pq.ParquetFile(p).metadata.num_rows for p in paths)
+    return sum(metadata(p).num_rows for p in paths)
 
 
 def iter_sorted(paths: list[Path], tmp_dir: str | Path | None, memory_bytes: int = DEFAULT_MEMORY_BYTES,
@@ -71,13 +83,13 @@ def iter_sorted(paths: list[Path], tmp_dir: str | Path | None, memory_bytes: int
     """The samples of these batch output files (SAMPLE_SCHEMA) as consecutive tables in corpus row, then
     generation index order, holding about `memory_bytes` at most; temporary runs go under `tmp_dir` (None:
     the system's temporary directory). Close the generator (or run it to the end) to remove them."""
-    metas = [pq.ParquetFile(p).metadata for p in paths]  # one read per file: at 100M prompts, ~1M files
+    metas = [metadata(p) for p in paths]  # one read per file: at 100M prompts, ~1M files
     size = sum(m.row_group(i).total_byte_size for m in metas for i in range(m.num_row_groups))  # uncompressed
     run_bytes = max(1, memory_bytes // 3)  # a run in memory, its sort order and its sorted copy
     if size <= run_bytes:
         yield from _sorted_in_memory(paths)
         return
-    with tempfile.TemporaryDirectory(prefix=".pagefleet-export-", dir=tmp_dir) as tmp:
+    with tempfile.TemporaryDirectory(prefix=_temporary_prefix(), dir=tmp_dir) as tmp:
         runs = _write_sorted_runs(paths, Path(tmp), run_bytes, sum(m.num_rows for m in metas), log)
         if log:
             log(f"merging {len(runs)} sorted runs")
@@ -119,6 +131,7 @@ def export(run_dir_path: str | Path, output: str | Path, partial: bool = False,
         raise ValueError(f"--output must end in .jsonl or .parquet, got {output.name!r}")
     paths = done_outputs(run_dir_path, partial)
     output.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_export_temporaries(output)
     written = 0
 
     def records() -> Iterator[pa.Table]:
@@ -138,10 +151,49 @@ def export(run_dir_path: str | Path, output: str | Path, partial: bool = False,
         with open(tmp, "w", encoding="utf-8") as f:
             for table in records():
                 for batch in table.to_batches(max_chunksize=_JSONL_ROWS):
-                    f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in batch.to_pylist())
+                    f.writelines(dumps(row, ensure_ascii=False) + "\n" for row in batch.to_pylist())
 
     atomic_write(output, write)
     return written
+
+
+# -- temporaries ----------------------------------------------------------------------------------
+
+_TMP_PREFIX = ".pagefleet-export-"
+
+
+def _temporary_prefix() -> str:
+    """The sort's temporary directory name: it names this host and process, so that a later export can tell
+    a killed export's leftovers (its process is gone) from a live export's."""
+    return f"{_TMP_PREFIX}{socket.gethostname()}-{os.getpid()}-"
+
+
+def remove_stale_export_temporaries(output: Path) -> int:
+    """Remove what a killed export to `output` left beside it: the half-written `.NAME.*.tmp` (atomic_write's) and
+    the sort's `.pagefleet-export-HOST-PID-*` directories whose process on this host is gone. Returns how many."""
+    removed = 0
+    for tmp in output.parent.glob(f".{output.name}.*.tmp"):
+        if tmp.is_file():
+            tmp.unlink(missing_ok=True)
+            removed += 1
+    host = socket.gethostname()
+    for tmp in output.parent.glob(f"{_TMP_PREFIX}*"):
+        owner, _, rest = tmp.name[len(_TMP_PREFIX):].rpartition("-")[0].rpartition("-")
+        if not tmp.is_dir() or tmp.is_symlink() or owner != host or not rest.isdigit() or _alive(int(rest)):
+            continue
+        shutil.rmtree(tmp, ignore_errors=True)
+        removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
 
 
 # -- the sort -------------------------------------------------------------------------------------
@@ -150,7 +202,8 @@ def _read(path: Path) -> pa.Table:
     try:
         return pq.read_table(path).cast(SAMPLE_SCHEMA)
     except (pa.ArrowException, OSError, ValueError) as err:
-        raise ValueError(f"cannot read the samples file {path}: {err}") from err
+        raise ValueError(f"the samples file {path} is corrupt or truncated ({err}); rerun `pagefleet run` with the "
+                         "run's config: it finds the file on start and recomputes that batch") from None
 
 
 def _sort(table: pa.Table) -> pa.Table:

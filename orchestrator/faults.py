@@ -3,10 +3,13 @@
 
 Points: planned, dispatched, output_tmp (a batch's outputs written to the temporary file, not yet renamed),
 output_written, manifest_tmp (the new batches.jsonl written, not yet renamed), manifest_written.
+
+`PAGEFLEET_DISK_FULL_AT=name[:k]` instead raises the OSError(ENOSPC) a full disk gives, there.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 
@@ -14,12 +17,19 @@ _seen: dict[str, int] = {}
 
 
 def crash_point(name: str) -> None:
-    spec = os.environ.get("PAGEFLEET_CRASH_AT")
+    if _reached("PAGEFLEET_CRASH_AT", name):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if _reached("PAGEFLEET_DISK_FULL_AT", name):
+        raise OSError(errno.ENOSPC, f"No space left on device (PAGEFLEET_DISK_FULL_AT={name})")
+
+
+def _reached(variable: str, name: str) -> bool:
+    spec = os.environ.get(variable)
     if not spec:
-        return
+        return False
     target, _, nth = spec.partition(":")
     if target != name:
-        return
-    _seen[name] = _seen.get(name, 0) + 1
-    if _seen[name] == int(nth or 1):
-        os.kill(os.getpid(), signal.SIGKILL)
+        return False
+    key = f"{variable}={name}"
+    _seen[key] = _seen.get(key, 0) + 1
+    return _seen[key] == int(nth or 1)

@@ -7,17 +7,17 @@ line that cannot run becomes a record with `error` set and no tokens: nothing is
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import draccus
 
 from engine.config import EngineConfig, SamplingConfig
-from orchestrator.corpus import CorpusConfig, RawRow, Rejection, extract_prompt, row_id
+from orchestrator.atomic import atomic_write_text
+from orchestrator.corpus import CorpusConfig, RawRow, Rejection, extract_prompt, loads_row, row_id
+from orchestrator.json_out import dumps
+from orchestrator.prompt_checks import out_of_vocabulary, render_chat
 
 
 @dataclass(frozen=True)
@@ -43,14 +43,17 @@ class GenerateConfig:
 _FIELDS = CorpusConfig(path="", id_field="id", text_field="prompt", messages_field="messages")
 
 
-def _parse_line(raw: bytes, line_no: int, tokenizer) -> tuple[str | None, list[int] | None, str | None]:
+def _parse_line(raw: bytes, line_no: int, tokenizer, vocab_size: int | None = None, tokenizer_path: str = ""
+                ) -> tuple[str | None, list[int] | None, str | None]:
     """(prompt_id or None when the line has none, token ids or None, error or None) for one input line.
 
     Lines are judged as `pagefleet run` judges corpus rows, and an error names the same reasons as its
     rejected.jsonl: a line that is not UTF-8, not JSON or not an object, an empty prompt or message list, a
-    field of the wrong type or no prompt field at all is an error record, never repaired or dropped."""
+    field of the wrong type or no prompt field at all, a row nested too deeply to read, a chat the tokenizer
+    has no template for, or a token id outside the model's vocabulary is an error record, never repaired or
+    dropped."""
     try:
-        row = json.loads(raw.decode("utf-8"))
+        row = loads_row(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
         return None, None, f"undecodable: line {line_no} is not UTF-8 ({e.reason} at byte {e.start})"
     except ValueError as e:
@@ -64,26 +67,30 @@ def _parse_line(raw: bytes, line_no: int, tokenizer) -> tuple[str | None, list[i
         ids = row["prompt_token_ids"]
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             return pid, None, "wrong_type: prompt_token_ids must be a list of integers"
-        return pid, ids, None
+        return _in_vocabulary(pid, ids, vocab_size)
     parsed = extract_prompt(RawRow(line_no - 1, "", line_no, row), _FIELDS)
     if isinstance(parsed, Rejection):
         return pid, None, f"{parsed.reason}: {parsed.detail}"
     if tokenizer is None:
         return pid, None, "the model directory has no tokenizer; give prompt_token_ids"
     if parsed.messages is not None:
-        text = tokenizer.apply_chat_template(parsed.messages, tokenize=False, add_generation_prompt=True)
-        return pid, tokenizer(text, add_special_tokens=False)["input_ids"], None
-    return pid, tokenizer(parsed.text)["input_ids"], None
+        text = render_chat(tokenizer, parsed.messages, tokenizer_path)
+        if isinstance(text, Rejection):
+            return pid, None, f"{text.reason}: {text.detail}"
+        return _in_vocabulary(pid, tokenizer(text, add_special_tokens=False)["input_ids"], vocab_size)
+    return _in_vocabulary(pid, tokenizer(parsed.text)["input_ids"], vocab_size)
+
+
+def _in_vocabulary(pid: str | None, ids: list[int], vocab_size: int | None
+                   ) -> tuple[str | None, list[int] | None, str | None]:
+    why = out_of_vocabulary(ids, vocab_size)
+    return (pid, ids, None) if why is None else (pid, None, f"out_of_vocabulary: {why}")
 
 
 def _write_atomically(path: Path, lines: list[str]) -> None:
+    """Atomically, with the user's umask (orchestrator.atomic), like every file pagefleet writes."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.writelines(lines)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_text(path, "".join(lines))
 
 
 def run_generate(cfg: GenerateConfig) -> int:
@@ -104,7 +111,7 @@ def run_generate(cfg: GenerateConfig) -> int:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            pid, ids, err = _parse_line(line, line_no, engine.tokenizer)
+            pid, ids, err = _parse_line(line, line_no, engine.tokenizer, engine.model_config.vocab_size, cfg.model)
             pid = pid or f"line-{line_no}"
             if pid in first_line:  # a repeated id would make two prompts' samples indistinguishable
                 ids, err = None, f"duplicate id {pid!r} (first on line {first_line[pid]})"
@@ -129,7 +136,7 @@ def run_generate(cfg: GenerateConfig) -> int:
                   "num_prompt_tokens": c.num_prompt_tokens, "batch_id": None}
         if c.error is not None:
             record["error"] = c.error
-        lines.append(json.dumps(record) + "\n")
+        lines.append(dumps(record) + "\n")
     _write_atomically(Path(cfg.output), lines)
     errors = sum(1 for c in by_key.values() if c.error)
     summary = engine.stats.summary(cfg.engine.max_seqs)
@@ -144,7 +151,7 @@ def run_generate(cfg: GenerateConfig) -> int:
               f"slot occupancy mean {summary['mean_slot_occupancy']:.2f}, max {summary['max_slot_occupancy']:.2f}; "
               f"{counters['num_preemptions']} preemptions", file=sys.stderr)
     if cfg.stats_output:
-        _write_atomically(Path(cfg.stats_output), [json.dumps({**summary, **counters}, indent=1) + "\n"])
+        _write_atomically(Path(cfg.stats_output), [dumps({**summary, **counters}, indent=1) + "\n"])
     return 0
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 from orchestrator.atomic import atomic_write_text
+from orchestrator.json_out import dumps
 
 Status = Literal["pending", "running", "done", "failed"]
 
@@ -45,9 +46,26 @@ def batch_id(index: int, num_batches: int) -> str:
 
 def write_manifest(path: str | Path, records: list[BatchRecord], before_replace=None) -> None:
     """Replace the manifest atomically."""
-    atomic_write_text(path, "".join(json.dumps(asdict(r)) + "\n" for r in records), before_replace=before_replace)
+    atomic_write_text(path, "".join(dumps(asdict(r)) + "\n" for r in records), before_replace=before_replace)
+
+
+class CorruptRunFile(ValueError):
+    """batches.jsonl or run.json cannot be read; the message names the file, the line and the recovery."""
+
+
+RECOVER = ("remove it and rerun `pagefleet run` with the same config: the plan is rebuilt and the outputs "
+           "already written are adopted")
 
 
 def read_manifest(path: str | Path) -> list[BatchRecord]:
-    with open(path, encoding="utf-8") as f:
-        return [BatchRecord(**json.loads(line)) for line in f if line.strip()]
+    """The records; raises CorruptRunFile naming the file and line of a record that does not parse."""
+    records = []
+    with open(path, "rb") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(BatchRecord(**json.loads(line)))
+            except (ValueError, TypeError, RecursionError) as e:  # cut short, not JSON, or not a record's fields
+                raise CorruptRunFile(f"{path} line {line_no} is corrupt ({type(e).__name__}: {e}); {RECOVER}") from None
+    return records

@@ -23,9 +23,10 @@ import pyarrow.compute as pc
 
 from orchestrator.config import RunConfig
 from orchestrator.corpus import corpus_fingerprint, count_rows, list_files, number_shards, split_shards
+from orchestrator.json_out import dumps
 from orchestrator.lock import RunLock
 from orchestrator.manifest import BatchRecord, batch_id, write_manifest
-from orchestrator.model_source import max_seq_len, model_fingerprint, tokenizer_fingerprint
+from orchestrator.model_source import max_seq_len, model_config, model_fingerprint, tokenizer_fingerprint
 from orchestrator.packing import PackingLimits, lower_bound, pack
 from orchestrator.report import PlanStats
 from orchestrator.output_plan import first_foreign, plan_fingerprint
@@ -128,7 +129,8 @@ def _plan_into(cfg: RunConfig, run_dir: RunDir, files: list[str]) -> tuple[PlanS
     phase(f"counting rows of {len(shards)} shards")
     workers = max(1, min(len(shards), int(ray.available_resources().get("CPU", 1))))
     tokenized = ray.data.from_items([shard_item(s) for s in shards], override_num_blocks=len(shards)).map_batches(
-        PromptTokenizer, fn_constructor_args=(cfg.model, cfg.corpus, limits, context),
+        PromptTokenizer, fn_constructor_args=(cfg.model, cfg.corpus, limits, context,
+                                              model_config(cfg.model).get("vocab_size")),
         batch_size=1, compute=ray.data.ActorPoolStrategy(size=workers), batch_format="numpy",
     ).materialize()
 
@@ -191,7 +193,7 @@ def _reject_duplicates(summary: pa.Table) -> pa.Table:
 
 
 def _write_rejected(run_dir: RunDir, rejected: pa.Table, files: list[str]) -> None:
-    lines = [json.dumps({"row": r["row"], "prompt_id": r["prompt_id"], "reason": r["reason"], "detail": r["detail"],
+    lines = [dumps({"row": r["row"], "prompt_id": r["prompt_id"], "reason": r["reason"], "detail": r["detail"],
                          "file": files[r["file_index"]], "line": r["line"], "num_tokens": r["num_tokens"] or None})
              for r in rejected.to_pylist()]
     atomic_write_text(run_dir.rejected, "".join(line + "\n" for line in lines))

@@ -9,6 +9,7 @@ import sys
 import time
 
 from orchestrator.atomic import atomic_write_text
+from orchestrator.json_out import dumps
 from orchestrator.manifest import BatchRecord
 from orchestrator.rundir import RunDir
 
@@ -42,7 +43,7 @@ class RunProgress:
 
     def add_timeline(self, slice_name: str, buckets: list[dict]) -> None:
         for b in buckets:
-            self._timeline.write(json.dumps({**b, "slice": slice_name}) + "\n")
+            self._timeline.write(dumps({**b, "slice": slice_name}) + "\n")
         if buckets:
             self._timeline.flush()
 
@@ -64,7 +65,7 @@ class RunProgress:
         if not force and time.monotonic() - self._last_write < PROGRESS_EVERY_S:
             return
         self._last_write = time.monotonic()
-        atomic_write_text(self.run_dir.progress, json.dumps({
+        atomic_write_text(self.run_dir.progress, dumps({
             "updated_at": time.time(), "head": {"pid": os.getpid(), "host": socket.gethostname()},
             "running": running, "session_started_at": self.started, "session_elapsed_s": self.elapsed_s,
             "session_batches": self.session_batches, "session_prompts": self.session_prompts,

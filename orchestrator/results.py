@@ -79,6 +79,9 @@ class Failed:
     slice: str
     error: str
     timeline: list[dict] = field(default_factory=list)
+    deterministic: bool = False
+    """The batch fails the same way on every attempt (a prompt the engine refuses, non-finite logits): the head
+    marks it failed at once instead of retrying it."""
 
 
 Result = Completed | Failed

@@ -45,8 +45,9 @@ class RunState:
         `running` goes back to `pending`; an output written before the crash is adopted (its batch
         becomes `done`, nothing is recomputed) when it holds every sample and was computed for this
         plan (fingerprint `plan`) and this batch's prompts (output_plan.belongs), else it is removed and
-        recomputed; a `done` batch whose output is missing is redone; `failed` batches become `pending`
-        again, since a new run retries them.
+        recomputed; a `done` batch whose output is missing, truncated or unreadable (its parquet footer is
+        read, one small read a batch) is redone; `failed` batches become `pending` again, since a new run
+        retries them.
         """
         removed = sum(remove_stale_temporaries(d) for d in (run_dir.root, run_dir.outputs))
         run_dir.outputs.mkdir(exist_ok=True)
@@ -59,6 +60,12 @@ class RunState:
                 if not output.exists():
                     state.update(r.batch_id, status="pending", output=None)
                     state.event(f"{r.batch_id} was done but {output.name} is missing; it will be recomputed")
+                elif _complete(output, r.num_prompts * samples_per_prompt)[0] is None:
+                    # Written atomically, so only something outside pagefleet cut or damaged it (a copy, a disk).
+                    output.unlink()
+                    state.update(r.batch_id, status="pending", output=None)
+                    state.event(f"{r.batch_id} was done but {output} is corrupt or truncated; removed it, and the "
+                                "batch will be recomputed")
                 continue
             if output.exists() and not run_dir.batch_file(r.batch_id).exists():
                 state.event(f"{r.batch_id}: kept {output.name} but did not adopt it: its batch file is missing, so "
@@ -146,13 +153,27 @@ class RunState:
         return [r for r in self.records.values() if r.status in statuses]
 
 
-def _adoptable(output: Path, n: int, num_prompts: int, plan: str, batch_file: Path) -> tuple[BatchStats | None, str]:
-    """(the stats of a complete output file of this plan's batch, '') or (None, why it is not one)."""
+def _complete(output: Path, expected_samples: int) -> tuple[pq.FileMetaData | None, BatchStats | None, str]:
+    """(footer, stats, '') of an output file that holds `expected_samples` samples, or (None, None, why not).
+
+    Reads the parquet footer only: one small read a batch, so a restart checks every done batch cheaply.
+    """
     try:
         meta = pq.read_metadata(output)
-        stats = stats_of(meta.schema.to_arrow_schema())
-        if stats is None or meta.num_rows != num_prompts * n:
-            return None, f"{meta.num_rows} of {num_prompts * n} samples"
+    except Exception as e:  # noqa: BLE001 - unreadable means not complete; it is recomputed
+        return None, None, f"unreadable: {type(e).__name__}"
+    stats = stats_of(meta.schema.to_arrow_schema())
+    if stats is None or meta.num_rows != expected_samples:
+        return None, None, f"{meta.num_rows} of {expected_samples} samples"
+    return meta, stats, ""
+
+
+def _adoptable(output: Path, n: int, num_prompts: int, plan: str, batch_file: Path) -> tuple[BatchStats | None, str]:
+    """(the stats of a complete output file of this plan's batch, '') or (None, why it is not one)."""
+    meta, stats, why = _complete(output, num_prompts * n)
+    if meta is None:
+        return None, why
+    try:
         why = belongs(output, meta, plan, batch_file, n)
     except Exception as e:  # noqa: BLE001 - unreadable means not adoptable; it is recomputed
         return None, f"unreadable: {type(e).__name__}"

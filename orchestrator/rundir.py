@@ -70,7 +70,20 @@ class RunDir:
         return self.manifest.exists() and self.run_json.exists()
 
     def read_run_json(self) -> dict[str, Any]:
-        return json.loads(self.run_json.read_text())
+        """run.json; raises CorruptRunFile naming the file and line when it does not parse."""
+        from orchestrator.manifest import RECOVER, CorruptRunFile
+
+        try:
+            info = json.loads(self.run_json.read_bytes())
+        except json.JSONDecodeError as e:
+            raise CorruptRunFile(f"{self.run_json} line {e.lineno} column {e.colno} is corrupt ({e.msg}); {RECOVER}") \
+                from None
+        except (UnicodeDecodeError, RecursionError) as e:
+            raise CorruptRunFile(f"{self.run_json} is corrupt ({type(e).__name__}); {RECOVER}") from None
+        if not isinstance(info, dict) or not {"plan", "fingerprints", "sample_affecting"} <= info.keys():
+            raise CorruptRunFile(f"{self.run_json} is not a run description (plan, fingerprints and sample_affecting "
+                                 f"are required); {RECOVER}")
+        return info
 
     def write_run_json(self, info: dict[str, Any]) -> None:
         atomic_write_text(self.run_json, json.dumps(info, indent=2, sort_keys=True) + "\n")

@@ -236,7 +236,8 @@ class SliceWorker:
             error = self.engine.validate(r)
             if error is not None:
                 self.samples_finished += len(requests)
-                self._emit(Failed(work.batch_id, work.attempt, self.spec.name, f"prompt {r.prompt_id!r}: {error}"))
+                self._emit(Failed(work.batch_id, work.attempt, self.spec.name, f"prompt {r.prompt_id!r}: {error}",
+                                  deterministic=True))
                 return
         self._live[work.batch_id] = _Live(work, len(requests), time.time())
         for r in requests:
@@ -271,7 +272,9 @@ class SliceWorker:
             batch.done[(c.prompt_id, c.generation_index)] = c
             if len(batch.done) == batch.expected:
                 del self._live[batch.work.batch_id]
-                self._emit(self._completed(batch))
+                self._emit(self._completed(batch) if not (errors := [d for d in batch.done.values() if d.error]) else
+                           Failed(batch.work.batch_id, batch.work.attempt, self.spec.name,
+                                  f"prompt {errors[0].prompt_id!r}: {errors[0].error}", deterministic=True))
                 if self.spec.engine.cleanup_mode == "end":  # a batch is this mode's "call"
                     self.engine.release_finished()
         if not self.engine.has_unfinished:

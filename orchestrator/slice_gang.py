@@ -30,6 +30,9 @@ class GangEvent:
     """With "results": samples the slice has finished since it started (SliceWorker.samples_finished)."""
     info: dict | None = None
     reason: str | None = None
+    fatal: bool = False
+    """With "failed": the slice failed on a deterministic fault (a checkpoint it cannot load): every slice would,
+    so restarting cannot help."""
 
 
 class SliceGang:
@@ -145,7 +148,11 @@ class SliceGang:
             try:
                 self._infos.append(ray.get(ref))
             except ray.exceptions.RayError as e:
-                return GangEvent("failed", reason=f"could not start: {_error_text(e)}")
+                from engine.checkpoint_check import CheckpointError
+
+                cause = getattr(e, "cause", None)
+                fatal = isinstance(cause, CheckpointError)
+                return GangEvent("failed", reason=f"could not start: {cause if fatal else _error_text(e)}", fatal=fatal)
             if self._starting:
                 return GangEvent("waiting")
             self._polls = {a.poll.remote(POLL_S): host for host, a in enumerate(self.actors)}

@@ -3,8 +3,10 @@
 Raw prompts (`corpus.text_field`) are encoded as the tokenizer does by default (its own special
 tokens, e.g. BOS). Chats (`corpus.messages_field`) are rendered with the tokenizer's chat template
 (`apply_chat_template(messages, tokenize=False, add_generation_prompt=True)`) and the rendered text
-is encoded with `add_special_tokens=False`, since the template writes its own special tokens.
-Every row comes out, accepted or with a rejection reason; none is dropped.
+is encoded with `add_special_tokens=False`, since the template writes its own special tokens; a chat row
+is rejected (`no_chat_template`) when the tokenizer has no template or its template refuses the row. A token
+id the model has no embedding for (a tokenizer larger than the model's `vocab_size`) rejects its row
+(`out_of_vocabulary`). Every row comes out, accepted or with a rejection reason; none is dropped.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ from dataclasses import asdict
 import numpy as np
 import pyarrow as pa
 
-from orchestrator.corpus import CorpusConfig, Prompt, Shard, extract_prompt, read_rows
+from orchestrator.corpus import CorpusConfig, Prompt, Rejection, Shard, extract_prompt, read_rows
 from orchestrator.model_source import ModelSourceConfig, load_tokenizer
 from orchestrator.packing import PackingLimits
+from orchestrator.prompt_checks import out_of_vocabulary, render_chat
 
 # Rejection reasons (rejected.jsonl `reason`).
-REASONS = ("malformed_row", "undecodable", "missing_field", "wrong_type", "empty_prompt", "too_long",
-           "exceeds_budget", "duplicate_id")
+REASONS = ("malformed_row", "undecodable", "missing_field", "wrong_type", "empty_prompt", "no_chat_template",
+           "out_of_vocabulary", "too_long", "exceeds_budget", "duplicate_id")
 
 SCHEMA = pa.schema([
     ("row", pa.int64()),  # row number in corpus order
@@ -52,26 +55,41 @@ def shard_item(shard: Shard) -> dict[str, str]:
 class PromptTokenizer:
     """Ray Data stage (`map_batches`, one shard per call); the tokenizer is built once per worker."""
 
-    def __init__(self, model: ModelSourceConfig, corpus: CorpusConfig, limits: PackingLimits, max_seq_len: int):
+    def __init__(self, model: ModelSourceConfig, corpus: CorpusConfig, limits: PackingLimits, max_seq_len: int,
+                 vocab_size: int | None = None):
         self.tokenizer = load_tokenizer(model)
-        self.corpus, self.limits, self.max_seq_len = corpus, limits, max_seq_len
+        self.tokenizer_path = model.tokenizer_path
+        self.corpus, self.limits, self.max_seq_len, self.vocab_size = corpus, limits, max_seq_len, vocab_size
 
-    def encode(self, prompts: list[Prompt]) -> list[list[int]]:
-        """Token ids of each prompt (text as is, chats through the chat template)."""
-        ids: list[list[int] | None] = [None] * len(prompts)
+    def render(self, messages: list[dict]) -> str | Rejection:
+        """A chat as the tokenizer's chat template renders it, or why it cannot be."""
+        return render_chat(self.tokenizer, messages, self.tokenizer_path, self.corpus.messages_field)
+
+    def encode(self, prompts: list[Prompt]) -> list[list[int] | Rejection]:
+        """Token ids of each prompt (text as is, chats through the chat template), or why a chat cannot be rendered."""
+        ids: list[list[int] | Rejection | None] = [None] * len(prompts)
         texts = [(i, p.text) for i, p in enumerate(prompts) if p.text is not None]
-        chats = [(i, self.tokenizer.apply_chat_template(p.messages, tokenize=False, add_generation_prompt=True))
-                 for i, p in enumerate(prompts) if p.messages is not None]
+        chats = []
+        for i, p in enumerate(prompts):
+            if p.messages is not None:
+                rendered = self.render(p.messages)
+                if isinstance(rendered, Rejection):
+                    ids[i] = rendered
+                else:
+                    chats.append((i, rendered))
         for group, special in ((texts, True), (chats, False)):
             if group:
                 for (i, _), tokens in zip(group, batch_encode(self.tokenizer, [t for _, t in group], special)):
                     ids[i] = tokens
         return ids  # type: ignore[return-value]
 
-    def check(self, num_tokens: int) -> tuple[str, str] | None:
+    def check(self, tokens: list[int]) -> tuple[str, str] | None:
         """Why a tokenized prompt cannot run, or None."""
+        num_tokens = len(tokens)
         if num_tokens == 0:
             return "empty_prompt", "the prompt has no tokens"
+        if (why := out_of_vocabulary(tokens, self.vocab_size)) is not None:
+            return "out_of_vocabulary", why
         new = self.limits.max_new_tokens
         if num_tokens + new > self.max_seq_len:
             return "too_long", (f"prompt has {num_tokens:,} tokens + {new:,} new tokens = {num_tokens + new:,}; the "
@@ -92,8 +110,10 @@ class PromptTokenizer:
         prompt_ids, reasons, details, lengths, kept = [], [], [], [], []
         for i, p in enumerate(parsed):
             tokens = encoded.get(i)
-            problem = (p.reason, p.detail) if not isinstance(p, Prompt) else self.check(len(tokens))
             prompt_ids.append(p.prompt_id if isinstance(p, Prompt) else None)
+            if isinstance(tokens, Rejection):  # a chat that cannot be rendered: its id is known
+                p, tokens = tokens, None
+            problem = (p.reason, p.detail) if not isinstance(p, Prompt) else self.check(tokens)
             reasons.append(problem[0] if problem else None)
             details.append(problem[1] if problem else None)
             lengths.append(len(tokens) if tokens is not None else 0)

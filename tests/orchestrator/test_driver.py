@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from orchestrator import exit_codes
 from orchestrator.cli import main
 from orchestrator.config import load_run_config
 from orchestrator.driver import Driver
@@ -130,7 +131,8 @@ def test_slice_killed_mid_batch_is_requeued(ray_local, run_model, tmp_path):
     assert samples(run_dir) == reference(run_model, run_dir, cfg)
 
 
-def test_failing_batch_ends_failed_and_only_it_is_retried(ray_local, run_model, tmp_path, capsys):
+def test_failing_batch_ends_failed_and_is_not_retried(ray_local, run_model, tmp_path, capsys):
+    """A prompt the engine refuses fails its batch the same way every time: a deterministic fault, failed at once."""
     corpus = write_run_corpus(tmp_path / "corpus.jsonl", 24, seed=2)
     run_dir = tmp_path / "run"
     cfg = load_run_config(None, run_args(run_model, corpus, run_dir, "--retry.max_attempts=2"))
@@ -144,14 +146,14 @@ def test_failing_batch_ends_failed_and_only_it_is_retried(ray_local, run_model, 
     outcome = Driver(cfg, show_progress=False).run()
     assert outcome.exit_code == 1
     records = {r.batch_id: r for r in read_manifest(run_dir / "batches.jsonl")}
-    assert records["b000001"].status == "failed" and records["b000001"].attempts == 2
+    assert records["b000001"].status == "failed" and records["b000001"].attempts == 1
     assert "vocab_size" in records["b000001"].error
     assert all(r.status == "done" for k, r in records.items() if k != "b000001")
     s = status(run_dir)
     assert [f["batch_id"] for f in s["failed"]] == ["b000001"] and "vocab_size" in s["failed"][0]["error"]
     capsys.readouterr()
     assert main(["status", str(run_dir)]) == 0
-    assert "failed b000001 after 2 attempts" in capsys.readouterr().out
+    assert "failed b000001 after 1 attempts" in capsys.readouterr().out
 
     # A rerun retries only the failed batch; once its input is repaired, the run completes.
     stamps = {p.name: p.stat().st_mtime_ns for p in (run_dir / "outputs").iterdir()}
@@ -161,7 +163,7 @@ def test_failing_batch_ends_failed_and_only_it_is_retried(ray_local, run_model, 
     new_events = (run_dir / "events.log").read_text().splitlines()[before:]
     assert [line.split()[1] for line in new_events if " running on " in line] == ["b000001"]
     assert {p.name: p.stat().st_mtime_ns for p in (run_dir / "outputs").iterdir() if p.name in stamps} == stamps
-    assert read_manifest(run_dir / "batches.jsonl")[1].attempts == 3
+    assert read_manifest(run_dir / "batches.jsonl")[1].attempts == 2
 
 
 def test_second_head_is_refused(run_model, tmp_path, capsys):
@@ -200,21 +202,16 @@ def test_occupancy_with_early_stops(ray_local, run_model, tmp_path):
 
 
 def test_slices_that_cannot_start_end_the_run_with_the_reason(ray_local, run_model, tmp_path, capsys):
-    """A checkpoint whose weights are missing: planning works (it reads no weights), every slice fails to
-    load, is restarted up to cluster.max_slice_restarts times, and the run stops with the reason, resumable."""
-    import shutil
-
-    model = tmp_path / "model"
-    shutil.copytree(run_model, model)
-    (model / "model.safetensors").unlink()
+    """A model dtype the engine refuses (float16; a checkpoint fault the head finds itself, see
+    test_faults_rows_and_files): planning works, every slice fails to load, is restarted up to
+    cluster.max_slice_restarts times, and the run stops on that fault with the reason, resumable."""
     corpus = write_run_corpus(tmp_path / "corpus.jsonl", 8)
     run_dir = tmp_path / "run"
-    cfg = load_run_config(None, run_args(str(model), corpus, run_dir, "--cluster.num_slices=1",
-                                         "--cluster.max_slice_restarts=1"))
+    cfg = load_run_config(None, run_args(run_model, corpus, run_dir, "--cluster.num_slices=1",
+                                         "--cluster.max_slice_restarts=1", "--model.dtype=float16"))
     outcome = Driver(cfg, show_progress=False).run()
-    assert outcome.exit_code == 1 and outcome.summary["batches_pending"] == outcome.summary["batches"]
-    out = capsys.readouterr().out
-    assert "every slice failed" in out and "safetensors" in out
+    assert outcome.exit_code == exit_codes.FAULT and outcome.summary["batches_pending"] == outcome.summary["batches"]
+    assert "every slice failed" in outcome.fault and "float16" in outcome.fault
     events = (run_dir / "events.log").read_text()
     assert events.count("slice-0 could not start") == 2 and "slice-0 given up after 1 restarts" in events
     assert all(r.status == "pending" for r in read_manifest(run_dir / "batches.jsonl"))

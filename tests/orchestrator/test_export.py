@@ -138,7 +138,7 @@ def test_export_out_of_disk_says_what_needs_the_space_and_leaves_nothing(tmp_pat
     monkeypatch.setattr(export_module, "_write_sorted_runs", full_disk)
     out = tmp_path / "out" / "all.jsonl"
     assert cli.main(["export", str(tmp_path / "run"), "--output", str(out), "--memory-gb", "0.0001",
-                     "--no-progress"]) == 1
+                     "--no-progress"]) == 2  # exit_codes.FAULT: the export stopped on a fault
     err = capsys.readouterr().err
     assert "out of disk space" in err and "--memory-gb" in err
     assert list((tmp_path / "out").iterdir()) == []  # no partial output, no sort runs

@@ -12,6 +12,7 @@ import pyarrow as pa
 import pytest
 
 import orchestrator.slice_gang as slice_gang
+from orchestrator import exit_codes
 from orchestrator.config import load_run_config
 from orchestrator.driver import Driver
 from orchestrator.manifest import read_manifest
@@ -71,9 +72,8 @@ def test_host_with_another_config_is_caught_before_any_step(ray_local, run_model
     cfg = load_run_config(None, run_args(run_model, corpus, run_dir, *gang_args(2, 1, 2),
                                          "--cluster.max_slice_restarts=0", "--cluster.host_timeout_s=120"))
     outcome = Driver(cfg, show_progress=False).run()
-    assert outcome.exit_code == 1 and outcome.summary["batches_done"] == 0
-    out = capsys.readouterr().out
-    assert "could not start" in out and "engine_config" in out, out[-2000:]
+    assert outcome.exit_code == exit_codes.FAULT and outcome.summary["batches_done"] == 0
+    assert "could not start" in outcome.fault and "engine_config" in outcome.fault, outcome.fault
     assert all(r.attempts == 0 for r in read_manifest(run_dir / "batches.jsonl"))  # no batch ever ran
 
 
