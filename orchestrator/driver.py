@@ -98,8 +98,10 @@ class Driver:
 
     def run(self) -> RunOutcome:
         from orchestrator.cluster import ensure_ray
-        from orchestrator.planner import plan_locked
+        from orchestrator.planner import plan_locked, refuse_impossible
 
+        if not self.run_dir.is_planned():
+            refuse_impossible(self.cfg)  # before the run directory or Ray exists
         with RunLock(self.run_dir.root):
             planned = plan_locked(self.cfg)  # starts Ray only when there is something to plan
             if not planned.already_planned:

@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,7 +62,8 @@ def fingerprints(cfg: RunConfig, files: list[str]) -> dict[str, str]:
 
 def plan(cfg: RunConfig) -> PlanResult:
     """Plan `cfg` into its run directory, or check that the existing plan matches it."""
-    refuse_impossible(cfg)
+    if not RunDir(Path(cfg.resolved_run_dir)).is_planned():
+        refuse_impossible(cfg)
     with RunLock(cfg.resolved_run_dir):
         return plan_locked(cfg)
 
@@ -143,7 +145,10 @@ def _plan_into(cfg: RunConfig, run_dir: RunDir, files: list[str]) -> tuple[PlanS
 
     from orchestrator.cluster import ensure_ray
 
+    from orchestrator.ray_noise import quiet_ray_data
+
     ensure_ray(cfg.cluster)
+    quiet_ray_data()
     data_context = DataContext.get_current()
     data_context.enable_progress_bars = False  # the capacity report is the output; phases are logged
     data_context.print_on_execution_start = False
@@ -168,10 +173,16 @@ def _plan_into(cfg: RunConfig, run_dir: RunDir, files: list[str]) -> tuple[PlanS
     if sum(rows for rows, _ in counts) == 0:  # e.g. only blank lines: nothing to tokenize
         return PlanStats.build(0, [], np.zeros(0, np.int64), pack(np.zeros(0, np.int64), limits), 0), []
     workers = max(1, min(len(shards), int(ray.available_resources().get("CPU", 1))))
-    tokenized = ray.data.from_items([shard_item(s) for s in shards], override_num_blocks=len(shards)).map_batches(
-        PromptTokenizer, fn_constructor_args=(cfg.model, cfg.corpus, limits, context),
-        batch_size=1, compute=ray.data.ActorPoolStrategy(size=workers), batch_format="numpy",
-    ).materialize()
+    with warnings.catch_warnings():  # max_restarts has no named parameter in map_batches (Ray 2.60)
+        warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
+        tokenized = ray.data.from_items([shard_item(s) for s in shards], override_num_blocks=len(shards)).map_batches(
+            PromptTokenizer, fn_constructor_args=(cfg.model, cfg.corpus, limits, context),
+            batch_size=1, compute=ray.data.ActorPoolStrategy(size=workers), batch_format="numpy",
+            # No actor restarts: Ray Data hands its actors their arguments as object refs, which a restart may not
+            # recover (Ray says so in an E-level core_worker line on every plan). A lost tokenizer fails the plan,
+            # and rerunning plans afresh.
+            max_restarts=0,
+        ).materialize()
 
     phase("tokenizing")
     summary = _summaries(tokenized)
