@@ -30,6 +30,7 @@ from orchestrator.faults import crash_point
 from orchestrator.lock import RunLock
 from orchestrator.progress import RunProgress, engine_time, format_engine_time, mean_occupancy, read_timeline
 from orchestrator.results import BatchWork, Completed, Failed
+from orchestrator.retune import retune
 from orchestrator.run_state import RunState
 from orchestrator.rundir import RunDir
 from orchestrator.slice_gang import POLL_S, SliceGang
@@ -109,6 +110,7 @@ class Driver:
             crash_point("planned")
             state = RunState.recover(self.run_dir, self.cfg.sampling.n)
             try:
+                retune(self.run_dir, state, self.cfg)  # other capacities than planned: re-pack what no longer fits
                 todo = state.with_status("pending")
                 if not todo:
                     summary = self._summary(state, None, session_s=0.0)
@@ -153,7 +155,7 @@ class Driver:
             progress.close()
             summary = self._summary(state, progress, progress.elapsed_s)
             tracker.finish({k: v for k, v in summary.items() if isinstance(v, int | float | str)})
-            self._plot()
+            self._plot(summary.get("tokens_per_s"))
             print(_format_summary(summary))
         if stopped:
             return RunOutcome(130, summary)
@@ -352,13 +354,13 @@ class Driver:
             summary["engine_device_s"], summary["engine_host_s"] = round(split[0], 3), round(split[1], 3)
         return summary
 
-    def _plot(self) -> None:
+    def _plot(self, mean_tokens_per_s: float | None) -> None:
         try:
             from orchestrator.plot import write_plot
 
             timeline = read_timeline(self.run_dir)
             t0 = min((b["t"] for b in timeline), default=0.0)
-            write_plot(self.run_dir.plot, [{**b, "t": b["t"] - t0} for b in timeline])
+            write_plot(self.run_dir.plot, [{**b, "t": b["t"] - t0} for b in timeline], mean_tokens_per_s)
         except Exception as e:  # noqa: BLE001 - the plot is a report, never a reason to fail the run
             self._state.event(f"could not write the throughput plot: {e}")
 

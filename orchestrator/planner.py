@@ -104,7 +104,7 @@ def plan_locked(cfg: RunConfig) -> PlanResult:
     files = list_files(cfg.corpus.path)
     prints = fingerprints(cfg, files)
     if run_dir.is_planned():
-        check_same_plan(run_dir, cfg.sample_affecting(), prints)
+        check_same_plan(run_dir, cfg, prints)
         stats = PlanStats.from_json(run_dir.read_run_json()["plan"])
         if stats.accepted == 0:  # planned before such plans were refused
             raise NothingToRun(_nothing_accepted(stats, run_dir))
@@ -119,6 +119,7 @@ def plan_locked(cfg: RunConfig) -> PlanResult:
         "name": cfg.name,
         "config": json.loads(json.dumps(dataclasses.asdict(cfg))),
         "sample_affecting": cfg.sample_affecting(),
+        "capacities": cfg.capacities(),
         "fingerprints": prints,
         "corpus_files": files,
         "versions": versions(),

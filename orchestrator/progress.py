@@ -68,7 +68,7 @@ class RunProgress:
 
     def add_timeline(self, slice_name: str, buckets: list[dict]) -> None:
         for b in buckets:
-            self._timeline.write(json.dumps({**b, "slice": slice_name}) + "\n")
+            self._timeline.write(json.dumps({**b, "slice": slice_name, "session": self.started}) + "\n")
         if buckets:
             self._timeline.flush()
 
