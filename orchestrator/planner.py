@@ -145,7 +145,6 @@ def _plan_into(cfg: RunConfig, run_dir: RunDir, files: list[str]) -> tuple[PlanS
     from ray.data import DataContext
 
     from orchestrator.cluster import ensure_ray
-
     from orchestrator.ray_noise import quiet_ray_data
 
     ensure_ray(cfg.cluster)
