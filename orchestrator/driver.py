@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import signal
-import sys
 import threading
 import time
 from collections import Counter, deque
@@ -34,9 +33,7 @@ from orchestrator.retune import retune
 from orchestrator.run_state import RunState
 from orchestrator.rundir import RunDir
 from orchestrator.slice_gang import POLL_S, SliceGang
-
-WAIT_CHECK_S = 5.0
-"""How often the head checks whether slices wait for resources."""
+from orchestrator.waiting import WaitingReport
 
 
 @dataclass
@@ -92,8 +89,7 @@ class Driver:
         self.on_actors_ready = None  # tests: called with the slots once every live slice has started
         self.on_slices_done = None  # tests: called with the slots before the actors are stopped
         self._samples_in_flight = cfg.samples_in_flight_per_slice
-        self._next_wait_check = self._next_wait_report = 0.0  # monotonic times (_note_waiting)
-        self._waiting_since: float | None = None
+        self._waiting = WaitingReport(cfg.cluster)
 
     # -- the run ---------------------------------------------------------------------------------
 
@@ -185,7 +181,7 @@ class Driver:
                 announced = True
                 if self.on_actors_ready is not None:
                     self.on_actors_ready(self.slots)
-            self._note_waiting(live)
+            self._waiting.check(sum(not s.ready for s in live), len(live), self._progress, self._state)
             refs = {ref: s for s in live for ref in s.gang.refs()}
             ready, _ = ray.wait(list(refs), num_returns=1, timeout=POLL_S)
             for ref in ready:
@@ -198,33 +194,6 @@ class Driver:
             self._progress.write(self._state.prompts_not_done)
 
     # -- slices ----------------------------------------------------------------------------------
-
-    def _note_waiting(self, live: list[_Slot]) -> None:
-        """Every few seconds: do slices wait for resources? Said in progress (status) at once, and as a line on
-        stderr and in events.log when it starts and then once per progress interval while it lasts."""
-        import ray
-
-        from orchestrator.progress import line_every_s
-        from orchestrator.waiting import waiting_text
-
-        now = time.monotonic()
-        if now < self._next_wait_check:
-            return
-        self._next_wait_check = now + WAIT_CHECK_S
-        waiting = sum(not s.ready for s in live)
-        if not waiting:
-            self._waiting_since = None
-        elif self._waiting_since is None:
-            self._waiting_since = now
-        text = waiting_text(waiting, len(live) - waiting, self.cfg.cluster, ray.cluster_resources(),
-                            ray.available_resources(), now - self._waiting_since) if waiting else None
-        self._progress.waiting = text
-        if text is None:
-            self._next_wait_report = 0.0
-        elif now >= self._next_wait_report:
-            self._next_wait_report = now + line_every_s()
-            print(f"pagefleet run: {text}", file=sys.stderr, flush=True)
-            self._state.event(text)
 
     def _handle(self, slot: _Slot, ref) -> None:
         event = slot.gang.handle(ref)

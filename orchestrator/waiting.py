@@ -8,8 +8,18 @@ at a few-second check and a line every progress interval (see `Driver`).
 from __future__ import annotations
 
 import math
+import sys
+import time
+from typing import TYPE_CHECKING
 
 from orchestrator.cluster import ClusterConfig
+
+if TYPE_CHECKING:
+    from orchestrator.progress import RunProgress
+    from orchestrator.run_state import RunState
+
+WAIT_CHECK_S = 5.0
+"""How often the head checks whether slices wait for resources."""
 
 
 def slice_demand(cluster: ClusterConfig) -> dict[str, float]:
@@ -59,3 +69,38 @@ def waiting_text(num_waiting: int, num_started: int, cluster: ClusterConfig, tot
                 f"{_format(available, demand)} free now of {_format(total, demand)} (still loading the model, or "
                 "waiting for resources that other work holds)")
     return None
+
+
+class WaitingReport:
+    """The head's check, every WAIT_CHECK_S: do slices wait for resources? The line goes to the progress (so
+    `status` and its progress lines show it) at once, and to stderr and events.log when it starts and then once
+    per progress interval while it lasts."""
+
+    def __init__(self, cluster: ClusterConfig) -> None:
+        self.cluster = cluster
+        self._next_check = self._next_report = 0.0  # monotonic times
+        self._since: float | None = None  # since when some slice has not started
+
+    def check(self, num_waiting: int, num_live: int, progress: RunProgress, state: RunState) -> None:
+        """`num_waiting` of the `num_live` slices have not started."""
+        import ray
+
+        from orchestrator.progress import line_every_s
+
+        now = time.monotonic()
+        if now < self._next_check:
+            return
+        self._next_check = now + WAIT_CHECK_S
+        if not num_waiting:
+            self._since = None
+        elif self._since is None:
+            self._since = now
+        text = waiting_text(num_waiting, num_live - num_waiting, self.cluster, ray.cluster_resources(),
+                            ray.available_resources(), now - self._since) if num_waiting else None
+        progress.waiting = text
+        if text is None:
+            self._next_report = 0.0
+        elif now >= self._next_report:
+            self._next_report = now + line_every_s()
+            print(f"pagefleet run: {text}", file=sys.stderr, flush=True)
+            state.event(text)
