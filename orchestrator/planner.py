@@ -71,6 +71,7 @@ def plan(cfg: RunConfig) -> PlanResult:
 def refuse_impossible(cfg: RunConfig) -> None:
     """Raise NothingToRun for a run that cannot produce a sample, found without Ray and before the run
     directory exists: a corpus whose files are all empty, or limits that even a one-token prompt exceeds."""
+    cfg.model.require_path()  # the inputs in the order plan_locked checks them
     files = list_files(cfg.corpus.path)
     if all(_is_empty(f) for f in files):
         raise NothingToRun(f"corpus.path {cfg.corpus.path!r} is empty ({len(files)} file(s) of 0 bytes); "
