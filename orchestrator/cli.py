@@ -64,7 +64,8 @@ def _run(argv: list[str]) -> int:
         cfg = load_run_config(argv[0], argv[1:])
         from orchestrator.driver import Driver
 
-        outcome = Driver(cfg, show_progress=sys.stderr.isatty() or bool(os.environ.get("PAGEFLEET_PROGRESS"))).run()
+        # A bar on a terminal, plain lines elsewhere (ray job logs); PAGEFLEET_PROGRESS=0 turns both off.
+        outcome = Driver(cfg, show_progress=os.environ.get("PAGEFLEET_PROGRESS", "1").strip() != "0").run()
     except (ConfigError, PlanMismatch, RunDirLocked) as e:
         print(f"pagefleet run: {e}", file=sys.stderr)
         return FAULT

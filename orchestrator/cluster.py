@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 import tempfile
 from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -55,15 +58,31 @@ class ClusterConfig:
             raise ValueError(f"cluster.mesh widths must be at least 1, got {self.mesh}")
 
 
+def existing_cluster() -> str | None:
+    """The address of the cluster `ray.init()` would join: RAY_ADDRESS, else the one a `ray start` on this
+    machine recorded (RAY_TMPDIR/ray/ray_current_cluster, default /tmp/ray); None when there is none."""
+    if os.environ.get("RAY_ADDRESS"):
+        return os.environ["RAY_ADDRESS"]
+    from ray._private.services import find_bootstrap_address  # how ray.init() itself finds a `ray start` cluster
+
+    return find_bootstrap_address(None)
+
+
 def ensure_ray(cluster: ClusterConfig) -> None:
-    """Connect to the cluster named by RAY_ADDRESS, or start a local Ray in this process (its session files under
-    `local_ray_temp_dir()`)."""
+    """Connect to an existing cluster (RAY_ADDRESS, or a `ray start` on this machine), or start a local Ray in
+    this process with `cluster.local_num_cpus` CPUs, its session files under `local_ray_temp_dir()`. An existing
+    cluster has its own CPUs: the key is ignored there, with a note in the log, rather than refused as ray.init
+    refuses it."""
     import ray
 
     if ray.is_initialized():
         return
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+    address = existing_cluster()
+    if address:
+        if cluster.local_num_cpus is not None:
+            log.warning("connecting to the existing Ray cluster at %s: cluster.local_num_cpus=%d is ignored (it "
+                        "sizes only a Ray started in-process)", address, cluster.local_num_cpus)
+        ray.init(address=address, log_to_driver=False)
     else:
         ray.init(num_cpus=cluster.local_num_cpus, include_dashboard=False, log_to_driver=False,
                  _temp_dir=local_ray_temp_dir())

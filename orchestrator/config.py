@@ -23,8 +23,11 @@ from orchestrator.packing import PackingConfig
 from orchestrator.retry import RetryConfig
 from orchestrator.tracking import TrackerConfig
 
-# Engine keys that change how prompts are packed or validated (the rest do not change the plan).
-PLAN_ENGINE_KEYS = ("page_size", "max_pages", "max_seqs", "max_seqs_in_prefill", "max_prefill_size", "max_seq_len")
+# Engine keys a plan is tied to: which prompts fit the context, and the KV page accounting.
+PLAN_ENGINE_KEYS = ("page_size", "max_seq_len")
+# Capacities: how much one batch (and the engine) holds at once. Samples do not depend on them, so a run may be
+# resumed with others (e.g. on other hardware); pending batches are re-packed when they no longer fit.
+CAPACITY_ENGINE_KEYS = ("max_pages", "max_seqs", "max_seqs_in_prefill", "max_prefill_size")
 # Keys that never change the samples or the plan.
 NOT_SAMPLE_AFFECTING = ("corpus.shard_bytes",)
 
@@ -55,7 +58,7 @@ class RunConfig:
         return self.cluster.samples_in_flight_per_slice or 2 * self.engine.max_seqs
 
     def sample_affecting(self) -> dict[str, Any]:
-        """The keys a plan is tied to, as plain data (corpus, model source, sampling, packing)."""
+        """The keys a plan is tied to, as plain data (corpus, model source, sampling, the context and page size)."""
         corpus = dataclasses.asdict(self.corpus)
         for key in NOT_SAMPLE_AFFECTING:
             corpus.pop(key.split(".", 1)[1], None)
@@ -64,8 +67,12 @@ class RunConfig:
             "model": dataclasses.asdict(self.model),
             "sampling": dataclasses.asdict(self.sampling),
             "engine": {k: getattr(self.engine, k) for k in PLAN_ENGINE_KEYS},
-            "packing": dataclasses.asdict(self.packing),
         }
+
+    def capacities(self) -> dict[str, Any]:
+        """The per-batch budgets (engine capacities and packing), as plain data: retunable on resume."""
+        return {"engine": {k: getattr(self.engine, k) for k in CAPACITY_ENGINE_KEYS},
+                "packing": dataclasses.asdict(self.packing)}
 
 
 class ConfigError(ValueError):
@@ -100,6 +107,16 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{key}"] = value
     return out
+
+
+def plan_changes(planned: dict[str, Any], cfg: RunConfig) -> list[str]:
+    """'key: old -> new' for each sample-affecting key of `cfg` that differs from a plan's `sample_affecting`
+    (run.json). Plans written before capacities were retunable hold them there too; they are not compared."""
+    old = {section: dict(values) for section, values in planned.items()}
+    old.pop("packing", None)
+    for key in CAPACITY_ENGINE_KEYS:
+        old.get("engine", {}).pop(key, None)
+    return diff_keys(old, cfg.sample_affecting())
 
 
 def diff_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:

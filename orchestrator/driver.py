@@ -35,9 +35,11 @@ from orchestrator.lock import RunLock
 from orchestrator.output_plan import plan_fingerprint, stamp
 from orchestrator.progress import RunProgress, engine_time, format_engine_time, mean_occupancy, read_timeline
 from orchestrator.results import BatchWork, Completed, Failed
+from orchestrator.retune import retune
 from orchestrator.run_state import RunState
 from orchestrator.rundir import RunDir
 from orchestrator.slice_gang import POLL_S, SliceGang
+from orchestrator.waiting import WaitingReport
 
 
 @dataclass
@@ -108,6 +110,7 @@ class Driver:
         self.on_slices_done = None  # tests: called with the slots before the actors are stopped
         self._samples_in_flight = cfg.samples_in_flight_per_slice
         self._fault: str | None = None  # why the run stopped early on a fault (exit_codes.FAULT)
+        self._waiting = WaitingReport(cfg.cluster)
 
     # -- the run ---------------------------------------------------------------------------------
 
@@ -117,6 +120,10 @@ class Driver:
             from engine.checkpoint_check import check_checkpoint
 
             check_checkpoint(model)
+        if not self.run_dir.is_planned():
+            from orchestrator.planner import refuse_impossible
+
+            refuse_impossible(self.cfg)  # before the run directory or Ray exists
         with RunLock(self.run_dir.root):
             try:
                 return self._run_locked()
@@ -138,6 +145,7 @@ class Driver:
         self._plan = plan_fingerprint(self.run_dir.read_run_json()["fingerprints"])
         state = RunState.recover(self.run_dir, self.cfg.sampling.n, self._plan)
         try:
+            retune(self.run_dir, state, self.cfg)  # other capacities than planned: re-pack what no longer fits
             todo = state.with_status("pending")
             if not todo:
                 summary = self._summary(state, None, session_s=0.0)
@@ -201,7 +209,7 @@ class Driver:
             summary = self._summary(state, progress, progress.elapsed_s)
             tracker.finish({k: v for k, v in summary.items() if isinstance(v, int | float | str)})
             if self._fault is None:
-                self._plot()
+                self._plot(summary.get("tokens_per_s"))
             print(_format_summary(summary))
         if self._fault is not None:
             return RunOutcome(exit_codes.FAULT, summary, self._fault)
@@ -236,6 +244,7 @@ class Driver:
                 announced = True
                 if self.on_actors_ready is not None:
                     self.on_actors_ready(self.slots)
+            self._waiting.check(sum(not s.ready for s in live), len(live), self._progress, self._state)
             refs = {ref: s for s in live for ref in s.gang.refs()}
             ready, _ = ray.wait(list(refs), num_returns=1, timeout=POLL_S)
             for ref in ready:
@@ -384,13 +393,13 @@ class Driver:
             summary["engine_device_s"], summary["engine_host_s"] = round(split[0], 3), round(split[1], 3)
         return summary
 
-    def _plot(self) -> None:
+    def _plot(self, mean_tokens_per_s: float | None) -> None:
         try:
             from orchestrator.plot import write_plot
 
             timeline = read_timeline(self.run_dir)
             t0 = min((b["t"] for b in timeline), default=0.0)
-            write_plot(self.run_dir.plot, [{**b, "t": b["t"] - t0} for b in timeline])
+            write_plot(self.run_dir.plot, [{**b, "t": b["t"] - t0} for b in timeline], mean_tokens_per_s)
         except Exception as e:  # noqa: BLE001 - the plot is a report, never a reason to fail the run
             self._state.event(f"could not write the throughput plot: {e}")
 

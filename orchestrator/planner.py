@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +41,11 @@ SUMMARY_COLUMNS = ["row", "prompt_id", "num_tokens", "reason", "detail", "file_i
 BATCH_SCHEMA = pa.schema([("prompt_id", pa.string()), ("row", pa.int64()), ("token_ids", pa.list_(pa.int32()))])
 
 
+class NothingToRun(ValueError):
+    """The run can produce no sample: an empty corpus, every row rejected, or a config that no prompt fits.
+    The message is one line that names the cause and the fix."""
+
+
 @dataclass(frozen=True)
 class PlanResult:
     run_dir: Path
@@ -58,8 +64,40 @@ def fingerprints(cfg: RunConfig, files: list[str]) -> dict[str, str]:
 
 def plan(cfg: RunConfig) -> PlanResult:
     """Plan `cfg` into its run directory, or check that the existing plan matches it."""
+    if not RunDir(Path(cfg.resolved_run_dir)).is_planned():
+        refuse_impossible(cfg)
     with RunLock(cfg.resolved_run_dir):
         return plan_locked(cfg)
+
+
+def refuse_impossible(cfg: RunConfig) -> None:
+    """Raise NothingToRun for a run that cannot produce a sample, found without Ray and before the run
+    directory exists: a corpus whose files are all empty, or limits that even a one-token prompt exceeds."""
+    cfg.model.require_path()  # the inputs in the order plan_locked checks them
+    files = list_files(cfg.corpus.path)
+    if all(_is_empty(f) for f in files):
+        raise NothingToRun(f"corpus.path {cfg.corpus.path!r} is empty ({len(files)} file(s) of 0 bytes); "
+                           "point --corpus.path at a file with at least one prompt")
+    limits = PackingLimits.resolve(cfg.packing, cfg.engine, cfg.sampling)
+    context = max_seq_len(cfg.model, cfg.engine)
+    new = cfg.sampling.max_new_tokens
+    if 1 + new > context:
+        raise NothingToRun(f"no prompt can fit: sampling.max_new_tokens={new:,} plus a one-token prompt exceeds "
+                           f"the model's context of {context:,} tokens (engine.max_seq_len, else the model's "
+                           f"max_position_embeddings); lower sampling.max_new_tokens below {context:,}")
+    if (why := limits.why_unfit(1)) is not None:
+        raise NothingToRun(f"no prompt can fit: even a one-token prompt {why}; lower sampling.max_new_tokens or "
+                           "sampling.n, or raise the budget")
+
+
+def _is_empty(url: str) -> bool:
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    try:
+        return fs.size(path) == 0
+    except OSError:
+        return False  # unreadable here: the planner's reading reports it
 
 
 def plan_locked(cfg: RunConfig) -> PlanResult:
@@ -69,14 +107,23 @@ def plan_locked(cfg: RunConfig) -> PlanResult:
     files = list_files(cfg.corpus.path)
     prints = fingerprints(cfg, files)
     if run_dir.is_planned():
-        check_same_plan(run_dir, cfg.sample_affecting(), prints)
-        return PlanResult(run_dir.root, PlanStats.from_json(run_dir.read_run_json()["plan"]), True)
+        check_same_plan(run_dir, cfg, prints)
+        stats = PlanStats.from_json(run_dir.read_run_json()["plan"])
+        if stats.accepted == 0:  # planned before such plans were refused
+            raise NothingToRun(_nothing_accepted(stats, run_dir))
+        return PlanResult(run_dir.root, stats, True)
     _refuse_foreign_outputs(run_dir, plan_fingerprint(prints))
     stats, records = _plan_into(cfg, run_dir, files)
+    if stats.accepted == 0:  # rejected.jsonl stays for the user to read; no plan, so a fixed corpus replans
+        shutil.rmtree(run_dir.batches, ignore_errors=True)
+        with open(run_dir.events, "a", encoding="utf-8") as events:
+            events.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} not planned: {_nothing_accepted(stats, run_dir)}\n")
+        raise NothingToRun(_nothing_accepted(stats, run_dir))
     run_dir.write_run_json({
         "name": cfg.name,
         "config": json.loads(json.dumps(dataclasses.asdict(cfg))),
         "sample_affecting": cfg.sample_affecting(),
+        "capacities": cfg.capacities(),
         "fingerprints": prints,
         "corpus_files": files,
         "versions": versions(),
@@ -100,13 +147,23 @@ def _refuse_foreign_outputs(run_dir: RunDir, plan: str) -> None:
                            f"--name=NAME), or remove {run_dir.outputs} to recompute every batch")
 
 
+def _nothing_accepted(stats: PlanStats, run_dir: RunDir) -> str:
+    if stats.rows_read == 0:
+        return "the corpus holds no rows; point --corpus.path at a file with at least one prompt"
+    reasons = ", ".join(f"{count:,} {reason}" for reason, count in stats.rejected.items())
+    return (f"no prompt accepted: all {stats.rows_read:,} rows were rejected ({reasons}); each row's reason is in "
+            f"{run_dir.rejected}")
+
+
 def _plan_into(cfg: RunConfig, run_dir: RunDir, files: list[str]) -> tuple[PlanStats, list[BatchRecord]]:
     import ray
     from ray.data import DataContext
 
     from orchestrator.cluster import ensure_ray
+    from orchestrator.ray_noise import quiet_ray_data
 
     ensure_ray(cfg.cluster)
+    quiet_ray_data()
     data_context = DataContext.get_current()
     data_context.enable_progress_bars = False  # the capacity report is the output; phases are logged
     data_context.print_on_execution_start = False
@@ -125,14 +182,23 @@ def _plan_into(cfg: RunConfig, run_dir: RunDir, files: list[str]) -> tuple[PlanS
 
     shards = split_shards(files, cfg.corpus.shard_bytes)
     count = ray.remote(num_cpus=1)(count_rows)
-    shards = number_shards(shards, ray.get([count.remote(s) for s in shards]))
+    counts = ray.get([count.remote(s) for s in shards])
+    shards = number_shards(shards, counts)
     phase(f"counting rows of {len(shards)} shards")
+    if sum(rows for rows, _ in counts) == 0:  # e.g. only blank lines: nothing to tokenize
+        return PlanStats.build(0, [], np.zeros(0, np.int64), pack(np.zeros(0, np.int64), limits), 0), []
     workers = max(1, min(len(shards), int(ray.available_resources().get("CPU", 1))))
-    tokenized = ray.data.from_items([shard_item(s) for s in shards], override_num_blocks=len(shards)).map_batches(
-        PromptTokenizer, fn_constructor_args=(cfg.model, cfg.corpus, limits, context,
-                                              model_config(cfg.model).get("vocab_size")),
-        batch_size=1, compute=ray.data.ActorPoolStrategy(size=workers), batch_format="numpy",
-    ).materialize()
+    with warnings.catch_warnings():  # max_restarts has no named parameter in map_batches (Ray 2.60)
+        warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
+        tokenized = ray.data.from_items([shard_item(s) for s in shards], override_num_blocks=len(shards)).map_batches(
+            PromptTokenizer, fn_constructor_args=(cfg.model, cfg.corpus, limits, context,
+                                                  model_config(cfg.model).get("vocab_size")),
+            batch_size=1, compute=ray.data.ActorPoolStrategy(size=workers), batch_format="numpy",
+            # No actor restarts: Ray Data hands its actors their arguments as object refs, which a restart may not
+            # recover (Ray says so in an E-level core_worker line on every plan). A lost tokenizer fails the plan,
+            # and rerunning plans afresh.
+            max_restarts=0,
+        ).materialize()
 
     phase("tokenizing")
     summary = _summaries(tokenized)

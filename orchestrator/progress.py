@@ -14,11 +14,36 @@ from orchestrator.manifest import BatchRecord
 from orchestrator.rundir import RunDir
 
 PROGRESS_EVERY_S = 5.0
+LINE_EVERY_ENV = "PAGEFLEET_PROGRESS_EVERY_S"
+LINE_EVERY_S = 30.0
+"""Seconds between plain progress lines when stderr is not a terminal (`PAGEFLEET_PROGRESS_EVERY_S` overrides)."""
+
+
+def line_every_s() -> float:
+    value = os.environ.get(LINE_EVERY_ENV, "").strip()
+    try:
+        return max(0.1, float(value)) if value else LINE_EVERY_S
+    except ValueError:
+        raise ValueError(f"{LINE_EVERY_ENV}={value!r} is not a number of seconds") from None
 
 
 class RunProgress:
-    def __init__(self, run_dir: RunDir, records: list[BatchRecord], show_bar: bool) -> None:
+    """Progress on stderr when `show` is true: a live bar on a terminal, else (a file, `ray job logs`) a plain
+    line every `line_every_s()` seconds, never carriage-return bars."""
+
+    def __init__(self, run_dir: RunDir, records: list[BatchRecord], show: bool, stream=None) -> None:
         from tqdm import tqdm
+
+        stream = stream or sys.stderr
+        show_bar = show and stream.isatty()
+        self._stream = stream
+        self._lines = show and not show_bar
+        self._line_every_s = line_every_s()
+        self._next_line = time.monotonic() + self._line_every_s
+        self.waiting: str | None = None
+        """Why slices have not started (resources the cluster lacks), shown in the lines and progress.json."""
+        self.batches_done = sum(r.status == "done" for r in records)
+        self.batches_failed = 0
 
         self.run_dir = run_dir
         self.started = time.time()
@@ -30,20 +55,21 @@ class RunProgress:
         self._last_write = 0.0
         done = [r for r in records if r.status == "done"]
         self.bar = tqdm(total=self.total_prompts, initial=sum(r.num_prompts for r in done), unit="prompt",
-                        desc="prompts", file=sys.stderr, disable=not show_bar, dynamic_ncols=True, smoothing=0.1)
+                        desc="prompts", file=stream, disable=not show_bar, dynamic_ncols=True, smoothing=0.1)
         self._timeline = open(run_dir.timeline, "a", encoding="utf-8")
 
     def batch_done(self, record: BatchRecord, num_done_batches: int, num_failed: int) -> None:
         self.session_prompts += record.num_prompts
         self.session_tokens += record.num_output_tokens
         self.session_batches += 1
+        self.batches_done, self.batches_failed = num_done_batches, num_failed
         self.bar.update(record.num_prompts)
         self.bar.set_postfix_str(f"batches {num_done_batches}/{self.total_batches}, "
                                  f"{self.tokens_per_s:,.0f} tok/s, failed {num_failed}", refresh=False)
 
     def add_timeline(self, slice_name: str, buckets: list[dict]) -> None:
         for b in buckets:
-            self._timeline.write(dumps({**b, "slice": slice_name}) + "\n")
+            self._timeline.write(dumps({**b, "slice": slice_name, "session": self.started}) + "\n")
         if buckets:
             self._timeline.flush()
 
@@ -60,8 +86,20 @@ class RunProgress:
             return None
         return remaining_prompts / (self.session_prompts / max(self.elapsed_s, 1e-9))
 
+    def line(self, remaining_prompts: int) -> str:
+        """One plain progress line: prompts and batches done, tokens/s, ETA (and what slices wait for)."""
+        done = self.total_prompts - remaining_prompts
+        eta = self.eta_s(remaining_prompts)
+        text = (f"progress: {done:,}/{self.total_prompts:,} prompts ({done / max(self.total_prompts, 1):.1%}), "
+                f"batches {self.batches_done:,}/{self.total_batches:,} done, {self.batches_failed:,} failed, "
+                f"{self.tokens_per_s:,.1f} tokens/s, ETA " + (f"{eta / 60:,.1f} min" if eta is not None else "unknown"))
+        return text + (f"; {self.waiting}" if self.waiting else "")
+
     def write(self, remaining_prompts: int, force: bool = False, running: bool = True) -> None:
-        """Replace progress.json (every PROGRESS_EVERY_S, or now when forced)."""
+        """Replace progress.json (every PROGRESS_EVERY_S, or now when forced); print a plain line when due."""
+        if self._lines and time.monotonic() >= self._next_line:
+            self._next_line = time.monotonic() + self._line_every_s
+            print(self.line(remaining_prompts), file=self._stream, flush=True)
         if not force and time.monotonic() - self._last_write < PROGRESS_EVERY_S:
             return
         self._last_write = time.monotonic()
@@ -71,6 +109,7 @@ class RunProgress:
             "session_batches": self.session_batches, "session_prompts": self.session_prompts,
             "session_output_tokens": self.session_tokens, "tokens_per_s": self.tokens_per_s,
             "prompts_per_s": self.session_prompts / max(self.elapsed_s, 1e-9), "eta_s": self.eta_s(remaining_prompts),
+            "waiting": self.waiting if running else None,
         }, indent=1) + "\n")
 
     def close(self) -> None:

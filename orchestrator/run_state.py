@@ -123,6 +123,18 @@ class RunState:
                    + ("; no attempts left, marked failed" if final else "; will retry"))
         return record
 
+    def replace_pending(self, records: list[BatchRecord]) -> None:
+        """Drop every pending batch and add `records` (pending) in their place: a re-pack (see retune)."""
+        for r in [r for r in self.records.values() if r.status == "pending"]:
+            del self.records[r.batch_id]
+            self.counts["pending"] -= 1
+            self.prompts_not_done -= r.num_prompts
+        for r in records:
+            self.records[r.batch_id] = r
+            self.counts[r.status] += 1
+            self.prompts_not_done += r.num_prompts * (r.status != "done")
+        self._dirty = True
+
     def event(self, text: str) -> None:
         self._events.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} {text}\n")
         self._events.flush()

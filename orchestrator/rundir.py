@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.atomic import atomic_write_text
-from orchestrator.config import diff_keys
+from orchestrator.config import RunConfig, plan_changes
 
 
 class PlanMismatch(RuntimeError):
@@ -103,10 +103,10 @@ def versions() -> dict[str, str]:
     return out
 
 
-def check_same_plan(run_dir: RunDir, sample_affecting: dict[str, Any], fingerprints: dict[str, str]) -> None:
-    """Refuse to reuse a planned run directory for different samples."""
+def check_same_plan(run_dir: RunDir, cfg: RunConfig, fingerprints: dict[str, str]) -> None:
+    """Refuse to reuse a planned run directory for different samples (capacities may differ: see retune)."""
     old = run_dir.read_run_json()
-    problems = diff_keys(old["sample_affecting"], sample_affecting)
+    problems = plan_changes(old["sample_affecting"], cfg)
     for name in ("corpus", "tokenizer", "model"):
         if old["fingerprints"].get(name) != fingerprints.get(name):
             problems.append(f"the {name} changed since planning ({name} fingerprint differs)")

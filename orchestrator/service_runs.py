@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from orchestrator.config import ConfigError, RunConfig, diff_keys, load_run_config
+from orchestrator.config import ConfigError, RunConfig, load_run_config, plan_changes
 from orchestrator.driver import Driver, RunOutcome
 from orchestrator.rundir import RunDir
 from orchestrator.service_body import BodyTooLargeWhenExpanded, load_body
@@ -140,8 +140,7 @@ class RunRegistry:
             if holder is not None:
                 raise RunConflict(f"run directory {run_dir.root} is in use by another head ({holder}); wait for it")
             if run_dir.run_json.exists():
-                old = run_dir.read_run_json().get("sample_affecting", {})
-                changed = diff_keys(old, cfg.sample_affecting())
+                changed = plan_changes(run_dir.read_run_json().get("sample_affecting", {}), cfg)
                 if changed:
                     raise RunConflict(f"run {name} was planned for different samples ({'; '.join(changed[:5])}); "
                                       f"resume it with its own config (POST /runs/{name}/resume) or choose a new name")

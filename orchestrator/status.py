@@ -60,6 +60,7 @@ def status(run_dir_path: str | Path) -> dict:
         "tokens_per_s": progress.get("tokens_per_s"),
         "eta_s": (remaining / rate if rate else None) if head else None,
         "progress_updated_at": progress.get("updated_at"),
+        "waiting": progress.get("waiting") if head else None,
         "mean_occupancy": mean_occupancy(timeline),
         "engine_time": dict(zip(("device_s", "host_s"), split)) if (split := engine_time(timeline)) else None,
         "failed": [{"batch_id": r.batch_id, "attempts": r.attempts, "error": r.error}
@@ -81,6 +82,8 @@ def format_status(s: dict) -> str:
     if s["tokens_per_s"] is not None:
         age = time.time() - (s["progress_updated_at"] or time.time())
         lines.append(f"throughput     {s['tokens_per_s']:,.1f} tokens/s (latest head session, updated {age:,.0f} s ago)")
+    if s.get("waiting"):
+        lines.append(f"waiting        {s['waiting']}")
     if s["eta_s"] is not None:
         lines.append(f"eta            {s['eta_s'] / 60:,.1f} min")
     if s["mean_occupancy"] is not None:

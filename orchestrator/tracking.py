@@ -135,6 +135,7 @@ class WandbTracker(HeadOnly):
 
         self._config = config
         self._batch_rows: list[BatchRow] = []
+        self._batch_keys: set[str] = set()  # every key a batch row logged: W&B copies each into the summary
         self._sample_rows: list[list[Any]] = []
         self._samples_logged = False
         self._finished = False
@@ -158,6 +159,7 @@ class WandbTracker(HeadOnly):
     def log_batch(self, row: BatchRow) -> None:
         self._check_owner()
         self._run.log(dict(row))
+        self._batch_keys.update(row)
         if len(self._batch_rows) < self._config.batches_table_rows:
             self._batch_rows.append(dict(row))
 
@@ -191,6 +193,13 @@ class WandbTracker(HeadOnly):
         self._run.log({"batches": wandb.Table(columns=columns, data=data, allow_mixed_types=True)})
         if self._config.samples_table_rows:
             self._log_samples()  # fewer samples than the table holds (or it was logged when it filled)
+        # W&B's summary holds each history key's last value: the last batch's batch_id, duration_s, ... read as
+        # if they described the run. The run's summary is the run's totals only.
+        for key in sorted(self._batch_keys - set(summary)):
+            try:
+                del self._run.summary[key]
+            except KeyError:
+                pass
         self._run.summary.update(dict(summary))
         self._run.finish()
         self._finished = True

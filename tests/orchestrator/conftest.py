@@ -80,3 +80,57 @@ def run_args(model: str, corpus: str, run_dir, *extra: str) -> list[str]:
             "--engine.max_pages=96", "--engine.max_seqs=8", "--engine.max_seqs_in_prefill=4",
             "--engine.max_prefill_size=128", "--packing.max_prefill_steps=2", "--cluster.num_slices=2",
             "--cluster.local_num_cpus=2", "--tracker.type=noop", "--retry.backoff_s=0.05", *extra]
+
+
+def free_ports(count: int) -> list[int]:
+    import socket
+
+    socks = [socket.socket() for _ in range(count)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@pytest.fixture
+def ray_head_env(tmp_path):
+    """For a `ray start --head` of the test's own: an environment as a new user's shell has it (no RAY_ADDRESS,
+    no RAY_AUTH_*), with HOME (where Ray keeps its token) and RAY_TMPDIR (where `ray start` records the cluster
+    for `ray.init()`) private to the test, and the extra `ray start` options that keep its ports and temp dir apart
+    from every other Ray on the machine. Yields (env, start_options, dashboard_port); kills only that cluster."""
+    import shutil
+    import sys
+    import tempfile
+
+    gcs, dashboard, client, agent, grpc, metrics, runtime_env = free_ports(7)
+    temp = tempfile.mkdtemp(prefix="pf-")  # short: Ray's unix socket paths must stay under 108 bytes
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and not k.startswith("RAY_AUTH")}
+    env.update(HOME=str(tmp_path / "home"), RAY_TMPDIR=temp, JAX_PLATFORMS="cpu",
+               PATH=f"{os.path.dirname(sys.executable)}:{env.get('PATH', '')}")
+    os.makedirs(env["HOME"], exist_ok=True)
+    options = (f"--node-ip-address=127.0.0.1 --port={gcs} --num-cpus=2 --dashboard-host=127.0.0.1 "
+               f"--dashboard-port={dashboard} --ray-client-server-port={client} --dashboard-agent-listen-port={agent} "
+               f"--dashboard-agent-grpc-port={grpc} --metrics-export-port={metrics} "
+               f"--runtime-env-agent-port={runtime_env} --temp-dir={temp}/ray --disable-usage-stats")
+    try:
+        yield env, options, dashboard
+    finally:
+        # Only this cluster's processes and their descendants: `ray stop` would stop every Ray on the machine.
+        import psutil
+
+        doomed = set()
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            cmdline = " ".join(proc.info["cmdline"] or [])
+            if temp in cmdline or f"127.0.0.1:{gcs}" in cmdline:
+                try:
+                    doomed |= {proc, *proc.children(recursive=True)}
+                except psutil.NoSuchProcess:
+                    pass
+        for proc in doomed:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        shutil.rmtree(temp, ignore_errors=True)

@@ -1,11 +1,8 @@
-"""`ray job submit -- pagefleet run ...` against a `ray start --head` cluster on loopback."""
+"""`ray job submit` against a `ray start --head` cluster, with the commands of docs/cluster.md as written."""
 
-import os
+import re
 import shutil
-import socket
 import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,76 +10,54 @@ import pytest
 from orchestrator.export import collect
 from orchestrator.manifest import read_manifest
 
-from .conftest import run_args, write_run_corpus
-
 pytestmark = pytest.mark.ray
-BIN = Path(sys.executable).parent
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "cluster.md"
 
 
-def free_ports(count: int) -> list[int]:
-    socks = [socket.socket() for _ in range(count)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+def documented_commands() -> list[str]:
+    """The lines of the bash block that docs/cluster.md marks as tested."""
+    text = DOC.read_text()
+    match = re.search(r"<!-- tested by tests/orchestrator/test_job_submit\.py[^>]*-->\s*```bash\n(.*?)```", text, re.S)
+    assert match, f"{DOC} lost its tested block"
+    return [line for line in match.group(1).splitlines() if line.strip()]
 
 
-@pytest.fixture
-def ray_cluster():
-    """A head node of its own (ports and temp dir apart from the test session's Ray), torn down after."""
-    gcs, dashboard, client, agent, grpc, metrics, runtime_env = free_ports(7)
-    temp = tempfile.mkdtemp(prefix="pf-ray-")  # short: Ray's unix socket paths must stay under 108 bytes
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["PATH"] = f"{BIN}:{env.get('PATH', '')}"
-    start = subprocess.run(
-        [str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}", "--num-cpus=2",
-         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-         f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}",
-         f"--dashboard-agent-grpc-port={grpc}", f"--metrics-export-port={metrics}",
-         f"--runtime-env-agent-port={runtime_env}", f"--temp-dir={temp}", "--disable-usage-stats"],
-        env=env, capture_output=True, text=True, timeout=180, start_new_session=True)
-    assert start.returncode == 0, start.stdout + start.stderr
-    try:
-        yield f"http://127.0.0.1:{dashboard}", env
-    finally:
-        # Only this cluster's processes and their descendants: `ray stop` would also stop the test session's Ray.
-        import psutil
+def a_fresh_checkout(tmp_path: Path, model: str, num_prompts: int) -> Path:
+    """What the commands expect in the working directory: the virtualenv, configs/demo.yaml (its corpus cut to
+    `num_prompts` rows, to keep the test short) and models/tiny-llama."""
+    import sys
 
-        doomed = set()
-        for proc in psutil.process_iter(["pid", "cmdline"]):
-            cmdline = " ".join(proc.info["cmdline"] or [])
-            if temp in cmdline or f"127.0.0.1:{gcs}" in cmdline:
-                try:
-                    doomed |= {proc, *proc.children(recursive=True)}
-                except psutil.NoSuchProcess:
-                    pass
-        for proc in doomed:
-            try:
-                proc.kill()
-            except psutil.NoSuchProcess:
-                pass
-        shutil.rmtree(temp, ignore_errors=True)
+    root = tmp_path / "checkout"
+    (root / "configs" / "data").mkdir(parents=True)
+    (root / ".venv").symlink_to(Path(sys.prefix))
+    shutil.copy(ROOT / "configs" / "demo.yaml", root / "configs" / "demo.yaml")
+    rows = (ROOT / "configs" / "data" / "demo_prompts.jsonl").read_text().splitlines(keepends=True)
+    (root / "configs" / "data" / "demo_prompts.jsonl").write_text("".join(rows[:num_prompts]))
+    (root / "models").mkdir()
+    (root / "models" / "tiny-llama").symlink_to(model)
+    return root
 
 
-def test_ray_job_submit_runs_to_completion(ray_cluster, run_model, tmp_path):
-    address, env = ray_cluster
-    corpus = write_run_corpus(tmp_path / "corpus.jsonl", 16, seed=5)
-    run_dir = tmp_path / "run"
-    config = tmp_path / "run.yaml"
-    config.write_text("name: submitted\n")
-    args = run_args(run_model, corpus, run_dir, "--cluster.num_slices=1")
-    submit = subprocess.run(
-        [str(BIN / "ray"), "job", "submit", f"--address={address}", "--submission-id=pagefleet-test", "--",
-         sys.executable, "-m", "orchestrator", "run", str(config), *args],
-        env=env, capture_output=True, text=True, timeout=600)
-    assert submit.returncode == 0, submit.stdout[-4000:] + submit.stderr[-4000:]
-    assert "succeeded" in submit.stdout.lower(), submit.stdout[-4000:]
+def test_ray_job_submit_as_documented_runs_to_completion(ray_head_env, run_model, tmp_path):
+    env, start_options, dashboard = ray_head_env
+    root = a_fresh_checkout(tmp_path, run_model, num_prompts=12)
+    env = {**env, "PYTHONPATH": str(ROOT)}  # this checkout's code, in the cluster (and so in the job) too
+    lines = []
+    for line in documented_commands():
+        if line.startswith("ray start --head"):
+            line += " " + start_options  # its own ports and temp dir, beside the other Rays on this machine
+        lines.append(line.replace("127.0.0.1:8265", f"127.0.0.1:{dashboard}"))
+    script = "set -e\n" + "\n".join(lines) + "\n"
+    done = subprocess.run(["bash", "-c", script], cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-5000:]
+    assert "succeeded" in out.lower(), out[-5000:]
+    assert (Path(env["HOME"]) / ".ray" / "auth_token").exists()  # token authentication was on
+    # The job joined that cluster (ignoring the demo's local_num_cpus, with a note) rather than starting its own.
+    assert "Connecting to existing Ray cluster" in out, out[-5000:]
+    assert "cluster.local_num_cpus=2 is ignored" in out, out[-5000:]
+    run_dir = root / "manifests" / "demo"
     records = read_manifest(run_dir / "batches.jsonl")
     assert records and all(r.status == "done" for r in records)
-    assert collect(run_dir).num_rows == sum(r.num_prompts for r in records)
-    # The job's driver connected to that cluster rather than starting a Ray of its own.
-    logs = subprocess.run([str(BIN / "ray"), "job", "logs", f"--address={address}", "pagefleet-test"], env=env,
-                          capture_output=True, text=True, timeout=60).stdout
-    assert "Connecting to existing Ray cluster" in logs or "Connected to Ray cluster" in logs, logs[-3000:]
+    assert collect(run_dir).num_rows == sum(r.num_prompts for r in records) == 12

@@ -12,6 +12,8 @@ from orchestrator.packing import PackingLimits
 from orchestrator.planner import plan
 from orchestrator.rundir import PlanMismatch
 
+DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
+
 pytestmark = pytest.mark.ray
 
 MANIFEST_KEYS = ["batch_id", "status", "num_prompts", "num_prompt_tokens", "num_pages", "attempts", "error", "slice",
@@ -131,3 +133,96 @@ def test_parquet_directory_through_a_url(tiny_model, tmp_path, ray_local):
     assert (result.stats.rows_read, result.stats.accepted) == (31, 31)
     rows = sorted(p["row"] for b in read_batches(tmp_path / "run").values() for p in b)
     assert rows == list(range(31))
+
+
+# -- runs that can produce nothing: refused in one line, exit FAULT, no traceback ---------------------------------
+
+
+def _one_line_fault(capsys, args: list[str]) -> str:
+    from orchestrator.cli import main
+    from orchestrator.exit_codes import FAULT
+
+    assert main(args) == FAULT
+    err = capsys.readouterr().err.strip()
+    assert err and "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("command", ["plan", "run"])
+def test_a_config_no_prompt_fits_is_refused_up_front(tiny_model, tmp_path, capsys, command):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"id": "a", "prompt": "hello world"}\n')
+    run_dir = tmp_path / "run"
+    err = _one_line_fault(capsys, [command, str(DEMO), f"--model.path={tiny_model}", f"--corpus.path={corpus}",
+                                   f"--run_dir={run_dir}", "--tracker.type=noop", "--sampling.max_new_tokens=100000"])
+    assert "sampling.max_new_tokens" in err and "no prompt can fit" in err
+    assert not run_dir.exists()  # refused before anything was made (and before Ray started)
+
+
+@pytest.mark.parametrize("command", ["plan", "run"])
+def test_an_empty_corpus_is_refused_in_one_line(tiny_model, tmp_path, capsys, command):
+    corpus = tmp_path / "empty.jsonl"
+    corpus.write_text("")
+    run_dir = tmp_path / "run"
+    err = _one_line_fault(capsys, [command, str(DEMO), f"--model.path={tiny_model}", f"--corpus.path={corpus}",
+                                   f"--run_dir={run_dir}", "--tracker.type=noop"])
+    assert "empty" in err and "corpus.path" in err
+    assert not run_dir.exists()
+
+
+def test_a_corpus_of_blank_lines_is_refused_in_one_line(tiny_model, tmp_path, capsys, ray_local):
+    corpus = tmp_path / "blank.jsonl"
+    corpus.write_text("\n\n  \n")
+    run_dir = tmp_path / "run"
+    err = _one_line_fault(capsys, ["plan", str(DEMO), f"--model.path={tiny_model}", f"--corpus.path={corpus}",
+                                   f"--run_dir={run_dir}"])
+    assert "no rows" in err
+    assert not (run_dir / "batches.jsonl").exists()
+
+
+@pytest.mark.parametrize("command", ["plan", "run"])
+def test_a_corpus_with_every_row_rejected_exits_fault(tiny_model, tmp_path, capsys, ray_local, command):
+    corpus = tmp_path / "bad.jsonl"
+    corpus.write_bytes(b"{not json\n" + b'{"id": "w", "prompt": 7}\n' + b'{"id": "e", "prompt": ""}\n')
+    run_dir = tmp_path / "run"
+    args = [command, str(DEMO), f"--model.path={tiny_model}", f"--corpus.path={corpus}", f"--run_dir={run_dir}",
+            "--tracker.type=noop"]
+    err = _one_line_fault(capsys, args)
+    assert "all 3 rows were rejected" in err and "rejected.jsonl" in err
+    assert len((run_dir / "rejected.jsonl").read_text().splitlines()) == 3  # recorded for the user
+    assert not (run_dir / "batches.jsonl").exists()  # no plan: a fixed corpus plans afresh
+    assert _one_line_fault(capsys, args) == err  # and again, not "nothing to compute", exit 0
+
+
+def test_a_plan_prints_no_ray_noise(tiny_model, tmp_path):
+    """Ray's routine notices (an E-level core_worker line about actor arguments, "Progress bars disabled",
+    a line per dataset) read as faults; a plan's stderr holds none of them."""
+    import os
+    import subprocess
+    import sys
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(f'{{"id": "p{i}", "prompt": "hello world {i}"}}\n' for i in range(6)))
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu", "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    done = subprocess.run([sys.executable, "-m", "orchestrator", "plan", str(DEMO), f"--model.path={tiny_model}",
+                           f"--corpus.path={corpus}", f"--run_dir={tmp_path / 'run'}"],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for noise in ("core_worker.cc", "Progress bars disabled", "execution finished", "Warning"):
+        assert noise not in done.stderr, done.stderr[-3000:]
+
+
+def test_quieting_ray_data_keeps_its_warnings_and_errors():
+    import logging
+
+    from orchestrator.ray_noise import EXECUTOR_LOGGER, PROGRESS_LOGGER, _DropNotices, quiet_ray_data
+
+    quiet_ray_data()
+    assert logging.getLogger(EXECUTOR_LOGGER).isEnabledFor(logging.WARNING)
+    (drop,) = [f for f in logging.getLogger(PROGRESS_LOGGER).filters if isinstance(f, _DropNotices)]
+    record = lambda level, text: logging.LogRecord(PROGRESS_LOGGER, level, __file__, 1, text, None, None)  # noqa: E731
+    assert not drop.filter(record(logging.WARNING, "Progress bars disabled. To enable, set ..."))
+    assert drop.filter(record(logging.WARNING, "Progress bars of a real problem"))
+    assert drop.filter(record(logging.ERROR, "Progress bars disabled, and something failed"))
