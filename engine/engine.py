@@ -32,7 +32,7 @@ from engine.weights import load_transformer
 
 @dataclass(frozen=True)
 class Completion:
-    """One sample (DESIGN.md section 4 record, without batch_id); `error` is set when the request could not run."""
+    """One sample (the record of docs/records.md, without batch_id); `error` is set when the request could not run."""
 
     prompt_id: str
     generation_index: int
@@ -95,16 +95,17 @@ class Engine:
     # -- requests -------------------------------------------------------------------------------
 
     def validate(self, request: Request) -> str | None:
-        """Why the request cannot run, or None."""
+        """Why the request cannot run, or None; the message starts with the reason a run writes to
+        rejected.jsonl (`too_long: ...`) where there is one."""
         n, m = len(request.prompt_token_ids), request.sampling.max_new_tokens
         if n == 0:
-            return "empty prompt (0 tokens)"
+            return "empty_prompt: the prompt has no tokens"
         if n + m > self.max_seq_len:
-            return (f"prompt has {n} tokens; with sampling.max_new_tokens={m} it needs {n + m}, more than the "
-                    f"engine's max context of {self.max_seq_len} tokens (engine.max_seq_len)")
+            return (f"too_long: prompt has {n} tokens; with sampling.max_new_tokens={m} it needs {n + m}, more than "
+                    f"the engine's max context of {self.max_seq_len} tokens (engine.max_seq_len)")
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in request.prompt_token_ids):
-            return f"prompt token ids must lie in [0, {vocab}) (the model's vocab_size)"
+            return f"wrong_type: prompt token ids must lie in [0, {vocab}) (the model's vocab_size)"
         if request.sampling.stop and self.tokenizer is None:
             return "sampling.stop needs a tokenizer to decode text, and the model directory has none"
         return None

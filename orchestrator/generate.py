@@ -1,12 +1,13 @@
 """`pagefleet generate`: the engine alone in one process, no Ray.
 
 Input lines: {"id", "prompt"} | {"id", "messages"} | {"id", "prompt_token_ids"}. Output: one sample
-record per (prompt, generation_index) in input order (DESIGN.md section 4; `batch_id` is null). A
+record per (prompt, generation_index) in input order (docs/records.md; `batch_id` is null). A
 line that cannot run becomes a record with `error` set and no tokens: nothing is dropped.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 import draccus
 
 from engine.config import EngineConfig, SamplingConfig
+from orchestrator import exit_codes
 from orchestrator.corpus import CorpusConfig, RawRow, Rejection, extract_prompt, row_id
 
 
@@ -31,7 +33,9 @@ class GenerateConfig:
     dtype: str = "float32"
     """float32 | bfloat16."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """How each completion is sampled (the `sampling.*` keys of a run config)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
+    """The engine's capacities and kernels (the `engine.*` keys of a run config)."""
     progress: bool = True
     """Show a progress bar on stderr."""
     stats_output: str | None = None
@@ -132,6 +136,9 @@ def run_generate(cfg: GenerateConfig) -> int:
         lines.append(json.dumps(record) + "\n")
     _write_atomically(Path(cfg.output), lines)
     errors = sum(1 for c in by_key.values() if c.error)
+    if order and errors == len(by_key):
+        print(f"pagefleet generate: every one of the {len(order)} samples failed (the `error` of each record in "
+              f"{cfg.output} says why)", file=sys.stderr)
     summary = engine.stats.summary(cfg.engine.max_seqs)
     counters = {k: v for k, v in engine.snapshot().items()
                 if k in ("num_preemptions", "num_multi_step_fallbacks", "num_pipelined_calls")}
@@ -145,11 +152,37 @@ def run_generate(cfg: GenerateConfig) -> int:
               f"{counters['num_preemptions']} preemptions", file=sys.stderr)
     if cfg.stats_output:
         _write_atomically(Path(cfg.stats_output), [json.dumps({**summary, **counters}, indent=1) + "\n"])
-    return 0
+    return exit_codes.FAULT if order and errors == len(by_key) else exit_codes.OK
+
+
+USAGE = "usage: pagefleet generate --model DIR_OR_HUB_ID --input IN.jsonl --output OUT.jsonl [--section.key=value ...]"
+
+
+def parse_args(argv: list[str]) -> GenerateConfig:
+    """The command line as a GenerateConfig; a bad argument is a one-line ConfigError naming it."""
+    from orchestrator.config import KEYS_DOC, ConfigError, config_error
+
+    try:
+        return draccus.parse(config_class=GenerateConfig, args=argv, prog="pagefleet generate", exit_on_error=False)
+    except argparse.ArgumentError as e:
+        raise ConfigError(f"{e}; {USAGE} (keys in {KEYS_DOC})") from None
+    except Exception as e:  # noqa: BLE001 - draccus' and the components' errors, made one line
+        raise config_error(e, None) from None
+
+
+def help_text() -> str:
+    """`pagefleet generate --help`: usage and every key (each listed once)."""
+    from orchestrator.config import KEYS_DOC
+    from orchestrator.config_reference import help_text as keys_help
+
+    return f"{USAGE}\n\n{__doc__.strip()}\n\nkeys ({KEYS_DOC} has the same list):\n{keys_help(GenerateConfig)}"
 
 
 def main(argv: list[str]) -> int:
-    cfg = draccus.parse(config_class=GenerateConfig, args=argv, prog="pagefleet generate")
+    if any(a in ("-h", "--help") for a in argv):
+        print(help_text())
+        return exit_codes.OK
+    cfg = parse_args(argv)
     if cfg.engine.attention_impl in ("auto", "cpu_kernel") and cfg.dtype == "float32":
         from engine import kernel_build
 
