@@ -125,8 +125,9 @@ def _export(argv: list[str]) -> int:
         parser.error(f"--memory-gb must be positive, got {args.memory_gb}")
     from tqdm import tqdm
 
-    from orchestrator.export import count_samples, done_outputs, export, print_progress
+    from orchestrator.export import check_output, count_samples, done_outputs, export, print_progress
 
+    check_output(args.output)  # before the progress bar, so a refusal is the only line printed
     total = count_samples(done_outputs(args.run_dir, partial=args.partial))
     try:
         with tqdm(total=total, desc="export", unit="sample", disable=not args.progress, file=sys.stderr) as bar:

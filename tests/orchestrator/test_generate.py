@@ -82,7 +82,7 @@ def test_generate_judges_bad_lines_as_a_run_judges_corpus_rows(tmp_path, model_d
                 "blank": "empty_prompt: field 'prompt' is empty",
                 "line-4": "malformed_row: line 4 is a JSON list, not an object",
                 "line-5": "wrong_type: field 'id' is a dict, not a string or integer",
-                "num": "wrong_type: field 'prompt' is a int, not a string",
+                "num": "wrong_type: field 'prompt' is an int, not a string",
                 "both": "malformed_row: row has both 'prompt' and 'messages'",
                 "nochat": "empty_prompt: field 'messages' is an empty list",
                 "nofield": "missing_field: row has no 'prompt' or 'messages' field",
