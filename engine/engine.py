@@ -26,7 +26,7 @@ from engine.scheduler import ScheduledChunk, Scheduler
 from engine.sequence import Request, Sequence
 from engine.stats import EngineStats, StepTimer
 from engine.stop import StopChecker
-from engine.tokenizer_cache import has_tokenizer, load_tokenizer, text_decoder
+from engine.tokenizer_cache import has_tokenizer, load_tokenizer, special_token_texts, text_decoder
 from engine.weights import load_transformer
 
 
@@ -64,7 +64,11 @@ class Engine:
         if tokenizer is None and has_tokenizer(model_path):
             tokenizer = load_tokenizer(model_path)
         self.tokenizer = tokenizer
-        self._decode = (lambda ids: "") if tokenizer is None else text_decoder(tokenizer)
+        # Completions leave special tokens out (`<|end|>` is markup, not text); a request whose stop string
+        # names a special token decodes them, so that its stop string can fire.
+        self._decode = (lambda ids: "") if tokenizer is None else text_decoder(tokenizer, skip_special_tokens=True)
+        self._decode_special = (lambda ids: "") if tokenizer is None else text_decoder(tokenizer)
+        self._special_texts = frozenset() if tokenizer is None else special_token_texts(tokenizer)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -120,8 +124,9 @@ class Engine:
             return Completion(request.prompt_id, request.generation_index, "", [], None, None,
                               len(request.prompt_token_ids), error)
         s = request.sampling
+        names_special = any(t in stop for stop in s.stop for t in self._special_texts)
         stop = StopChecker(stop_strings=s.stop, eos_token_ids=self.eos_token_ids, max_new_tokens=s.max_new_tokens,
-                           decode=self._decode)
+                           decode=self._decode_special if names_special else self._decode)
         seq = Sequence(request, self._arrivals, sample_base_key(s.seed, request.prompt_id, request.generation_index),
                        stop, token_ids=list(request.prompt_token_ids))
         self._arrivals += 1

@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,12 +21,14 @@ import draccus
 from engine.config import EngineConfig, SamplingConfig
 from orchestrator import exit_codes
 from orchestrator.corpus import CorpusConfig, RawRow, Rejection, extract_prompt, row_id
+from orchestrator.model_source import resolve_model
 
 
 @dataclass(frozen=True)
 class GenerateConfig:
     model: str = ""
-    """Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files)."""
+    """Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files), or a Hub id
+    (`org/name`) already in the local Hub cache."""
     input: str = ""
     """JSON lines, one prompt each."""
     output: str = ""
@@ -47,18 +50,22 @@ class GenerateConfig:
 _FIELDS = CorpusConfig(path="", id_field="id", text_field="prompt", messages_field="messages")
 
 
-def _parse_line(raw: bytes, line_no: int, tokenizer) -> tuple[str | None, list[int] | None, str | None]:
-    """(prompt_id or None when the line has none, token ids or None, error or None) for one input line.
+def _parse_line(raw: bytes | dict, line_no: int, tokenizer) -> tuple[str | None, list[int] | None, str | None]:
+    """(prompt_id or None when the line has none, token ids or None, error or None) for one input line
+    (its bytes, or the row already decoded, as `pagefleet.generate` passes it).
 
     Lines are judged as `pagefleet run` judges corpus rows, and an error names the same reasons as its
     rejected.jsonl: a line that is not UTF-8, not JSON or not an object, an empty prompt or message list, a
     field of the wrong type or no prompt field at all is an error record, never repaired or dropped."""
-    try:
-        row = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        return None, None, f"undecodable: line {line_no} is not UTF-8 ({e.reason} at byte {e.start})"
-    except ValueError as e:
-        return None, None, f"malformed_row: line {line_no} is not valid JSON ({e})"
+    if isinstance(raw, dict):
+        row = raw
+    else:
+        try:
+            row = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            return None, None, f"undecodable: line {line_no} is not UTF-8 ({e.reason} at byte {e.start})"
+        except ValueError as e:
+            return None, None, f"malformed_row: line {line_no} is not valid JSON ({e})"
     if not isinstance(row, dict):
         return None, None, f"malformed_row: line {line_no} is a JSON {type(row).__name__}, not an object"
     pid = row_id(row, "id", None)
@@ -66,9 +73,9 @@ def _parse_line(raw: bytes, line_no: int, tokenizer) -> tuple[str | None, list[i
         return None, None, f"{pid.reason}: {pid.detail}"
     if "prompt_token_ids" in row:  # bypasses the tokenizer ("prompt" or "messages" beside it are not read)
         ids = row["prompt_token_ids"]
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             return pid, None, "wrong_type: prompt_token_ids must be a list of integers"
-        return pid, ids, None
+        return pid, list(ids), None
     parsed = extract_prompt(RawRow(line_no - 1, "", line_no, row), _FIELDS)
     if isinstance(parsed, Rejection):
         return pid, None, f"{parsed.reason}: {parsed.detail}"
@@ -78,6 +85,46 @@ def _parse_line(raw: bytes, line_no: int, tokenizer) -> tuple[str | None, list[i
         text = tokenizer.apply_chat_template(parsed.messages, tokenize=False, add_generation_prompt=True)
         return pid, tokenizer(text, add_special_tokens=False)["input_ids"], None
     return pid, tokenizer(parsed.text)["input_ids"], None
+
+
+def sample_records(engine, lines: Iterable[tuple[int, bytes | dict]], sampling: SamplingConfig,
+                   on_finish: Callable[[], None] = lambda: None) -> list[dict]:
+    """One sample record (docs/records.md, `batch_id` null) per (line, generation_index), in input order, for
+    numbered input lines (bytes of a JSON line, or a row dict); a line that cannot run gives records with
+    `error` set and no tokens. `on_finish` is called once per sample as it finishes."""
+    from engine.engine import Completion
+    from engine.sequence import Request
+
+    requests, failed = [], []
+    order: list[tuple[str, int]] = []
+    first_line: dict[str, int] = {}
+    for line_no, line in lines:
+        pid, ids, err = _parse_line(line, line_no, engine.tokenizer)
+        pid = pid or f"line-{line_no}"
+        if pid in first_line:  # a repeated id would make two prompts' samples indistinguishable
+            ids, err = None, f"duplicate id {pid!r} (first on line {first_line[pid]})"
+            pid = f"line-{line_no}"
+        first_line.setdefault(pid, line_no)
+        for g in range(sampling.n):
+            order.append((pid, g))
+            if ids is None:
+                failed.append(Completion(pid, g, "", [], None, None, 0, err))
+            else:
+                requests.append(Request(pid, tuple(ids), sampling, generation_index=g))
+    done = engine.generate(requests, on_finish=lambda _: on_finish())
+    for _ in failed:
+        on_finish()
+    by_key = {(c.prompt_id, c.generation_index): c for c in done + failed}
+    records = []
+    for key in order:
+        c = by_key[key]
+        record = {"prompt_id": c.prompt_id, "generation_index": c.generation_index, "completion": c.completion,
+                  "token_ids": c.token_ids, "logprobs": c.logprobs, "finish_reason": c.finish_reason,
+                  "num_prompt_tokens": c.num_prompt_tokens, "batch_id": None}
+        if c.error is not None:
+            record["error"] = c.error
+        records.append(record)
+    return records
 
 
 def _write_atomically(path: Path, lines: list[str]) -> None:
@@ -93,51 +140,24 @@ def _write_atomically(path: Path, lines: list[str]) -> None:
 def run_generate(cfg: GenerateConfig) -> int:
     from tqdm import tqdm
 
-    from engine.engine import Completion, Engine
-    from engine.sequence import Request
+    from engine.engine import Engine
 
     for name in ("model", "input", "output"):
         if not getattr(cfg, name):
             print(f"pagefleet generate: --{name} is required", file=sys.stderr)
-            return 2
-    engine = Engine(cfg.model, cfg.engine, dtype=cfg.dtype)
-    requests, failed = [], []
-    order: list[tuple[str, int]] = []
-    first_line: dict[str, int] = {}
+            return exit_codes.FAULT
+    engine = Engine(resolve_model(cfg.model, "--model"), cfg.engine, dtype=cfg.dtype)
     with open(cfg.input, "rb") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            pid, ids, err = _parse_line(line, line_no, engine.tokenizer)
-            pid = pid or f"line-{line_no}"
-            if pid in first_line:  # a repeated id would make two prompts' samples indistinguishable
-                ids, err = None, f"duplicate id {pid!r} (first on line {first_line[pid]})"
-                pid = f"line-{line_no}"
-            first_line.setdefault(pid, line_no)
-            for g in range(cfg.sampling.n):
-                order.append((pid, g))
-                if ids is None:
-                    failed.append(Completion(pid, g, "", [], None, None, 0, err))
-                else:
-                    requests.append(Request(pid, tuple(ids), cfg.sampling, generation_index=g))
-    bar = tqdm(total=len(order), desc="samples", unit="sample", disable=not cfg.progress, file=sys.stderr)
-    done = engine.generate(requests, on_finish=lambda _: bar.update(1))
-    bar.update(len(failed))
+        numbered = [(line_no, line) for line_no, line in enumerate(f, 1) if line.strip()]
+    bar = tqdm(total=len(numbered) * cfg.sampling.n, desc="samples", unit="sample", disable=not cfg.progress,
+               file=sys.stderr)
+    records = sample_records(engine, numbered, cfg.sampling, on_finish=lambda: bar.update(1))
     bar.close()
-    by_key = {(c.prompt_id, c.generation_index): c for c in done + failed}
-    lines = []
-    for key in order:
-        c = by_key[key]
-        record = {"prompt_id": c.prompt_id, "generation_index": c.generation_index, "completion": c.completion,
-                  "token_ids": c.token_ids, "logprobs": c.logprobs, "finish_reason": c.finish_reason,
-                  "num_prompt_tokens": c.num_prompt_tokens, "batch_id": None}
-        if c.error is not None:
-            record["error"] = c.error
-        lines.append(json.dumps(record) + "\n")
+    lines = [json.dumps(record) + "\n" for record in records]
     _write_atomically(Path(cfg.output), lines)
-    errors = sum(1 for c in by_key.values() if c.error)
-    if order and errors == len(by_key):
-        print(f"pagefleet generate: every one of the {len(order)} samples failed (the `error` of each record in "
+    errors = sum(1 for r in records if "error" in r)
+    if records and errors == len(records):
+        print(f"pagefleet generate: every one of the {len(records)} samples failed (the `error` of each record in "
               f"{cfg.output} says why)", file=sys.stderr)
     summary = engine.stats.summary(cfg.engine.max_seqs)
     counters = {k: v for k, v in engine.snapshot().items()
@@ -152,7 +172,7 @@ def run_generate(cfg: GenerateConfig) -> int:
               f"{counters['num_preemptions']} preemptions", file=sys.stderr)
     if cfg.stats_output:
         _write_atomically(Path(cfg.stats_output), [json.dumps({**summary, **counters}, indent=1) + "\n"])
-    return exit_codes.FAULT if order and errors == len(by_key) else exit_codes.OK
+    return exit_codes.FAULT if records and errors == len(records) else exit_codes.OK
 
 
 USAGE = "usage: pagefleet generate --model DIR_OR_HUB_ID --input IN.jsonl --output OUT.jsonl [--section.key=value ...]"

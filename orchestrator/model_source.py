@@ -65,7 +65,7 @@ def resolve_model(path: str, key: str = "model.path") -> str:
         return path
     local = Path(path).expanduser()
     if local.is_dir():
-        if not (local / "config.json").is_file() and key == "model.path":
+        if not (local / "config.json").is_file() and key in ("model.path", "--model"):
             raise FileNotFoundError(f"{key} {path!r} has no config.json: it must be a Hugging Face checkpoint "
                                     "directory (config.json, *.safetensors, tokenizer files)")
         return str(local)

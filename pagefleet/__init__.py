@@ -21,14 +21,19 @@ try:
 except metadata.PackageNotFoundError:  # a checkout on PYTHONPATH, never installed
     __version__ = "0+unknown"
 
-__all__ = ["Engine", "generate", "load_config", "run", "resolve_model", "__version__"]
+__all__ = ["Engine", "EngineConfig", "RunConfig", "SamplingConfig", "generate", "load_config", "resolve_model", "run",
+           "__version__"]
 
 if TYPE_CHECKING:
+    from engine.config import EngineConfig, SamplingConfig
     from engine.engine import Engine
+    from orchestrator.config import RunConfig
     from orchestrator.model_source import resolve_model
     from pagefleet.api import generate, load_config, run
 
-_LAZY = {"Engine": ("engine.engine", "Engine"), "generate": ("pagefleet.api", "generate"),
+_LAZY = {"Engine": ("engine.engine", "Engine"), "EngineConfig": ("engine.config", "EngineConfig"),
+         "SamplingConfig": ("engine.config", "SamplingConfig"), "RunConfig": ("orchestrator.config", "RunConfig"),
+         "generate": ("pagefleet.api", "generate"),
          "load_config": ("pagefleet.api", "load_config"), "run": ("pagefleet.api", "run"),
          "resolve_model": ("orchestrator.model_source", "resolve_model")}
 
