@@ -27,9 +27,10 @@ class CorpusConfig:
     id_field: str | None = "id"
     """Field holding a stable prompt id (string or integer); rows without one get their row number."""
     text_field: str | None = "prompt"
-    """Field holding a raw prompt (tokenized as is, with the tokenizer's default special tokens) ..."""
+    """Field holding a raw prompt (tokenized as is, with the tokenizer's default special tokens); a row has
+    this field or messages_field, not both."""
     messages_field: str | None = "messages"
-    """... or a chat (list of {role, content}) rendered with the tokenizer's chat template."""
+    """Field holding a chat (a list of {role, content}) rendered with the tokenizer's chat template."""
     shard_bytes: int = 16 * 2**20
     """Target bytes per shard read by one worker task (does not change the plan)."""
 

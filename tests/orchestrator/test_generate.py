@@ -140,3 +140,35 @@ def test_greedy_equals_transformers_with_admission_and_preemption(tmp_path, pres
             assert n == new_tokens
         else:
             assert r["finish_reason"] == "stop" and r["token_ids"][-1] in ([eos] if isinstance(eos, int) else eos)
+
+
+def test_generate_exits_fault_when_every_sample_failed_and_says_too_long(tmp_path, model_dir, capsys):
+    """`--engine.max_seqs=4` alone is a working engine (max_seqs_in_prefill follows it); a run whose every line
+    fails writes its error records and exits FAULT; a prompt too long starts its error with `too_long:`."""
+    from orchestrator import exit_codes
+
+    lines = ['{"id": "long", "prompt_token_ids": ' + json.dumps([5] * 200) + '}', '{"id": "e", "prompt": ""}', "{"]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    code = generate_main(["--model", str(model_dir), "--input", str(tmp_path / "in.jsonl"), "--output", str(out),
+                          "--engine.max_seqs=4", "--engine.max_seq_len=128", "--engine.max_pages=16",
+                          "--sampling.max_new_tokens=8", "--progress=false"])
+    assert code == exit_codes.FAULT
+    errors = {r["prompt_id"]: r["error"] for r in map(json.loads, out.read_text().splitlines())}
+    assert errors["long"].startswith("too_long: prompt has 200 tokens")
+    assert errors["e"].startswith("empty_prompt:") and errors["line-3"].startswith("malformed_row:")
+    assert "every one of the 3 samples failed" in capsys.readouterr().err
+
+
+def test_generate_help_lists_each_key_once_and_bad_arguments_are_one_line(capsys):
+    from orchestrator.cli import main
+
+    assert main(["generate", "--help"]) == 0
+    out = capsys.readouterr().out
+    for key in ("--sampling.max_new_tokens", "--engine.max_seqs", "--model", "--stats_output"):
+        assert out.count(f"  {key} ") == 1, key
+    assert "--sampling " not in out and "--engine " not in out  # no section-level "config file" flags
+    assert main(["generate", "--model", "m", "--sampling.max_new_tokens"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pagefleet generate: argument --sampling.max_new_tokens: expected one argument")
+    assert len(err.strip().splitlines()) == 1
