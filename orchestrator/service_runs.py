@@ -79,8 +79,8 @@ def parse_run_config(body: bytes, runs_root: Path) -> RunConfig:
             raise ConfigError(f"config: {type(e).__name__}: {str(e)[:300]} "
                               "(keys in docs/config.md)") from None
     try:
-        cfg.model.require_path()
-    except ValueError as e:
+        cfg.model.require_path()  # set, and a directory (or a cached Hub id) here, where runs start
+    except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from None
     return dataclasses.replace(cfg, run_dir=str(run_dir))
 
