@@ -72,3 +72,24 @@ def test_import_is_cheap_and_versioned():
     code = "import sys, pagefleet; print(pagefleet.__version__); print('jax' in sys.modules, 'ray' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out[0] and out[1:] == ["False", "False"]
+
+
+@pytest.mark.ray
+def test_run_plans_and_runs_like_the_command(tmp_path):
+    import yaml
+
+    from engine.presets import write_model as write
+    from orchestrator import exit_codes
+    from tests.orchestrator.conftest import run_args, write_run_corpus
+
+    model = str(write("tiny-llama", tmp_path / "model"))
+    corpus = write_run_corpus(tmp_path / "corpus.jsonl", 12)
+    overrides = {}
+    for arg in run_args(model, corpus, tmp_path / "run", "--cluster.num_slices=1"):
+        key, value = arg[2:].split("=", 1)
+        overrides[key] = yaml.safe_load(value)
+    outcome = pagefleet.run({"name": "api"}, **overrides)
+    assert outcome.exit_code == exit_codes.OK
+    assert outcome.summary["samples_done"] == 12 and outcome.summary["batches_failed"] == 0
+    again = pagefleet.run({"name": "api"}, **overrides)  # planned and done: nothing to compute
+    assert again.exit_code == exit_codes.OK
