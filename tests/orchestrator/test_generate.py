@@ -172,3 +172,15 @@ def test_generate_help_lists_each_key_once_and_bad_arguments_are_one_line(capsys
     err = capsys.readouterr().err
     assert err.startswith("pagefleet generate: argument --sampling.max_new_tokens: expected one argument")
     assert len(err.strip().splitlines()) == 1
+
+
+def test_generate_names_a_hub_id_that_is_not_cached(tmp_path, monkeypatch, capsys):
+    from orchestrator.cli import main
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    (tmp_path / "in.jsonl").write_text('{"id": "a", "prompt": "x"}\n')
+    assert main(["generate", "--model", "org/absent", "--input", str(tmp_path / "in.jsonl"),
+                 "--output", str(tmp_path / "o.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pagefleet generate: --model 'org/absent' is not a local directory, and the Hub id")
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "o.jsonl").exists()

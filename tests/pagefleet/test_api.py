@@ -17,11 +17,17 @@ def model_dir(tmp_path_factory):
     return str(write_model("tiny-llama", tmp_path_factory.mktemp("m")))
 
 
-def test_generate_returns_the_records_pagefleet_generate_writes(tmp_path, model_dir):
+def test_generate_returns_the_records_pagefleet_generate_writes(tmp_path, model_dir, monkeypatch):
+    """Through a Hub id in a local Hub cache (offline) for the API, the directory for the command."""
+    from tests.orchestrator.test_model_source import hub_cache
+
+    hub_cache(tmp_path / "hub", "org/tiny", model_dir)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     prompts = ["Hello there", [{"role": "user", "content": "hi"}], [5, 6, 7], "", {"id": "own", "prompt": "sea"}]
     sampling = {"max_new_tokens": 5, "temperature": 0.7, "seed": 3, "n": 2, "logprobs": True}
     engine_keys = {"max_seq_len": 128, "max_pages": 32, "max_seqs": 4}
-    records = pagefleet.generate(model_dir, prompts, engine=engine_keys, **sampling)
+    records = pagefleet.generate("org/tiny", prompts, engine=engine_keys, **sampling)
 
     rows = [{"id": 0, "prompt": "Hello there"}, {"id": 1, "messages": [{"role": "user", "content": "hi"}]},
             {"id": 2, "prompt_token_ids": [5, 6, 7]}, {"id": 3, "prompt": ""}, {"id": "own", "prompt": "sea"}]
