@@ -170,11 +170,14 @@ COMMANDS = {
 }
 
 
+def _first_line(doc: str | None) -> str:
+    return (doc or "").strip().split("\n", 1)[0]
+
+
 def usage() -> str:
     """`pagefleet --help`: each command with the first line of its handler's docstring."""
     width = max(map(len, COMMANDS))
-    lines = [f"  {name:<{width}}  {(handler.__doc__ or '').strip().splitlines()[0] if handler.__doc__ else ''}"
-             for name, handler in COMMANDS.items()]
+    lines = [f"  {name:<{width}}  {_first_line(handler.__doc__)}" for name, handler in COMMANDS.items()]
     return ("usage: pagefleet COMMAND [ARGS ...]   (pagefleet COMMAND --help for its arguments; --version)\n\n"
             "commands:\n" + "\n".join(lines) + "\n\nDocumentation: README.md and docs/ in the repository.")
 
