@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 
+DEFAULT_MAX_SEQS_IN_PREFILL = 8
+"""engine.max_seqs_in_prefill when it is not set (capped at engine.max_seqs)."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     page_size: int = 16
@@ -15,8 +19,9 @@ class EngineConfig:
     """Pages in the KV pool (shared by every live sequence)."""
     max_seqs: int = 32
     """Sequences decoded at once (slots)."""
-    max_seqs_in_prefill: int = 8
-    """Sequences that may receive prompt tokens in one step."""
+    max_seqs_in_prefill: int | None = None
+    """Sequences that may receive prompt tokens in one step; unset, min(8, max_seqs), so it follows a
+    smaller max_seqs (an explicit value above max_seqs is an error)."""
     max_prefill_size: int = 512
     """Tokens (prompt chunks plus decode tokens) processed in one step."""
     max_seq_len: int | None = None
@@ -49,6 +54,8 @@ class EngineConfig:
     """Check page-allocator and sequence invariants after every step (slow; for debugging)."""
 
     def __post_init__(self) -> None:
+        if self.max_seqs_in_prefill is None:  # a dependent default: resolved here, so every reader sees an int
+            object.__setattr__(self, "max_seqs_in_prefill", min(DEFAULT_MAX_SEQS_IN_PREFILL, self.max_seqs))
         positive = ("page_size", "max_pages", "max_seqs", "max_seqs_in_prefill", "max_prefill_size",
                     "attn_pages_per_block", "attn_queries_per_block", "attn_tiles_per_group", "attn_decode_pages_per_block",
                     "decode_steps")

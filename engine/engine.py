@@ -26,13 +26,13 @@ from engine.scheduler import ScheduledChunk, Scheduler
 from engine.sequence import Request, Sequence
 from engine.stats import EngineStats, StepTimer
 from engine.stop import StopChecker
-from engine.tokenizer_cache import has_tokenizer, load_tokenizer, text_decoder
+from engine.tokenizer_cache import has_tokenizer, load_tokenizer, special_token_texts, text_decoder
 from engine.weights import load_transformer
 
 
 @dataclass(frozen=True)
 class Completion:
-    """One sample (DESIGN.md section 4 record, without batch_id); `error` is set when the request could not run."""
+    """One sample (the record of docs/records.md, without batch_id); `error` is set when the request could not run."""
 
     prompt_id: str
     generation_index: int
@@ -69,7 +69,11 @@ class Engine:
         if tokenizer is None and has_tokenizer(model_path):
             tokenizer = load_tokenizer(model_path)
         self.tokenizer = tokenizer
-        self._decode = (lambda ids: "") if tokenizer is None else text_decoder(tokenizer)
+        # Completions leave special tokens out (`<|end|>` is markup, not text); a request whose stop string
+        # names a special token decodes them, so that its stop string can fire.
+        self._decode = (lambda ids: "") if tokenizer is None else text_decoder(tokenizer, skip_special_tokens=True)
+        self._decode_special = (lambda ids: "") if tokenizer is None else text_decoder(tokenizer)
+        self._special_texts = frozenset() if tokenizer is None else special_token_texts(tokenizer)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -100,16 +104,17 @@ class Engine:
     # -- requests -------------------------------------------------------------------------------
 
     def validate(self, request: Request) -> str | None:
-        """Why the request cannot run, or None."""
+        """Why the request cannot run, or None; the message starts with the reason a run writes to
+        rejected.jsonl (`too_long: ...`) where there is one."""
         n, m = len(request.prompt_token_ids), request.sampling.max_new_tokens
         if n == 0:
-            return "empty prompt (0 tokens)"
+            return "empty_prompt: the prompt has no tokens"
         if n + m > self.max_seq_len:
-            return (f"prompt has {n} tokens; with sampling.max_new_tokens={m} it needs {n + m}, more than the "
-                    f"engine's max context of {self.max_seq_len} tokens (engine.max_seq_len)")
+            return (f"too_long: prompt has {n} tokens; with sampling.max_new_tokens={m} it needs {n + m}, more than "
+                    f"the engine's max context of {self.max_seq_len} tokens (engine.max_seq_len)")
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in request.prompt_token_ids):
-            return f"prompt token ids must lie in [0, {vocab}) (the model's vocab_size)"
+            return f"wrong_type: prompt token ids must lie in [0, {vocab}) (the model's vocab_size)"
         if request.sampling.stop and self.tokenizer is None:
             return "sampling.stop needs a tokenizer to decode text, and the model directory has none"
         return None
@@ -124,8 +129,9 @@ class Engine:
             return Completion(request.prompt_id, request.generation_index, "", [], None, None,
                               len(request.prompt_token_ids), error)
         s = request.sampling
+        names_special = any(t in stop for stop in s.stop for t in self._special_texts)
         stop = StopChecker(stop_strings=s.stop, eos_token_ids=self.eos_token_ids, max_new_tokens=s.max_new_tokens,
-                           decode=self._decode)
+                           decode=self._decode_special if names_special else self._decode)
         seq = Sequence(request, self._arrivals, sample_base_key(s.seed, request.prompt_id, request.generation_index),
                        stop, token_ids=list(request.prompt_token_ids))
         self._arrivals += 1

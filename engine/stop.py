@@ -3,7 +3,7 @@
 No JAX here: the runner feeds each generated token id to the sample's `StopChecker`, which
 detokenizes incrementally and says when and why the sample finished.
 
-Conventions (the sample record of DESIGN.md section 4):
+Conventions (the sample record of docs/records.md):
 * `token_ids` are the generated ids up to and including the one that finished the sample: the EOS
   token, the stop token, or the token whose text completed a stop string. Nothing after it.
 * `completion` is the text of those ids, cut at the start of the earliest stop-string occurrence

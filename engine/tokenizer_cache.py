@@ -51,8 +51,8 @@ def load_tokenizer(model_path: str | os.PathLike, **kwargs):
     return tokenizer
 
 
-def text_decoder(tokenizer) -> Callable[[list[int]], str]:
-    """`ids -> tokenizer.decode(ids, skip_special_tokens=False)`, as cheap as it can be made.
+def text_decoder(tokenizer, skip_special_tokens: bool = False) -> Callable[[list[int]], str]:
+    """`ids -> tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)`, as cheap as it can be made.
 
     The stop checker decodes twice per generated token when stop strings are set. For transformers'
     `TokenizersBackend` and its subclasses that override neither `decode` nor `_decode` (the Llama,
@@ -69,8 +69,17 @@ def text_decoder(tokenizer) -> Callable[[list[int]], str]:
             and isinstance(backend, Tokenizer) and not tokenizer.clean_up_tokenization_spaces
             and type(tokenizer).decode is TokenizersBackend.decode
             and type(tokenizer)._decode is TokenizersBackend._decode):
-        return lambda ids: backend.decode(ids, skip_special_tokens=False)
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def special_token_texts(tokenizer) -> frozenset[str]:
+    """The text of every special token (`<|end|>`, `</s>`, ...): what a completion leaves out."""
+    texts = set(getattr(tokenizer, "all_special_tokens", ()))
+    for added in getattr(tokenizer, "added_tokens_decoder", {}).values():
+        if getattr(added, "special", False):
+            texts.add(str(added.content))
+    return frozenset(t for t in texts if t)
 
 
 def _memo_path(path: Path, kwargs: dict) -> Path | None:

@@ -10,7 +10,26 @@ import sys
 from orchestrator.exit_codes import BATCHES_FAILED, FAULT, INTERRUPTED, OK
 
 
+def _wants_help(argv: list[str]) -> bool:
+    return any(a in ("-h", "--help") for a in argv)
+
+
+def _config_help(command: str, doc: str | None, argv: list[str]) -> int:
+    """`pagefleet run|plan --help`: usage and every config key (exit 0); a usage line without a config (exit 2)."""
+    usage = f"usage: pagefleet {command} CONFIG.yaml [--section.key=value ...]"
+    if not _wants_help(argv):
+        print(f"{usage}  (pagefleet {command} --help lists the keys)", file=sys.stderr)
+        return 2
+    from orchestrator.config import KEYS_DOC, RunConfig
+    from orchestrator.config_reference import help_text
+
+    print(f"{usage}\n\n{doc}\n\nkeys (in the YAML file or as overrides; {KEYS_DOC} has the same list):\n"
+          f"{help_text(RunConfig)}")
+    return 0
+
+
 def _init_model(argv: list[str]) -> int:
+    """Write a small randomly initialised model in Hugging Face format (presets)."""
     from engine.presets import PRESETS, write_model
 
     parser = argparse.ArgumentParser(prog="pagefleet init-model", description="Write a randomly initialised model in Hugging Face format.")
@@ -24,15 +43,16 @@ def _init_model(argv: list[str]) -> int:
 
 
 def _generate(argv: list[str]) -> int:
+    """The engine alone in one process, no Ray: JSON lines of prompts in, sample records out."""
     from orchestrator.generate import main as generate_main
 
     return generate_main(argv)
 
 
 def _plan(argv: list[str]) -> int:
-    if not argv or argv[0].startswith("-"):
-        print("usage: pagefleet plan CONFIG.yaml [--section.key=value ...]", file=sys.stderr)
-        return FAULT
+    """Plan only: read, tokenize and pack the corpus into batches; print the capacity report."""
+    if not argv or argv[0].startswith("-") or _wants_help(argv):
+        return _config_help("plan", _plan.__doc__, argv)
     from orchestrator.config import ConfigError, load_run_config
     from orchestrator.lock import RunDirLocked
     from orchestrator.rundir import PlanMismatch
@@ -53,9 +73,9 @@ def _plan(argv: list[str]) -> int:
 
 
 def _run(argv: list[str]) -> int:
-    if not argv or argv[0].startswith("-"):
-        print("usage: pagefleet run CONFIG.yaml [--section.key=value ...]", file=sys.stderr)
-        return FAULT
+    """Plan if needed, then run every batch that is not done on the Ray cluster (resumes a stopped run)."""
+    if not argv or argv[0].startswith("-") or _wants_help(argv):
+        return _config_help("run", _run.__doc__, argv)
     from orchestrator.config import ConfigError, load_run_config
     from orchestrator.lock import RunDirLocked
     from orchestrator.rundir import PlanMismatch
@@ -84,6 +104,7 @@ def _run(argv: list[str]) -> int:
 
 
 def _status(argv: list[str]) -> int:
+    """Progress of a run directory: counts, tokens, throughput, ETA, failed batches."""
     parser = argparse.ArgumentParser(prog="pagefleet status", description="Progress of a run directory.")
     parser.add_argument("run_dir")
     parser.add_argument("--json", action="store_true", help="print the status as JSON")
@@ -98,6 +119,7 @@ def _status(argv: list[str]) -> int:
 
 
 def _export(argv: list[str]) -> int:
+    """Write every sample of a run in corpus order to one JSON lines or Parquet file."""
     parser = argparse.ArgumentParser(prog="pagefleet export", description="All samples in corpus order.")
     parser.add_argument("run_dir")
     parser.add_argument("--output", required=True, help="FILE.jsonl or FILE.parquet")
@@ -112,8 +134,9 @@ def _export(argv: list[str]) -> int:
         parser.error(f"--memory-gb must be positive, got {args.memory_gb}")
     from tqdm import tqdm
 
-    from orchestrator.export import count_samples, done_outputs, export, print_progress
+    from orchestrator.export import check_output, count_samples, done_outputs, export, print_progress
 
+    check_output(args.output)  # before the progress bar, so a refusal is the only line printed
     total = count_samples(done_outputs(args.run_dir, partial=args.partial))
     try:
         with tqdm(total=total, desc="export", unit="sample", disable=not args.progress, file=sys.stderr) as bar:
@@ -131,12 +154,14 @@ def _export(argv: list[str]) -> int:
 
 
 def _size(argv: list[str]) -> int:
+    """Engine capacities for a model on a TPU slice, from its config.json alone."""
     from orchestrator.size_command import main as size_main
 
     return size_main(argv)
 
 
 def _serve(argv: list[str]) -> int:
+    """The HTTP control plane on Ray Serve: submit, watch, read, cancel and resume runs."""
     from orchestrator.serve_command import main as serve_main
 
     return serve_main(argv)
@@ -154,10 +179,27 @@ COMMANDS = {
 }
 
 
+def _first_line(doc: str | None) -> str:
+    return (doc or "").strip().split("\n", 1)[0]
+
+
+def usage() -> str:
+    """`pagefleet --help`: each command with the first line of its handler's docstring."""
+    width = max(map(len, COMMANDS))
+    lines = [f"  {name:<{width}}  {_first_line(handler.__doc__)}" for name, handler in COMMANDS.items()]
+    return ("usage: pagefleet COMMAND [ARGS ...]   (pagefleet COMMAND --help for its arguments; --version)\n\n"
+            "commands:\n" + "\n".join(lines) + "\n\nDocumentation: README.md and docs/ in the repository.")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "--version":
+        from pagefleet import __version__
+
+        print(f"pagefleet {__version__}")
+        return 0
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: pagefleet {" + ",".join(COMMANDS) + "} ...", file=sys.stderr)
+        print(usage(), file=sys.stdout if argv else sys.stderr)
         return OK if argv else FAULT
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:

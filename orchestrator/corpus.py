@@ -27,9 +27,10 @@ class CorpusConfig:
     id_field: str | None = "id"
     """Field holding a stable prompt id (string or integer); rows without one get their row number."""
     text_field: str | None = "prompt"
-    """Field holding a raw prompt (tokenized as is, with the tokenizer's default special tokens) ..."""
+    """Field holding a raw prompt (tokenized as is, with the tokenizer's default special tokens); a row has
+    this field or messages_field, not both."""
     messages_field: str | None = "messages"
-    """... or a chat (list of {role, content}) rendered with the tokenizer's chat template."""
+    """Field holding a chat (a list of {role, content}) rendered with the tokenizer's chat template."""
     shard_bytes: int = 16 * 2**20
     """Target bytes per shard read by one worker task (does not change the plan)."""
 
@@ -250,8 +251,14 @@ def _text(value: Any, what: str) -> str | Rejection:
         except UnicodeDecodeError as e:
             return Rejection("undecodable", f"{what} is not UTF-8: {e.reason} at byte {e.start}")
     if not isinstance(value, str):
-        return Rejection("wrong_type", f"{what} is a {type(value).__name__}, not a string")
+        return Rejection("wrong_type", f"{what} is {a_type(value)}, not a string")
     return value
+
+
+def a_type(value: object) -> str:
+    """The value's Python type with its article: "an int", "a dict"."""
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
 
 
 def row_id(record: dict, id_field: str | None, default: str | None) -> str | None | Rejection:
@@ -260,7 +267,7 @@ def row_id(record: dict, id_field: str | None, default: str | None) -> str | Non
         return default
     value = record[id_field]
     if isinstance(value, bool) or not isinstance(value, (str, int)):
-        return Rejection("wrong_type", f"field {id_field!r} is a {type(value).__name__}, not a string or integer")
+        return Rejection("wrong_type", f"field {id_field!r} is {a_type(value)}, not a string or integer")
     return str(value)
 
 
@@ -286,7 +293,7 @@ def extract_prompt(raw: RawRow, config: CorpusConfig) -> Prompt | Rejection:
     if has_messages:
         messages = record[config.messages_field]
         if not isinstance(messages, list):
-            return Rejection("wrong_type", f"field {config.messages_field!r} is a {type(messages).__name__}, not a list")
+            return Rejection("wrong_type", f"field {config.messages_field!r} is {a_type(messages)}, not a list")
         if not messages:
             return Rejection("empty_prompt", f"field {config.messages_field!r} is an empty list")
         clean = []

@@ -122,13 +122,22 @@ def page(paths: list[Path], tmp_dir: str | Path | None, offset: int, limit: int,
     return total, rows
 
 
+FORMATS = (".jsonl", ".parquet")
+"""The output file extensions export writes."""
+
+
+def check_output(output: str | Path) -> None:
+    """Refuse an output whose extension export cannot write (before any work is done)."""
+    if Path(output).suffix not in FORMATS:
+        raise ValueError(f"--output must end in .jsonl or .parquet, got {Path(output).name!r}")
+
+
 def export(run_dir_path: str | Path, output: str | Path, partial: bool = False,
            memory_bytes: int = DEFAULT_MEMORY_BYTES, log: Log | None = None,
            on_rows: Callable[[int], None] | None = None) -> int:
     """Write the samples to `output` (.jsonl or .parquet, atomically); returns how many."""
     output = Path(output)
-    if output.suffix not in (".jsonl", ".parquet"):
-        raise ValueError(f"--output must end in .jsonl or .parquet, got {output.name!r}")
+    check_output(output)
     paths = done_outputs(run_dir_path, partial)
     output.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_export_temporaries(output)

@@ -1,29 +1,34 @@
 """`pagefleet generate`: the engine alone in one process, no Ray.
 
 Input lines: {"id", "prompt"} | {"id", "messages"} | {"id", "prompt_token_ids"}. Output: one sample
-record per (prompt, generation_index) in input order (DESIGN.md section 4; `batch_id` is null). A
+record per (prompt, generation_index) in input order (docs/records.md; `batch_id` is null). A
 line that cannot run becomes a record with `error` set and no tokens: nothing is dropped.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import draccus
 
 from engine.config import EngineConfig, SamplingConfig
+from orchestrator import exit_codes
 from orchestrator.atomic import atomic_write_text
 from orchestrator.corpus import CorpusConfig, RawRow, Rejection, extract_prompt, loads_row, row_id
 from orchestrator.json_out import dumps
+from orchestrator.model_source import resolve_model
 from orchestrator.prompt_checks import out_of_vocabulary, render_chat
 
 
 @dataclass(frozen=True)
 class GenerateConfig:
     model: str = ""
-    """Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files)."""
+    """Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files), or a Hub id
+    (`org/name`) already in the local Hub cache."""
     input: str = ""
     """JSON lines, one prompt each."""
     output: str = ""
@@ -31,7 +36,9 @@ class GenerateConfig:
     dtype: str = "float32"
     """float32 | bfloat16."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """How each completion is sampled (the `sampling.*` keys of a run config)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
+    """The engine's capacities and kernels (the `engine.*` keys of a run config)."""
     progress: bool = True
     """Show a progress bar on stderr."""
     stats_output: str | None = None
@@ -43,21 +50,25 @@ class GenerateConfig:
 _FIELDS = CorpusConfig(path="", id_field="id", text_field="prompt", messages_field="messages")
 
 
-def _parse_line(raw: bytes, line_no: int, tokenizer, vocab_size: int | None = None, tokenizer_path: str = ""
+def _parse_line(raw: bytes | dict, line_no: int, tokenizer, vocab_size: int | None = None, tokenizer_path: str = ""
                 ) -> tuple[str | None, list[int] | None, str | None]:
-    """(prompt_id or None when the line has none, token ids or None, error or None) for one input line.
+    """(prompt_id or None when the line has none, token ids or None, error or None) for one input line
+    (its bytes, or the row already decoded, as `pagefleet.generate` passes it).
 
     Lines are judged as `pagefleet run` judges corpus rows, and an error names the same reasons as its
     rejected.jsonl: a line that is not UTF-8, not JSON or not an object, an empty prompt or message list, a
     field of the wrong type or no prompt field at all, a row nested too deeply to read, a chat the tokenizer
     has no template for, or a token id outside the model's vocabulary is an error record, never repaired or
     dropped."""
-    try:
-        row = loads_row(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        return None, None, f"undecodable: line {line_no} is not UTF-8 ({e.reason} at byte {e.start})"
-    except ValueError as e:
-        return None, None, f"malformed_row: line {line_no} is not valid JSON ({e})"
+    if isinstance(raw, dict):
+        row = raw
+    else:
+        try:
+            row = loads_row(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            return None, None, f"undecodable: line {line_no} is not UTF-8 ({e.reason} at byte {e.start})"
+        except ValueError as e:
+            return None, None, f"malformed_row: line {line_no} is not valid JSON ({e})"
     if not isinstance(row, dict):
         return None, None, f"malformed_row: line {line_no} is a JSON {type(row).__name__}, not an object"
     pid = row_id(row, "id", None)
@@ -65,9 +76,9 @@ def _parse_line(raw: bytes, line_no: int, tokenizer, vocab_size: int | None = No
         return None, None, f"{pid.reason}: {pid.detail}"
     if "prompt_token_ids" in row:  # bypasses the tokenizer ("prompt" or "messages" beside it are not read)
         ids = row["prompt_token_ids"]
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             return pid, None, "wrong_type: prompt_token_ids must be a list of integers"
-        return _in_vocabulary(pid, ids, vocab_size)
+        return _in_vocabulary(pid, list(ids), vocab_size)
     parsed = extract_prompt(RawRow(line_no - 1, "", line_no, row), _FIELDS)
     if isinstance(parsed, Rejection):
         return pid, None, f"{parsed.reason}: {parsed.detail}"
@@ -87,6 +98,46 @@ def _in_vocabulary(pid: str | None, ids: list[int], vocab_size: int | None
     return (pid, ids, None) if why is None else (pid, None, f"out_of_vocabulary: {why}")
 
 
+def sample_records(engine, lines: Iterable[tuple[int, bytes | dict]], sampling: SamplingConfig,
+                   on_finish: Callable[[], None] = lambda: None, tokenizer_path: str = "") -> list[dict]:
+    """One sample record (docs/records.md, `batch_id` null) per (line, generation_index), in input order, for
+    numbered input lines (bytes of a JSON line, or a row dict); a line that cannot run gives records with
+    `error` set and no tokens. `on_finish` is called once per sample as it finishes."""
+    from engine.engine import Completion
+    from engine.sequence import Request
+
+    requests, failed = [], []
+    order: list[tuple[str, int]] = []
+    first_line: dict[str, int] = {}
+    for line_no, line in lines:
+        pid, ids, err = _parse_line(line, line_no, engine.tokenizer, engine.model_config.vocab_size, tokenizer_path)
+        pid = pid or f"line-{line_no}"
+        if pid in first_line:  # a repeated id would make two prompts' samples indistinguishable
+            ids, err = None, f"duplicate id {pid!r} (first on line {first_line[pid]})"
+            pid = f"line-{line_no}"
+        first_line.setdefault(pid, line_no)
+        for g in range(sampling.n):
+            order.append((pid, g))
+            if ids is None:
+                failed.append(Completion(pid, g, "", [], None, None, 0, err))
+            else:
+                requests.append(Request(pid, tuple(ids), sampling, generation_index=g))
+    done = engine.generate(requests, on_finish=lambda _: on_finish())
+    for _ in failed:
+        on_finish()
+    by_key = {(c.prompt_id, c.generation_index): c for c in done + failed}
+    records = []
+    for key in order:
+        c = by_key[key]
+        record = {"prompt_id": c.prompt_id, "generation_index": c.generation_index, "completion": c.completion,
+                  "token_ids": c.token_ids, "logprobs": c.logprobs, "finish_reason": c.finish_reason,
+                  "num_prompt_tokens": c.num_prompt_tokens, "batch_id": None}
+        if c.error is not None:
+            record["error"] = c.error
+        records.append(record)
+    return records
+
+
 def _write_atomically(path: Path, lines: list[str]) -> None:
     """Atomically, with the user's umask (orchestrator.atomic), like every file pagefleet writes."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -96,49 +147,26 @@ def _write_atomically(path: Path, lines: list[str]) -> None:
 def run_generate(cfg: GenerateConfig) -> int:
     from tqdm import tqdm
 
-    from engine.engine import Completion, Engine
-    from engine.sequence import Request
+    from engine.engine import Engine
 
     for name in ("model", "input", "output"):
         if not getattr(cfg, name):
             print(f"pagefleet generate: --{name} is required", file=sys.stderr)
-            return 2
-    engine = Engine(cfg.model, cfg.engine, dtype=cfg.dtype)
-    requests, failed = [], []
-    order: list[tuple[str, int]] = []
-    first_line: dict[str, int] = {}
+            return exit_codes.FAULT
+    model = resolve_model(cfg.model, "--model")
+    engine = Engine(model, cfg.engine, dtype=cfg.dtype)
     with open(cfg.input, "rb") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            pid, ids, err = _parse_line(line, line_no, engine.tokenizer, engine.model_config.vocab_size, cfg.model)
-            pid = pid or f"line-{line_no}"
-            if pid in first_line:  # a repeated id would make two prompts' samples indistinguishable
-                ids, err = None, f"duplicate id {pid!r} (first on line {first_line[pid]})"
-                pid = f"line-{line_no}"
-            first_line.setdefault(pid, line_no)
-            for g in range(cfg.sampling.n):
-                order.append((pid, g))
-                if ids is None:
-                    failed.append(Completion(pid, g, "", [], None, None, 0, err))
-                else:
-                    requests.append(Request(pid, tuple(ids), cfg.sampling, generation_index=g))
-    bar = tqdm(total=len(order), desc="samples", unit="sample", disable=not cfg.progress, file=sys.stderr)
-    done = engine.generate(requests, on_finish=lambda _: bar.update(1))
-    bar.update(len(failed))
+        numbered = [(line_no, line) for line_no, line in enumerate(f, 1) if line.strip()]
+    bar = tqdm(total=len(numbered) * cfg.sampling.n, desc="samples", unit="sample", disable=not cfg.progress,
+               file=sys.stderr)
+    records = sample_records(engine, numbered, cfg.sampling, on_finish=lambda: bar.update(1), tokenizer_path=model)
     bar.close()
-    by_key = {(c.prompt_id, c.generation_index): c for c in done + failed}
-    lines = []
-    for key in order:
-        c = by_key[key]
-        record = {"prompt_id": c.prompt_id, "generation_index": c.generation_index, "completion": c.completion,
-                  "token_ids": c.token_ids, "logprobs": c.logprobs, "finish_reason": c.finish_reason,
-                  "num_prompt_tokens": c.num_prompt_tokens, "batch_id": None}
-        if c.error is not None:
-            record["error"] = c.error
-        lines.append(dumps(record) + "\n")
+    lines = [dumps(record) + "\n" for record in records]
     _write_atomically(Path(cfg.output), lines)
-    errors = sum(1 for c in by_key.values() if c.error)
+    errors = sum(1 for r in records if "error" in r)
+    if records and errors == len(records):
+        print(f"pagefleet generate: every one of the {len(records)} samples failed (the `error` of each record in "
+              f"{cfg.output} says why)", file=sys.stderr)
     summary = engine.stats.summary(cfg.engine.max_seqs)
     counters = {k: v for k, v in engine.snapshot().items()
                 if k in ("num_preemptions", "num_multi_step_fallbacks", "num_pipelined_calls")}
@@ -152,14 +180,39 @@ def run_generate(cfg: GenerateConfig) -> int:
               f"{counters['num_preemptions']} preemptions", file=sys.stderr)
     if cfg.stats_output:
         _write_atomically(Path(cfg.stats_output), [dumps({**summary, **counters}, indent=1) + "\n"])
-    return 0
+    return exit_codes.FAULT if records and errors == len(records) else exit_codes.OK
 
 
-def main(argv: list[str]) -> int:
+USAGE = "usage: pagefleet generate --model DIR_OR_HUB_ID --input IN.jsonl --output OUT.jsonl [--section.key=value ...]"
+
+
+def parse_args(argv: list[str]) -> GenerateConfig:
+    """The command line as a GenerateConfig; a bad argument is a one-line ConfigError naming it."""
+    from orchestrator.config import KEYS_DOC, ConfigError, config_error
     from orchestrator.config_types import check_config_types
 
     check_config_types(GenerateConfig, None, argv)  # `--sampling.stop=[1]` is refused, not read as "1"
-    cfg = draccus.parse(config_class=GenerateConfig, args=argv, prog="pagefleet generate")
+    try:
+        return draccus.parse(config_class=GenerateConfig, args=argv, prog="pagefleet generate", exit_on_error=False)
+    except argparse.ArgumentError as e:
+        raise ConfigError(f"{e}; {USAGE} (keys in {KEYS_DOC})") from None
+    except Exception as e:  # noqa: BLE001 - draccus' and the components' errors, made one line
+        raise config_error(e, None) from None
+
+
+def help_text() -> str:
+    """`pagefleet generate --help`: usage and every key (each listed once)."""
+    from orchestrator.config import KEYS_DOC
+    from orchestrator.config_reference import help_text as keys_help
+
+    return f"{USAGE}\n\n{__doc__.strip()}\n\nkeys ({KEYS_DOC} has the same list):\n{keys_help(GenerateConfig)}"
+
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(help_text())
+        return exit_codes.OK
+    cfg = parse_args(argv)
     if cfg.engine.attention_impl in ("auto", "cpu_kernel") and cfg.dtype == "float32":
         from engine import kernel_build
 

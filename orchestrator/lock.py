@@ -20,8 +20,10 @@ class RunLock:
     def __init__(self, run_dir: str | Path):
         self.path = Path(run_dir) / ".lock"
         self._fd: int | None = None
+        self._made_dir = False  # this lock created the run directory (so a failed start may remove it)
 
     def __enter__(self) -> RunLock:
+        self._made_dir = not self.path.parent.exists()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -36,9 +38,16 @@ class RunLock:
         self._fd = fd
         return self
 
-    def __exit__(self, *exc) -> None:
-        if self._fd is not None:
+    def __exit__(self, exc_type, *exc) -> None:
+        if self._fd is None:
+            return
+        # A start that failed before writing anything (a bad model path, say) leaves no directory holding
+        # only `.lock` behind: it would read as a run. Removed while still locked, so no other head sees it.
+        if exc_type is not None and self._made_dir and [p.name for p in self.path.parent.iterdir()] == [".lock"]:
+            self.path.unlink()
+            self.path.parent.rmdir()
+        else:
             os.ftruncate(self._fd, 0)
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None

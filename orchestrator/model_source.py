@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import fsspec
@@ -19,21 +22,69 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 @dataclass(frozen=True)
 class ModelSourceConfig:
     path: str | None = None
-    """HF-format checkpoint directory (config.json + *.safetensors), local or fsspec URL."""
+    """HF-format checkpoint directory (config.json + *.safetensors), local or fsspec URL, or a Hugging Face
+    Hub id (`org/name`) already in the local Hub cache (never downloaded; see docs/models.md)."""
     tokenizer: str | None = None
-    """Tokenizer directory; defaults to model.path."""
+    """Tokenizer directory (or Hub id in the local cache); defaults to model.path."""
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     """Parameter and activation dtype; float32 on CPU for exactness."""
 
     @property
     def tokenizer_path(self) -> str:
-        return self.tokenizer or self.require_path()
+        return resolve_model(self.tokenizer, "model.tokenizer") if self.tokenizer else self.require_path()
 
     def require_path(self) -> str:
+        """The checkpoint's location: a local directory (checked), an fsspec URL, or a cached Hub id's snapshot."""
         if not self.path:
             raise ValueError("model.path is not set: pass --model.path=DIR (an HF-format checkpoint directory, "
                              "e.g. one written by `pagefleet init-model --preset tiny-llama --output DIR`)")
-        return self.path
+        return resolve_model(self.path, "model.path")
+
+
+# A Hugging Face Hub repository id: `name` or `org/name` (letters, digits, '-', '_', '.').
+_HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*$")
+
+
+def hub_cache_dir() -> str:
+    """The local Hub cache, as huggingface_hub finds it: HF_HUB_CACHE, else HF_HOME/hub, else
+    ~/.cache/huggingface/hub (read at each call, so a changed environment is seen)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    if os.environ.get("HF_HOME"):
+        return os.path.join(os.environ["HF_HOME"], "hub")
+    return os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "huggingface", "hub")
+
+
+def resolve_model(path: str, key: str = "model.path") -> str:
+    """`path` as a directory the engine and tokenizer can read, or FileNotFoundError in one line naming `key`.
+
+    An fsspec URL (`gs://...`) is returned as is. A path that exists locally is used as is; otherwise a
+    Hub id (`org/name`) resolves to its snapshot in the local Hub cache (the `main` revision), offline:
+    pagefleet never downloads, so it behaves the same with or without HF_HUB_OFFLINE."""
+    if "://" in path:
+        return path
+    local = Path(path).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file() and key in ("model.path", "--model"):
+            raise FileNotFoundError(f"{key} {path!r} has no config.json: it must be a Hugging Face checkpoint "
+                                    "directory (config.json, *.safetensors, tokenizer files)")
+        return str(local)
+    if local.exists():
+        raise FileNotFoundError(f"{key} {path!r} is a file; it must be a Hugging Face checkpoint directory")
+    if not _HUB_ID.match(path) or path.startswith((".", "~")):
+        raise FileNotFoundError(f"{key} {path!r} does not exist (a local checkpoint directory, or a Hugging Face "
+                                "Hub id such as org/name in the local Hub cache)")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    cache = hub_cache_dir()
+    try:
+        return str(snapshot_download(path, cache_dir=cache, local_files_only=True))
+    except (LocalEntryNotFoundError, FileNotFoundError, OSError):
+        raise FileNotFoundError(
+            f"{key} {path!r} is not a local directory, and the Hub id {path!r} is not in the local Hub cache "
+            f"({cache}); pagefleet never downloads: fetch it first (`hf download {path}`) or give a directory"
+        ) from None
 
 
 def _read(url: str) -> bytes:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-# outputs/<id>.parquet and `pagefleet export`: DESIGN.md section 4's sample record, plus `row` (the
+# outputs/<id>.parquet and `pagefleet export`: the sample record of docs/records.md, plus `row` (the
 # prompt's corpus row, which orders the export).
 SAMPLE_SCHEMA = pa.schema([
     ("prompt_id", pa.string()),

@@ -1,4 +1,4 @@
-"""The run directory's layout (DESIGN.md section 4) and the plan's identity (run.json)."""
+"""The run directory's layout (docs/run-directory.md) and the plan's identity (run.json)."""
 
 from __future__ import annotations
 

@@ -58,7 +58,7 @@ class BodyTooLarge(Exception):
 _ERRORS: dict[type[Exception], int] = {ConfigError: 400, RunNameError: 400, UnknownRun: 404, RunConflict: 409,
                                        BodyTooLarge: 413}
 
-_CONFIG_BODY = {"requestBody": {"required": True, "description": "A run config (DESIGN.md section 3) as JSON or "
+_CONFIG_BODY = {"requestBody": {"required": True, "description": "A run config (the keys of docs/config.md) as JSON or "
                                 "YAML; `name` is required and `run_dir` is set by the service.", "content": {
     "application/json": {"schema": {"type": "object", "required": ["name"],
                                     "properties": {"name": {"type": "string"}}, "additionalProperties": True}},

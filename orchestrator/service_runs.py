@@ -68,7 +68,7 @@ def parse_run_config(body: bytes, runs_root: Path, max_expanded_bytes: int) -> R
     except (UnicodeDecodeError, yaml.YAMLError, RecursionError) as e:
         raise ConfigError(f"the body is not a YAML or JSON run config: {str(e)[:300]}") from None
     if not isinstance(data, dict):
-        raise ConfigError("the body must be a YAML or JSON mapping of run config keys (DESIGN.md section 3), "
+        raise ConfigError("the body must be a YAML or JSON mapping of run config keys (docs/config.md), "
                           f"got {type(data).__name__}")
     if "name" not in data:
         raise ConfigError("name is required: the service keys runs by name (its run directory is <runs-root>/<name>)")
@@ -85,10 +85,10 @@ def parse_run_config(body: bytes, runs_root: Path, max_expanded_bytes: int) -> R
             raise ConfigError(str(e).replace(f.name, "config")) from None
         except Exception as e:  # noqa: BLE001 - whatever draccus makes of odd input is the input's fault
             raise ConfigError(f"config: {type(e).__name__}: {str(e)[:300]} "
-                              "(see DESIGN.md section 3 for the keys)") from None
+                              "(keys in docs/config.md)") from None
     try:
-        cfg.model.require_path()
-    except ValueError as e:
+        cfg.model.require_path()  # set, and a directory (or a cached Hub id) here, where runs start
+    except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from None
     return dataclasses.replace(cfg, run_dir=str(run_dir))
 

@@ -18,7 +18,7 @@ from dataclasses import asdict
 import numpy as np
 import pyarrow as pa
 
-from orchestrator.corpus import CorpusConfig, Prompt, Rejection, Shard, extract_prompt, read_rows
+from orchestrator.corpus import CorpusConfig, Prompt, RawRow, Rejection, Shard, extract_prompt, read_rows, row_id
 from orchestrator.model_source import ModelSourceConfig, load_tokenizer
 from orchestrator.packing import PackingLimits
 from orchestrator.prompt_checks import out_of_vocabulary, render_chat
@@ -102,6 +102,13 @@ class PromptTokenizer:
         tables = [self.tokenize_shard(Shard(**json.loads(s))) for s in batch["shard"]]
         return pa.concat_tables(tables) if tables else SCHEMA.empty_table()
 
+    def known_id(self, raw: RawRow) -> str | None:
+        """A rejected row's own id where it has a valid one (so rejected.jsonl names it), else None."""
+        if not isinstance(raw.record, dict):
+            return None
+        pid = row_id(raw.record, self.corpus.id_field, None)
+        return pid if isinstance(pid, str) else None
+
     def tokenize_shard(self, shard: Shard) -> pa.Table:
         raw_rows = list(read_rows(shard))
         parsed = [extract_prompt(raw, self.corpus) for raw in raw_rows]
@@ -110,7 +117,7 @@ class PromptTokenizer:
         prompt_ids, reasons, details, lengths, kept = [], [], [], [], []
         for i, p in enumerate(parsed):
             tokens = encoded.get(i)
-            prompt_ids.append(p.prompt_id if isinstance(p, Prompt) else None)
+            prompt_ids.append(p.prompt_id if isinstance(p, Prompt) else self.known_id(raw_rows[i]))
             if isinstance(tokens, Rejection):  # a chat that cannot be rendered: its id is known
                 p, tokens = tokens, None
             problem = (p.reason, p.detail) if not isinstance(p, Prompt) else self.check(tokens)

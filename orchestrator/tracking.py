@@ -68,7 +68,7 @@ class Tracker(Protocol):
         ...
 
     def add_samples(self, records: list[dict[str, Any]]) -> None:
-        """Sample records (DESIGN.md section 4); only the first `samples_table_rows` overall are kept."""
+        """Sample records (docs/records.md); only the first `samples_table_rows` overall are kept."""
         ...
 
     def finish(self, summary: dict[str, float | int | str]) -> None:

@@ -196,3 +196,28 @@ def test_decode_rows_are_padded_to_powers_of_four_up_to_the_max_seqs_bucket(max_
 
     runner = SimpleNamespace(engine=EngineConfig(max_seqs=max_seqs, max_seqs_in_prefill=1))
     assert {n: ModelRunner.decode_bucket(runner, n) for n in expected} == expected
+
+
+def test_completions_leave_special_tokens_out_and_special_stop_strings_still_fire(tiny_llama):
+    """A completion is the text of its tokens without special tokens (`<|end|>` is markup); a stop string
+    that names a special token still stops the sample on it."""
+    engine = Engine(tiny_llama, EngineConfig(max_pages=64, max_seq_len=256))
+    tok = engine.tokenizer
+    special = {tok.convert_tokens_to_ids(t) for t in tok.all_special_tokens} - engine.eos_token_ids
+    sampling = SamplingConfig(max_new_tokens=32, temperature=4.0, seed=1)  # hot: every token has a chance
+    prompts = [tuple(tok(f"the river and the moon {i}")["input_ids"]) for i in range(16)]
+    out = engine.generate([Request(f"p{i}", p, sampling) for i, p in enumerate(prompts)])
+    hits = [c for c in out if special & set(c.token_ids)]
+    assert hits, "the seeded samples should draw a special token for this test to mean anything"
+    for c in out:
+        text_ids = [t for t in c.token_ids if t not in engine.eos_token_ids]
+        assert c.completion == tok.decode(text_ids, skip_special_tokens=True)
+        assert not any(t in c.completion for t in tok.all_special_tokens)
+    c = hits[0]
+    first = next(i for i, t in enumerate(c.token_ids) if t in special)
+    marker = tok.convert_ids_to_tokens(c.token_ids[first])
+    i = int(c.prompt_id[1:])
+    stopped = engine.generate([Request(c.prompt_id, prompts[i], SamplingConfig(max_new_tokens=32, temperature=4.0,
+                                                                               seed=1, stop=[marker]))])[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids == c.token_ids[:first + 1]
+    assert stopped.completion == tok.decode(c.token_ids[:first], skip_special_tokens=False)

@@ -43,3 +43,27 @@ def test_diff_keys_names_changes():
     a = RunConfig().sample_affecting()
     b = load_run_config(None, ["--sampling.max_new_tokens=8", "--corpus.shard_bytes=10"]).sample_affecting()
     assert diff_keys(a, b) == ["sampling.max_new_tokens: 256 -> 8"]
+
+
+@pytest.mark.parametrize("text, args, message", [
+    ("name: x\ncorpus: {path: a\n  b: [\n", [], r"run.yaml: invalid YAML at line 3, column 4: expected ',' or '}'"),
+    ("- a\n- b\n", [], r"run.yaml: a run config is a mapping of keys \(see docs/config.md\), not a YAML list"),
+    ("name: x\ncluster:\n  mesh: 1\n", [], r"run.yaml: cluster.mesh: expected dict\[str, int\], got '1' \(keys in docs/config.md\)"),
+    ("name: x\n", ["--sampling.max_new_tokens"], r"^argument --sampling.max_new_tokens: expected one argument"),
+    ("tracker: {type: tensorboard}\n", [], r"tracker.type: Cannot convert 'tensorboard' into one of: wandb, noop"),
+    ("name: x\n", ["--corpus.nope=1"], r"unrecognized arguments: --corpus.nope=1; .*docs/config.md"),
+])
+def test_config_errors_are_one_line_naming_the_file_or_key(tmp_path, text, args, message):
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text(text)
+    with pytest.raises(ConfigError, match=message) as e:
+        load_run_config(yaml, args)
+    assert "\n" not in str(e.value) and "DESIGN" not in str(e.value)
+
+
+def test_max_seqs_in_prefill_follows_a_smaller_max_seqs_unless_set(tmp_path):
+    assert load_run_config(None, ["--engine.max_seqs=4"]).engine.max_seqs_in_prefill == 4
+    assert load_run_config(None, ["--engine.max_seqs=64"]).engine.max_seqs_in_prefill == 8
+    assert load_run_config(None, ["--engine.max_seqs=64", "--engine.max_seqs_in_prefill=2"]).engine.max_seqs_in_prefill == 2
+    with pytest.raises(ConfigError, match=r"engine.max_seqs_in_prefill \(8\) exceeds engine.max_seqs \(4\)"):
+        load_run_config(None, ["--engine.max_seqs=4", "--engine.max_seqs_in_prefill=8"])

@@ -72,3 +72,15 @@ def test_bad_rows_have_reasons(tmp_path, line, reason):
     (raw,) = rows_of([str(path)])
     got = extract_prompt(raw, CorpusConfig())
     assert isinstance(got, Rejection) and got.reason == reason, got
+
+
+@pytest.mark.parametrize("line, detail", [
+    (b'{"prompt": 5}', "field 'prompt' is an int, not a string"),
+    (b'{"prompt": "x", "id": 1.5}', "field 'id' is a float, not a string or integer"),
+    (b'{"messages": "hi"}', "field 'messages' is a str, not a list"),
+])
+def test_type_errors_read_as_english(tmp_path, line, detail):
+    path = tmp_path / "c.jsonl"
+    path.write_bytes(line + b"\n")
+    (raw,) = rows_of([str(path)])
+    assert extract_prompt(raw, CorpusConfig()).detail == detail

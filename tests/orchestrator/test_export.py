@@ -142,3 +142,11 @@ def test_export_out_of_disk_says_what_needs_the_space_and_leaves_nothing(tmp_pat
     err = capsys.readouterr().err
     assert "out of disk space" in err and "--memory-gb" in err
     assert list((tmp_path / "out").iterdir()) == []  # no partial output, no sort runs
+
+
+def test_export_refuses_an_unknown_extension_before_any_progress(tmp_path, capsys):
+    make_run(tmp_path / "run", seed=5)
+    assert cli.main(["export", str(tmp_path / "run"), "--output", str(tmp_path / "x.csv")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "pagefleet export: --output must end in .jsonl or .parquet, got 'x.csv'"
+    assert not (tmp_path / "x.csv").exists()

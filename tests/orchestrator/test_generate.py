@@ -82,7 +82,7 @@ def test_generate_judges_bad_lines_as_a_run_judges_corpus_rows(tmp_path, model_d
                 "blank": "empty_prompt: field 'prompt' is empty",
                 "line-4": "malformed_row: line 4 is a JSON list, not an object",
                 "line-5": "wrong_type: field 'id' is a dict, not a string or integer",
-                "num": "wrong_type: field 'prompt' is a int, not a string",
+                "num": "wrong_type: field 'prompt' is an int, not a string",
                 "both": "malformed_row: row has both 'prompt' and 'messages'",
                 "nochat": "empty_prompt: field 'messages' is an empty list",
                 "nofield": "missing_field: row has no 'prompt' or 'messages' field",
@@ -140,3 +140,47 @@ def test_greedy_equals_transformers_with_admission_and_preemption(tmp_path, pres
             assert n == new_tokens
         else:
             assert r["finish_reason"] == "stop" and r["token_ids"][-1] in ([eos] if isinstance(eos, int) else eos)
+
+
+def test_generate_exits_fault_when_every_sample_failed_and_says_too_long(tmp_path, model_dir, capsys):
+    """`--engine.max_seqs=4` alone is a working engine (max_seqs_in_prefill follows it); a run whose every line
+    fails writes its error records and exits FAULT; a prompt too long starts its error with `too_long:`."""
+    from orchestrator import exit_codes
+
+    lines = ['{"id": "long", "prompt_token_ids": ' + json.dumps([5] * 200) + '}', '{"id": "e", "prompt": ""}', "{"]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    code = generate_main(["--model", str(model_dir), "--input", str(tmp_path / "in.jsonl"), "--output", str(out),
+                          "--engine.max_seqs=4", "--engine.max_seq_len=128", "--engine.max_pages=16",
+                          "--sampling.max_new_tokens=8", "--progress=false"])
+    assert code == exit_codes.FAULT
+    errors = {r["prompt_id"]: r["error"] for r in map(json.loads, out.read_text().splitlines())}
+    assert errors["long"].startswith("too_long: prompt has 200 tokens")
+    assert errors["e"].startswith("empty_prompt:") and errors["line-3"].startswith("malformed_row:")
+    assert "every one of the 3 samples failed" in capsys.readouterr().err
+
+
+def test_generate_help_lists_each_key_once_and_bad_arguments_are_one_line(capsys):
+    from orchestrator.cli import main
+
+    assert main(["generate", "--help"]) == 0
+    out = capsys.readouterr().out
+    for key in ("--sampling.max_new_tokens", "--engine.max_seqs", "--model", "--stats_output"):
+        assert out.count(f"  {key} ") == 1, key
+    assert "--sampling " not in out and "--engine " not in out  # no section-level "config file" flags
+    assert main(["generate", "--model", "m", "--sampling.max_new_tokens"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pagefleet generate: argument --sampling.max_new_tokens: expected one argument")
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_generate_names_a_hub_id_that_is_not_cached(tmp_path, monkeypatch, capsys):
+    from orchestrator.cli import main
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    (tmp_path / "in.jsonl").write_text('{"id": "a", "prompt": "x"}\n')
+    assert main(["generate", "--model", "org/absent", "--input", str(tmp_path / "in.jsonl"),
+                 "--output", str(tmp_path / "o.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pagefleet generate: --model 'org/absent' is not a local directory, and the Hub id")
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "o.jsonl").exists()

@@ -71,7 +71,7 @@ def test_plan_accounts_for_every_row(tiny_model, tmp_path, ray_local):
     assert all(r["line"] == r["row"] + 1 and r["file"].endswith("c.jsonl") for r in rejected)
 
     records = read_manifest(run / "batches.jsonl")
-    # DESIGN.md's keys first, in order; the fields the run adds (tokens, occupancy, ...) follow.
+    # docs/run-directory.md's manifest keys first, in order; the fields the run adds (tokens, occupancy, ...) follow.
     lines = (run / "batches.jsonl").read_text().splitlines()
     assert [list(json.loads(line))[:len(MANIFEST_KEYS)] for line in lines] == [MANIFEST_KEYS] * len(records)
     assert all(r.status == "pending" and r.attempts == 0 and r.output is None for r in records)

@@ -171,6 +171,8 @@ def test_bad_input_answers_4xx_naming_the_problem(service, run_model, tmp_path):
     assert r.status_code == 400 and "run_dir" in r.json()["detail"]
     r = submit(url, {**good, "model": {"path": None}})
     assert r.status_code == 400 and "model.path" in r.json()["detail"]
+    r = submit(url, {**good, "model": {"path": "/no/such/model"}})
+    assert r.status_code == 400 and r.json()["detail"].startswith("model.path '/no/such/model' does not exist")
     r = submit(url, {**good, "cluster": {"num_slices": 0}})
     assert r.status_code == 400 and "num_slices" in r.json()["detail"]
     for raw in (b"[1, 2]", b"just text", b"\xff\xfe\x00", b"{", b"[" * 5000, b"a: &a [*a]", b"",

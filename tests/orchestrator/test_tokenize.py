@@ -76,3 +76,16 @@ def test_preset_tokenizers_render_chats_like_transformers(preset, tmp_path):
     tok = AutoTokenizer.from_pretrained(model)
     assert rows[0]["token_ids"] == list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
     assert rows[1]["token_ids"] == tok("hello world")["input_ids"]
+
+
+def test_rejected_rows_keep_their_valid_ids(tiny_model, tmp_path):
+    """A row rejected for its prompt still names its own id in rejected.jsonl (not null); a row whose id
+    itself is unusable, or that is not an object, has none."""
+    path = tmp_path / "c.jsonl"
+    path.write_text("\n".join([json.dumps({"id": "empty", "prompt": ""}), json.dumps({"id": 7, "prompt": 3}),
+                               json.dumps({"id": "long", "prompt": "the quick brown fox " * 40}),
+                               json.dumps({"id": ["x"], "prompt": "hi"}), "[1]"]) + "\n")
+    table = stage(tiny_model, max_seq_len=64).tokenize_shard(Shard(str(path), "jsonl", 0, path.stat().st_size))
+    rows = table.to_pylist()
+    assert [(r["prompt_id"], r["reason"]) for r in rows] == [
+        ("empty", "empty_prompt"), ("7", "wrong_type"), ("long", "too_long"), (None, "wrong_type"), (None, "malformed_row")]
