@@ -127,6 +127,12 @@ def _size(argv: list[str]) -> int:
     return size_main(argv)
 
 
+def _check(argv: list[str]) -> int:
+    from orchestrator.check import main as check_main
+
+    return check_main(argv)
+
+
 def _serve(argv: list[str]) -> int:
     from orchestrator.serve_command import main as serve_main
 
@@ -141,6 +147,7 @@ COMMANDS = {
     "init-model": _init_model,
     "generate": _generate,
     "size": _size,
+    "check": _check,
     "serve": _serve,
 }
 
