@@ -15,6 +15,7 @@ runner's interface changes this function only.
 from __future__ import annotations
 
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -70,6 +71,8 @@ class Program:
     """Seconds to trace and lower."""
     kernel: KernelBlocks | None
     """The Pallas kernel's blocking in this program (None: no kernel, or not lowering for TPU)."""
+    mosaic_calls: int
+    """Mosaic kernels (`tpu_custom_call`) in the lowered module: the Pallas kernel once per scanned layer body."""
 
 
 class LoweringFailed(ValueError):
@@ -111,21 +114,30 @@ def lower_step_programs(cfg: ModelConfig, engine: EngineConfig, max_seq_len: int
         started = time.perf_counter()
         try:
             with jax.sharding.use_abstract_mesh(mesh):
-                fn.trace(*args).lower(lowering_platforms=(platform,))
+                text = fn.trace(*args).lower(lowering_platforms=(platform,)).as_text()
         except Exception as e:  # noqa: BLE001 - any lowering error is the answer, reported with the shapes
             raise LoweringFailed(f"the {name} program (T={tokens} tokens, S={seqs} sequences) does not lower for "
-                                 f"{platform}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+                                 f"{platform}: {_describe(e)}") from e
         kernel = None
         if impl == "pallas_tpu" and name != "chain":  # chain only moves the rows' counters
             q_shape = (tokens, cfg.num_heads // tp, cfg.head_dim)
             kv_shape = (cfg.num_layers * engine.max_pages, engine.page_size, 2 * cfg.num_kv_heads // tp, cfg.head_dim)
             kernel = kernel_blocks(q_shape, jdtype, kv_shape, jdtype, engine.pages_per_seq(max_seq_len),
                                    mesh.abstract_device.device_kind)
-        program = Program(name, tokens, seqs, time.perf_counter() - started, kernel)
+        program = Program(name, tokens, seqs, time.perf_counter() - started, kernel, text.count("tpu_custom_call"))
         programs.append(program)
         if on_program is not None:
             on_program(program)
     return programs
+
+
+def _describe(e: BaseException) -> str:
+    """An exception in one line; an assertion without a message is named by the line that failed."""
+    message = str(e).splitlines()[0] if str(e) else ""
+    if not message and e.__traceback__ is not None:
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        message = f"{frame.filename.rsplit('site-packages/', 1)[-1]}:{frame.lineno}: {frame.line}"
+    return f"{type(e).__name__}: {message}"
 
 
 def sampling_mode(sampling: SamplingConfig, vocab_size: int) -> str:

@@ -82,7 +82,9 @@ def run_check(config_path: str, overrides: list[str], target: str | None) -> str
 
     chip = target.removeprefix("tpu-") if target != "cpu" else None
     tp = cfg.cluster.mesh.get("model", 1)
-    devices = cfg.cluster.hosts_per_slice * cfg.cluster.devices_per_host if cfg.cluster.devices_per_host else tp
+    # The engine's mesh (orchestrator/slice.py): a multi-host slice's every device, one host's first `tp`.
+    cluster = cfg.cluster
+    devices = cluster.hosts_per_slice * (cluster.devices_per_host or tp) if cluster.hosts_per_slice > 1 else tp
     mesh = abstract_mesh(devices, tp, TPUS[chip] if chip else None)
     platform = "tpu" if chip else "cpu"
     lines.append(f"mesh: {devices} devices, data {devices // tp} x model {tp}"
