@@ -16,8 +16,8 @@ to 1.2%, i.e. 1.3 to 3 ulps.)
 
 Greedy tokens: when every logit of a row is within `tol` of transformers', the argmax can differ only where
 transformers' top-2 margin is at most 2 * tol. So the tokens must be identical at every step whose margin
-exceeds 2 * tol; at the first step that is a near-tie within that bound the two may pick different tokens and
-their contexts part, and the comparison of that prompt stops there.
+exceeds 2 * tol. Both sides decode from the same context (transformers' greedy tokens, fed to the engine), so a
+near-tie that may go either way does not part the contexts of the steps after it.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import transformers
 
 from engine.config import EngineConfig
 from engine.presets import write_model
-from engine.runner import ModelRunner
+from engine.runner import ModelRunner, SeqChunk
 from engine.weights import load_transformer
 from tests.engine.test_model import MODEL_SEEDS, NEW_TOKENS, PagedSequences, make_prompts
 
@@ -67,16 +67,23 @@ def test_bfloat16_matches_transformers_in_bfloat16(tmp_path, preset):
         tol = TOL_ULPS * ULP * np.abs(ref).max()
         np.testing.assert_allclose(logits[s], ref, atol=tol, rtol=0, err_msg=f"{preset} prompt {s} (len {len(prompt)})")
 
-    generated = seqs.greedy(logits, NEW_TOKENS)
+    # Greedy decoding, teacher-forced with transformers' greedy tokens so that both sides see the same context at
+    # every step (a near-tie that picks another token would otherwise part the contexts for the rest).
+    refs = [hf_greedy_margins(hf, prompt, NEW_TOKENS) for prompt in prompts]
     compared = 0
-    for s, prompt in enumerate(prompts):
-        ref_tokens, margins, scales = hf_greedy_margins(hf, prompt, NEW_TOKENS)
-        for i, (ours, theirs) in enumerate(zip(generated[s], ref_tokens)):
-            if ours != theirs:
-                bound = 2 * TOL_ULPS * ULP * scales[i]
-                assert margins[i] <= bound, (f"{preset} prompt {s} step {i}: token {ours} != transformers' {theirs} "
-                                             f"with a top-2 margin of {margins[i]:.3f} > {bound:.3f}")
-                break  # a near-tie: from here the two contexts differ
-            compared += 1
-    # Most steps are compared (ties within the bound are rare): the test is not vacuous.
-    assert compared >= 0.75 * len(prompts) * NEW_TOKENS, compared
+    step_logits = logits
+    for i in range(NEW_TOKENS):
+        for s, (ref_tokens, margins, scales) in enumerate(refs):
+            tol = TOL_ULPS * ULP * scales[i]
+            ours = int(np.argmax(step_logits[s]))
+            if margins[i] > 2 * tol:  # beyond any flip the tolerance allows: the token must be the same
+                assert ours == ref_tokens[i], (f"{preset} prompt {s} step {i}: token {ours} != transformers' "
+                                               f"{ref_tokens[i]} with a top-2 margin of {margins[i]:.3f} > {2 * tol:.3f}")
+                compared += 1
+        if i + 1 < NEW_TOKENS:
+            for s, (ref_tokens, _, _) in enumerate(refs):
+                seqs.tokens[s].append(ref_tokens[i])
+            seqs._reserve([len(t) for t in seqs.tokens])
+            step_logits = runner.step([SeqChunk([t[-1]], len(t) - 1, p) for t, p in zip(seqs.tokens, seqs.pages)])
+    # Most steps have a clear margin (about 2 in 3 on these presets): the comparison is not vacuous.
+    assert compared >= 0.5 * len(prompts) * NEW_TOKENS, compared
