@@ -247,17 +247,21 @@ def ragged_paged_attention(
     decode_pages_per_block: int | None = None,
 ) -> jax.Array:
     """Dispatch to the Pallas TPU kernel, the native CPU kernel or the blocked reference (`impl` from
-    `resolve_attention_impl`; block and tile sizes only shape the reference)."""
+    `resolve_attention_impl`; block and tile sizes only shape the reference: the Pallas kernel's come from
+    `engine.pallas_blocks`, for the TPU generation being traced for)."""
     if impl == "cpu_kernel":
         from engine import cpu_attention
 
         return cpu_attention.ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                                                     sm_scale=sm_scale, sliding_window=sliding_window)
     if impl == "pallas_tpu":
+        from engine.pallas_blocks import kernel_blocks
         from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention as kernel
 
+        blocks = kernel_blocks(q.shape, q.dtype, kv_pages.shape, kv_pages.dtype, page_indices.shape[1])
         return kernel(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
-                      sliding_window=sliding_window)
+                      sliding_window=sliding_window, num_kv_pages_per_block=blocks.kv_pages_per_block,
+                      num_queries_per_block=blocks.queries_per_block)
     return reference_ragged_paged_attention(
         q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
         pages_per_block=pages_per_block, queries_per_block=queries_per_block, tiles_per_group=tiles_per_group,

@@ -31,7 +31,7 @@ class AttentionSettings:
     pages_per_block: int
     queries_per_block: int
     num_pages: int  # pages per layer; layer i owns pool pages [i * num_pages, (i + 1) * num_pages)
-    mesh: Mesh | None = None  # when it has a `model` axis > 1, attention runs per KV-head shard
+    mesh: Mesh | None = None  # when it has several devices, attention runs per device (per KV-head shard over `model`)
     tiles_per_group: int = 8  # query tiles the reference attention moves through the KV blocks together
     decode_pages_per_block: int | None = None  # block size for one-query tiles (default: pages_per_block)
 
@@ -149,7 +149,9 @@ def _attention(attn: Attention, h: NamedArray, pool: NamedArray, layer: jax.Arra
         return out, kv
 
     mesh = settings.mesh
-    if mesh is not None and mesh.shape.get("model", 1) > 1:
+    # Per device whenever the mesh has several (a multi-host slice at `model: 1` too): the Pallas kernel is a
+    # Mosaic call, which XLA cannot partition itself; over `data` the devices hold the same rows (replicated).
+    if mesh is not None and mesh.size > 1:
         heads, rep = P(None, "model", None), P()
         attend = jax.shard_map(attend, mesh=mesh,
                                in_specs=(heads, heads, heads, P(None, None, "model", None), rep, rep, rep, rep, rep),

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from haliax import NamedArray
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from engine.axes import TENSOR_PARALLEL, ModelAxes
 from engine.checkpoint_check import CheckpointError, check_checkpoint
@@ -92,19 +92,23 @@ def partition_spec(axes: tuple[hax.Axis, ...], mesh: Mesh | None) -> P:
     return P(*[TENSOR_PARALLEL.get(a.name) for a in axes])
 
 
+def sharding(axes: tuple[hax.Axis, ...], mesh: Mesh | AbstractMesh | None) -> jax.sharding.Sharding:
+    """Where a parameter of these axes lives: TENSOR_PARALLEL axes split over the mesh's `model` axis."""
+    if mesh is None:  # this process's own device: jax.devices()[0] belongs to process 0 in a multi-process run
+        return SingleDeviceSharding(jax.local_devices()[0])
+    named = NamedSharding(mesh, partition_spec(axes, mesh))
+    for a, name in zip(axes, named.spec):
+        if name is not None and a.size % mesh.shape[name]:
+            raise ValueError(f"axis {a.name} of size {a.size} cannot be split over mesh axis {name!r} of size "
+                             f"{mesh.shape[name]}; choose cluster.mesh.model dividing the model's KV heads and MLP width")
+    return named
+
+
 def _place(axes: tuple[hax.Axis, ...], read: Callable[[tuple[slice, ...]], np.ndarray], dtype, mesh: Mesh | None
            ) -> NamedArray:
     """Build a named array whose every shard is read by `read(index)` (index: a tuple of slices)."""
     shape = tuple(a.size for a in axes)
-    if mesh is None:  # this process's own device: jax.devices()[0] belongs to process 0 in a multi-process run
-        sharding = SingleDeviceSharding(jax.local_devices()[0])
-    else:
-        sharding = NamedSharding(mesh, partition_spec(axes, mesh))
-        for a, name in zip(axes, sharding.spec):
-            if name is not None and a.size % mesh.shape[name]:
-                raise ValueError(f"axis {a.name} of size {a.size} cannot be split over mesh axis {name!r} of size "
-                                 f"{mesh.shape[name]}; choose cluster.mesh.model dividing the model's KV heads and MLP width")
-    array = jax.make_array_from_callback(shape, sharding, lambda index: np.asarray(read(index), dtype=dtype))
+    array = jax.make_array_from_callback(shape, sharding(axes, mesh), lambda index: np.asarray(read(index), dtype=dtype))
     return hax.named(array, axes)
 
 
@@ -114,9 +118,7 @@ def load_transformer(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | No
     cfg = config or ModelConfig.from_pretrained(path)
     check_checkpoint(path, cfg)  # headers only: a missing, truncated or misshapen tensor is named before any read
     ckpt = SafetensorsCheckpoint(path)
-    ax = ModelAxes.of(cfg)
     np_dtype = np.dtype(jnp.dtype(dtype))
-    L, E, V, M, KV, G, D = ax.Layers, ax.Embed, ax.Vocab, ax.Mlp, ax.KVHeads, ax.QPerKV, ax.HeadSize
 
     def one(name: str, axes, to_named: Callable[[np.ndarray], np.ndarray]) -> NamedArray:
         return _place(axes, lambda idx: ckpt.finite(name, to_named(ckpt.get(name))[idx]), np_dtype, mesh)
@@ -127,35 +129,52 @@ def load_transformer(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | No
             layers = range(cfg.num_layers)[idx[0]]
             return np.stack([ckpt.finite(f"model.layers.{i}.{suffix}", to_named(ckpt.get(f"model.layers.{i}.{suffix}"))[idx[1:]])
                              for i in layers])
-        return _place((L,) + axes, read, np_dtype, mesh)
+        return _place(axes, read, np_dtype, mesh)
 
+    if not cfg.tie_word_embeddings and "lm_head.weight" not in ckpt:
+        raise ValueError(f"{path}: config.json says tie_word_embeddings=false but the checkpoint has no lm_head.weight")
+    return _build(cfg, one, stacked)
+
+
+def abstract_transformer(cfg: ModelConfig, dtype, mesh: Mesh | AbstractMesh | None) -> Transformer:
+    """A `Transformer` of shapes, dtypes and shardings only (`jax.ShapeDtypeStruct` leaves, no weights), for
+    tracing and lowering the step programs without the checkpoint (`engine/preflight.py`)."""
+    def abstract(name: str, axes, to_named) -> NamedArray:
+        shape = tuple(a.size for a in axes)
+        return NamedArray(jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding(axes, mesh)), axes)
+
+    return _build(cfg, abstract, abstract)
+
+
+def _build(cfg: ModelConfig, one: Callable, stacked: Callable) -> Transformer:
+    """The model's parameters by Hugging Face name, axes and layout: `one(name, axes, to_named)` makes a
+    parameter, `stacked(suffix, axes, to_named)` one stacked over layers (axes include `layers`)."""
+    ax = ModelAxes.of(cfg)
+    L, E, V, M, KV, G, D = ax.Layers, ax.Embed, ax.Vocab, ax.Mlp, ax.KVHeads, ax.QPerKV, ax.HeadSize
     t = lambda w: w.T  # torch Linear stores [out, in]; we store [in, out...]
     shape = lambda *dims: (lambda w: w.T.reshape(*dims))
     bias = cfg.qkv_bias
     attn = Attention(
-        wq=stacked("self_attn.q_proj.weight", (E, KV, G, D), shape(E.size, KV.size, G.size, D.size)),
-        wk=stacked("self_attn.k_proj.weight", (E, KV, D), shape(E.size, KV.size, D.size)),
-        wv=stacked("self_attn.v_proj.weight", (E, KV, D), shape(E.size, KV.size, D.size)),
-        wo=stacked("self_attn.o_proj.weight", (KV, G, D, E), shape(KV.size, G.size, D.size, E.size)),
-        bq=stacked("self_attn.q_proj.bias", (KV, G, D), lambda b: b.reshape(KV.size, G.size, D.size)) if bias else None,
-        bk=stacked("self_attn.k_proj.bias", (KV, D), lambda b: b.reshape(KV.size, D.size)) if bias else None,
-        bv=stacked("self_attn.v_proj.bias", (KV, D), lambda b: b.reshape(KV.size, D.size)) if bias else None,
+        wq=stacked("self_attn.q_proj.weight", (L, E, KV, G, D), shape(E.size, KV.size, G.size, D.size)),
+        wk=stacked("self_attn.k_proj.weight", (L, E, KV, D), shape(E.size, KV.size, D.size)),
+        wv=stacked("self_attn.v_proj.weight", (L, E, KV, D), shape(E.size, KV.size, D.size)),
+        wo=stacked("self_attn.o_proj.weight", (L, KV, G, D, E), shape(KV.size, G.size, D.size, E.size)),
+        bq=stacked("self_attn.q_proj.bias", (L, KV, G, D), lambda b: b.reshape(KV.size, G.size, D.size)) if bias else None,
+        bk=stacked("self_attn.k_proj.bias", (L, KV, D), lambda b: b.reshape(KV.size, D.size)) if bias else None,
+        bv=stacked("self_attn.v_proj.bias", (L, KV, D), lambda b: b.reshape(KV.size, D.size)) if bias else None,
     )
     layers = DecoderLayer(
-        attn_norm=stacked("input_layernorm.weight", (E,), lambda w: w),
+        attn_norm=stacked("input_layernorm.weight", (L, E), lambda w: w),
         attn=attn,
-        mlp_norm=stacked("post_attention_layernorm.weight", (E,), lambda w: w),
-        w_gate=stacked("mlp.gate_proj.weight", (E, M), t),
-        w_up=stacked("mlp.up_proj.weight", (E, M), t),
-        w_down=stacked("mlp.down_proj.weight", (M, E), t),
+        mlp_norm=stacked("post_attention_layernorm.weight", (L, E), lambda w: w),
+        w_gate=stacked("mlp.gate_proj.weight", (L, E, M), t),
+        w_up=stacked("mlp.up_proj.weight", (L, E, M), t),
+        w_down=stacked("mlp.down_proj.weight", (L, M, E), t),
     )
-    tied = cfg.tie_word_embeddings
-    if not tied and "lm_head.weight" not in ckpt:
-        raise ValueError(f"{path}: config.json says tie_word_embeddings=false but the checkpoint has no lm_head.weight")
     return Transformer(
         config=cfg,
         embed=one("model.embed_tokens.weight", (V, E), lambda w: w),
         layers=layers,
         final_norm=one("model.norm.weight", (E,), lambda w: w),
-        lm_head=None if tied else one("lm_head.weight", (V, E), lambda w: w),
+        lm_head=None if cfg.tie_word_embeddings else one("lm_head.weight", (V, E), lambda w: w),
     )

@@ -160,6 +160,12 @@ def _size(argv: list[str]) -> int:
     return size_main(argv)
 
 
+def _check(argv: list[str]) -> int:
+    from orchestrator.check import main as check_main
+
+    return check_main(argv)
+
+
 def _serve(argv: list[str]) -> int:
     """The HTTP control plane on Ray Serve: submit, watch, read, cancel and resume runs."""
     from orchestrator.serve_command import main as serve_main
@@ -175,6 +181,7 @@ COMMANDS = {
     "init-model": _init_model,
     "generate": _generate,
     "size": _size,
+    "check": _check,
     "serve": _serve,
 }
 

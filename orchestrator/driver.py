@@ -93,14 +93,19 @@ def disk_full(e: OSError, where: Path) -> DiskFull | None:
                     "rerun the same command: the run resumes where it stopped, losing nothing written")
 
 
+def check_cluster(cfg: RunConfig) -> None:
+    """The head's check of the slice layout, before any slice starts (`pagefleet check` runs it too)."""
+    cluster = cfg.cluster
+    width = cluster.mesh.get("model", 1)
+    if cluster.devices_per_host and (cluster.hosts_per_slice * cluster.devices_per_host) % width:
+        raise ValueError(f"cluster.mesh.model={width} does not divide the slice's "
+                         f"{cluster.hosts_per_slice * cluster.devices_per_host} devices (cluster.hosts_per_slice="
+                         f"{cluster.hosts_per_slice} x cluster.devices_per_host={cluster.devices_per_host})")
+
+
 class Driver:
     def __init__(self, cfg: RunConfig, show_progress: bool = True, stop: threading.Event | None = None) -> None:
-        cluster = cfg.cluster
-        width = cluster.mesh.get("model", 1)
-        if cluster.devices_per_host and (cluster.hosts_per_slice * cluster.devices_per_host) % width:
-            raise ValueError(f"cluster.mesh.model={width} does not divide the slice's "
-                             f"{cluster.hosts_per_slice * cluster.devices_per_host} devices (cluster.hosts_per_slice="
-                             f"{cluster.hosts_per_slice} x cluster.devices_per_host={cluster.devices_per_host})")
+        check_cluster(cfg)
         self.cfg = cfg
         self.run_dir = RunDir(Path(cfg.resolved_run_dir))
         self.show_progress = show_progress

@@ -109,6 +109,17 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
 
 
+def activation_bytes_per_chip(cfg: ModelConfig, tokens: int, seqs: int, tp: int) -> int:
+    """An upper estimate of one step's live activations on a chip, in bytes: one layer's at a time (the
+    layers are scanned), every tensor counted in float32 (norms and RoPE upcast) and held at once: the
+    residual stream and three of its temporaries, q/k/v and the attention output (sharded over tp), gate,
+    up and their product (sharded), for `tokens` tokens; plus the float32 logits of `seqs` rows and as
+    much again three times over for the sampler (probabilities, the top-p sort and its indices)."""
+    hidden, heads = cfg.hidden_size, (2 * cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    per_token = 4 * (4 * hidden + heads // tp + 3 * cfg.intermediate_size // tp)
+    return tokens * per_token + 4 * seqs * cfg.vocab_size * 4
+
+
 def check_tp(cfg: ModelConfig, tp: int) -> None:
     """The engine shards KV heads and the MLP width over `tp` chips: both must divide evenly."""
     if tp < 1:
