@@ -51,7 +51,8 @@ def test_bad_requests_are_reported_and_the_rest_complete(tiny_llama):
     out = engine.generate([Request("ok", (10, 11, 12), s), Request("empty", (), s),
                            Request("long", tuple([7] * 250), s), Request("ok2", (13,), s)])
     by_id = {c.prompt_id: c for c in out}
-    assert by_id["empty"].error.startswith("empty prompt")
+    assert by_id["empty"].error.startswith("empty_prompt: ")  # the reasons a run writes to rejected.jsonl
+    assert by_id["long"].error.startswith("too_long: ")
     assert "258" in by_id["long"].error and "engine.max_seq_len" in by_id["long"].error
     assert by_id["ok"].error is None and len(by_id["ok"].token_ids) > 0
     assert by_id["ok2"].error is None
