@@ -161,6 +161,7 @@ def _size(argv: list[str]) -> int:
 
 
 def _check(argv: list[str]) -> int:
+    """Pre-flight without the accelerator: the head's validation, step programs lowered for the target, VMEM and HBM."""
     from orchestrator.check import main as check_main
 
     return check_main(argv)
