@@ -24,7 +24,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from orchestrator.config import ConfigError
+from orchestrator.config import KEYS_DOC, ConfigError
 
 # What YAML 1.2 reads as a float (PyYAML, which follows YAML 1.1, reads `1e-3` as a string).
 _DECIMAL = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?")
@@ -64,11 +64,12 @@ def _check(value: Any, expected: Any, key: str, where: str) -> None:
         if isinstance(value, dict):
             check_types(value, expected, where, f"{key}.")
         elif value is not None:
-            raise ConfigError(f"{where}{key} must be a mapping of its keys, got {_kind(value)} ({_SHOW.repr(value)})")
+            raise ConfigError(f"{where}{key} must be a mapping of its keys, got {_kind(value)} ({_SHOW.repr(value)}) "
+                              f"(keys in {KEYS_DOC})")
         return
     problem = _mismatch(value, expected)
     if problem:
-        raise ConfigError(f"{where}{key} must be {problem}, got {_kind(value)} ({_SHOW.repr(value)})")
+        raise ConfigError(f"{where}{key} must be {problem}, got {_kind(value)} ({_SHOW.repr(value)}) (keys in {KEYS_DOC})")
     origin, args = typing.get_origin(expected), typing.get_args(expected)
     if origin is list:
         for i, item in enumerate(value):

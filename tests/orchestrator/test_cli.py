@@ -57,7 +57,7 @@ def test_run_and_plan_help_list_every_key(command, capsys):
 @pytest.mark.parametrize("args, message", [
     (["--model.path=/no/such/model"], "pagefleet run: model.path '/no/such/model' does not exist"),
     (["--sampling.max_new_tokens"], "pagefleet run: argument --sampling.max_new_tokens: expected one argument"),
-    (["--cluster.mesh=1"], "cluster.mesh: expected dict[str, int], got '1'"),
+    (["--cluster.mesh=1"], "cluster.mesh must be a mapping, got an integer (1)"),  # strict types (config_types) speak first
 ])
 def test_a_failed_start_is_one_line_and_leaves_no_run_directory(tmp_path, capsys, args, message):
     run_dir = tmp_path / "runs" / "x"

@@ -48,9 +48,9 @@ def test_diff_keys_names_changes():
 @pytest.mark.parametrize("text, args, message", [
     ("name: x\ncorpus: {path: a\n  b: [\n", [], r"run.yaml: invalid YAML at line 3, column 4: expected ',' or '}'"),
     ("- a\n- b\n", [], r"run.yaml: a run config is a mapping of keys \(see docs/config.md\), not a YAML list"),
-    ("name: x\ncluster:\n  mesh: 1\n", [], r"run.yaml: cluster.mesh: expected dict\[str, int\], got '1' \(keys in docs/config.md\)"),
+    ("name: x\ncluster:\n  mesh: 1\n", [], r"run.yaml: cluster.mesh must be a mapping, got an integer \(1\) \(keys in docs/config.md\)"),
     ("name: x\n", ["--sampling.max_new_tokens"], r"^argument --sampling.max_new_tokens: expected one argument"),
-    ("tracker: {type: tensorboard}\n", [], r"tracker.type: Cannot convert 'tensorboard' into one of: wandb, noop"),
+    ("tracker: {type: tensorboard}\n", [], r"tracker.type must be one of 'wandb', 'noop', got a string \('tensorboard'\)"),
     ("name: x\n", ["--corpus.nope=1"], r"unrecognized arguments: --corpus.nope=1; .*docs/config.md"),
 ])
 def test_config_errors_are_one_line_naming_the_file_or_key(tmp_path, text, args, message):
