@@ -398,11 +398,12 @@ def test_outputs_follow_the_umask_and_local_ray_stays_out_of_the_shared_tmp(done
                                                             "PAGEFLEET_DISK_FULL_AT", "PAGEFLEET_CRASH_AT")}
     # Ray's OpenTelemetry metrics exporter thread has segfaulted the driver here on a loaded machine; no metrics.
     env["RAY_enable_metrics_collection"] = "0"
-    proc = subprocess.run([sys.executable, "-m", "orchestrator", "run", str(done_run["config"]),
-                           *run_args(run_model, done_run["corpus"], run_dir, "--cluster.num_slices=1")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-                          preexec_fn=lambda: os.umask(0o027))
-    assert proc.returncode == exit_codes.OK, proc.stderr[-3000:]
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(done_run["config"]),
+                             *run_args(run_model, done_run["corpus"], run_dir, "--cluster.num_slices=1")],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: os.umask(0o027))
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == exit_codes.OK, stderr[-3000:]
     for path in [run_dir / "batches.jsonl", run_dir / "run.json", run_dir / "rejected.jsonl", run_dir / "events.log",
                  *(run_dir / "outputs").glob("*.parquet"), *(run_dir / "batches").glob("*.parquet")]:
         assert path.stat().st_mode & 0o777 == 0o640, path
