@@ -18,6 +18,7 @@ import draccus
 
 from engine.config import EngineConfig, SamplingConfig
 from orchestrator.corpus import CorpusConfig, RawRow, Rejection, extract_prompt, row_id
+from orchestrator.progress import format_prefix_cache
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,7 @@ def run_generate(cfg: GenerateConfig) -> int:
               f"{summary['decode_tokens_per_s']:.1f} decode tok/s, {summary['prefill_tokens_per_s']:.1f} prefill tok/s; "
               f"slot occupancy mean {summary['mean_slot_occupancy']:.2f}, max {summary['max_slot_occupancy']:.2f}; "
               f"{counters['num_preemptions']} preemptions", file=sys.stderr)
+    print(f"prefix cache: {format_prefix_cache(summary)}", file=sys.stderr)
     if cfg.stats_output:
         _write_atomically(Path(cfg.stats_output), [json.dumps({**summary, **counters}, indent=1) + "\n"])
     return 0

@@ -56,6 +56,33 @@ def test_generate_writes_one_record_per_sample_in_input_order(tmp_path, model_di
     assert by[("a", 0)]["token_ids"] != by[("a", 1)]["token_ids"]  # two samples, two random streams
 
 
+def test_generate_reports_the_prefix_cache_counters(tmp_path, model_dir, monkeypatch, capsys):
+    """The counters the engine's cache records (set here at every step) reach the summary line and
+    --stats_output, with their hit rate."""
+    from engine.engine import Engine
+
+    step = Engine.step
+
+    def counted_step(self):
+        self.stats.prefix_cache_query_tokens += 16
+        self.stats.prefix_cache_hit_tokens += 12
+        return step(self)
+
+    monkeypatch.setattr(Engine, "step", counted_step)
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": str(i), "prompt_token_ids": [5 + i, 6, 7]}) + "\n"
+                                               for i in range(3)))
+    stats_file = tmp_path / "stats.json"
+    assert generate_main(["--model", str(model_dir), "--input", str(tmp_path / "in.jsonl"), "--output",
+                          str(tmp_path / "out.jsonl"), "--stats_output", str(stats_file), "--progress=false",
+                          "--sampling.max_new_tokens=4", "--engine.max_seq_len=64", "--engine.max_pages=32"]) == 0
+    stats = json.loads(stats_file.read_text())
+    calls = stats["prefix_cache_query_tokens"] // 16
+    assert calls >= stats["steps"] > 0 and stats["prefix_cache_hit_tokens"] == 12 * calls
+    assert stats["prefix_cache_hit_rate"] == 0.75
+    assert f"prefix cache: {12 * calls:,} of {16 * calls:,} prompt tokens served from cached pages (75.0% hit rate)" \
+        in capsys.readouterr().err
+
+
 def test_generate_judges_bad_lines_as_a_run_judges_corpus_rows(tmp_path, model_dir):
     """Each bad line becomes a record naming the reason `pagefleet run` writes to rejected.jsonl; nothing is
     repaired (a line that is not UTF-8 is not decoded with replacement characters) and the good lines run."""
