@@ -87,17 +87,37 @@ def _write_atomically(path: Path, lines: list[str]) -> None:
     os.replace(tmp, path)
 
 
-def run_generate(cfg: GenerateConfig) -> int:
+def explicit_engine_keys(argv: list[str]) -> frozenset[str]:
+    """The engine.* keys given on the command line (`--engine.max_seqs=8` or `--engine.max_seqs 8`): sizing for
+    the machine keeps them as given."""
+    return frozenset(a.removeprefix("--engine.").split("=", 1)[0] for a in argv if a.startswith("--engine."))
+
+
+def run_generate(cfg: GenerateConfig, explicit: frozenset[str] = frozenset()) -> int:
+    """Generate for every input line. Engine capacities not in `explicit` are sized for this machine
+    (engine/machine_sizing.py)."""
     from tqdm import tqdm
 
     from engine.engine import Completion, Engine
+    from engine.machine_sizing import size_for_machine, this_machine
+    from engine.model_config import ModelConfig
     from engine.sequence import Request
 
     for name in ("model", "input", "output"):
         if not getattr(cfg, name):
             print(f"pagefleet generate: --{name} is required", file=sys.stderr)
             return 2
-    engine = Engine(cfg.model, cfg.engine, dtype=cfg.dtype)
+    try:
+        engine_cfg = size_for_machine(cfg.engine, ModelConfig.from_pretrained(cfg.model), cfg.dtype, this_machine(),
+                                      explicit)
+    except ValueError as e:
+        print(f"pagefleet generate: {e}", file=sys.stderr)
+        return 2
+    engine = Engine(cfg.model, engine_cfg, dtype=cfg.dtype)
+    sized = [k for k in ("max_pages", "max_seqs", "max_prefill_size") if k not in explicit]
+    if sized:
+        print("engine sized for this machine: " + ", ".join(f"{k}={getattr(engine_cfg, k):,}" for k in sized) +
+              " (engine.kv_memory_gib or an explicit --engine.KEY overrides)", file=sys.stderr)
     requests, failed = [], []
     order: list[tuple[str, int]] = []
     first_line: dict[str, int] = {}
@@ -133,9 +153,11 @@ def run_generate(cfg: GenerateConfig) -> int:
         lines.append(json.dumps(record) + "\n")
     _write_atomically(Path(cfg.output), lines)
     errors = sum(1 for c in by_key.values() if c.error)
-    summary = engine.stats.summary(cfg.engine.max_seqs)
+    summary = engine.stats.summary(engine_cfg.max_seqs)
     counters = {k: v for k, v in engine.snapshot().items()
                 if k in ("num_preemptions", "num_multi_step_fallbacks", "num_pipelined_calls")}
+    counters.update({f"engine_{k}": getattr(engine_cfg, k) for k in ("max_pages", "max_seqs", "max_prefill_size",
+                                                                      "max_seqs_in_prefill")})
     print(f"wrote {len(lines)} samples to {cfg.output} ({errors} with errors)", file=sys.stderr)
     if summary["steps"]:
         print(f"{summary['steps']} steps in {summary['wall_s']:.2f} s (device calls {summary['device_s']:.2f} s, "
@@ -157,4 +179,4 @@ def main(argv: list[str]) -> int:
 
         if kernel_build.backend_is_cpu_only():  # the compiler runs while JAX, the tokenizer and weights load
             kernel_build.start()
-    return run_generate(cfg)
+    return run_generate(cfg, explicit_engine_keys(argv))
