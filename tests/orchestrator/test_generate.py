@@ -98,9 +98,9 @@ def test_generate_sizes_the_engine_for_the_machine_and_keeps_explicit_keys(tmp_p
     pages = 2**30 // 1000 // (16 * 512)
     assert (stats["engine_max_pages"], stats["engine_max_seqs"], stats["engine_max_prefill_size"]) == (pages, 16, 4096)
     assert "engine sized for this machine: max_pages=131, max_seqs=16, max_prefill_size=4,096" in capsys.readouterr().err
-    assert generate_main([*args, "--engine.max_seqs", "2"]) == 0
+    assert generate_main([*args, "--engine.max_seqs", "8"]) == 0
     stats = json.loads(stats_file.read_text())
-    assert (stats["engine_max_pages"], stats["engine_max_seqs"], stats["engine_max_seqs_in_prefill"]) == (pages, 2, 2)
+    assert (stats["engine_max_pages"], stats["engine_max_seqs"], stats["engine_max_prefill_size"]) == (pages, 8, 4096)
 
 
 def test_generate_judges_bad_lines_as_a_run_judges_corpus_rows(tmp_path, model_dir):
