@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test bench bench-plan bench-export bench-host bench-generate
+.PHONY: demo test bench bench-plan bench-export bench-host bench-generate bench-peer
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -36,3 +36,7 @@ bench-host: $(STAMP)
 
 bench-generate: $(STAMP)
 	JAX_PLATFORMS=cpu $(VENV)/bin/python benchmarks/generate_bench.py --repeats 3
+
+# pagefleet against vLLM's CPU build on the same token ids (installs vLLM once into .peer/vllm-venv).
+bench-peer: $(STAMP)
+	$(VENV)/bin/python benchmarks/peer_bench.py --repeats 3

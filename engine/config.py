@@ -24,6 +24,11 @@ class EngineConfig:
     smaller max_seqs (an explicit value above max_seqs is an error)."""
     max_prefill_size: int = 512
     """Tokens (prompt chunks plus decode tokens) processed in one step."""
+    kv_memory_gib: float | None = None
+    """KV pool size in GiB for an engine sized for the machine (`pagefleet generate`): sets max_pages when
+    engine.max_pages is not given. None: a share of the memory available on CPU, of the device's memory less
+    the weights on an accelerator (engine/machine_sizing.py). `pagefleet run` refuses it: a run's capacities
+    are explicit and identical on every host (engine.max_pages)."""
     max_seq_len: int | None = None
     """Longest sequence (prompt plus completion) in tokens; defaults to the model's context length."""
     reset_mode: Literal["logical", "physical"] = "logical"
@@ -62,6 +67,8 @@ class EngineConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"engine.{name} must be at least 1, got {getattr(self, name)}")
+        if self.kv_memory_gib is not None and not self.kv_memory_gib > 0:
+            raise ValueError(f"engine.kv_memory_gib must be positive, got {self.kv_memory_gib}")
         if self.max_seqs_in_prefill > self.max_seqs:
             raise ValueError(
                 f"engine.max_seqs_in_prefill ({self.max_seqs_in_prefill}) exceeds engine.max_seqs ({self.max_seqs})"

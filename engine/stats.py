@@ -38,6 +38,8 @@ class EngineStats:
     decode_tokens: list[int] = field(default_factory=list)  # tokens drawn per step (all of a multi-step call's)
     active_seqs: list[int] = field(default_factory=list)
     model_steps: list[int] = field(default_factory=list)  # forward passes per step: > 1 for a multi-step decode call
+    prefix_cache_query_tokens: int = 0  # prompt tokens of admitted sequences looked up in the prefix cache
+    prefix_cache_hit_tokens: int = 0  # of those, tokens whose KV came from cached pages (not computed)
     first_start: float | None = None  # perf_counter at the first step's start
     last_end: float = 0.0  # perf_counter at the last step's end
 
@@ -46,14 +48,19 @@ class EngineStats:
                        self.model_steps):
             values.clear()
         self.first_start, self.last_end = None, 0.0
+        self.prefix_cache_query_tokens = self.prefix_cache_hit_tokens = 0
+
+    def prefix_cache(self) -> dict[str, float]:
+        """Prompt tokens looked up in the prefix cache, those served from it, and their ratio (0 with no query)."""
+        return prefix_cache_summary(self.prefix_cache_query_tokens, self.prefix_cache_hit_tokens)
 
     def summary(self, max_seqs: int) -> dict[str, float]:
         """p50/p90/max step time (ms); the loop's wall time from the first step's start to the last one's end,
         split into device calls and host work between and around them (s); prefill and decode tokens/s over
         the steps; mean and peak slot occupancy (fraction of max_seqs); mean forward passes per step (device
-        call)."""
+        call); the prefix cache's query and hit tokens and hit rate."""
         if not self.step_s:
-            return {"steps": 0}
+            return {"steps": 0, **self.prefix_cache()}
         t = np.asarray(self.step_s)
         total = float(t.sum())
         wall = self.last_end - self.first_start
@@ -71,7 +78,14 @@ class EngineStats:
             "mean_slot_occupancy": float(np.mean(self.active_seqs)) / max_seqs,
             "max_slot_occupancy": max(self.active_seqs) / max_seqs,
             "mean_model_steps": float(np.mean(self.model_steps)),
+            **self.prefix_cache(),
         }
+
+
+def prefix_cache_summary(query_tokens: int, hit_tokens: int) -> dict[str, float]:
+    """The prefix cache's figures under the names every report uses (generate's summary, timeline, status, W&B)."""
+    return {"prefix_cache_query_tokens": query_tokens, "prefix_cache_hit_tokens": hit_tokens,
+            "prefix_cache_hit_rate": hit_tokens / query_tokens if query_tokens else 0.0}
 
 
 class StepTimer:

@@ -57,6 +57,12 @@ class RunConfig:
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
     """Where run metrics go (Weights & Biases or nowhere)."""
 
+    def __post_init__(self) -> None:
+        if self.engine.kv_memory_gib is not None:
+            raise ValueError("engine.kv_memory_gib sizes `pagefleet generate`'s engine from one machine's memory; a "
+                             "run's capacities must be identical on every host: set engine.max_pages instead "
+                             "(`pagefleet size` computes it for a chip)")
+
     @property
     def resolved_run_dir(self) -> str:
         return self.run_dir or os.path.join("manifests", self.name)

@@ -33,7 +33,8 @@ from orchestrator.config import RunConfig
 from orchestrator.faults import crash_point
 from orchestrator.lock import RunLock
 from orchestrator.output_plan import plan_fingerprint, stamp
-from orchestrator.progress import RunProgress, engine_time, format_engine_time, mean_occupancy, read_timeline
+from orchestrator.progress import (RunProgress, engine_time, format_engine_time, format_prefix_cache, mean_occupancy,
+                                   prefix_cache, read_timeline)
 from orchestrator.results import BatchWork, Completed, Failed
 from orchestrator.retune import retune
 from orchestrator.run_state import RunState
@@ -396,6 +397,9 @@ class Driver:
         split = engine_time(timeline)
         if split is not None:
             summary["engine_device_s"], summary["engine_host_s"] = round(split[0], 3), round(split[1], 3)
+        cache = prefix_cache(timeline)
+        if cache is not None:
+            summary.update(cache)  # prefix_cache_query_tokens, prefix_cache_hit_tokens, prefix_cache_hit_rate
         return summary
 
     def _plot(self, mean_tokens_per_s: float | None) -> None:
@@ -428,6 +432,8 @@ def _format_summary(s: dict) -> str:
         lines.append(f"slot occupancy   {s['mean_occupancy']:.1%} of engine.max_seqs (mean over engine steps)")
     if "engine_device_s" in s:
         lines.append(f"engine time      {format_engine_time((s['engine_device_s'], s['engine_host_s']))}")
+    if "prefix_cache_query_tokens" in s:
+        lines.append(f"prefix cache     {format_prefix_cache(s)}")
     for batch_id, error in s["failed"].items():
         last = (error or "").strip().splitlines()[-1:] or ["?"]
         lines.append(f"failed {batch_id}: {last[0]}")

@@ -22,6 +22,7 @@ from orchestrator.corpus import CorpusConfig, RawRow, Rejection, extract_prompt,
 from orchestrator.json_out import dumps
 from orchestrator.model_source import resolve_model
 from orchestrator.prompt_checks import out_of_vocabulary, render_chat
+from orchestrator.progress import format_prefix_cache
 
 
 @dataclass(frozen=True)
@@ -144,17 +145,37 @@ def _write_atomically(path: Path, lines: list[str]) -> None:
     atomic_write_text(path, "".join(lines))
 
 
-def run_generate(cfg: GenerateConfig) -> int:
+def explicit_engine_keys(argv: list[str]) -> frozenset[str]:
+    """The engine.* keys given on the command line (`--engine.max_seqs=8` or `--engine.max_seqs 8`): sizing for
+    the machine keeps them as given."""
+    return frozenset(a.removeprefix("--engine.").split("=", 1)[0] for a in argv if a.startswith("--engine."))
+
+
+def run_generate(cfg: GenerateConfig, explicit: frozenset[str] = frozenset()) -> int:
+    """Generate for every input line. Engine capacities not in `explicit` are sized for this machine
+    (engine/machine_sizing.py)."""
     from tqdm import tqdm
 
     from engine.engine import Engine
+    from engine.machine_sizing import size_for_machine, this_machine
+    from engine.model_config import ModelConfig
 
     for name in ("model", "input", "output"):
         if not getattr(cfg, name):
             print(f"pagefleet generate: --{name} is required", file=sys.stderr)
             return exit_codes.FAULT
     model = resolve_model(cfg.model, "--model")
-    engine = Engine(model, cfg.engine, dtype=cfg.dtype)
+    try:
+        engine_cfg = size_for_machine(cfg.engine, ModelConfig.from_pretrained(model), cfg.dtype, this_machine(),
+                                      explicit)
+    except ValueError as e:
+        print(f"pagefleet generate: {e}", file=sys.stderr)
+        return exit_codes.FAULT
+    engine = Engine(model, engine_cfg, dtype=cfg.dtype)
+    sized = [k for k in ("max_pages", "max_seqs", "max_prefill_size") if k not in explicit]
+    if sized:
+        print("engine sized for this machine: " + ", ".join(f"{k}={getattr(engine_cfg, k):,}" for k in sized) +
+              " (engine.kv_memory_gib or an explicit --engine.KEY overrides)", file=sys.stderr)
     with open(cfg.input, "rb") as f:
         numbered = [(line_no, line) for line_no, line in enumerate(f, 1) if line.strip()]
     bar = tqdm(total=len(numbered) * cfg.sampling.n, desc="samples", unit="sample", disable=not cfg.progress,
@@ -167,9 +188,11 @@ def run_generate(cfg: GenerateConfig) -> int:
     if records and errors == len(records):
         print(f"pagefleet generate: every one of the {len(records)} samples failed (the `error` of each record in "
               f"{cfg.output} says why)", file=sys.stderr)
-    summary = engine.stats.summary(cfg.engine.max_seqs)
+    summary = engine.stats.summary(engine_cfg.max_seqs)
     counters = {k: v for k, v in engine.snapshot().items()
                 if k in ("num_preemptions", "num_multi_step_fallbacks", "num_pipelined_calls")}
+    counters.update({f"engine_{k}": getattr(engine_cfg, k) for k in ("max_pages", "max_seqs", "max_prefill_size",
+                                                                      "max_seqs_in_prefill")})
     print(f"wrote {len(lines)} samples to {cfg.output} ({errors} with errors)", file=sys.stderr)
     if summary["steps"]:
         print(f"{summary['steps']} steps in {summary['wall_s']:.2f} s (device calls {summary['device_s']:.2f} s, "
@@ -178,6 +201,7 @@ def run_generate(cfg: GenerateConfig) -> int:
               f"{summary['decode_tokens_per_s']:.1f} decode tok/s, {summary['prefill_tokens_per_s']:.1f} prefill tok/s; "
               f"slot occupancy mean {summary['mean_slot_occupancy']:.2f}, max {summary['max_slot_occupancy']:.2f}; "
               f"{counters['num_preemptions']} preemptions", file=sys.stderr)
+    print(f"prefix cache: {format_prefix_cache(summary)}", file=sys.stderr)
     if cfg.stats_output:
         _write_atomically(Path(cfg.stats_output), [dumps({**summary, **counters}, indent=1) + "\n"])
     return exit_codes.FAULT if records and errors == len(records) else exit_codes.OK
@@ -218,4 +242,4 @@ def main(argv: list[str]) -> int:
 
         if kernel_build.backend_is_cpu_only():  # the compiler runs while JAX, the tokenizer and weights load
             kernel_build.start()
-    return run_generate(cfg)
+    return run_generate(cfg, explicit_engine_keys(argv))

@@ -17,7 +17,11 @@ every sample runs to `max_new_tokens`. Four budgets bound a batch:
 - **prompts in prefill** (`engine.max_seqs_in_prefill` prompts per step): likewise at most
   `max_seqs_in_prefill * max_prefill_steps` prompts per batch.
 
-Greedy, longest first: prompts are sorted by token count (descending, ties by corpus order).
+Greedy, longest first: prompts are sorted by token count (descending, ties by corpus order), except that
+prompts sharing their leading page (the same first `page_size` tokens; `leading_page_keys`) sort together,
+at the place of the group's longest prompt, longest first within the group: the prefix cache of the slice
+that runs them then sees them close together in time. With no shared leading page the order is the plain
+length order. Sharing earns a batch no credit: its pages are counted as if nothing were shared.
 Each new batch starts with the longest remaining prompt and then takes, one at a time, either the
 next longest or the shortest remaining prompt, whichever keeps the batch's use of the "size"
 budgets (pages, prompt tokens) and of the "count" budgets (sequences, prompts) in the same
@@ -131,6 +135,38 @@ class Packing:
         return out
 
 
+_KEY_BASE = np.uint64(0x100000001B3)  # odd, hence invertible modulo 2**64
+_KEY_BASE_INV = np.uint64(pow(0x100000001B3, -1, 2**64))
+
+
+def leading_page_keys(token_ids: np.ndarray, page_size: int) -> np.ndarray:
+    """u64[pages]: one key per full page of the prompt before its last token (that token is always computed:
+    its logits draw the first sample), each identifying the whole prefix up to the page's end (a polynomial
+    hash of the prefix modulo 2**64, so equal prefixes give equal keys; a rare collision only misplaces a
+    prompt in the plan's order or miscounts the report, never changes a sample). Never 0 (0 means "none")."""
+    tokens = np.asarray(token_ids, dtype=np.uint64)
+    pages = (len(tokens) - 1) // page_size if len(tokens) else 0
+    if pages <= 0:
+        return np.zeros(0, dtype=np.uint64)
+    n = pages * page_size
+    with np.errstate(over="ignore"):
+        # prefix(k) = sum_{j<k} (t_j + 1) * B^(k-1-j) = B^(k-1) * cumsum((t_j + 1) * B^-j), all modulo 2**64.
+        inv = np.cumprod(np.concatenate([[np.uint64(1)], np.full(n - 1, _KEY_BASE_INV, dtype=np.uint64)]))
+        fwd = np.cumprod(np.concatenate([[np.uint64(1)], np.full(n - 1, _KEY_BASE, dtype=np.uint64)]))
+        prefix = fwd * np.cumsum((tokens[:n] + np.uint64(1)) * inv)
+    keys = prefix[page_size - 1::page_size]
+    keys[keys == 0] = 1
+    return keys
+
+
+def shareable_prompt_tokens(page_keys: list[np.ndarray] | np.ndarray, page_size: int) -> int:
+    """Prompt tokens in leading full pages that an earlier prompt also has (in any order, the count is the
+    same): `page_size` times (pages - distinct pages) over all prompts' leading page keys."""
+    flat = np.concatenate(page_keys) if isinstance(page_keys, list) and page_keys else np.asarray(page_keys)
+    flat = flat.astype(np.uint64).ravel()
+    return page_size * int(len(flat) - len(np.unique(flat)))
+
+
 def lower_bound(num_tokens: np.ndarray, limits: PackingLimits) -> int:
     """No packing can use fewer batches: the largest of the page, prefill and sequence-count bounds."""
     num_tokens = np.asarray(num_tokens, dtype=np.int64)
@@ -145,10 +181,30 @@ def lower_bound(num_tokens: np.ndarray, limits: PackingLimits) -> int:
     )
 
 
-def pack(num_tokens: np.ndarray, limits: PackingLimits) -> Packing:
-    """Pack items (prompt token counts, in corpus order) into batches; every item must fit alone."""
+def sharing_order(tokens: np.ndarray, first_page_keys: np.ndarray | None) -> np.ndarray:
+    """Item indices longest first (ties in corpus order), items with the same nonzero first-page key together
+    at their group's place: sorted by (group's longest length, the corpus index of the group's first longest
+    item, own length, corpus index). Items with key 0 or a key of their own are groups of one."""
+    index = np.arange(len(tokens), dtype=np.int64)
+    if first_page_keys is None or not len(tokens):
+        return np.argsort(-tokens, kind="stable")
+    keys = np.asarray(first_page_keys, dtype=np.uint64)
+    _, group = np.unique(keys, return_inverse=True)
+    group = np.where(keys == 0, len(tokens) + index, group.ravel())  # no key: a group of its own
+    group_len = np.zeros(2 * len(tokens) + 1, dtype=np.int64)
+    np.maximum.at(group_len, group, tokens)
+    longest = tokens == group_len[group]
+    leader = np.full(2 * len(tokens) + 1, len(tokens), dtype=np.int64)
+    np.minimum.at(leader, group[longest], index[longest])
+    return np.lexsort((index, -tokens, leader[group], -group_len[group]))
+
+
+def pack(num_tokens: np.ndarray, limits: PackingLimits, first_page_keys: np.ndarray | None = None) -> Packing:
+    """Pack items (prompt token counts, in corpus order) into batches; every item must fit alone.
+    `first_page_keys` (u64[items], 0 for none: `leading_page_keys(...)[0]`) keeps prompts that share their
+    leading page together in the order (`sharing_order`)."""
     tokens = np.asarray(num_tokens, dtype=np.int64)
-    order = np.argsort(-tokens, kind="stable")  # longest first, ties in corpus order
+    order = sharing_order(tokens, first_page_keys)  # longest first (groups at their longest), ties in corpus order
     size_t = tokens[order]
     pages = np.asarray(limits.page_need(size_t), dtype=np.int64)
     if len(order) and (reason := limits.why_unfit(int(size_t[0]))) is not None:  # page need grows with length

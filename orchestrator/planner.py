@@ -28,7 +28,7 @@ from orchestrator.json_out import dumps
 from orchestrator.lock import RunLock
 from orchestrator.manifest import BatchRecord, batch_id, write_manifest
 from orchestrator.model_source import max_seq_len, model_config, model_fingerprint, tokenizer_fingerprint
-from orchestrator.packing import PackingLimits, lower_bound, pack
+from orchestrator.packing import PackingLimits, lower_bound, pack, shareable_prompt_tokens
 from orchestrator.report import PlanStats
 from orchestrator.output_plan import first_foreign, plan_fingerprint
 from orchestrator.rundir import PlanMismatch, RunDir, check_same_plan, config_hash, versions
@@ -37,7 +37,7 @@ from orchestrator.tokenize import PromptTokenizer, shard_item
 
 log = logging.getLogger(__name__)
 
-SUMMARY_COLUMNS = ["row", "prompt_id", "num_tokens", "reason", "detail", "file_index", "line"]
+SUMMARY_COLUMNS = ["row", "prompt_id", "num_tokens", "reason", "detail", "file_index", "line", "page_keys"]
 BATCH_SCHEMA = pa.schema([("prompt_id", pa.string()), ("row", pa.int64()), ("token_ids", pa.list_(pa.int32()))])
 
 
@@ -208,7 +208,8 @@ def _plan_into(cfg: RunConfig, run_dir: RunDir, files: list[str]) -> tuple[PlanS
     _write_rejected(run_dir, rejected, files)
     lengths = accepted["num_tokens"].to_numpy().astype(np.int64)
     phase("collecting summaries and rejections")
-    packing = pack(lengths, limits)
+    first_keys, all_keys = _page_keys(accepted)
+    packing = pack(lengths, limits, first_keys)
     num_batches = packing.num_batches
 
     rows = accepted["row"].to_numpy()
@@ -229,8 +230,20 @@ def _plan_into(cfg: RunConfig, run_dir: RunDir, files: list[str]) -> tuple[PlanS
                     num_prompt_tokens=int(packing.num_prompt_tokens[b]), num_pages=int(packing.num_pages[b]))
         for b in range(num_batches)
     ]
-    stats = PlanStats.build(num_rows, rejected["reason"].to_pylist(), lengths, packing, lower_bound(lengths, limits))
+    stats = PlanStats.build(num_rows, rejected["reason"].to_pylist(), lengths, packing, lower_bound(lengths, limits),
+                            shareable_prompt_tokens(all_keys, limits.page_size))
     return stats, records
+
+
+def _page_keys(accepted: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+    """(u64[prompts]: each accepted prompt's first leading-page key, 0 for none; u64[pages]: all their keys)."""
+    keys = accepted["page_keys"]
+    counts = pc.list_value_length(keys).to_numpy(zero_copy_only=False).astype(np.int64)
+    flat = np.asarray(pc.list_flatten(keys).to_numpy(zero_copy_only=False), dtype=np.uint64)
+    first = np.zeros(len(counts), dtype=np.uint64)
+    has = counts > 0
+    first[has] = flat[(np.cumsum(counts) - counts)[has]]
+    return first, flat
 
 
 def _summaries(tokenized) -> pa.Table:

@@ -8,6 +8,7 @@ import socket
 import sys
 import time
 
+from engine.stats import prefix_cache_summary
 from orchestrator.atomic import atomic_write_text
 from orchestrator.json_out import dumps
 from orchestrator.manifest import BatchRecord
@@ -147,6 +148,21 @@ def engine_time(timeline: list[dict]) -> tuple[float, float] | None:
     if not timed:
         return None
     return sum(b["device_s"] for b in timed), sum(b["host_s"] for b in timed)
+
+
+def prefix_cache(timeline: list[dict]) -> dict[str, float] | None:
+    """The prefix cache over the whole run, every slice summed: prompt tokens looked up, tokens served from
+    cached pages, and the hit rate; None before any bucket has them."""
+    counted = [b for b in timeline if "prefix_cache_query_tokens" in b]
+    if not counted:
+        return None
+    return prefix_cache_summary(sum(b["prefix_cache_query_tokens"] for b in counted),
+                                sum(b["prefix_cache_hit_tokens"] for b in counted))
+
+
+def format_prefix_cache(figures: dict[str, float]) -> str:
+    return (f"{figures['prefix_cache_hit_tokens']:,} of {figures['prefix_cache_query_tokens']:,} prompt tokens served "
+            f"from cached pages ({figures['prefix_cache_hit_rate']:.1%} hit rate)")
 
 
 def format_engine_time(split: tuple[float, float]) -> str:

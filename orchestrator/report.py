@@ -33,10 +33,13 @@ class PlanStats:
     total_prompt_tokens: int
     length_histogram: list[list[int]] = field(default_factory=list)
     """[[lo, hi, count], ...] of accepted prompts' token counts, power-of-two buckets lo..hi-1."""
+    shareable_prompt_tokens: int = 0
+    """Prompt tokens in full leading pages that an earlier prompt also has: what a prefix cache may serve
+    (packing.shareable_prompt_tokens). Batches are sized without counting on it."""
 
     @classmethod
     def build(cls, rows_read: int, rejected_reasons: list[str], lengths: np.ndarray, packing: Packing,
-              lower_bound: int) -> PlanStats:
+              lower_bound: int, shareable_prompt_tokens: int = 0) -> PlanStats:
         hist: list[list[int]] = []
         if len(lengths):
             edges = 2 ** np.arange(0, int(np.ceil(np.log2(max(2, int(lengths.max()) + 1)))) + 1)
@@ -53,6 +56,7 @@ class PlanStats:
             prefill_tokens_per_batch=_spread(packing.num_prompt_tokens),
             total_prompt_tokens=int(lengths.sum()),
             length_histogram=hist,
+            shareable_prompt_tokens=shareable_prompt_tokens,
         )
 
     @property
@@ -79,6 +83,9 @@ class PlanStats:
         lines += [f"  {reason:<22} {count:>8,}" for reason, count in self.rejected.items()]
         lines += [
             f"prompt tokens    {self.total_prompt_tokens:>12,}",
+            f"  shareable      {self.shareable_prompt_tokens:>12,} "
+            f"({self.shareable_prompt_tokens / max(self.total_prompt_tokens, 1):.1%}; full leading pages shared "
+            "with an earlier prompt: a prefix cache may serve them, batches are sized without them)",
             f"batches          {self.num_batches:>12,}",
             spread("prompts per batch", self.prompts_per_batch),
             spread("pages per batch", self.pages_per_batch),

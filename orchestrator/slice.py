@@ -334,7 +334,9 @@ class SliceWorker:
             perf = self.engine.stats.summary(self.spec.engine.max_seqs)  # the bucket's steps: cleared at each close
             self._timeline.append({"t": now, "steps": b[1], "tokens_per_s": b[2] / max(now - b[0], 1e-9),
                                    "occupancy": b[3] / b[1] / self.spec.engine.max_seqs,
-                                   "device_s": perf.get("device_s", 0.0), "host_s": perf.get("host_s", 0.0)})
+                                   "device_s": perf.get("device_s", 0.0), "host_s": perf.get("host_s", 0.0),
+                                   "prefix_cache_query_tokens": perf["prefix_cache_query_tokens"],
+                                   "prefix_cache_hit_tokens": perf["prefix_cache_hit_tokens"]})
             self._bucket = [0.0, 0, 0, 0]
             self.engine.stats.clear()  # only the last step is read here: keep a days-long run's memory flat
 

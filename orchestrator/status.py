@@ -10,7 +10,8 @@ from collections import Counter
 from pathlib import Path
 
 from orchestrator.manifest import read_manifest
-from orchestrator.progress import engine_time, format_engine_time, mean_occupancy, read_timeline
+from orchestrator.progress import (engine_time, format_engine_time, format_prefix_cache, mean_occupancy, prefix_cache,
+                                   read_timeline)
 from orchestrator.rundir import RunDir
 
 
@@ -63,6 +64,7 @@ def status(run_dir_path: str | Path) -> dict:
         "waiting": progress.get("waiting") if head else None,
         "mean_occupancy": mean_occupancy(timeline),
         "engine_time": dict(zip(("device_s", "host_s"), split)) if (split := engine_time(timeline)) else None,
+        "prefix_cache": prefix_cache(timeline),
         "failed": [{"batch_id": r.batch_id, "attempts": r.attempts, "error": r.error}
                    for r in records if r.status == "failed"],
     }
@@ -90,6 +92,8 @@ def format_status(s: dict) -> str:
         lines.append(f"slot occupancy {s['mean_occupancy']:.1%} of engine.max_seqs (mean over engine steps)")
     if s["engine_time"] is not None:
         lines.append(f"engine time    {format_engine_time((s['engine_time']['device_s'], s['engine_time']['host_s']))}")
+    if s["prefix_cache"] is not None:
+        lines.append(f"prefix cache   {format_prefix_cache(s['prefix_cache'])}")
     for f in s["failed"]:
         lines.append(f"failed {f['batch_id']} after {f['attempts']} attempts:")
         lines += [f"    {line}" for line in (f["error"] or "").strip().splitlines()[-6:]]

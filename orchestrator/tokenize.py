@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from orchestrator.corpus import CorpusConfig, Prompt, RawRow, Rejection, Shard, extract_prompt, read_rows, row_id
 from orchestrator.model_source import ModelSourceConfig, load_tokenizer
-from orchestrator.packing import PackingLimits
+from orchestrator.packing import PackingLimits, leading_page_keys
 from orchestrator.prompt_checks import out_of_vocabulary, render_chat
 
 # Rejection reasons (rejected.jsonl `reason`).
@@ -36,6 +36,7 @@ SCHEMA = pa.schema([
     ("detail", pa.string()),
     ("file_index", pa.int32()),  # the row's file, as a position in the sorted corpus file list
     ("line", pa.int64()),  # 1-based line of a JSON-lines file, else null
+    ("page_keys", pa.list_(pa.uint64())),  # packing.leading_page_keys of an accepted prompt, else empty
 ])
 
 
@@ -137,4 +138,6 @@ class PromptTokenizer:
             pa.array(details, pa.string()),
             pa.array(np.full(len(raw_rows), shard.file_index, dtype=np.int32)),  # an index keeps summaries small
             pa.array([r.line for r in raw_rows], pa.int64()),
+            pa.array([leading_page_keys(np.asarray(t, dtype=np.int64), self.limits.page_size) for t in kept],
+                     pa.list_(pa.uint64())),
         ], schema=SCHEMA)

@@ -34,4 +34,16 @@ def test_device_time_outside_a_step_is_not_counted():
         pass
     assert stats.summary(max_seqs=4)["device_s"] < 0.01
     stats.clear()
-    assert stats.summary(max_seqs=4) == {"steps": 0} and stats.first_start is None
+    assert stats.summary(max_seqs=4) == {"steps": 0, "prefix_cache_query_tokens": 0, "prefix_cache_hit_tokens": 0,
+                                         "prefix_cache_hit_rate": 0.0} and stats.first_start is None
+
+
+def test_the_prefix_cache_counters_reach_the_summary_and_clear_with_it():
+    stats = EngineStats()
+    with StepTimer(stats, [], DeviceClock()):
+        stats.prefix_cache_query_tokens += 400  # what the scheduler's cache records at admission
+        stats.prefix_cache_hit_tokens += 300
+    s = stats.summary(max_seqs=4)
+    assert (s["prefix_cache_query_tokens"], s["prefix_cache_hit_tokens"], s["prefix_cache_hit_rate"]) == (400, 300, 0.75)
+    stats.clear()
+    assert stats.prefix_cache_query_tokens == stats.prefix_cache_hit_tokens == 0

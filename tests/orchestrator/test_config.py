@@ -31,6 +31,7 @@ def test_design_keys_exist_and_overrides_apply(tmp_path):
     ("name: x\n", ["--corpus.nope=1"], "nope"),
     ("name: x\n", ["--sampling.n=0"], "sampling.n"),
     ("tracker: {type: tensorboard}\n", [], "tracker"),
+    ("name: x\n", ["--engine.kv_memory_gib=4"], "identical on every host: set engine.max_pages"),
 ])
 def test_bad_configs_name_the_key(tmp_path, text, args, message):
     yaml = tmp_path / "run.yaml"

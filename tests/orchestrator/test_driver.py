@@ -215,3 +215,35 @@ def test_slices_that_cannot_start_end_the_run_with_the_reason(ray_local, run_mod
     events = (run_dir / "events.log").read_text()
     assert events.count("slice-0 could not start") == 2 and "slice-0 given up after 1 restarts" in events
     assert all(r.status == "pending" for r in read_manifest(run_dir / "batches.jsonl"))
+
+
+def test_the_prefix_cache_counters_reach_the_summary_status_and_wandb(ray_local, run_model, tmp_path, monkeypatch):
+    """The timeline's prefix-cache counters (here an earlier session's buckets, written by hand) are summed over
+    the run into the head's summary, the tracker's final summary (W&B) and `pagefleet status`."""
+    import orchestrator.tracking as tracking
+
+    corpus = write_run_corpus(tmp_path / "corpus.jsonl", 8)
+    run_dir = tmp_path / "run"
+    cfg = load_run_config(None, run_args(run_model, corpus, run_dir, "--cluster.num_slices=1"))
+    plan(cfg)
+    earlier = [{"t": 1.0, "steps": 3, "tokens_per_s": 1.0, "occupancy": 0.5, "device_s": 0.1, "host_s": 0.1,
+                "prefix_cache_query_tokens": 300, "prefix_cache_hit_tokens": 200, "slice": "slice-0"},
+               {"t": 2.0, "steps": 1, "tokens_per_s": 1.0, "occupancy": 0.5, "device_s": 0.1, "host_s": 0.1,
+                "prefix_cache_query_tokens": 100, "prefix_cache_hit_tokens": 100, "slice": "slice-0"}]
+    (run_dir / "timeline.jsonl").write_text("".join(json.dumps(b) + "\n" for b in earlier))
+    finished = []
+    make = tracking.make_tracker
+
+    def recording_tracker(*args, **kwargs):
+        tracker = make(*args, **kwargs)
+        tracker.finish = finished.append
+        return tracker
+
+    monkeypatch.setattr(tracking, "make_tracker", recording_tracker)
+    outcome = Driver(cfg, show_progress=False).run()
+    assert outcome.exit_code == 0
+    expected = {"prefix_cache_query_tokens": 400, "prefix_cache_hit_tokens": 300, "prefix_cache_hit_rate": 0.75}
+    assert {k: outcome.summary[k] for k in expected} == expected  # this session's buckets hold zeros (no cache yet)
+    assert {k: finished[0][k] for k in expected} == expected
+    assert status(run_dir)["prefix_cache"] == expected
+    assert "300 of 400 prompt tokens served from cached pages (75.0% hit rate)" in format_status(status(run_dir))

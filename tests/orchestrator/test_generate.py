@@ -56,6 +56,53 @@ def test_generate_writes_one_record_per_sample_in_input_order(tmp_path, model_di
     assert by[("a", 0)]["token_ids"] != by[("a", 1)]["token_ids"]  # two samples, two random streams
 
 
+def test_generate_reports_the_prefix_cache_counters(tmp_path, model_dir, monkeypatch, capsys):
+    """The counters the engine's cache records (set here at every step) reach the summary line and
+    --stats_output, with their hit rate."""
+    from engine.engine import Engine
+
+    step = Engine.step
+
+    def counted_step(self):
+        self.stats.prefix_cache_query_tokens += 16
+        self.stats.prefix_cache_hit_tokens += 12
+        return step(self)
+
+    monkeypatch.setattr(Engine, "step", counted_step)
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": str(i), "prompt_token_ids": [5 + i, 6, 7]}) + "\n"
+                                               for i in range(3)))
+    stats_file = tmp_path / "stats.json"
+    assert generate_main(["--model", str(model_dir), "--input", str(tmp_path / "in.jsonl"), "--output",
+                          str(tmp_path / "out.jsonl"), "--stats_output", str(stats_file), "--progress=false",
+                          "--sampling.max_new_tokens=4", "--engine.max_seq_len=64", "--engine.max_pages=32"]) == 0
+    stats = json.loads(stats_file.read_text())
+    calls = stats["prefix_cache_query_tokens"] // 16
+    assert calls >= stats["steps"] > 0 and stats["prefix_cache_hit_tokens"] == 12 * calls
+    assert stats["prefix_cache_hit_rate"] == 0.75
+    assert f"prefix cache: {12 * calls:,} of {16 * calls:,} prompt tokens served from cached pages (75.0% hit rate)" \
+        in capsys.readouterr().err
+
+
+def test_generate_sizes_the_engine_for_the_machine_and_keeps_explicit_keys(tmp_path, model_dir, capsys):
+    """No capacity flags: max_pages from engine.kv_memory_gib (tiny-llama: 2 layers * K,V * 2 kv heads * 16 dims *
+    4 bytes = 512 bytes a token, 8 KiB a page of 16), max_seqs as many sequences of max_seq_len as fit (CPU cap
+    64), 4,096-token steps; an explicit --engine.max_seqs is kept."""
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": str(i), "prompt_token_ids": [5 + i, 6, 7]}) + "\n"
+                                               for i in range(3)))
+    stats_file = tmp_path / "stats.json"
+    args = ["--model", str(model_dir), "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"),
+            "--stats_output", str(stats_file), "--progress=false", "--sampling.max_new_tokens=4",
+            "--engine.max_seq_len=128", "--engine.kv_memory_gib=0.001"]
+    assert generate_main(args) == 0
+    stats = json.loads(stats_file.read_text())
+    pages = 2**30 // 1000 // (16 * 512)
+    assert (stats["engine_max_pages"], stats["engine_max_seqs"], stats["engine_max_prefill_size"]) == (pages, 16, 4096)
+    assert "engine sized for this machine: max_pages=131, max_seqs=16, max_prefill_size=4,096" in capsys.readouterr().err
+    assert generate_main([*args, "--engine.max_seqs", "8"]) == 0
+    stats = json.loads(stats_file.read_text())
+    assert (stats["engine_max_pages"], stats["engine_max_seqs"], stats["engine_max_prefill_size"]) == (pages, 8, 4096)
+
+
 def test_generate_judges_bad_lines_as_a_run_judges_corpus_rows(tmp_path, model_dir):
     """Each bad line becomes a record naming the reason `pagefleet run` writes to rejected.jsonl; nothing is
     repaired (a line that is not UTF-8 is not decoded with replacement characters) and the good lines run."""

@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.config import EngineConfig, SamplingConfig
-from orchestrator.packing import PackingConfig, PackingLimits, lower_bound, pack
+from orchestrator.packing import (PackingConfig, PackingLimits, leading_page_keys, lower_bound, pack,
+                                  shareable_prompt_tokens)
 
 
 def limits(page_size=16, max_pages=256, max_seqs=16, in_prefill=4, prefill=256, steps=4, n=1, new=32):
@@ -81,3 +82,48 @@ def test_unfit_item_is_an_error_and_n_above_max_seqs_is_refused():
     with pytest.raises(ValueError, match="engine.max_seqs"):
         limits(max_seqs=4, in_prefill=2, n=5)
     assert pack(np.zeros(0, dtype=np.int64), lim).num_batches == 0
+
+
+def test_leading_page_keys_name_the_prefix_up_to_each_full_page_before_the_last_token():
+    rng = np.random.default_rng(0)
+    block = rng.integers(0, 50000, 40)
+    a = leading_page_keys(np.concatenate([block, [1, 2, 3]]), 16)
+    b = leading_page_keys(np.concatenate([block, [9] * 30]), 16)
+    assert len(a) == 2 and len(b) == 4  # (43 - 1) // 16 and (70 - 1) // 16 full pages before the last token
+    assert list(a) == list(b[:2])  # the same 32 leading tokens, the same keys
+    c = leading_page_keys(np.concatenate([block[:20], [7], block[21:], [1]]), 16)
+    assert c[0] == a[0] and c[1] != a[1]  # a prefix key covers every token before it, not its page alone
+    assert len(leading_page_keys(np.arange(16), 16)) == 0  # one page whose last token must be computed
+    assert shareable_prompt_tokens([a, b, c], 16) == 16 * (8 - 5)  # a[0] twice more, a[1] once more
+
+
+def test_prompts_sharing_a_leading_page_pack_together_and_are_counted_as_shareable():
+    """Prompts behind one shared block land next to each other in the order (at the place of their longest),
+    batches stay sized without credit for sharing, and without any shared page the order is the length order."""
+    rng = np.random.default_rng(1)
+    block = rng.integers(2, 8000, 64)
+    prompts = []
+    for i in range(40):
+        tail = rng.integers(2, 8000, int(rng.integers(1, 200)))
+        prompts.append(np.concatenate([block, tail]) if i % 4 == 0 else tail)
+    tokens = np.array([len(p) for p in prompts], dtype=np.int64)
+    keys = [leading_page_keys(p, 16) for p in prompts]
+    first = np.array([k[0] if len(k) else 0 for k in keys], dtype=np.uint64)
+    lim = limits(max_pages=120, max_seqs=8)
+    plain, shared = pack(tokens, lim), pack(tokens, lim, first)
+    shared_items = [i for i in range(40) if i % 4 == 0]
+    def batches_of_shared(p):
+        return sorted(set(p.batch_of_item()[shared_items].tolist()))
+
+    together, apart = batches_of_shared(shared), batches_of_shared(plain)
+    assert together == list(range(together[0], together[0] + len(together)))  # consecutive batches
+    assert len(together) < len(apart)  # the length order alone spreads them over more batches
+    assert sorted(shared.order.tolist()) == list(range(40))
+    assert (shared.num_pages <= lim.max_pages).all()
+    for b in range(shared.num_batches):  # each batch's pages counted in full, as if nothing were shared
+        assert shared.num_pages[b] == int(lim.page_need(tokens[shared.batch(b)]).sum())
+    assert np.array_equal(pack(tokens, lim, np.zeros(40, dtype=np.uint64)).order, plain.order)
+    unique = np.arange(1, 41, dtype=np.uint64)
+    assert np.array_equal(pack(tokens, lim, unique).order, plain.order)
+    assert shareable_prompt_tokens(keys, 16) == 16 * 4 * (len(shared_items) - 1)  # 4 pages of the block, 9 repeats
+    assert np.array_equal(pack(tokens, lim, first).order, shared.order)  # deterministic

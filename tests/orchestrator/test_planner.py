@@ -226,3 +226,35 @@ def test_quieting_ray_data_keeps_its_warnings_and_errors():
     assert not drop.filter(record(logging.WARNING, "Progress bars disabled. To enable, set ..."))
     assert drop.filter(record(logging.WARNING, "Progress bars of a real problem"))
     assert drop.filter(record(logging.ERROR, "Progress bars disabled, and something failed"))
+
+
+def test_prompts_behind_a_shared_block_plan_together_and_the_report_counts_them(tiny_model, tmp_path, ray_local):
+    """Half the prompts start with the same long block: the capacity report counts their shared full pages,
+    and they run in consecutive batches (batches still sized as if nothing were shared)."""
+    import transformers
+
+    rng = np.random.default_rng(0)
+    words = ["the", "quick", "brown", "fox", "sea", "poem", "hello", "world"]
+    block = "Instructions: " + " ".join(rng.choice(words, 50)) + ".\n"
+    rows = []
+    for i in range(48):
+        question = " ".join(rng.choice(words, int(rng.integers(2, 12))))
+        rows.append({"id": f"q{i}", "prompt": (block if i % 2 == 0 else "") + question})
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = config(tiny_model, tmp_path / "c.jsonl", tmp_path / "run")
+    result = plan(cfg)
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_model)
+    ids = [tok(r["prompt"])["input_ids"] for r in rows]
+    common = min(next((k for k, (a, b) in enumerate(zip(ids[0], x)) if a != b), len(x)) for x in ids[2::2])
+    shared_pages = (common - 1) // 16 if common else 0
+    assert shared_pages >= 2, "the block must cover full pages for the test to mean anything"
+    assert result.stats.shareable_prompt_tokens >= 16 * shared_pages * 23
+    assert f"shareable      {result.stats.shareable_prompt_tokens:>12,}" in result.stats.format()
+    records = read_manifest(tmp_path / "run" / "batches.jsonl")
+    batches = read_batches(tmp_path / "run")
+    holding = [b for b, r in enumerate(records) if any(p["prompt_id"] in {f"q{i}" for i in range(0, 48, 2)}
+                                                       for p in batches[r.batch_id])]
+    assert holding == list(range(holding[0], holding[0] + len(holding)))
+    limits = PackingLimits.resolve(cfg.packing, cfg.engine, cfg.sampling)
+    for r in records:
+        assert r.num_pages == limits.page_need(np.array([len(p["token_ids"]) for p in batches[r.batch_id]])).sum()

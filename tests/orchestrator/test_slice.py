@@ -90,3 +90,26 @@ def test_the_timeline_splits_every_step_into_device_calls_and_host_work(run_mode
         assert w.engine.stats.step_s == []  # cleared at the last bucket's close: a days-long run stays flat
     finally:
         w.stop()
+
+
+def test_the_timeline_carries_the_prefix_cache_counters(run_model):
+    """The counters the engine's cache records reach the timeline, every step's once: set here at each step."""
+    w = worker(run_model, None)
+    step = w.engine.step
+
+    def counted_step():
+        w.engine.stats.prefix_cache_query_tokens += 10
+        w.engine.stats.prefix_cache_hit_tokens += 4
+        return step()
+
+    w.engine.step = counted_step
+    try:
+        w.submit(batch("b0", 0, 3))
+        got, _ = poll_until_done(w, {"b0"})
+        buckets = [b for r in got for b in r.timeline]
+        steps = sum(b["steps"] for b in buckets)
+        assert steps == w.steps > 0
+        assert sum(b["prefix_cache_query_tokens"] for b in buckets) == 10 * steps
+        assert sum(b["prefix_cache_hit_tokens"] for b in buckets) == 4 * steps
+    finally:
+        w.stop()

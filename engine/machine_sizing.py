@@ -1,0 +1,124 @@
+"""Engine capacities sized for the machine it runs on (`pagefleet generate`), from a KV memory budget.
+
+A run (`pagefleet run`) never uses this: its capacities are explicit config values, identical on every
+host, and never derived from one host's free memory. An engine alone in one process may instead fill
+the machine, as vLLM does, and this module says how. Every value the caller set explicitly is kept.
+
+- **KV budget.** `engine.kv_memory_gib` when set; otherwise a share of memory: on CPU
+  `CPU_KV_SHARE` of the memory available now (`MemAvailable`), on an accelerator `ACCEL_MEMORY_SHARE`
+  of the first device's memory limit less the weights (vLLM's `gpu_memory_utilization` reading).
+- **Pages.** `max_pages = floor(budget / (page_size * kv_bytes_per_token))`, where one token's K and V
+  in every layer take `2 * layers * kv_heads * head_dim * dtype_bytes` bytes (engine/kv_cache.py's pool).
+- **Slots.** `max_seqs` is the platform's cap (`MAX_SEQS`), lowered to the largest power of two whose
+  sequences all fit at `max_seq_len` (no preemption however long they grow). On an accelerator decoding
+  is memory-bound, so more rows are nearly free: 256, vLLM's default. On CPU a step is compute-bound:
+  rows beyond what keeps the matmuls efficient add time, not throughput, while slots that the workload
+  cannot fill lower the occupancy (a 256-prompt job on 256 slots spends most of its steps filling them).
+- **Token budget.** `max_prefill_size` is the platform's step size (`STEP_TOKENS`): large enough that a
+  prompt chunk's matmuls run near peak, the CPU's at 4,096 tokens as vLLM's CPU build schedules them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.model_config import ModelConfig
+
+GiB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+CPU_KV_SHARE = 0.25
+"""Of the host memory available when the engine starts, the share its KV pool may take."""
+ACCEL_MEMORY_SHARE = 0.9
+"""Of an accelerator's memory, the share weights and KV pool may take together (the rest: activations, XLA)."""
+MAX_SEQS = {"cpu": 64, "accelerator": 256}
+"""Most slots per platform (before the memory cap)."""
+STEP_TOKENS = {"cpu": 4096, "accelerator": 8192}
+"""Tokens per step (engine.max_prefill_size) per platform."""
+
+SIZED_KEYS = ("max_pages", "max_seqs", "max_prefill_size")
+"""The capacities this module sizes; an explicit value of any of them is kept."""
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the sizing reads from the machine (a value, so that tests can give their own)."""
+
+    platform: str
+    """`cpu` or `accelerator`."""
+    memory_bytes: int
+    """CPU: host memory available now; accelerator: the first device's memory limit."""
+
+
+def this_machine() -> Machine:
+    """The backend JAX runs on here and its memory (reads /proc/meminfo on CPU)."""
+    import jax
+
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return Machine("cpu", _mem_available_bytes())
+    stats = device.memory_stats() or {}
+    return Machine("accelerator", int(stats.get("bytes_limit", 0)))
+
+
+def _mem_available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no MemAvailable line; set engine.kv_memory_gib")
+
+
+def kv_bytes_per_token(model: ModelConfig, dtype: str) -> int:
+    """K and V of one token in every layer (the pool's layout: [layers, 2, pages, page_size, kv_heads, head_dim])."""
+    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * DTYPE_BYTES[dtype]
+
+
+def weight_bytes(model: ModelConfig, dtype: str) -> int:
+    """Parameters of a Llama-family model (attention, MLP, norms, embeddings, lm_head) in `dtype`."""
+    h, d = model.hidden_size, model.head_dim
+    attn = h * (model.num_heads + 2 * model.num_kv_heads) * d + model.num_heads * d * h
+    per_layer = attn + 3 * h * model.intermediate_size + 2 * h
+    embed = model.vocab_size * h * (1 if model.tie_word_embeddings else 2)
+    return (model.num_layers * per_layer + embed + h) * DTYPE_BYTES[dtype]
+
+
+def kv_memory_bytes(config: EngineConfig, model: ModelConfig, dtype: str, machine: Machine) -> int:
+    """The KV pool's budget: engine.kv_memory_gib, else the machine's share (see the module docstring)."""
+    if config.kv_memory_gib is not None:
+        return int(config.kv_memory_gib * GiB)
+    if machine.platform == "cpu":
+        return int(CPU_KV_SHARE * machine.memory_bytes)
+    return int(ACCEL_MEMORY_SHARE * machine.memory_bytes) - weight_bytes(model, dtype)
+
+
+def size_for_machine(config: EngineConfig, model: ModelConfig, dtype: str, machine: Machine,
+                     explicit: frozenset[str] = frozenset()) -> EngineConfig:
+    """`config` with max_pages, max_seqs and max_prefill_size sized for `machine`, except those in `explicit`
+    (engine keys the caller set). Raises ValueError, naming the key to set, when one sequence of
+    max_seq_len tokens does not fit the budget."""
+    max_seq_len = config.max_seq_len or model.max_position_embeddings
+    seq_pages = config.pages_per_seq(max_seq_len)
+    changes: dict[str, int] = {}
+    max_pages = config.max_pages
+    if "max_pages" not in explicit:
+        budget = kv_memory_bytes(config, model, dtype, machine)
+        max_pages = max(0, budget) // (config.page_size * kv_bytes_per_token(model, dtype))
+        if max_pages < seq_pages:
+            raise ValueError(
+                f"a KV budget of {budget / GiB:.2f} GiB holds {max_pages} pages of {config.page_size} tokens, fewer "
+                f"than one sequence of engine.max_seq_len={max_seq_len} tokens needs ({seq_pages}); set "
+                f"engine.kv_memory_gib or engine.max_pages higher, or engine.max_seq_len lower")
+        changes["max_pages"] = max_pages
+    if "max_seqs" not in explicit:
+        fit = max_pages // seq_pages  # sequences that all fit at full length: no preemption
+        changes["max_seqs"] = max(1, min(MAX_SEQS[machine.platform], 2 ** int(math.log2(max(fit, 1)))))
+    if "max_prefill_size" not in explicit:
+        changes["max_prefill_size"] = STEP_TOKENS[machine.platform]
+    max_seqs = changes.get("max_seqs", config.max_seqs)
+    if "max_seqs_in_prefill" not in explicit and config.max_seqs_in_prefill > max_seqs:
+        changes["max_seqs_in_prefill"] = max_seqs  # the default (8) may exceed a small machine's slots
+    return dataclasses.replace(config, **changes)
