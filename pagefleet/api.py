@@ -41,7 +41,8 @@ def generate(model: str | Engine, prompts: Sequence[Prompt], *, engine: Mapping[
     generation_index) in input order, `prompt_id` being the prompt's index (or a row's own `id`).
 
     `model`: a checkpoint directory, a Hub id in the local Hub cache, or an `Engine` (reused: no reload).
-    `engine`: engine keys (`{"max_seqs": 8}`, the `engine.*` keys of docs/config.md), for a new engine only.
+    `engine`: engine keys (`{"max_seqs": 8}`, the `engine.*` keys of docs/config.md), for a new engine only;
+    the capacities not given are sized for this machine, as `pagefleet generate` sizes them.
     `sampling`: the `sampling.*` keys (`max_new_tokens=32, temperature=0.7, n=2, seed=1, stop=["\\n"]`).
     A prompt that cannot run gives records with `error` set (as `pagefleet generate` writes them); a bad
     key raises ValueError naming it."""
@@ -58,7 +59,14 @@ def generate(model: str | Engine, prompts: Sequence[Prompt], *, engine: Mapping[
             raise ValueError("engine keys configure a new engine; this Engine is already built")
         eng = model
     else:
-        eng = Engine(resolve_model(str(model), "model"), _build(EngineConfig, engine or {}, "engine"), dtype=dtype)
+        from engine.machine_sizing import size_for_machine, this_machine
+        from engine.model_config import ModelConfig
+
+        path, given = resolve_model(str(model), "model"), dict(engine or {})
+        # Sized for this machine as `pagefleet generate` sizes its engine; the keys given here are kept.
+        cfg = size_for_machine(_build(EngineConfig, given, "engine"), ModelConfig.from_pretrained(path), dtype,
+                               this_machine(), frozenset(given))
+        eng = Engine(path, cfg, dtype=dtype)
     return sample_records(eng, [(i + 1, _row(p, i)) for i, p in enumerate(prompts)], sampling_cfg)
 
 
