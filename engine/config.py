@@ -95,3 +95,7 @@ class SamplingConfig:
             raise ValueError(f"sampling.top_k must be >= 0, got {self.top_k}")
         if self.n < 1:
             raise ValueError(f"sampling.n must be at least 1, got {self.n}")
+
+
+SamplingParams = SamplingConfig
+"""The public name of the sampling settings (`engine.SamplingParams`); the run config calls them `sampling`."""

@@ -10,7 +10,7 @@ import sys
 
 
 def _init_model(argv: list[str]) -> int:
-    from engine.presets import PRESETS, write_model
+    from engine import PRESETS, write_model
 
     parser = argparse.ArgumentParser(prog="pagefleet init-model", description="Write a randomly initialised model in Hugging Face format.")
     parser.add_argument("--preset", required=True, choices=sorted(PRESETS))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import draccus
 
-from engine.config import EngineConfig, SamplingConfig
+from engine import EngineConfig, SampleRecord, SamplingConfig
 from orchestrator.corpus import CorpusConfig, RawRow, Rejection, extract_prompt, row_id
 
 
@@ -89,8 +89,7 @@ def _write_atomically(path: Path, lines: list[str]) -> None:
 def run_generate(cfg: GenerateConfig) -> int:
     from tqdm import tqdm
 
-    from engine.engine import Completion, Engine
-    from engine.sequence import Request
+    from engine import Engine, Request
 
     for name in ("model", "input", "output"):
         if not getattr(cfg, name):
@@ -113,7 +112,7 @@ def run_generate(cfg: GenerateConfig) -> int:
             for g in range(cfg.sampling.n):
                 order.append((pid, g))
                 if ids is None:
-                    failed.append(Completion(pid, g, "", [], None, None, 0, err))
+                    failed.append(SampleRecord(pid, g, "", [], None, None, 0, error=err))
                 else:
                     requests.append(Request(pid, tuple(ids), cfg.sampling, generation_index=g))
     bar = tqdm(total=len(order), desc="samples", unit="sample", disable=not cfg.progress, file=sys.stderr)
@@ -123,13 +122,7 @@ def run_generate(cfg: GenerateConfig) -> int:
     by_key = {(c.prompt_id, c.generation_index): c for c in done + failed}
     lines = []
     for key in order:
-        c = by_key[key]
-        record = {"prompt_id": c.prompt_id, "generation_index": c.generation_index, "completion": c.completion,
-                  "token_ids": c.token_ids, "logprobs": c.logprobs, "finish_reason": c.finish_reason,
-                  "num_prompt_tokens": c.num_prompt_tokens, "batch_id": None}
-        if c.error is not None:
-            record["error"] = c.error
-        lines.append(json.dumps(record) + "\n")
+        lines.append(json.dumps(by_key[key].to_json()) + "\n")
     _write_atomically(Path(cfg.output), lines)
     errors = sum(1 for c in by_key.values() if c.error)
     summary = engine.stats.summary(cfg.engine.max_seqs)
@@ -151,8 +144,8 @@ def run_generate(cfg: GenerateConfig) -> int:
 def main(argv: list[str]) -> int:
     cfg = draccus.parse(config_class=GenerateConfig, args=argv, prog="pagefleet generate")
     if cfg.engine.attention_impl in ("auto", "cpu_kernel") and cfg.dtype == "float32":
-        from engine import kernel_build
+        from engine import backend_is_cpu_only, start_kernel_build
 
-        if kernel_build.backend_is_cpu_only():  # the compiler runs while JAX, the tokenizer and weights load
-            kernel_build.start()
+        if backend_is_cpu_only():  # the compiler runs while JAX, the tokenizer and weights load
+            start_kernel_build()
     return run_generate(cfg)

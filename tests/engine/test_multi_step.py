@@ -10,7 +10,8 @@ import pytest
 from engine import runner as runner_module
 from engine.config import EngineConfig, SamplingConfig
 from engine.distributed import slice_mesh
-from engine.engine import Completion, Engine
+from engine.engine import Engine
+from engine.record import SampleRecord as Completion
 from engine.presets import write_model
 from engine.sequence import Request
 from engine.stats import EngineStats
@@ -96,7 +97,7 @@ def test_decode_steps_give_the_samples_of_single_steps(tiny_llama):
         assert len(stats.step_s) < sum(stats.decode_tokens)
         # The stop string fired mid-call: the tokens generated after it were dropped.
         assert sum(stats.decode_tokens) > sum(len(c.token_ids) for c in got)
-        assert engine.runner.kv.allocator.num_used == 0
+        assert engine.scheduler.allocator.num_used == 0
 
 
 def test_page_pressure_falls_back_to_single_steps(tiny_llama):
@@ -116,7 +117,7 @@ def test_page_pressure_falls_back_to_single_steps(tiny_llama):
     # (up to ~1.3e-5 on this model's logprobs): the end-to-end bound, 1e-4.
     for a, b in zip(got, ref):
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
-    assert engine.runner.kv.allocator.num_used == 0
+    assert engine.scheduler.allocator.num_used == 0
 
 
 def test_requests_added_while_a_call_runs_ahead_join_after_it(tiny_llama):
@@ -130,13 +131,13 @@ def test_requests_added_while_a_call_runs_ahead_join_after_it(tiny_llama):
                                              max_prefill_size=256, max_seq_len=128, decode_steps=4,
                                              debug_invariants=True))
     done = [c for r in first for c in [engine.add_request(r)] if c is not None]
-    while engine._ahead is None:
+    while engine.scheduler.call_ahead is None:
         done += engine.step()
     for r in late:
         engine.add_request(r)
     pipelined = engine.num_pipelined_calls
     done += engine.step()  # reads the call ahead, dispatches nothing more: the new requests wait
-    assert engine._ahead is None and engine.num_pipelined_calls == pipelined and engine.num_waiting > 0
+    assert engine.scheduler.call_ahead is None and engine.num_pipelined_calls == pipelined and engine.num_waiting > 0
     while engine.has_unfinished:
         done += engine.step()
     assert sorted(c.prompt_id for c in done) == sorted(alone)
@@ -147,7 +148,7 @@ def test_requests_added_while_a_call_runs_ahead_join_after_it(tiny_llama):
     assert engine.num_pipelined_calls > pipelined  # the late ones ran ahead too once nothing waited
     engine.release_finished()
     engine.reset()
-    assert engine.runner.kv.allocator.num_used == 0
+    assert engine.scheduler.allocator.num_used == 0
 
 
 def test_no_call_runs_ahead_when_every_row_ends_in_the_one_before(tiny_llama, monkeypatch):
