@@ -3,7 +3,7 @@ of `pagefleet generate` and the W&B samples table are all derived from `SampleRe
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,3 @@ def arrow_fields() -> list:
         return pa.list_(scalar[name[5:-1]]) if name.startswith("list<") else scalar[name]
 
     return [pa.field(name, arrow_type(_ARROW_TYPES[name])) for name in RECORD_FIELDS]
-
-
-def as_dict(record: SampleRecord) -> dict:
-    return asdict(record)

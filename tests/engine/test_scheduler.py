@@ -79,6 +79,8 @@ class DummyRunner:
         K = self.config.decode_steps
         tokens, steps = np.zeros((K, len(rows)), np.int32), np.zeros(len(rows), np.int32)
         for r, (token, start, pages, limit, _, seq) in enumerate(rows):
+            if limit == 0:  # a row done before this call: it writes and reads nothing
+                continue
             context = list(self._context(pages, start))
             for i in range(limit):
                 self.kv[self._slot(pages, start + i)] = token
@@ -127,12 +129,12 @@ def make_engine(config: EngineConfig, max_seq_len: int = 64) -> Engine:
 
 
 configs = st.builds(
-    lambda ps, pages, seqs, prefill_seqs, prefill, k, pipe, cleanup: EngineConfig(
+    lambda ps, pages, seqs, prefill_seqs, prefill, k, pipe: EngineConfig(
         page_size=ps, max_pages=max(pages, 64 // ps), max_seqs=seqs, max_seqs_in_prefill=min(prefill_seqs, seqs),
-        max_prefill_size=prefill, decode_steps=k, pipeline_decode=pipe, cleanup_mode=cleanup, max_seq_len=64,
-        debug_invariants=True),
+        max_prefill_size=prefill, decode_steps=k, pipeline_decode=pipe, max_seq_len=64, debug_invariants=True),
+    # cleanup_mode stays incremental: with `end` a call larger than the pool stops by design (the last test)
     st.sampled_from([2, 4, 8]), st.integers(8, 48), st.integers(1, 8), st.integers(1, 4), st.integers(1, 64),
-    st.integers(1, 4), st.booleans(), st.sampled_from(["incremental", "end"]))
+    st.integers(1, 4), st.booleans())
 
 workloads = st.lists(st.tuples(st.integers(1, 30), st.integers(1, 20), st.integers(1, 3), st.booleans()),
                      min_size=1, max_size=10)
@@ -182,7 +184,7 @@ def test_samples_equal_the_dummy_model_alone_and_pages_balance(config, workload,
 
 
 def test_siblings_share_full_prompt_pages_and_copy_the_partial_one():
-    config = EngineConfig(page_size=4, max_pages=32, max_seqs=4, max_seq_len=64, decode_steps=1)
+    config = EngineConfig(page_size=4, max_pages=32, max_seqs=4, max_seqs_in_prefill=4, max_seq_len=64, decode_steps=1)
     engine = make_engine(config)
     sampling = SamplingConfig(max_new_tokens=3, temperature=1.0, n=3)
     for g in range(3):
@@ -210,7 +212,7 @@ def test_preemption_frees_pages_and_recompute_restores_the_samples():
 
 
 def test_multi_step_reservations_are_released():
-    config = EngineConfig(page_size=4, max_pages=64, max_seqs=4, max_seq_len=64, decode_steps=4)
+    config = EngineConfig(page_size=4, max_pages=64, max_seqs=4, max_seqs_in_prefill=4, max_seq_len=64, decode_steps=4)
     engine = make_engine(config)
     requests = [Request(f"p{i}", (5 + i, 6, 7), SamplingConfig(max_new_tokens=30, temperature=1.0, seed=i))
                 for i in range(4)]
@@ -221,7 +223,7 @@ def test_multi_step_reservations_are_released():
 
 
 def test_nothing_fits_is_an_answer_with_the_fix():
-    config = EngineConfig(page_size=4, max_pages=16, max_seqs=2, max_seq_len=64, cleanup_mode="none")
+    config = EngineConfig(page_size=4, max_pages=16, max_seqs=2, max_seqs_in_prefill=2, max_seq_len=64, cleanup_mode="none")
     engine = make_engine(config)
     engine.generate([Request("a", tuple(range(1, 50)), SamplingConfig(max_new_tokens=8))], reset=False)
     engine.add_request(Request("b", tuple(range(1, 50)), SamplingConfig(max_new_tokens=8)))
