@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -59,10 +58,6 @@ class EngineConfig:
             raise ValueError(
                 f"engine.max_seqs_in_prefill ({self.max_seqs_in_prefill}) exceeds engine.max_seqs ({self.max_seqs})"
             )
-
-    def pages_per_seq(self, max_seq_len: int) -> int:
-        """Width of the page table: pages needed by the longest allowed sequence."""
-        return math.ceil(max_seq_len / self.page_size)
 
 
 @dataclass(frozen=True)

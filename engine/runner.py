@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from engine.attention import resolve_attention_impl
 from engine.axes import PAGE_SLOT
+from engine.capacity import pages_for
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache
 from engine.model import AttentionSettings, Transformer
@@ -196,7 +197,7 @@ class ModelRunner:
         self.config = config
         self.max_seq_len = max_seq_len
         self.stop_ids = sorted(stop_ids)
-        self.pages_per_seq = config.pages_per_seq(max_seq_len)
+        self.pages_per_seq = pages_for(max_seq_len, config.page_size)  # page-table width
         self.kv = KVCache(model.config, config.max_pages, config.page_size, kv_dtype, mesh)
         self.clock = DeviceClock()  # every dispatch and every wait for outputs below is timed on it
         impl = resolve_attention_impl(config.attention_impl, kv_dtype)
@@ -271,7 +272,7 @@ class ModelRunner:
         for s, c in enumerate(() if decode_only else chunks):
             n = len(c.token_ids)
             end = c.start + n
-            if n == 0 or end > self.max_seq_len or math.ceil(end / ps) > len(c.pages):
+            if n == 0 or end > self.max_seq_len or pages_for(end, ps) > len(c.pages):
                 raise ValueError(f"chunk {s}: {n} tokens at position {c.start} with {len(c.pages)} pages "
                                  f"(page_size {ps}, max_seq_len {self.max_seq_len})")
             pos = np.arange(c.start, end)
@@ -341,7 +342,7 @@ class ModelRunner:
         pad = S - len(rows)
         for r, row in enumerate(rows):
             end = row.start + row.limit
-            if (row.limit < 1 or end > self.max_seq_len or math.ceil(end / ps) > len(row.pages)
+            if (row.limit < 1 or end > self.max_seq_len or pages_for(end, ps) > len(row.pages)
                     or row.sampling.position != row.start + 1):
                 raise ValueError(f"decode row {r}: {row.limit} steps from position {row.start} with {len(row.pages)} "
                                  f"pages (page_size {ps}, max_seq_len {self.max_seq_len})")
