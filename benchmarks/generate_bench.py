@@ -58,7 +58,7 @@ def write_inputs(work: Path, num_prompts: int, min_len: int, max_len: int, seed:
     """The preset checkpoint and a prompts file of {"id", "prompt_token_ids"} lines (ids avoid BOS/EOS)."""
     import numpy as np
 
-    from engine.presets import write_model
+    from engine import write_model
 
     model = work / "llama-40m"
     if not (model / "model.safetensors").exists():
@@ -181,9 +181,7 @@ def instrument(engine) -> list[dict]:
 def engine_in_process(model: Path, prompts: list[list[int]], new_tokens: int, max_seq_len: int, flags: list[str]) -> dict:
     import draccus
 
-    from engine.config import EngineConfig, SamplingConfig
-    from engine.engine import Engine
-    from engine.sequence import Request
+    from engine import Engine, EngineConfig, Request, SamplingConfig
 
     cfg = draccus.parse(config_class=EngineConfig, args=["--" + f.removeprefix("--engine.") for f in flags])
     cfg = dataclasses.replace(cfg, max_seq_len=max_seq_len)

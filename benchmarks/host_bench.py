@@ -32,10 +32,7 @@ import jax
 import numpy as np
 
 import engine.runner
-from engine.config import EngineConfig, SamplingConfig
-from engine.engine import Engine
-from engine.presets import write_model
-from engine.sequence import Request
+from engine import Engine, EngineConfig, Request, SamplingConfig, write_model
 
 CASES = {  # name: (stop strings, decode steps per device call, pipeline_decode)
     "no stop strings": ([], 4, True),

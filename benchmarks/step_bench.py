@@ -6,7 +6,7 @@ with the steps (one round = every peak size once, then every shape once), so tha
 work on the machine hits both alike; every figure is the median over `--reps` rounds.
 
 Two timings per shape:
-- step ms: `runner.step(chunks)` as the engine calls it: host-side input packing, host->device
+- step ms: `runner.logits(chunks)` as the engine calls it: host-side input packing, host->device
   copy, the jitted forward pass and the device->host copy of the logits;
 - device ms: the jitted `_forward` alone on inputs already on the device, until the logits are ready.
 
@@ -29,8 +29,9 @@ import jax.numpy as jnp
 
 from engine.config import EngineConfig
 from engine.model_config import ModelConfig
+from engine.page_allocator import PageAllocator
 from engine.presets import write_model
-from engine.runner import ModelRunner, SeqChunk, _step
+from engine.runner import ModelRunner, SeqChunk, _logits
 from engine.weights import load_transformer
 
 PRESET = "llama-40m"
@@ -122,7 +123,7 @@ class ShapeBench:
 
     def __init__(self, runner: ModelRunner, shape: Shape) -> None:
         self.runner, self.shape = runner, shape
-        alloc = runner.kv.allocator
+        alloc = PageAllocator(runner.config.max_pages)  # the benchmark picks pages itself: no scheduler here
         pages = [alloc.allocate(shape.pages_per_seq) for _ in range(shape.num_seqs)]
         if any(p is None for p in pages):
             raise RuntimeError(f"{shape.name}: KV pool too small; raise max_pages in make_runner")
@@ -133,9 +134,9 @@ class ShapeBench:
         self.chunks = [SeqChunk([3 + s] * shape.new_tokens, shape.cached_tokens, p) for s, p in enumerate(pages)]
         self.inputs = jax.tree.map(jnp.asarray, runner.build_inputs(self.chunks))
         self.padded_tokens, self.padded_seqs = self.inputs.token_ids.shape[0], self.inputs.kv_lens.shape[0]
-        self.first_call_s = seconds(lambda: runner.step(self.chunks))  # compiles unless an earlier shape had the same buckets
+        self.first_call_s = seconds(lambda: runner.logits(self.chunks))  # compiles unless an earlier shape had the same buckets
         # The settings runner.step picks: one query per tile for decode-only steps.
-        bq = 1 if shape.kind == "decode" else runner.engine.attn_queries_per_block
+        bq = 1 if shape.kind == "decode" else runner.config.attn_queries_per_block
         self.settings = runner._settings[bq]
         self.host_times: list[float] = []
         self.device_times: list[float] = []
@@ -148,11 +149,11 @@ class ShapeBench:
 
     def _device_step(self) -> None:
         r = self.runner
-        r.kv.pool, logits = _step(r.model, r.kv.pool, self.inputs, self.settings)
+        r.kv.pool, logits = _logits(r.model, r.kv.pool, self.inputs, self.settings)
         logits.array.block_until_ready()
 
     def time_once(self) -> None:
-        self.host_times.append(seconds(lambda: self.runner.step(self.chunks)))
+        self.host_times.append(seconds(lambda: self.runner.logits(self.chunks)))
         self.device_times.append(seconds(self._device_step))
 
 
@@ -186,7 +187,7 @@ def main() -> None:
     peak = max(p.flops_per_s for p in peaks)
 
     print(f"{PRESET} ({args.dtype}), backend {jax.default_backend()} with {jax.device_count()} device(s), "
-          f"page_size {PAGE_SIZE}, KV pool {runner.engine.max_pages} pages = {runner.kv.pool.array.nbytes / 2**20:.0f} MiB, "
+          f"page_size {PAGE_SIZE}, KV pool {runner.config.max_pages} pages = {runner.kv.pool.array.nbytes / 2**20:.0f} MiB, "
           f"medians of {args.reps} reps")
     for p in peaks:
         print(f"  matmul {p.n}x{p.n} {args.dtype}: {p.flops_per_s / 1e9:8.1f} GFLOP/s")

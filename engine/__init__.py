@@ -1,1 +1,51 @@
-"""pagefleet's JAX inference engine: a haliax decoder on a paged KV cache. Never imports orchestrator."""
+"""pagefleet's JAX paged-attention engine. Its public API is this module: the orchestrator, the benchmarks
+and users import `engine` only through the names below.
+
+Light names (configs, requests, the sample record, capacity rules) import without JAX; the rest (the engine
+itself, model presets, multi-host set-up, the CPU kernel build) load on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from engine.capacity import check_pool, length_error, max_seq_len, pages_for, pages_needed, validate_request
+from engine.config import EngineConfig, SamplingConfig, SamplingParams
+from engine.record import RECORD_FIELDS, SampleRecord, arrow_fields
+from engine.sequence import Request
+
+_LAZY = {
+    "Engine": "engine.engine",
+    "ModelConfig": "engine.model_config",
+    "PRESETS": "engine.presets",
+    "write_model": "engine.presets",
+    "load_tokenizer": "engine.tokenizer_cache",
+    "initialize_distributed": ("engine.distributed", "initialize"),
+    "slice_mesh": "engine.distributed",
+    "backend_is_cpu_only": "engine.kernel_build",
+    "start_kernel_build": ("engine.kernel_build", "start"),
+    "size_for_machine": "engine.machine_sizing",
+    "this_machine": "engine.machine_sizing",
+    "check_checkpoint": "engine.checkpoint_check",
+    "CheckpointError": "engine.checkpoint_check",
+    "NON_FINITE_ERROR": "engine.engine",
+    "prefix_cache_summary": "engine.stats",
+    "TPU_TARGETS": ("engine.preflight", "TARGETS"),
+    "LoweringFailed": "engine.preflight",
+    "abstract_mesh": "engine.preflight",
+    "lower_step_programs": "engine.preflight",
+    "sampling_mode": "engine.preflight",
+}
+
+__all__ = ["Engine", "EngineConfig", "SamplingConfig", "SamplingParams", "Request", "SampleRecord", "RECORD_FIELDS",
+           "arrow_fields", "check_pool", "length_error", "max_seq_len", "pages_for", "pages_needed",
+           "validate_request", *[name for name in _LAZY if name != "Engine"]]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    module, attr = _LAZY[name] if isinstance(_LAZY[name], tuple) else (_LAZY[name], name)
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -74,10 +73,6 @@ class EngineConfig:
                 f"engine.max_seqs_in_prefill ({self.max_seqs_in_prefill}) exceeds engine.max_seqs ({self.max_seqs})"
             )
 
-    def pages_per_seq(self, max_seq_len: int) -> int:
-        """Width of the page table: pages needed by the longest allowed sequence."""
-        return math.ceil(max_seq_len / self.page_size)
-
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -109,3 +104,7 @@ class SamplingConfig:
             raise ValueError(f"sampling.top_k must be >= 0, got {self.top_k}")
         if self.n < 1:
             raise ValueError(f"sampling.n must be at least 1, got {self.n}")
+
+
+SamplingParams = SamplingConfig
+"""The public name of the sampling settings (`engine.SamplingParams`); the run config calls them `sampling`."""

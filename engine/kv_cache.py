@@ -1,4 +1,5 @@
-"""The paged KV cache: one device pool for every layer, and the host allocator that owns its pages."""
+"""The paged KV cache: one device pool for every layer, and its sharding. Device only: which page belongs to
+which sequence is the scheduler's (its PageAllocator)."""
 
 from __future__ import annotations
 
@@ -13,21 +14,19 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from engine.model import kv_pool_axes
 from engine.model_config import ModelConfig
-from engine.page_allocator import PageAllocator
 from engine.weights import partition_spec
 
 
 class KVCache:
     """Pool: [layers * num_pages, page_size, 2 * kv_heads, head_dim], sharded over KV heads on a `model` mesh axis.
 
-    Page p of the allocator is page p of every layer (layer i's copy sits at i * num_pages + p).
+    Page p of the scheduler's allocator is page p of every layer (layer i's copy sits at i * num_pages + p).
     """
 
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32,
                  mesh: Mesh | None = None) -> None:
         self.num_pages = num_pages
         self.page_size = page_size
-        self.allocator = PageAllocator(num_pages)
         self._axes = kv_pool_axes(cfg, num_pages, page_size)
         self._dtype = dtype
         # An explicit sharding even without a mesh: the pool every step donates back comes out committed to
@@ -41,11 +40,6 @@ class KVCache:
         make = jax.jit(lambda: jnp.zeros(shape, self._dtype), out_shardings=self._sharding)
         return hax.named(make(), self._axes)
 
-    @property
-    def bytes_per_page(self) -> int:
-        """Bytes one allocator page occupies across all layers."""
-        return self.pool.array.nbytes // self.num_pages
-
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
         """Copy pages src[i] -> dst[i] in every layer (a forked sample's partial last page)."""
         if not src:
@@ -57,13 +51,9 @@ class KVCache:
         layers = self.pool.array.shape[0] // self.num_pages
         self.pool = hax.named(_copy_pages(self.pool.array, s, d, self.num_pages, layers), self.pool.axes)
 
-    def reset(self, mode: str = "logical") -> None:
-        """`logical`: forget every allocation; `physical`: also zero the pool."""
-        if mode not in ("logical", "physical"):
-            raise ValueError(f"reset mode must be 'logical' or 'physical', got {mode!r}")
-        self.allocator.reset()
-        if mode == "physical":
-            self.pool = self._zeros()
+    def zero(self) -> None:
+        """A fresh zeroed pool (a physical reset, or after a failed step donated the pool away)."""
+        self.pool = self._zeros()
 
 
 @functools.partial(jax.jit, donate_argnums=(0,), static_argnums=(3, 4))

@@ -24,6 +24,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from engine.capacity import pages_for
 from engine.config import EngineConfig
 from engine.model_config import ModelConfig
 
@@ -101,7 +102,7 @@ def size_for_machine(config: EngineConfig, model: ModelConfig, dtype: str, machi
     (engine keys the caller set). Raises ValueError, naming the key to set, when one sequence of
     max_seq_len tokens does not fit the budget."""
     max_seq_len = config.max_seq_len or model.max_position_embeddings
-    seq_pages = config.pages_per_seq(max_seq_len)
+    seq_pages = pages_for(max_seq_len, config.page_size)
     changes: dict[str, int] = {}
     max_pages = config.max_pages
     if "max_pages" not in explicit:

@@ -36,7 +36,8 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    max_position_embeddings: int
+    max_position_embeddings: int | None
+    """The model's context length; None when config.json has none (engine.max_seq_len must say it then)."""
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: RopeScaling | None
@@ -138,7 +139,7 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            max_position_embeddings=hf.get("max_position_embeddings"),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=scaling,

@@ -27,6 +27,7 @@ import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding, PartitionSpec as P
 
+from engine.capacity import pages_for
 from engine.config import EngineConfig, SamplingConfig
 from engine.model import AttentionSettings, kv_pool_axes
 from engine.model_config import ModelConfig
@@ -122,7 +123,7 @@ def lower_step_programs(cfg: ModelConfig, engine: EngineConfig, max_seq_len: int
         if impl == "pallas_tpu" and name != "chain":  # chain only moves the rows' counters
             q_shape = (tokens, cfg.num_heads // tp, cfg.head_dim)
             kv_shape = (cfg.num_layers * engine.max_pages, engine.page_size, 2 * cfg.num_kv_heads // tp, cfg.head_dim)
-            kernel = kernel_blocks(q_shape, jdtype, kv_shape, jdtype, engine.pages_per_seq(max_seq_len),
+            kernel = kernel_blocks(q_shape, jdtype, kv_shape, jdtype, pages_for(max_seq_len, engine.page_size),
                                    mesh.abstract_device.device_kind)
         program = Program(name, tokens, seqs, time.perf_counter() - started, kernel, text.count("tpu_custom_call"))
         programs.append(program)
@@ -157,9 +158,9 @@ def _runner_programs(engine: EngineConfig, max_seq_len: int, mode: str, num_stop
     """
     from engine import runner
 
-    pages = engine.pages_per_seq(max_seq_len)
+    pages = pages_for(max_seq_len, engine.page_size)
     rows = runner.bucket(engine.max_seqs, runner.MIN_SEQ_BUCKET)
-    decode = sorted({runner.ModelRunner.decode_bucket(SimpleNamespace(engine=engine), n)
+    decode = sorted({runner.ModelRunner.decode_bucket(SimpleNamespace(config=engine), n)
                      for n in range(1, engine.max_seqs + 1)})
     token_buckets = sorted({runner.bucket(n, runner.MIN_TOKEN_BUCKET) for n in range(1, engine.max_prefill_size + 1)})
     i32, f32 = jnp.int32, jnp.float32

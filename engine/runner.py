@@ -1,7 +1,9 @@
-"""Runs one ragged step on the device: pads host chunks to a shape bucket, calls the jitted model.
+"""The device side of a step: `ModelRunner.run(SchedulerOutput) -> RunnerOutput`.
 
-The runner makes no scheduling decisions: it is told which new tokens of which sequences to
-process and which pages they live in, and returns each sequence's last-token logits.
+The runner owns the model, the KV pool and the device calls, and makes no scheduling decisions: the
+scheduler's output says which new tokens of which sequences to process, in which pages, and how many decode
+steps a call may take; the runner pads them to a shape bucket, calls the jitted programs and returns the
+sampled tokens, their logprobs and (for a multi-step call) each row's step count decided on the device.
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from engine.attention import resolve_attention_impl
 from engine.axes import PAGE_SLOT
+from engine.capacity import pages_for
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache
 from engine.model import AttentionSettings, Transformer
 from engine.sampler import greedy_sample, position_keys, sample
+from engine.scheduler_output import RunnerOutput, SchedulerOutput
+from engine.sequence import Sequence as Seq
 from engine.stats import DeviceClock
 from engine.step_inputs import StepInputs
 
@@ -139,21 +144,21 @@ def _forward_sample_steps(model: Transformer, pool, settings: AttentionSettings,
     return pool, _replicated(out_tokens, mesh), _replicated(out_logprobs, mesh), _replicated(steps, mesh)
 
 
-def _chained_inputs(tokens, steps, token_ids, starts, remaining, limits, alive, stop_ids, num_steps: int):
+def _chained_inputs(tokens, steps, token_ids, starts, remaining, limits, live, stop_ids, num_steps: int):
     """The inputs of the multi-step call that continues the rows of one not yet read by the host: each row
     feeds its last token at its next position, and takes min(num_steps, its remaining tokens) steps unless
     it stopped on the device (a stop id: then `steps < limits`, or its last token is one), ran out, was
-    already done, or the host says it finished (`alive` false). Done rows take 0 steps: no KV is written."""
+    already done, or the host finished it (`live` false). Done rows take 0 steps: no KV is written."""
     S = steps.shape[0]
     last = jnp.where(steps > 0, tokens[jnp.maximum(steps - 1, 0), jnp.arange(S)], token_ids)
     stopped = (steps > 0) & jnp.any(last[:, None] == stop_ids, axis=1)
     remaining = remaining - steps
-    limits = jnp.where(alive & (limits > 0) & ~stopped, jnp.minimum(num_steps, remaining), 0)
+    limits = jnp.where(live & (limits > 0) & ~stopped, jnp.minimum(num_steps, remaining), 0)
     return last, starts + steps, remaining, limits
 
 
 # Module-level, so every runner with the same model structure and shapes reuses compiled programs.
-_step = jax.jit(_forward, donate_argnums=(1,), static_argnums=(3,))
+_logits = jax.jit(_forward, donate_argnums=(1,), static_argnums=(3,))
 _step_sample = jax.jit(_forward_sample, donate_argnums=(1,), static_argnums=(3, 4))
 _steps_sample = jax.jit(_forward_sample_steps, donate_argnums=(1,), static_argnums=(2, 3, 4))
 _chain = jax.jit(_chained_inputs, static_argnums=(8,))
@@ -185,26 +190,56 @@ def _pick(logits: jax.Array, mode: str, temperature, top_k, top_p, base_keys, po
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, engine: EngineConfig, max_seq_len: int, mesh: Mesh | None = None,
-                 kv_dtype=jnp.float32) -> None:
+    def __init__(self, model: Transformer, config: EngineConfig, max_seq_len: int, stop_ids: Sequence[int] = (),
+                 mesh: Mesh | None = None, kv_dtype=jnp.float32) -> None:
+        """`stop_ids`: the token ids that end a sample (EOS), checked on the device in multi-step calls."""
         self.model = model
-        self.engine = engine
+        self.config = config
         self.max_seq_len = max_seq_len
-        self.pages_per_seq = engine.pages_per_seq(max_seq_len)
-        self.kv = KVCache(model.config, engine.max_pages, engine.page_size, kv_dtype, mesh)
+        self.stop_ids = sorted(stop_ids)
+        self.pages_per_seq = pages_for(max_seq_len, config.page_size)  # page-table width
+        self.kv = KVCache(model.config, config.max_pages, config.page_size, kv_dtype, mesh)
         self.clock = DeviceClock()  # every dispatch and every wait for outputs below is timed on it
-        impl = resolve_attention_impl(engine.attention_impl, kv_dtype)
+        impl = resolve_attention_impl(config.attention_impl, kv_dtype)
         self._settings = {
-            bq: AttentionSettings(impl, engine.attn_pages_per_block, bq, engine.max_pages, mesh,
-                                  engine.attn_tiles_per_group, engine.attn_decode_pages_per_block)
-            for bq in (1, engine.attn_queries_per_block)
+            bq: AttentionSettings(impl, config.attn_pages_per_block, bq, config.max_pages, mesh,
+                                  config.attn_tiles_per_group, config.attn_decode_pages_per_block)
+            for bq in (1, config.attn_queries_per_block)
         }
+        self._ahead: PendingSteps | None = None  # the multi-step call dispatched ahead of the host's read
+
+    def run(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run the device call the scheduler decided (see SchedulerOutput and DecodeCall)."""
+        call = out.decode
+        if call is None:
+            self._ahead = None
+            tokens, logprobs = self.step_sample(
+                [SeqChunk(c.seq.token_ids[c.start:c.start + c.num_tokens], c.start, c.seq.pages) for c in out.chunks],
+                [_row_sampling(q) for q in out.rows], out.row_chunk)
+            self.kv.copy_pages(*out.copies)  # forked siblings' partial last pages, written by this step
+            return RunnerOutput(tokens, logprobs)
+        if call.resume:
+            pending = self._ahead
+        else:
+            rows = [DecodeRow(q.token_ids[-1], q.num_computed, q.pages, limit, _row_sampling(q))
+                    for q, limit in zip(call.seqs, call.limits)]
+            pending = self.dispatch_multi_step(rows, self.stop_ids, self.config.decode_steps, call.budgets)
+        self._ahead = (None if call.chain_pages is None
+                       else self.chain_multi_step(pending, call.chain_pages, self.config.decode_steps))
+        return RunnerOutput(*self.fetch_multi_step(pending))
+
+    def reset(self, physical: bool) -> None:
+        """Forget a call dispatched ahead; zero the pool when `physical`, or when a step that failed after
+        donating the pool left it deleted (an abort)."""
+        self._ahead = None
+        if physical or self.kv.pool.array.is_deleted():
+            self.kv.zero()
 
     def decode_bucket(self, n: int) -> int:
         """Rows of a decode-only step or a multi-step call for n sequences: a power of four, at most the
         steps with prompt chunks' max_seqs bucket. Half as many programs to compile as powers of two; an
         extra decode row costs little next to reading every weight once per step."""
-        cap = bucket(self.engine.max_seqs, MIN_SEQ_BUCKET)
+        cap = bucket(self.config.max_seqs, MIN_SEQ_BUCKET)
         rows = MIN_SEQ_BUCKET
         while rows < n:
             rows *= 4
@@ -216,17 +251,17 @@ class ModelRunner:
         `row_chunk[r]` names the chunk whose last token's logits feed output row r (default: one row per
         chunk); several rows may read one chunk (the samples of one prompt).
         """
-        ps = self.engine.page_size
+        ps = self.config.page_size
         n_tokens = sum(len(c.token_ids) for c in chunks)
         # Decode-only steps (one token a sequence) pad tokens like sequences: no padding tiles in attention.
         # Steps with prompt chunks always take max_seqs sequence rows, so their compiled shapes vary in T
         # alone (a few programs, not one per (T, S) pair); attention skips the empty rows.
         decode_only = is_decode_only(chunks)
-        S = self.decode_bucket(len(chunks)) if decode_only else bucket(self.engine.max_seqs, MIN_SEQ_BUCKET)
+        S = self.decode_bucket(len(chunks)) if decode_only else bucket(self.config.max_seqs, MIN_SEQ_BUCKET)
         T = S if decode_only else bucket(n_tokens, MIN_TOKEN_BUCKET)
         token_ids = np.zeros(T, np.int32)
         positions = np.zeros(T, np.int32)
-        slots = np.full(T, self.engine.max_pages * ps, np.int32)  # out of range: dropped
+        slots = np.full(T, self.config.max_pages * ps, np.int32)  # out of range: dropped
         cu = np.full(S + 1, n_tokens, np.int32)
         kv_lens = np.zeros(S, np.int32)
         pages = np.zeros((S, self.pages_per_seq), np.int32)
@@ -237,7 +272,7 @@ class ModelRunner:
         for s, c in enumerate(() if decode_only else chunks):
             n = len(c.token_ids)
             end = c.start + n
-            if n == 0 or end > self.max_seq_len or math.ceil(end / ps) > len(c.pages):
+            if n == 0 or end > self.max_seq_len or pages_for(end, ps) > len(c.pages):
                 raise ValueError(f"chunk {s}: {n} tokens at position {c.start} with {len(c.pages)} pages "
                                  f"(page_size {ps}, max_seq_len {self.max_seq_len})")
             pos = np.arange(c.start, end)
@@ -259,7 +294,7 @@ class ModelRunner:
                      slots: np.ndarray, cu: np.ndarray, kv_lens: np.ndarray, pages: np.ndarray,
                      last_of_chunk: np.ndarray) -> None:
         """build_inputs' arrays for chunks of one token each: chunk s is token row s."""
-        ps, n = self.engine.page_size, len(chunks)
+        ps, n = self.config.page_size, len(chunks)
         starts = [c.start for c in chunks]
         for s, (c, start) in enumerate(zip(chunks, starts)):
             if start + 1 > self.max_seq_len or start // ps >= len(c.pages):
@@ -273,13 +308,14 @@ class ModelRunner:
         kv_lens[:n] = [start + 1 for start in starts]
 
     def _settings_for(self, chunks: Sequence[SeqChunk]) -> AttentionSettings:
-        return self._settings[1 if is_decode_only(chunks) else self.engine.attn_queries_per_block]
+        return self._settings[1 if is_decode_only(chunks) else self.config.attn_queries_per_block]
 
-    def step(self, chunks: Sequence[SeqChunk]) -> np.ndarray:
-        """Process the chunks; returns f32[len(chunks), vocab] logits of each chunk's last token."""
+    def logits(self, chunks: Sequence[SeqChunk]) -> np.ndarray:
+        """Process the chunks; returns f32[len(chunks), vocab] logits of each chunk's last token. Not the
+        engine's path (it samples on the device): for checks against a reference model and step timings."""
         inputs = self.build_inputs(chunks)  # host arrays: the jitted call copies them (cheaper than jnp.asarray)
         with self.clock.timing():
-            self.kv.pool, logits = _step(self.model, self.kv.pool, inputs, self._settings_for(chunks))
+            self.kv.pool, logits = _logits(self.model, self.kv.pool, inputs, self._settings_for(chunks))
             return np.asarray(logits.array)[:len(chunks)]  # read the local replica, slice on the host
 
     def step_sample(self, chunks: Sequence[SeqChunk], rows: Sequence[RowSampling],
@@ -301,12 +337,12 @@ class ModelRunner:
         or their limits, without waiting for it (`fetch_multi_step` reads it). Row r's KV is written for
         positions start .. start + steps - 1. `remaining[r]` (default: the row's limit) is how many tokens
         row r may generate in this call and any call chained to it."""
-        ps = self.engine.page_size
+        ps = self.config.page_size
         S = self.decode_bucket(len(rows))
         pad = S - len(rows)
         for r, row in enumerate(rows):
             end = row.start + row.limit
-            if (row.limit < 1 or end > self.max_seq_len or math.ceil(end / ps) > len(row.pages)
+            if (row.limit < 1 or end > self.max_seq_len or pages_for(end, ps) > len(row.pages)
                     or row.sampling.position != row.start + 1):
                 raise ValueError(f"decode row {r}: {row.limit} steps from position {row.start} with {len(row.pages)} "
                                  f"pages (page_size {ps}, max_seq_len {self.max_seq_len})")
@@ -328,15 +364,14 @@ class ModelRunner:
             per_row = tuple(jax.make_array_from_process_local_data(replicated, x) for x in per_row)
         return self._launch(*per_row, mode, sampling, stops, len(rows), [row.pages for row in rows], num_steps)
 
-    def chain_multi_step(self, prev: PendingSteps, pages: Sequence[Sequence[int]], alive: Sequence[bool],
-                         num_steps: int) -> PendingSteps:
+    def chain_multi_step(self, prev: PendingSteps, pages: Sequence[Sequence[int]], num_steps: int) -> PendingSteps:
         """Dispatch the call that continues `prev`'s rows from its device outputs, before the host has read
         them: the host's work on `prev`'s tokens then overlaps this call. `pages[r]` must cover row r's
-        position after `prev` plus `min(num_steps, remaining)` (the caller allocates for both calls at
-        once); `alive[r]` false makes row r take no steps (the host finished it)."""
+        position after `prev` plus `min(num_steps, remaining)` (the scheduler reserves both calls' pages at
+        once); an empty `pages[r]` makes row r take no steps (the host finished it)."""
         S = prev.steps.shape[0]
         live = np.zeros(S, bool)
-        live[:len(alive)] = alive
+        live[:len(pages)] = [len(p) > 0 for p in pages]
         with self.clock.timing():
             token_ids, starts, remaining, limits = _chain(prev.tokens, prev.steps, prev.token_ids, prev.starts,
                                                           prev.remaining, prev.limits, live, prev.stops, num_steps)
@@ -361,6 +396,12 @@ class ModelRunner:
         n = pending.num_rows
         with self.clock.timing():
             return np.asarray(pending.tokens)[:, :n], np.asarray(pending.logprobs)[:, :n], np.asarray(pending.steps)[:n]
+
+
+def _row_sampling(seq: Seq) -> RowSampling:
+    """How the sequence's next token (at index len(token_ids)) is drawn."""
+    s = seq.request.sampling
+    return RowSampling(s.temperature, s.top_k, s.top_p, seq.base_key, len(seq.token_ids))
 
 
 def _sampling_mode(rows: Sequence[RowSampling], vocab_size: int) -> str:

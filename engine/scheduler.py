@@ -1,44 +1,62 @@
-"""Decides, each step, which tokens of which sequences run. Host only: no JAX.
+"""The scheduler: the one owner of pages and sequences. No JAX here.
 
-There are no prefill and decode phases: every running sequence catches its computed-token count
-up to its token count, within a per-step token budget (`max_prefill_size`). Decoding sequences go
-first (one token each), then prompt chunks, FIFO. Admission is continuous: a slot freed by a
-finished sequence goes to the next waiting one in the same call. Running out of pages is an answer,
-not a crash: the newest running sequence is preempted (its pages freed, recomputed later).
+It owns the `PageAllocator` (nothing else calls it), the sequences (waiting, running, finished but holding
+pages) and the samples of one prompt that will fork from it, and decides each step in one
+`SchedulerOutput`: a ragged step (prompt chunks and decode tokens, FIFO, within the token budget
+`max_prefill_size`) or a multi-step decode call. There is no prefill phase: each sequence's computed-token
+count catches up with its token count, which gives chunked prefill and mixed steps. Decoding sequences go
+first, then prompt chunks; a slot freed by a finished sequence goes to the next waiting one in the same
+step. Running out of pages is an answer, not a crash: the newest running sequence is preempted (its pages
+freed, its tokens recomputed later).
 """
 
 from __future__ import annotations
 
-import math
 from collections import deque
-from dataclasses import dataclass
 
+from engine.capacity import pages_for
 from engine.config import EngineConfig
 from engine.page_allocator import PageAllocator
+from engine.scheduler_output import DecodeCall, ScheduledChunk, SchedulerOutput
 from engine.sequence import Sequence
 
 
-@dataclass(frozen=True)
-class ScheduledChunk:
-    seq: Sequence
-    num_tokens: int  # new tokens this step, starting at seq.num_computed
-
-    @property
-    def completes(self) -> bool:
-        """True when this chunk reaches the sequence's last token, so its logits pick the next token."""
-        return self.seq.num_computed + self.num_tokens == len(self.seq.token_ids)
-
-
 class Scheduler:
-    def __init__(self, config: EngineConfig, allocator: PageAllocator) -> None:
+    def __init__(self, config: EngineConfig, max_seq_len: int) -> None:
         self.config = config
-        self.allocator = allocator
+        self.max_seq_len = max_seq_len
+        self.allocator = PageAllocator(config.max_pages)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in arrival order
+        self.retained: list[Sequence] = []  # finished, pages kept (cleanup_mode end / none)
+        self._last_queued: Sequence | None = None  # the newest queued sequence, to group samples of one prompt
+        # The rows of a multi-step call dispatched ahead (engine.pipeline_decode), not yet read by the host.
+        self._ahead: list[Sequence] | None = None
         self.num_preemptions = 0
+        self.num_multi_step_fallbacks = 0  # decode-only steps run singly because their pages were not free
+        self.num_pipelined_calls = 0  # multi-step calls dispatched ahead
+
+    # -- sequences ---------------------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
+        """Queue a sequence; another sample of the newest queued prompt waits to fork from it instead."""
+        head = self._last_queued
+        # The newest queued sequence is still waiting (never admitted, nothing generated): O(1) to check,
+        # so queueing a large batch stays linear.
+        if (head is not None and head.num_computed == 0 and not head.pages
+                and len(head.token_ids) == head.num_prompt_tokens and head not in self.running
+                and head.request.prompt_id == seq.request.prompt_id
+                and head.request.prompt_token_ids == seq.request.prompt_token_ids
+                and 1 + len(head.siblings) + 1 <= self.config.max_seqs):
+            head.siblings.append(seq)
+            return
         self.waiting.append(seq)
+        self._last_queued = seq
+
+    @property
+    def call_ahead(self) -> list[Sequence] | None:
+        """The rows of the multi-step call dispatched ahead of the host's read (engine.pipeline_decode)."""
+        return self._ahead
 
     @property
     def has_work(self) -> bool:
@@ -54,31 +72,51 @@ class Scheduler:
         """The first waiting sequence (with the siblings it will fork into) fits in the free slots now."""
         return bool(self.waiting) and self.slots_in_use + 1 + len(self.waiting[0].siblings) <= self.config.max_seqs
 
-    def _pages_needed(self, seq: Sequence, num_tokens: int) -> int:
-        return max(0, math.ceil((seq.num_computed + num_tokens) / self.config.page_size) - len(seq.pages))
-
-    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
-        pages = self.allocator.allocate(self._pages_needed(seq, num_tokens))
-        if pages is None:
-            return False
-        seq.pages.extend(pages)
-        return True
-
-    def _preempt(self, seq: Sequence) -> None:
-        """Free the sequence's pages; it will recompute its tokens (prompt and generated) later."""
+    def finish(self, seq: Sequence) -> None:
+        """Take a finished sequence out of the running set; its pages go back now (cleanup_mode incremental)
+        or at `release_finished` / reset."""
         self.running.remove(seq)
-        self.allocator.free(seq.pages)
-        seq.pages = []
-        seq.num_computed = 0
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
-        # Back to the head of the queue, in arrival order among the preempted.
-        i = 0
-        while i < len(self.waiting) and self.waiting[i].arrival < seq.arrival:
-            i += 1
-        self.waiting.insert(i, seq)
+        if self.config.cleanup_mode == "incremental":
+            self.allocator.free(seq.pages)
+            seq.pages = []
+        else:
+            self.retained.append(seq)
 
-    def schedule(self) -> list[ScheduledChunk]:
+    def release_finished(self) -> None:
+        """Free the pages that finished sequences still hold (cleanup_mode `end` or `none`)."""
+        for seq in self.retained:
+            self.allocator.free(seq.pages)
+            seq.pages = []
+        self.retained = []
+
+    def reset(self) -> None:
+        """Forget every allocation (after every sequence finished, or when dropping them all)."""
+        self.waiting.clear()
+        self.running.clear()
+        self.retained = []
+        self._last_queued = None
+        self._ahead = None
+        self.allocator.reset()
+
+    # -- one step ----------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide the next device call; an empty output means nothing can run (see `stuck_message`)."""
+        if self._ahead is not None and all(q.finished for q in self._ahead):
+            self._ahead = None  # every row of the call dispatched ahead has finished: nothing in it is wanted
+        if self._ahead is not None:
+            seqs = self._ahead
+            return SchedulerOutput(decode=DecodeCall(seqs, resume=True, chain_pages=self._chain(seqs)))
+        chunks = self._schedule_chunks()
+        limits = self._reserve_multi_step(chunks)
+        if limits is not None:
+            seqs = [c.seq for c in chunks]
+            budgets = [q.tokens_left(self.max_seq_len) for q in seqs]
+            return SchedulerOutput(chunks, decode=DecodeCall(seqs, False, limits, budgets, self._chain(seqs)))
+        rows, row_chunk, copies = self._fork(chunks)
+        return SchedulerOutput(chunks, rows, row_chunk, copies)
+
+    def _schedule_chunks(self) -> list[ScheduledChunk]:
         budget = self.config.max_prefill_size
         chunks: list[ScheduledChunk] = []
         scheduled: set[int] = set()
@@ -99,7 +137,7 @@ class Scheduler:
                     break
                 self._preempt(victim)
             if seq in self.running:
-                chunks.append(ScheduledChunk(seq, n))
+                chunks.append(ScheduledChunk.of(seq, n))
                 scheduled.add(id(seq))
                 budget -= n
                 num_prefill += seq.num_pending > 1
@@ -111,18 +149,130 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(seq)
-            chunks.append(ScheduledChunk(seq, n))
+            chunks.append(ScheduledChunk.of(seq, n))
             budget -= n
             num_prefill += 1
         return chunks
 
-    def admit_fork(self, seq: Sequence) -> None:
-        """A sibling forked from a running sequence joins the running set (its slot was counted at admission)."""
-        self.running.append(seq)
+    def _pages_short(self, seq: Sequence, num_tokens: int) -> int:
+        """Pages the sequence lacks to hold `num_tokens` tokens past its computed ones."""
+        return max(0, pages_for(seq.num_computed + num_tokens, self.config.page_size) - len(seq.pages))
 
-    def finish(self, seq: Sequence, free_pages: bool) -> None:
-        """Take a finished sequence out of the running set; free its pages now or leave them to the caller."""
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        pages = self.allocator.allocate(self._pages_short(seq, num_tokens))
+        if pages is None:
+            return False
+        seq.pages.extend(pages)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free the sequence's pages; it will recompute its tokens (prompt and generated) later."""
         self.running.remove(seq)
-        if free_pages:
-            self.allocator.free(seq.pages)
-            seq.pages = []
+        self.allocator.free(seq.pages)
+        seq.pages = []
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        # Back to the head of the queue, in arrival order among the preempted.
+        i = 0
+        while i < len(self.waiting) and self.waiting[i].arrival < seq.arrival:
+            i += 1
+        self.waiting.insert(i, seq)
+
+    def _reserve_multi_step(self, chunks: list[ScheduledChunk]) -> list[int] | None:
+        """Decode steps each sequence may take in one device call, its pages for them allocated; None when
+        this step must be a single one (not decode-only, a waiting sequence could be admitted now, or the
+        pages are not free: the single step's scheduling preempts where it must)."""
+        K = self.config.decode_steps
+        if K == 1 or self.head_has_slots or not chunks:
+            return None
+        if not all(c.num_tokens == 1 and c.completes and not c.seq.siblings for c in chunks):
+            return None
+        limits = [min(K, c.seq.tokens_left(self.max_seq_len)) for c in chunks]
+        needs = [self._pages_short(c.seq, limit) for c, limit in zip(chunks, limits)]
+        if sum(needs) > self.allocator.num_free:
+            self.num_multi_step_fallbacks += 1
+            return None
+        for c, need in zip(chunks, needs):
+            c.seq.pages.extend(self.allocator.allocate(need))
+        return limits
+
+    def _chain(self, seqs: list[Sequence]) -> list[list[int]] | None:
+        """Pages for the call continuing `seqs`' multi-step call, dispatched before the host reads that one,
+        or None when pipelining does not apply: a sequence waits (a row that stops idles through the new
+        call, and a waiting sequence would wait for its slot that much longer: measured, a job with early
+        stops lost 3 points of occupancy), no row is still running, or the pages for both calls are not
+        free. A row the host finished gets no pages (it takes no steps)."""
+        self._ahead = None
+        if not self.config.pipeline_decode or self.waiting:
+            return None
+        K = self.config.decode_steps
+        # A row that reaches its last token in the call being read is known to end there: when every row
+        # does, there is nothing to continue.
+        if not any(not q.finished and q.tokens_left(self.max_seq_len) > K for q in seqs):
+            return None
+        # The host has read every call before the current one: each row's KV covers num_computed tokens, and
+        # the current call and the next together write at most min(2K, tokens left) more.
+        needs = [0 if q.finished else self._pages_short(q, min(2 * K, q.tokens_left(self.max_seq_len)))
+                 for q in seqs]
+        if sum(needs) > self.allocator.num_free:
+            return None
+        for q, need in zip(seqs, needs):
+            if need:
+                q.pages.extend(self.allocator.allocate(need))
+        self.num_pipelined_calls += 1
+        self._ahead = seqs
+        return [[] if q.finished else q.pages for q in seqs]
+
+    def _fork(self, chunks: list[ScheduledChunk]) -> tuple[list[Sequence], list[int], tuple[list[int], list[int]]]:
+        """Output rows of a single step, and the page copies that fork siblings off their parents.
+
+        One row per chunk, plus one per sibling of a sequence whose prompt completes now (the siblings sample
+        their first token from the same logits, each with its own key). A sibling shares its parent's full
+        prompt pages and gets a copy (made after the step) of the partial last one; with no page free for
+        that copy it goes back to the queue and computes its prompt alone (its row is drawn and dropped)."""
+        rows, row_chunk, forks = [], [], []
+        for i, c in enumerate(chunks):
+            rows.append(c.seq)
+            row_chunk.append(i)
+            if c.completes and c.seq.siblings and len(c.seq.token_ids) == c.seq.num_prompt_tokens:
+                forks.append(c.seq)
+                rows += c.seq.siblings
+                row_chunk += [i] * len(c.seq.siblings)
+        src, dst = [], []
+        ps = self.config.page_size
+        for parent in forks:
+            num_full = parent.num_prompt_tokens // ps
+            partial = parent.num_prompt_tokens % ps != 0
+            for sib in parent.siblings:
+                own = self.allocator.allocate(1) if partial else []
+                if own is None:
+                    self.waiting.append(sib)
+                    continue
+                self.allocator.share(parent.pages[:num_full])
+                sib.pages = parent.pages[:num_full] + own
+                if partial:
+                    src.append(parent.pages[num_full])
+                    dst.append(own[0])
+                sib.num_computed = parent.num_prompt_tokens  # the parent's prompt, computed in this step
+                self.running.append(sib)  # its slot was counted at the parent's admission
+            parent.siblings = []
+        return rows, row_chunk, (src, dst)
+
+    # -- checks and messages -----------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        self.allocator.check([s.pages for s in self.running + self.retained])
+        assert self.slots_in_use <= self.config.max_seqs, "more live sequences than engine.max_seqs"
+        for s in self.running:
+            assert 0 <= s.num_computed <= len(s.token_ids) <= self.max_seq_len, f"sequence {s.request.prompt_id}"
+            assert len(s.pages) * self.config.page_size >= s.num_computed
+            assert all(self.allocator.refcount(p) >= 1 for p in s.pages)
+
+    def stuck_message(self) -> str:
+        head = self.waiting[0] if self.waiting else None
+        need = 0 if head is None else pages_for(len(head.token_ids), self.config.page_size)
+        return (f"no sequence can run: {len(self.waiting)} waiting, the first needs {need} pages, "
+                f"{self.allocator.num_free} of {self.allocator.num_pages} are free and {len(self.retained)} finished "
+                f"sequences still hold pages (engine.cleanup_mode={self.config.cleanup_mode}); raise "
+                f"engine.max_pages or use cleanup_mode=incremental")

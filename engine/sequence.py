@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.config import SamplingConfig
-from engine.stop import StopChecker
+from engine.stop import StopChecker, StopDecision
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,10 @@ class Request:
 
 @dataclass(eq=False)  # a sequence is a mutable state: the scheduler's `in` and `remove` compare identity
 class Sequence:
+    """Invariants: `num_computed <= len(token_ids)`; `pages` cover at least `num_computed` tokens; the
+    generated ids are `token_ids[num_prompt_tokens:]` and are stored nowhere else (the stop checker reads them
+    from here)."""
+
     request: Request
     arrival: int  # admission order (FIFO); preempted sequences keep theirs
     base_key: np.ndarray  # u32[2] from (seed, prompt_id, generation_index)
@@ -45,4 +49,16 @@ class Sequence:
 
     @property
     def finished(self) -> bool:
-        return self.stop.finished
+        return self.stop.decision is not None
+
+    def append(self, token_id: int, logprob: float) -> StopDecision | None:
+        """Add one generated token; returns the stop decision when it ends the sample."""
+        self.token_ids.append(token_id)
+        self.logprobs.append(logprob)
+        return self.stop.push(self.token_ids)
+
+    def tokens_left(self, max_seq_len: int) -> int:
+        """Tokens the sequence may still generate: a decode step at position p (< max_seq_len) generates the
+        token at p + 1, and no sample generates past sampling.max_new_tokens."""
+        generated = len(self.token_ids) - self.num_prompt_tokens
+        return min(self.request.sampling.max_new_tokens - generated, max_seq_len - len(self.token_ids) + 1)

@@ -89,18 +89,16 @@ def prefix_cache_summary(query_tokens: int, hit_tokens: int) -> dict[str, float]
 
 
 class StepTimer:
-    """Context manager that records one step (one device call) into EngineStats.
+    """Context manager that records one step (one device call) into EngineStats: its wall time, its time in
+    device calls, and the counts the engine sets before the block ends (sequences that ran, prompt or
+    recomputed tokens, tokens drawn, forward passes)."""
 
-    A multi-step decode call sets `decode_tokens` (every token it generated) and `model_steps` before the
-    block ends; otherwise each chunk that completes (and each sibling forking from it) drew one token in one
-    forward pass.
-    """
-
-    def __init__(self, stats: EngineStats, chunks, clock: DeviceClock) -> None:
+    def __init__(self, stats: EngineStats, clock: DeviceClock) -> None:
         self.stats = stats
-        self.chunks = chunks
         self.clock = clock
-        self.decode_tokens: int | None = None
+        self.active_seqs = 0
+        self.prefill_tokens = 0
+        self.decode_tokens = 0
         self.model_steps = 1
 
     def __enter__(self) -> "StepTimer":
@@ -115,9 +113,7 @@ class StepTimer:
         self.stats.step_s.append(end - self.start)
         self.stats.device_s.append(self.clock.total_s - self.device_start)
         self.stats.last_end = end
-        # A chunk that completes draws a token, and so does each sibling forking from it (same logits).
-        completed = sum(1 + len(c.seq.siblings) for c in self.chunks if c.completes)
-        self.stats.decode_tokens.append(completed if self.decode_tokens is None else self.decode_tokens)
-        self.stats.prefill_tokens.append(sum(c.num_tokens for c in self.chunks if c.num_tokens > 1 or not c.completes))
-        self.stats.active_seqs.append(len(self.chunks))
+        self.stats.decode_tokens.append(self.decode_tokens)
+        self.stats.prefill_tokens.append(self.prefill_tokens)
+        self.stats.active_seqs.append(self.active_seqs)
         self.stats.model_steps.append(self.model_steps)

@@ -1,7 +1,7 @@
-"""Host-side stop handling for one sample: EOS, stop token ids, stop strings and max_new_tokens.
+"""Host-side stop handling for one sample: EOS ids, stop strings and max_new_tokens.
 
-No JAX here: the runner feeds each generated token id to the sample's `StopChecker`, which
-detokenizes incrementally and says when and why the sample finished.
+No JAX here: after each generated token id the engine shows the sample's ids to its `StopChecker`,
+which detokenizes incrementally and says when and why the sample finished.
 
 Conventions (the sample record of docs/records.md):
 * `token_ids` are the generated ids up to and including the one that finished the sample: the EOS
@@ -15,7 +15,7 @@ Conventions (the sample record of docs/records.md):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -36,7 +36,11 @@ class StopDecision:
 
 
 class StopChecker:
-    """Incremental stop detection for one sample, fed one generated token id at a time.
+    """Incremental stop detection for one sample, told after each generated token id.
+
+    The ids are not stored here: `push(token_ids)` receives the caller's list (the sample's one copy), whose
+    generated ids start at index `start` (the prompt's length when the list holds the prompt too), each
+    call with exactly one id more than the call before.
 
     `decode(ids) -> str` turns token ids into text (e.g. a Hugging Face tokenizer's `decode`). The
     text is built incrementally the way streaming detokenizers do it: the ids since the last point
@@ -57,22 +61,24 @@ class StopChecker:
         self,
         *,
         stop_strings: Iterable[str] = (),
-        stop_token_ids: Iterable[int] = (),
         eos_token_ids: Iterable[int] = (),
         max_new_tokens: int,
         decode: Callable[[list[int]], str],
+        start: int = 0,
     ) -> None:
         self._stop_strings = tuple(stop_strings)
         if any(not s for s in self._stop_strings):
             raise ValueError("an empty stop string would stop every sample at once; remove it from sampling.stop")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        self._stopping_ids = frozenset(stop_token_ids) | frozenset(eos_token_ids)
+        self._stopping_ids = frozenset(eos_token_ids)
         self._max_new_tokens = max_new_tokens
         self._decode = decode
         self._max_stop_len = max((len(s) for s in self._stop_strings), default=0)
 
-        self._ids: list[int] = []
+        self._start = start  # generated id i is token_ids[start + i]
+        self._ids: Sequence[int] = ()  # the generated ids (a view of the caller's list, see `_gen`)
+        self._num_ids = 0  # generated ids seen
         self._text_ids = 0  # ids[:_text_ids] contribute text (an EOS / stop token does not)
         self._prefix_offset = 0  # ids[_prefix_offset:_read_offset] decode to the last trusted chunk
         self._read_offset = 0  # ids[:_read_offset] are fully reflected in _pieces
@@ -82,18 +88,9 @@ class StopChecker:
         self._decision: StopDecision | None = None
 
     @property
-    def token_ids(self) -> list[int]:
-        """Ids pushed so far (after finishing: the kept ids, the finishing token included)."""
-        return list(self._ids)
-
-    @property
     def decision(self) -> StopDecision | None:
         """The finish decision, or None while the sample is still running."""
         return self._decision
-
-    @property
-    def finished(self) -> bool:
-        return self._decision is not None
 
     @property
     def completion(self) -> str:
@@ -102,17 +99,19 @@ class StopChecker:
             raise RuntimeError("the completion is only known once push() returned a StopDecision")
         return self._decision.completion
 
-    def push(self, token_id: int) -> StopDecision | None:
-        """Add one generated token; returns the decision if this token finished the sample."""
+    def push(self, token_ids: Sequence[int]) -> StopDecision | None:
+        """Take the newest generated id (`token_ids[-1]`); returns the decision if it finished the sample."""
         if self._decision is not None:
-            raise RuntimeError(f"push({token_id}) after the sample finished ({self._decision.finish_reason}); "
+            raise RuntimeError(f"push({token_ids[-1]}) after the sample finished ({self._decision.finish_reason}); "
                                "stop feeding a finished sample")
-        token_id = int(token_id)
-        self._ids.append(token_id)
-        if token_id in self._stopping_ids:
+        if len(token_ids) - self._start != self._num_ids + 1:
+            raise ValueError(f"push() expects one new id: had {self._num_ids}, got {len(token_ids) - self._start}")
+        self._ids = token_ids
+        self._num_ids += 1
+        if token_ids[-1] in self._stopping_ids:
             return self._finish("stop", flush=True)
-        self._text_ids = len(self._ids)
-        at_limit = len(self._ids) >= self._max_new_tokens
+        self._text_ids = self._num_ids
+        at_limit = self._num_ids >= self._max_new_tokens
         if not self._stop_strings:  # no text to watch: decode once, when the sample ends
             return self._finish("length", flush=True) if at_limit else None
         cut = self._advance_text(flush=at_limit)
@@ -132,10 +131,10 @@ class StopChecker:
         """
         if self._read_offset >= self._text_ids:
             return None
-        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        prefix_text = self._decode(self._gen(self._prefix_offset, self._read_offset))
         # Decoding the previous chunk together with the new ids lets decoders that look at the
         # neighbouring token (e.g. SentencePiece's leading space) produce the in-context text.
-        new_text = self._decode(self._ids[self._prefix_offset:self._text_ids])[len(prefix_text):]
+        new_text = self._decode(self._gen(self._prefix_offset, self._text_ids))[len(prefix_text):]
         if flush or (new_text and not new_text.endswith(REPLACEMENT_CHAR)):
             self._prefix_offset, self._read_offset = self._read_offset, self._text_ids
             cut = self._find(new_text)
@@ -146,6 +145,10 @@ class StopChecker:
         if cut is not None:
             self._append(settled)  # the sample ends here, so the pending characters never matter
         return cut
+
+    def _gen(self, a: int, b: int) -> list[int]:
+        """Generated ids a..b-1 (a slice of the caller's list)."""
+        return list(self._ids[self._start + a:self._start + b])
 
     def _find(self, new_text: str) -> int | None:
         """Earliest start, in the whole text, of a stop string that ends inside `new_text`.
@@ -172,5 +175,5 @@ class StopChecker:
             found = self._advance_text(flush=True)
             cut = found if cut is None else cut
         text = "".join(self._pieces)
-        self._decision = StopDecision(reason, len(self._ids), text if cut is None else text[:cut])
+        self._decision = StopDecision(reason, self._num_ids, text if cut is None else text[:cut])
         return self._decision

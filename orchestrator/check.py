@@ -78,7 +78,7 @@ def run_check(config_path: str, overrides: list[str], target: str | None) -> str
     lines = [f"config: {config_path} ({cfg.model.path}, {cfg.model.dtype}); target {target}",
              "head validation: ok (config keys, cluster layout, packing limits, model config.json)"]
 
-    from engine.preflight import TARGETS as TPUS, LoweringFailed, abstract_mesh, lower_step_programs, sampling_mode
+    from engine import TPU_TARGETS as TPUS, LoweringFailed, abstract_mesh, lower_step_programs, sampling_mode
 
     chip = target.removeprefix("tpu-") if target != "cpu" else None
     tp = cfg.cluster.mesh.get("model", 1)
@@ -127,7 +127,7 @@ def run_check(config_path: str, overrides: list[str], target: str | None) -> str
 def head_validation(cfg):
     """The head's checks of a loaded config, in the order `pagefleet run` meets them; returns the model's
     config and the engine's context length. Raises ValueError or FileNotFoundError naming the key."""
-    from engine.model_config import ModelConfig
+    from engine import ModelConfig
     from orchestrator.driver import check_cluster
     from orchestrator.model_source import max_seq_len, model_config
     from orchestrator.packing import PackingLimits

@@ -30,7 +30,7 @@ def _config_help(command: str, doc: str | None, argv: list[str]) -> int:
 
 def _init_model(argv: list[str]) -> int:
     """Write a small randomly initialised model in Hugging Face format (presets)."""
-    from engine.presets import PRESETS, write_model
+    from engine import PRESETS, write_model
 
     parser = argparse.ArgumentParser(prog="pagefleet init-model", description="Write a randomly initialised model in Hugging Face format.")
     parser.add_argument("--preset", required=True, choices=sorted(PRESETS))

@@ -17,7 +17,7 @@ from typing import Any
 
 import draccus
 
-from engine.config import EngineConfig, SamplingConfig
+from engine import EngineConfig, SamplingConfig
 from orchestrator.cluster import ClusterConfig
 from orchestrator.corpus import CorpusConfig
 from orchestrator.model_source import ModelSourceConfig

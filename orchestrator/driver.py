@@ -123,7 +123,7 @@ class Driver:
     def run(self) -> RunOutcome:
         model = self.cfg.model.require_path()
         if "://" not in model:  # headers only, before planning: a bad checkpoint stops the run once, by name
-            from engine.checkpoint_check import check_checkpoint
+            from engine import check_checkpoint
 
             check_checkpoint(model)
         if not self.run_dir.is_planned():

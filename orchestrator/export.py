@@ -27,14 +27,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from engine import RECORD_FIELDS as ENGINE_RECORD_FIELDS
 from orchestrator.atomic import atomic_write
 from orchestrator.json_out import dumps
 from orchestrator.manifest import read_manifest
 from orchestrator.results import SAMPLE_SCHEMA
 from orchestrator.rundir import RunDir
 
-RECORD_FIELDS = ["prompt_id", "generation_index", "completion", "token_ids", "logprobs", "finish_reason",
-                 "num_prompt_tokens", "batch_id"]
+RECORD_FIELDS = list(ENGINE_RECORD_FIELDS)  # the exported record: the engine's SampleRecord
 DEFAULT_MEMORY_BYTES = 2 * 2**30
 _SORT_KEYS = [("row", "ascending"), ("generation_index", "ascending")]
 _JSONL_ROWS = 4096  # samples converted to Python objects at a time

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import draccus
 
-from engine.config import EngineConfig, SamplingConfig
+from engine import EngineConfig, SampleRecord, SamplingConfig
 from orchestrator import exit_codes
 from orchestrator.atomic import atomic_write_text
 from orchestrator.corpus import CorpusConfig, RawRow, Rejection, extract_prompt, loads_row, row_id
@@ -104,8 +104,7 @@ def sample_records(engine, lines: Iterable[tuple[int, bytes | dict]], sampling: 
     """One sample record (docs/records.md, `batch_id` null) per (line, generation_index), in input order, for
     numbered input lines (bytes of a JSON line, or a row dict); a line that cannot run gives records with
     `error` set and no tokens. `on_finish` is called once per sample as it finishes."""
-    from engine.engine import Completion
-    from engine.sequence import Request
+    from engine import Request
 
     requests, failed = [], []
     order: list[tuple[str, int]] = []
@@ -120,23 +119,14 @@ def sample_records(engine, lines: Iterable[tuple[int, bytes | dict]], sampling: 
         for g in range(sampling.n):
             order.append((pid, g))
             if ids is None:
-                failed.append(Completion(pid, g, "", [], None, None, 0, err))
+                failed.append(SampleRecord(pid, g, "", [], None, None, 0, error=err))
             else:
                 requests.append(Request(pid, tuple(ids), sampling, generation_index=g))
     done = engine.generate(requests, on_finish=lambda _: on_finish())
     for _ in failed:
         on_finish()
     by_key = {(c.prompt_id, c.generation_index): c for c in done + failed}
-    records = []
-    for key in order:
-        c = by_key[key]
-        record = {"prompt_id": c.prompt_id, "generation_index": c.generation_index, "completion": c.completion,
-                  "token_ids": c.token_ids, "logprobs": c.logprobs, "finish_reason": c.finish_reason,
-                  "num_prompt_tokens": c.num_prompt_tokens, "batch_id": None}
-        if c.error is not None:
-            record["error"] = c.error
-        records.append(record)
-    return records
+    return [by_key[key].to_json() for key in order]
 
 
 def _write_atomically(path: Path, lines: list[str]) -> None:
@@ -156,9 +146,7 @@ def run_generate(cfg: GenerateConfig, explicit: frozenset[str] = frozenset()) ->
     (engine/machine_sizing.py)."""
     from tqdm import tqdm
 
-    from engine.engine import Engine
-    from engine.machine_sizing import size_for_machine, this_machine
-    from engine.model_config import ModelConfig
+    from engine import Engine, ModelConfig, size_for_machine, this_machine
 
     for name in ("model", "input", "output"):
         if not getattr(cfg, name):
@@ -238,8 +226,8 @@ def main(argv: list[str]) -> int:
         return exit_codes.OK
     cfg = parse_args(argv)
     if cfg.engine.attention_impl in ("auto", "cpu_kernel") and cfg.dtype == "float32":
-        from engine import kernel_build
+        from engine import backend_is_cpu_only, start_kernel_build
 
-        if kernel_build.backend_is_cpu_only():  # the compiler runs while JAX, the tokenizer and weights load
-            kernel_build.start()
+        if backend_is_cpu_only():  # the compiler runs while JAX, the tokenizer and weights load
+            start_kernel_build()
     return run_generate(cfg, explicit_engine_keys(argv))

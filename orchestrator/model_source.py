@@ -12,7 +12,8 @@ from typing import Literal
 
 import fsspec
 
-from engine.config import EngineConfig
+import engine as capacity
+from engine import EngineConfig
 
 # Files that make up a tokenizer (hashed for the tokenizer fingerprint).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -102,18 +103,15 @@ def model_config(source: ModelSourceConfig) -> dict:
 
 
 def max_seq_len(source: ModelSourceConfig, engine: EngineConfig) -> int:
-    """Longest sequence (prompt plus completion): engine.max_seq_len, else the model's context length."""
-    if engine.max_seq_len is not None:
-        return engine.max_seq_len
-    config = model_config(source)
-    if "max_position_embeddings" not in config:
-        raise ValueError(f"{source.path}/config.json has no max_position_embeddings; set engine.max_seq_len")
-    return int(config["max_position_embeddings"])
+    """Longest sequence (prompt plus completion), by the engine's rule (engine.capacity.max_seq_len)."""
+    if engine.max_seq_len is not None:  # no need to read config.json
+        return capacity.max_seq_len(engine, None)
+    return capacity.max_seq_len(engine, model_config(source).get("max_position_embeddings"), source.path)
 
 
 def load_tokenizer(source: ModelSourceConfig):
     """The tokenizer as transformers' AutoTokenizer builds it (local directory; never the Hugging Face hub)."""
-    from engine.tokenizer_cache import load_tokenizer as load
+    from engine import load_tokenizer as load
 
     return load(source.tokenizer_path, local_files_only=True)
 

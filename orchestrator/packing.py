@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.config import EngineConfig, SamplingConfig
+from engine import EngineConfig, SamplingConfig, pages_needed
 
 
 @dataclass(frozen=True)
@@ -96,9 +96,7 @@ class PackingLimits:
 
     def page_need(self, num_tokens: np.ndarray | int) -> np.ndarray | int:
         """Exact KV pages for one prompt of `num_tokens` tokens and its `n` samples at full length."""
-        shared = num_tokens // self.page_size
-        per_sample = -(-(num_tokens + self.max_new_tokens) // self.page_size) - shared
-        return shared + self.n * per_sample
+        return pages_needed(num_tokens, self.max_new_tokens, self.page_size, self.n)
 
     def why_unfit(self, num_tokens: int) -> str | None:
         """Why a single prompt can never fit a batch, or None when it can."""

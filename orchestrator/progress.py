@@ -8,7 +8,7 @@ import socket
 import sys
 import time
 
-from engine.stats import prefix_cache_summary
+from engine import prefix_cache_summary
 from orchestrator.atomic import atomic_write_text
 from orchestrator.json_out import dumps
 from orchestrator.manifest import BatchRecord

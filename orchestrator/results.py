@@ -11,19 +11,11 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-# outputs/<id>.parquet and `pagefleet export`: the sample record of docs/records.md, plus `row` (the
-# prompt's corpus row, which orders the export).
-SAMPLE_SCHEMA = pa.schema([
-    ("prompt_id", pa.string()),
-    ("generation_index", pa.int32()),
-    ("completion", pa.string()),
-    ("token_ids", pa.list_(pa.int32())),
-    ("logprobs", pa.list_(pa.float32())),
-    ("finish_reason", pa.string()),
-    ("num_prompt_tokens", pa.int32()),
-    ("batch_id", pa.string()),
-    ("row", pa.int64()),
-])
+from engine import arrow_fields
+
+# outputs/<id>.parquet and `pagefleet export`: the engine's SampleRecord, plus `row` (the prompt's corpus
+# row, which orders the export).
+SAMPLE_SCHEMA = pa.schema([*arrow_fields(), ("row", pa.int64())])
 STATS_KEY = b"pagefleet.batch_stats"  # parquet metadata: the batch's BatchStats as JSON
 
 

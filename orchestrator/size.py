@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.model_config import ModelConfig
+from engine import ModelConfig
 
 GiB = 2**30
 
@@ -251,7 +251,7 @@ def size(cfg: ModelConfig, *, hbm_gib: float, hbm_gb_per_s: float, tp: int = 1, 
     if hbm_gib <= 0 or hbm_gb_per_s <= 0:
         raise SizingError("--hbm-gib and --hbm-gb-per-s must be positive (or pass --chip v5p|v6e|v5e|v4)")
     seq_len = prompt_tokens + new_tokens
-    if seq_len > cfg.max_position_embeddings:
+    if cfg.max_position_embeddings is not None and seq_len > cfg.max_position_embeddings:
         raise SizingError(f"{prompt_tokens} + {new_tokens} tokens exceed the model's context of "
                           f"{cfg.max_position_embeddings} tokens (max_position_embeddings); shorten the workload")
 

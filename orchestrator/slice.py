@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from engine.config import EngineConfig, SamplingConfig
+from engine import RECORD_FIELDS, EngineConfig, SamplingConfig
 from orchestrator.results import SAMPLE_SCHEMA, BatchStats, BatchWork, Completed, Failed, Result, with_stats
 
 TIMELINE_BUCKET_S = 1.0
@@ -109,10 +109,10 @@ class SliceWorker:
         """
         t0 = time.perf_counter()
         if self.spec.num_hosts > 1:
-            from engine.distributed import initialize
+            from engine import initialize_distributed
 
-            initialize(coordinator, self.spec.num_hosts, self.spec.host_index, self.spec.devices_per_host)
-        from engine.engine import Engine
+            initialize_distributed(coordinator, self.spec.num_hosts, self.spec.host_index, self.spec.devices_per_host)
+        from engine import Engine
         from orchestrator.model_source import ModelSourceConfig, load_tokenizer
 
         tokenizer = load_tokenizer(ModelSourceConfig(path=self.spec.model_path, tokenizer=self.spec.tokenizer_path))
@@ -159,7 +159,7 @@ class SliceWorker:
     def _mesh(self):
         width = self.spec.mesh.get("model", 1)
         if self.spec.num_hosts > 1:
-            from engine.distributed import slice_mesh
+            from engine import slice_mesh
 
             return slice_mesh(width)  # every device of every host: one SPMD program
         if width == 1:
@@ -225,7 +225,7 @@ class SliceWorker:
         return None
 
     def _start(self, work: BatchWork) -> None:
-        from engine.sequence import Request
+        from engine import Request
 
         sampling = self.spec.sampling
         ids = work.prompts.column("prompt_id").to_pylist()
@@ -298,17 +298,9 @@ class SliceWorker:
         work = live.work
         ids, rows = work.prompts.column("prompt_id").to_pylist(), work.prompts.column("row").to_pylist()
         samples = [live.done[(pid, g)] for pid in ids for g in range(n)]
-        columns = {
-            "prompt_id": [c.prompt_id for c in samples],
-            "generation_index": [c.generation_index for c in samples],
-            "completion": [c.completion for c in samples],
-            "token_ids": [c.token_ids for c in samples],
-            "logprobs": [c.logprobs for c in samples],
-            "finish_reason": [c.finish_reason for c in samples],
-            "num_prompt_tokens": [c.num_prompt_tokens for c in samples],
-            "batch_id": [work.batch_id] * len(samples),
-            "row": [r for r in rows for _ in range(n)],
-        }
+        columns = {name: [getattr(c, name) for c in samples] for name in RECORD_FIELDS}
+        columns["batch_id"] = [work.batch_id] * len(samples)  # the engine's records carry none
+        columns["row"] = [r for r in rows for _ in range(n)]
         stats = BatchStats(
             num_samples=len(samples), num_output_tokens=sum(len(c.token_ids) for c in samples),
             duration_s=time.time() - live.started, num_steps=live.steps,

@@ -148,7 +148,7 @@ class SliceGang:
             try:
                 self._infos.append(ray.get(ref))
             except ray.exceptions.RayError as e:
-                from engine.checkpoint_check import CheckpointError
+                from engine import CheckpointError
 
                 cause = getattr(e, "cause", None)
                 fatal = isinstance(cause, CheckpointError)

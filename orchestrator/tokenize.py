@@ -18,6 +18,7 @@ from dataclasses import asdict
 import numpy as np
 import pyarrow as pa
 
+from engine import length_error
 from orchestrator.corpus import CorpusConfig, Prompt, RawRow, Rejection, Shard, extract_prompt, read_rows, row_id
 from orchestrator.model_source import ModelSourceConfig, load_tokenizer
 from orchestrator.packing import PackingLimits, leading_page_keys
@@ -86,16 +87,11 @@ class PromptTokenizer:
 
     def check(self, tokens: list[int]) -> tuple[str, str] | None:
         """Why a tokenized prompt cannot run, or None."""
-        num_tokens = len(tokens)
-        if num_tokens == 0:
-            return "empty_prompt", "the prompt has no tokens"
         if (why := out_of_vocabulary(tokens, self.vocab_size)) is not None:
             return "out_of_vocabulary", why
-        new = self.limits.max_new_tokens
-        if num_tokens + new > self.max_seq_len:
-            return "too_long", (f"prompt has {num_tokens:,} tokens + {new:,} new tokens = {num_tokens + new:,}; the "
-                                f"model's context is {self.max_seq_len:,} (engine.max_seq_len / sampling.max_new_tokens)")
-        if (why := self.limits.why_unfit(num_tokens)) is not None:
+        if (problem := length_error(len(tokens), self.limits.max_new_tokens, self.max_seq_len)) is not None:
+            return problem
+        if (why := self.limits.why_unfit(len(tokens))) is not None:
             return "exceeds_budget", f"prompt {why}"
         return None
 

@@ -14,12 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NoReturn, Protocol
 
+from engine import RECORD_FIELDS
+
 # W&B truncates a logged wandb.Table to this many rows (wandb.Table.MAX_ROWS), with only a warning.
 WANDB_TABLE_MAX_ROWS = 10_000
-SAMPLE_COLUMNS = (
-    "prompt_id", "generation_index", "batch_id", "completion", "finish_reason", "num_prompt_tokens",
-    "num_output_tokens",
-)
+# The samples table: the sample record's scalar fields (engine.SampleRecord), which sample first, the token
+# lists summed up as a count.
+_KEY_COLUMNS = ("prompt_id", "generation_index", "batch_id")
+SAMPLE_COLUMNS = (*_KEY_COLUMNS, *(f for f in RECORD_FIELDS if f not in (*_KEY_COLUMNS, "token_ids", "logprobs")),
+                  "num_output_tokens")
 
 BatchRow = dict[str, int | float | str | None]
 
@@ -115,10 +118,8 @@ def sample_row(record: dict[str, Any]) -> list[Any]:
     num_output_tokens = record.get("num_output_tokens")
     if num_output_tokens is None:
         num_output_tokens = len(record.get("token_ids") or ())
-    return [
-        str(record["prompt_id"]), record["generation_index"], record.get("batch_id"), record.get("completion"),
-        record.get("finish_reason"), record.get("num_prompt_tokens"), num_output_tokens,
-    ]
+    values = {**record, "prompt_id": str(record["prompt_id"]), "num_output_tokens": num_output_tokens}
+    return [values.get(column) for column in SAMPLE_COLUMNS]
 
 
 class WandbTracker(HeadOnly):

@@ -25,14 +25,13 @@ __all__ = ["Engine", "EngineConfig", "RunConfig", "SamplingConfig", "generate", 
            "__version__"]
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig, SamplingConfig
-    from engine.engine import Engine
+    from engine import Engine, EngineConfig, SamplingConfig
     from orchestrator.config import RunConfig
     from orchestrator.model_source import resolve_model
     from pagefleet.api import generate, load_config, run
 
-_LAZY = {"Engine": ("engine.engine", "Engine"), "EngineConfig": ("engine.config", "EngineConfig"),
-         "SamplingConfig": ("engine.config", "SamplingConfig"), "RunConfig": ("orchestrator.config", "RunConfig"),
+_LAZY = {"Engine": ("engine", "Engine"), "EngineConfig": ("engine", "EngineConfig"),
+         "SamplingConfig": ("engine", "SamplingConfig"), "RunConfig": ("orchestrator.config", "RunConfig"),
          "generate": ("pagefleet.api", "generate"),
          "load_config": ("pagefleet.api", "load_config"), "run": ("pagefleet.api", "run"),
          "resolve_model": ("orchestrator.model_source", "resolve_model")}

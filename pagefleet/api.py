@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine.engine import Engine
+    from engine import Engine
     from orchestrator.config import RunConfig
     from orchestrator.driver import RunOutcome
 
@@ -46,8 +46,7 @@ def generate(model: str | Engine, prompts: Sequence[Prompt], *, engine: Mapping[
     `sampling`: the `sampling.*` keys (`max_new_tokens=32, temperature=0.7, n=2, seed=1, stop=["\\n"]`).
     A prompt that cannot run gives records with `error` set (as `pagefleet generate` writes them); a bad
     key raises ValueError naming it."""
-    from engine.config import EngineConfig, SamplingConfig
-    from engine.engine import Engine
+    from engine import Engine, EngineConfig, SamplingConfig
     from orchestrator.generate import sample_records
     from orchestrator.model_source import resolve_model
 
@@ -59,8 +58,7 @@ def generate(model: str | Engine, prompts: Sequence[Prompt], *, engine: Mapping[
             raise ValueError("engine keys configure a new engine; this Engine is already built")
         eng = model
     else:
-        from engine.machine_sizing import size_for_machine, this_machine
-        from engine.model_config import ModelConfig
+        from engine import ModelConfig, size_for_machine, this_machine
 
         path, given = resolve_model(str(model), "model"), dict(engine or {})
         # Sized for this machine as `pagefleet generate` sizes its engine; the keys given here are kept.

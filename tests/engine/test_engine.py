@@ -83,7 +83,7 @@ def test_n_samples_share_prompt_pages_and_equal_single_runs(tiny_llama, prompt_l
     while engine.has_unfinished:
         for c in engine.step():
             results[(c.prompt_id, c.generation_index)] = c
-        alloc = engine.runner.kv.allocator
+        alloc = engine.scheduler.allocator
         for seq in engine.scheduler.running:
             if seq.request.generation_index == 0 and len(seq.token_ids) == prompt_len + 1:
                 full = prompt_len // ps
@@ -144,7 +144,7 @@ def test_logical_reset_frees_everything_and_repeats_outputs(tiny_llama):
     requests = [Request(f"r{i}", tuple(range(10 + i, 30 + 3 * i)), SamplingConfig(max_new_tokens=6, temperature=0.8,
                                                                                   seed=2)) for i in range(5)]
     first = engine.generate(requests)
-    assert engine.runner.kv.allocator.num_free == 64 and engine.runner.kv.allocator.max_refcount == 0
+    assert engine.scheduler.allocator.num_free == 64 and engine.scheduler.allocator.max_refcount == 0
     assert float(abs(engine.runner.kv.pool.array).max()) > 0  # logical reset leaves the pool's bytes alone
     second = engine.generate(requests)
     assert [c.token_ids for c in first] == [c.token_ids for c in second]
@@ -153,7 +153,7 @@ def test_logical_reset_frees_everything_and_repeats_outputs(tiny_llama):
 def test_physical_reset_zeroes_the_pool(tiny_llama):
     engine = Engine(tiny_llama, EngineConfig(max_pages=64, max_seq_len=256, reset_mode="physical"))
     engine.generate([Request("a", (5, 6, 7, 8), SamplingConfig(max_new_tokens=4))])
-    assert engine.runner.kv.allocator.num_free == 64
+    assert engine.scheduler.allocator.num_free == 64
     assert float(abs(engine.runner.kv.pool.array).max()) == 0.0
 
 
@@ -169,20 +169,20 @@ def test_cleanup_modes(tiny_llama, mode):
     while engine.has_unfinished:
         for c in engine.step():
             if c.prompt_id == "short":
-                used_after_short = engine.runner.kv.allocator.num_used
+                used_after_short = engine.scheduler.allocator.num_used
     # A finished sequence holds the pages of its cached tokens: the last sampled token is never cached.
     long_pages, short_pages = -(-(22 + 12 - 1) // 4), -(-(3 + 2 - 1) // 4)
     if mode == "incremental":  # the short sequence's pages came back as soon as it finished
         assert used_after_short <= long_pages
-        assert engine.runner.kv.allocator.num_used == 0
+        assert engine.scheduler.allocator.num_used == 0
     else:  # finished sequences keep their pages through the call
-        assert engine.runner.kv.allocator.num_used == long_pages + short_pages
+        assert engine.scheduler.allocator.num_used == long_pages + short_pages
     if mode == "end":
         engine.release_finished()  # what generate() does at the end of a call
-        assert engine.runner.kv.allocator.num_used == 0
+        assert engine.scheduler.allocator.num_used == 0
     if mode == "none":
         engine.reset()
-        assert engine.runner.kv.allocator.num_used == 0
+        assert engine.scheduler.allocator.num_used == 0
 
 
 @pytest.mark.parametrize("max_seqs,expected", [
@@ -195,7 +195,7 @@ def test_decode_rows_are_padded_to_powers_of_four_up_to_the_max_seqs_bucket(max_
 
     from engine.runner import ModelRunner
 
-    runner = SimpleNamespace(engine=EngineConfig(max_seqs=max_seqs, max_seqs_in_prefill=1))
+    runner = SimpleNamespace(config=EngineConfig(max_seqs=max_seqs, max_seqs_in_prefill=1))
     assert {n: ModelRunner.decode_bucket(runner, n) for n in expected} == expected
 
 

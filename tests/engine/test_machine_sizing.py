@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.capacity import pages_for
 from engine.config import EngineConfig
 from engine.machine_sizing import (GiB, Machine, kv_bytes_per_token, size_for_machine, weight_bytes)
 from engine.model_config import ModelConfig
@@ -26,7 +27,7 @@ def test_slots_are_capped_so_that_every_sequence_fits_at_full_length():
     cfg = size_for_machine(EngineConfig(max_seq_len=4096), LLAMA_40M, "float32", Machine("cpu", 2 * GiB))
     assert cfg.max_pages == GiB // 2 // PAGE_BYTES == 1638
     assert cfg.max_seqs == 4 and cfg.max_seqs_in_prefill == 4  # 1638 // 256 = 6 sequences: a power of two below
-    assert cfg.max_seqs * cfg.pages_per_seq(4096) <= cfg.max_pages
+    assert cfg.max_seqs * pages_for(4096, cfg.page_size) <= cfg.max_pages
 
 
 def test_an_accelerator_gives_a_share_of_its_memory_less_the_weights_and_256_slots():

@@ -13,6 +13,7 @@ import transformers
 from engine.config import EngineConfig
 from engine.presets import write_model
 from engine.model_config import ModelConfig, UnsupportedModelError
+from engine.page_allocator import PageAllocator
 from engine.runner import ModelRunner, SeqChunk
 from engine.weights import load_transformer
 from tests.engine.hf_reference import FAMILIES, hf_greedy, make_hf_model
@@ -34,11 +35,12 @@ class PagedSequences:
         self.tokens = [list(p) for p in prompts]
         self.pages: list[list[int]] = [[] for _ in prompts]
         self.cached = [0] * len(prompts)
+        self.allocator = PageAllocator(runner.config.max_pages)  # this driver plays the scheduler
 
     def _reserve(self, total_tokens: list[int]) -> None:
         # One page at a time, round robin: every sequence's pages are scattered through the pool.
-        alloc = self.runner.kv.allocator
-        ps = self.runner.engine.page_size
+        alloc = self.allocator
+        ps = self.runner.config.page_size
         while any(len(p) * ps < n for p, n in zip(self.pages, total_tokens)):
             for p, n in zip(self.pages, total_tokens):
                 if len(p) * ps < n:
@@ -55,7 +57,7 @@ class PagedSequences:
                     chunks.append(SeqChunk(t[self.cached[s]:self.cached[s] + n], self.cached[s], self.pages[s]))
                     owners.append(s)
                     budget -= n
-            for s, row in zip(owners, self.runner.step(chunks)):
+            for s, row in zip(owners, self.runner.logits(chunks)):
                 self.cached[s] += len(chunks[owners.index(s)].token_ids)
                 logits[s] = row
         return np.stack(logits)
@@ -67,7 +69,7 @@ class PagedSequences:
                 self.tokens[s].append(o[-1])
             self._reserve([len(t) for t in self.tokens])
             chunks = [SeqChunk([t[-1]], len(t) - 1, p) for t, p in zip(self.tokens, self.pages)]
-            for o, row in zip(out, self.runner.step(chunks)):
+            for o, row in zip(out, self.runner.logits(chunks)):
                 o.append(int(np.argmax(row)))
         return out
 
@@ -107,7 +109,7 @@ def test_logits_and_greedy_match_transformers(family):
         ref_tokens, gap = hf_greedy(hf, prompt, NEW_TOKENS)
         assert gap > MIN_GAP, f"{name} prompt {s}: top-2 logit gap {gap} is too small for the test to mean anything"
         assert generated[s] == ref_tokens, f"{name} prompt {s} (len {len(prompt)})"
-    runner.kv.allocator.check(seqs.pages)
+    seqs.allocator.check(seqs.pages)
 
 
 @pytest.mark.parametrize("family_name", list(FAMILIES))

@@ -10,7 +10,8 @@ import pytest
 from engine import runner as runner_module
 from engine.config import EngineConfig, SamplingConfig
 from engine.distributed import slice_mesh
-from engine.engine import Completion, Engine
+from engine.engine import Engine
+from engine.record import SampleRecord as Completion
 from engine.presets import write_model
 from engine.sequence import Request
 from engine.stats import EngineStats
@@ -92,11 +93,11 @@ def test_decode_steps_give_the_samples_of_single_steps(tiny_llama):
         stats = engine.stats
         assert max(stats.model_steps) == k, "the multi-step path must have run"
         # Each batch fills every slot: nothing waits, so calls are dispatched ahead of the host's reading.
-        assert (engine.num_pipelined_calls > 0) == pipeline
+        assert (engine.scheduler.num_pipelined_calls > 0) == pipeline
         assert len(stats.step_s) < sum(stats.decode_tokens)
         # The stop string fired mid-call: the tokens generated after it were dropped.
         assert sum(stats.decode_tokens) > sum(len(c.token_ids) for c in got)
-        assert engine.runner.kv.allocator.num_used == 0
+        assert engine.scheduler.allocator.num_used == 0
 
 
 def test_page_pressure_falls_back_to_single_steps(tiny_llama):
@@ -108,7 +109,7 @@ def test_page_pressure_falls_back_to_single_steps(tiny_llama):
     config = {"page_size": 4, "max_pages": 24, "max_seq_len": 96}
     ref, single = run(tiny_llama, 1, [requests], **config)
     got, engine = run(tiny_llama, 4, [requests], **config)
-    assert engine.num_multi_step_fallbacks > 0 and max(engine.stats.model_steps) == 4
+    assert engine.scheduler.num_multi_step_fallbacks > 0 and max(engine.stats.model_steps) == 4
     assert [(c.token_ids, c.finish_reason, c.completion) for c in got] == \
         [(c.token_ids, c.finish_reason, c.completion) for c in ref]
     # Admissions and preemptions now fall at other points of each row's decode, so some of its steps run in
@@ -116,7 +117,7 @@ def test_page_pressure_falls_back_to_single_steps(tiny_llama):
     # (up to ~1.3e-5 on this model's logprobs): the end-to-end bound, 1e-4.
     for a, b in zip(got, ref):
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
-    assert engine.runner.kv.allocator.num_used == 0
+    assert engine.scheduler.allocator.num_used == 0
 
 
 def test_requests_added_while_a_call_runs_ahead_join_after_it(tiny_llama):
@@ -130,13 +131,13 @@ def test_requests_added_while_a_call_runs_ahead_join_after_it(tiny_llama):
                                              max_prefill_size=256, max_seq_len=128, decode_steps=4,
                                              debug_invariants=True))
     done = [c for r in first for c in [engine.add_request(r)] if c is not None]
-    while engine._ahead is None:
+    while engine.scheduler.call_ahead is None:
         done += engine.step()
     for r in late:
         engine.add_request(r)
-    pipelined = engine.num_pipelined_calls
+    pipelined = engine.scheduler.num_pipelined_calls
     done += engine.step()  # reads the call ahead, dispatches nothing more: the new requests wait
-    assert engine._ahead is None and engine.num_pipelined_calls == pipelined and engine.num_waiting > 0
+    assert engine.scheduler.call_ahead is None and engine.scheduler.num_pipelined_calls == pipelined and engine.num_waiting > 0
     while engine.has_unfinished:
         done += engine.step()
     assert sorted(c.prompt_id for c in done) == sorted(alone)
@@ -144,10 +145,10 @@ def test_requests_added_while_a_call_runs_ahead_join_after_it(tiny_llama):
         ref = alone[c.prompt_id]
         assert (c.token_ids, c.finish_reason, c.completion) == (ref.token_ids, ref.finish_reason, ref.completion)
         np.testing.assert_allclose(c.logprobs, ref.logprobs, atol=1e-4, rtol=0)  # other batch shapes: last bits
-    assert engine.num_pipelined_calls > pipelined  # the late ones ran ahead too once nothing waited
+    assert engine.scheduler.num_pipelined_calls > pipelined  # the late ones ran ahead too once nothing waited
     engine.release_finished()
     engine.reset()
-    assert engine.runner.kv.allocator.num_used == 0
+    assert engine.scheduler.allocator.num_used == 0
 
 
 def test_no_call_runs_ahead_when_every_row_ends_in_the_one_before(tiny_llama, monkeypatch):
@@ -173,7 +174,7 @@ def test_no_call_runs_ahead_when_every_row_ends_in_the_one_before(tiny_llama, mo
         np.testing.assert_allclose(c.logprobs, ref.logprobs, atol=1e-4, rtol=0)  # other batch shapes: last bits
     # The first token comes from the prompt's step, then 4 a call: the short rows end in the first call,
     # the long ones in the fifth, which nothing follows.
-    assert calls == [14, 2, 2, 2, 2] and engine.num_pipelined_calls == 4
+    assert calls == [14, 2, 2, 2, 2] and engine.scheduler.num_pipelined_calls == 4
 
 
 @pytest.mark.parametrize("model_axis", [None, 2])
@@ -189,7 +190,7 @@ def test_a_call_and_the_calls_chained_to_it_share_one_program(tiny_llama, model_
     runner_module._steps_sample.clear_cache()
     runner_module._chain.clear_cache()
     engine.generate(requests)
-    assert engine.num_pipelined_calls >= 2
+    assert engine.scheduler.num_pipelined_calls >= 2
     assert runner_module._steps_sample._cache_size() == 1 and runner_module._chain._cache_size() == 1
 
 

@@ -1,4 +1,4 @@
-"""engine/stop.py: stop strings across token boundaries, split UTF-8, EOS, stop ids and length."""
+"""engine/stop.py: stop strings across token boundaries, split UTF-8, EOS ids and length."""
 
 from __future__ import annotations
 
@@ -10,6 +10,28 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from engine.stop import StopChecker, StopDecision
 
 EOS, STOP_ID = 0, 1
+
+
+class Fed:
+    """A StopChecker beside the sample's id list, as the engine holds them (the checker keeps no copy)."""
+
+    def __init__(self, **kwargs) -> None:
+        self.ids: list[int] = []
+        self.checker = StopChecker(**kwargs)
+
+    def push(self, token: int) -> StopDecision | None:
+        self.ids.append(token)
+        return self.checker.push(self.ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The kept ids: up to and including the finishing one."""
+        decision = self.checker.decision
+        return list(self.ids) if decision is None else self.ids[:decision.num_tokens]
+
+    @property
+    def completion(self) -> str:
+        return self.checker.completion
 
 
 # --- a handmade byte vocabulary: every id is an explicit byte string --------------------------
@@ -32,9 +54,8 @@ class ByteVocab:
 
 
 def run(vocab: ByteVocab, ids: list[int], stop: list[str] = (), max_new_tokens: int = 100,
-        stop_token_ids: set[int] = frozenset()) -> tuple[StopChecker, StopDecision | None]:
-    checker = StopChecker(stop_strings=stop, stop_token_ids=stop_token_ids, eos_token_ids={EOS},
-                          max_new_tokens=max_new_tokens, decode=vocab.decode)
+        eos_token_ids: set[int] = frozenset({EOS})) -> tuple[Fed, StopDecision | None]:
+    checker = Fed(stop_strings=stop, eos_token_ids=eos_token_ids, max_new_tokens=max_new_tokens, decode=vocab.decode)
     decision = None
     for token in ids:
         decision = checker.push(token)
@@ -89,13 +110,13 @@ def test_stop_is_caught_on_its_token_when_a_split_character_follows():
     assert run(vocab, ids, ["END"])[1] == StopDecision("stop", 2, "x")
 
 
-def test_eos_and_stop_token_ids():
+def test_eos_ids():
     vocab = ByteVocab()
     ids = vocab.ids(b"hello", b" world")
     checker, decision = run(vocab, [*ids, EOS, *ids])
     assert decision == StopDecision("stop", 3, "hello world")
     assert checker.token_ids == [*ids, EOS]  # the EOS id is kept, its text never is
-    checker, decision = run(vocab, [ids[0], STOP_ID, ids[1]], stop_token_ids={STOP_ID})
+    checker, decision = run(vocab, [ids[0], STOP_ID, ids[1]], eos_token_ids={EOS, STOP_ID})
     assert decision == StopDecision("stop", 2, "hello")
 
 
@@ -148,10 +169,10 @@ def tokenizer() -> Tokenizer:
     return tok
 
 
-def _bpe_run(tok: Tokenizer, text: str, stop: list[str]) -> tuple[list[int], StopChecker, StopDecision]:
+def _bpe_run(tok: Tokenizer, text: str, stop: list[str]) -> tuple[list[int], Fed, StopDecision]:
     ids = tok.encode(text).ids
     assert tok.decode(ids) == text  # byte-level BPE round-trips any text
-    checker = StopChecker(stop_strings=stop, eos_token_ids={EOS}, max_new_tokens=len(ids) + 1,
+    checker = Fed(stop_strings=stop, eos_token_ids={EOS}, max_new_tokens=len(ids) + 1,
                           decode=tok.decode)
     decision = None
     for token in [*ids, EOS]:
@@ -213,7 +234,7 @@ def test_without_stop_strings_the_text_is_decoded_once(tokenizer, text, data):
         return tokenizer.decode(token_ids)
 
     def finish(stop: list[str], decode) -> StopDecision:
-        checker = StopChecker(stop_strings=stop, eos_token_ids={EOS}, max_new_tokens=limit, decode=decode)
+        checker = Fed(stop_strings=stop, eos_token_ids={EOS}, max_new_tokens=limit, decode=decode)
         for token in [*ids, EOS]:
             if (decision := checker.push(token)) is not None:
                 return decision

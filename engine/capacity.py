@@ -1,0 +1,68 @@
+"""What the engine can hold: the one place for the context length, the pages a prompt needs and the rules a
+request must meet. The engine, packing, sizing, tokenizing and the slice all call these. No JAX here."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypeVar
+
+from engine.config import EngineConfig, SamplingConfig
+
+N = TypeVar("N")  # an int, or a numpy integer array (packing measures a whole corpus at once)
+
+
+def max_seq_len(config: EngineConfig, max_position_embeddings: int | None, model: str = "the model") -> int:
+    """Longest sequence (prompt plus completion) in tokens: engine.max_seq_len, else the model's context
+    length (config.json's max_position_embeddings); `model` names the checkpoint in the error."""
+    if config.max_seq_len is not None:
+        return config.max_seq_len
+    if max_position_embeddings is None:
+        raise ValueError(f"{model}'s config.json has no max_position_embeddings; set engine.max_seq_len")
+    return int(max_position_embeddings)
+
+
+def pages_for(num_tokens: N, page_size: int) -> N:
+    """Pages that hold `num_tokens` tokens (ceil)."""
+    return -(-num_tokens // page_size)
+
+
+def pages_needed(num_prompt_tokens: N, max_new_tokens: int, page_size: int, n: int = 1) -> N:
+    """Exact KV pages for one prompt and its `n` samples at full length: the samples share the prompt's full
+    pages and each holds its own copy of the partial last one and its completion's pages."""
+    shared = num_prompt_tokens // page_size
+    return shared + n * (pages_for(num_prompt_tokens + max_new_tokens, page_size) - shared)
+
+
+def check_pool(config: EngineConfig, max_seq_len: int) -> None:
+    """The KV pool must hold one sequence of the longest allowed length."""
+    if config.max_pages * config.page_size < max_seq_len:
+        raise ValueError(
+            f"engine.max_pages={config.max_pages} pages of {config.page_size} tokens hold "
+            f"{config.max_pages * config.page_size} tokens, less than one sequence of engine.max_seq_len="
+            f"{max_seq_len}; raise engine.max_pages to at least {pages_for(max_seq_len, config.page_size)} or "
+            f"lower engine.max_seq_len")
+
+
+def length_error(num_prompt_tokens: int, max_new_tokens: int, max_seq_len: int) -> tuple[str, str] | None:
+    """Why a prompt of this length cannot run, as (reason, detail): `empty_prompt`, or `too_long` (longer
+    than the context with its completion); None when it can."""
+    n, m = num_prompt_tokens, max_new_tokens
+    if n == 0:
+        return "empty_prompt", "empty prompt (0 tokens)"
+    if n + m > max_seq_len:
+        return "too_long", (f"prompt has {n} tokens; with sampling.max_new_tokens={m} it needs {n + m}, more than "
+                            f"the engine's max context of {max_seq_len} tokens (engine.max_seq_len)")
+    return None
+
+
+def validate_request(prompt_token_ids: Sequence[int], sampling: SamplingConfig, max_seq_len: int,
+                     vocab_size: int, has_tokenizer: bool) -> str | None:
+    """Why a request cannot run on the engine, or None; the message starts with the reason a run writes to
+    rejected.jsonl (`too_long: ...`) where there is one."""
+    if (error := length_error(len(prompt_token_ids), sampling.max_new_tokens, max_seq_len)) is not None:
+        return f"{error[0]}: {error[1]}"
+    if any(not 0 <= t < vocab_size for t in prompt_token_ids):
+        return f"out_of_vocabulary: prompt token ids must lie in [0, {vocab_size}) (the model's vocab_size)"
+    if sampling.stop and not has_tokenizer:
+        return "sampling.stop needs a tokenizer to decode text, and the model directory has none"
+    return None

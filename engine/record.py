@@ -1,0 +1,56 @@
+"""The sample record: the one definition of a sample. The Arrow schema of outputs and exports, the JSON lines
+of `pagefleet generate` and the W&B samples table are all derived from `SampleRecord`. No JAX here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class SampleRecord:
+    """One sample. `error` is set (and the sample fields empty) when the request could not run; it is not
+    part of the stored record."""
+
+    prompt_id: str
+    generation_index: int
+    """0 .. n - 1: which of the prompt's samples."""
+    completion: str
+    """The completion text, stop string excluded."""
+    token_ids: list[int]
+    """Generated token ids, up to and including the one that finished the sample."""
+    logprobs: list[float] | None
+    """The chosen tokens' log-probabilities (sampling.logprobs), else None."""
+    finish_reason: str | None
+    """`stop` (EOS or a stop string) | `length` (max_new_tokens); None with an error."""
+    num_prompt_tokens: int
+    batch_id: str | None = None
+    """The batch that produced it (a run); None for `pagefleet generate` and the Python API."""
+    error: str | None = None
+
+    def to_json(self) -> dict:
+        """The JSON record: every field of RECORD_FIELDS, and `error` when set."""
+        record = {name: getattr(self, name) for name in RECORD_FIELDS}
+        if self.error is not None:
+            record["error"] = self.error
+        return record
+
+
+RECORD_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(SampleRecord) if f.name != "error")
+"""The stored record's fields, in order."""
+
+_ARROW_TYPES = {"prompt_id": "string", "generation_index": "int32", "completion": "string",
+                "token_ids": "list<int32>", "logprobs": "list<float32>", "finish_reason": "string",
+                "num_prompt_tokens": "int32", "batch_id": "string"}
+assert tuple(_ARROW_TYPES) == RECORD_FIELDS, "every stored field needs an Arrow type"
+
+
+def arrow_fields() -> list:
+    """pyarrow fields of the stored record, in RECORD_FIELDS order."""
+    import pyarrow as pa
+
+    scalar = {"string": pa.string(), "int32": pa.int32(), "float32": pa.float32()}
+
+    def arrow_type(name: str):
+        return pa.list_(scalar[name[5:-1]]) if name.startswith("list<") else scalar[name]
+
+    return [pa.field(name, arrow_type(_ARROW_TYPES[name])) for name in RECORD_FIELDS]

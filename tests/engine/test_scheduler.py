@@ -1,0 +1,231 @@
+"""engine/scheduler.py alone (no JAX, no model): the engine loop over a dummy runner.
+
+The dummy runner keeps a fake KV pool (slot -> token id) and "predicts" the next token from the token ids it
+reads back through the sequence's page table, so a wrong page table, a lost copy or a page shared by mistake
+changes the samples. Every sample is compared with the same dummy model run on the request alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine import EngineConfig, Request, SamplingConfig
+from engine.engine import Engine
+from engine.scheduler_output import RunnerOutput, SchedulerOutput
+from engine.stats import DeviceClock
+
+VOCAB, EOS = 40, 0
+
+
+def next_token(context: tuple[int, ...], base_key, sampled: bool) -> int:
+    """The dummy model: a hash of the context (and of the sample's key when it samples)."""
+    key = (context, tuple(int(k) for k in base_key) if sampled else None)
+    return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=4).digest(), "little") % VOCAB
+
+
+class DummyRunner:
+    """The runner's contract (SchedulerOutput in, RunnerOutput out) over a fake KV pool."""
+
+    def __init__(self, config: EngineConfig, max_seq_len: int) -> None:
+        self.config, self.max_seq_len = config, max_seq_len
+        self.clock = DeviceClock()
+        self.kv: dict[int, int] = {}
+        self._ahead = None
+        self.first_scheduled: list = []  # sequences in the order their first prompt chunk ran
+
+    def _slot(self, pages, pos: int) -> int:
+        ps = self.config.page_size
+        return pages[pos // ps] * ps + pos % ps
+
+    def _context(self, pages, n: int) -> tuple[int, ...]:
+        return tuple(self.kv[self._slot(pages, p)] for p in range(n))
+
+    def _draw(self, context, seq) -> int:
+        return next_token(context, seq.base_key, seq.request.sampling.temperature > 0)
+
+    def run(self, out: SchedulerOutput) -> RunnerOutput:
+        if out.decode is None:
+            self._ahead = None
+            contexts = []
+            for c in out.chunks:
+                if c.start == 0 and all(s is not c.seq for s in self.first_scheduled):
+                    self.first_scheduled.append(c.seq)
+                for p in range(c.start, c.start + c.num_tokens):
+                    self.kv[self._slot(c.seq.pages, p)] = c.seq.token_ids[p]
+                contexts.append(self._context(c.seq.pages, c.start + c.num_tokens))
+                assert contexts[-1] == tuple(c.seq.token_ids[:c.start + c.num_tokens]), "the KV lost a token"
+            tokens = [self._draw(contexts[i], q) for q, i in zip(out.rows, out.row_chunk)]
+            ps = self.config.page_size
+            for src, dst in zip(*out.copies):
+                for o in range(ps):
+                    if src * ps + o in self.kv:
+                        self.kv[dst * ps + o] = self.kv[src * ps + o]
+            return RunnerOutput(np.array(tokens, np.int32), -np.array(tokens, np.float32) / VOCAB)
+        call = out.decode
+        if call.resume:
+            pending = self._ahead
+        else:
+            pending = self._decode([(q.token_ids[-1], q.num_computed, q.pages, limit, budget, q)
+                                    for q, limit, budget in zip(call.seqs, call.limits, call.budgets)])
+        self._ahead = None if call.chain_pages is None else self._chain(pending, call.chain_pages)
+        return pending[1]
+
+    def _decode(self, rows):
+        K = self.config.decode_steps
+        tokens, steps = np.zeros((K, len(rows)), np.int32), np.zeros(len(rows), np.int32)
+        for r, (token, start, pages, limit, _, seq) in enumerate(rows):
+            if limit == 0:  # a row done before this call: it writes and reads nothing
+                continue
+            context = list(self._context(pages, start))
+            for i in range(limit):
+                self.kv[self._slot(pages, start + i)] = token
+                context.append(token)
+                token = self._draw(tuple(context), seq)
+                tokens[i, r], steps[r] = token, i + 1
+                if token == EOS:
+                    break
+        return rows, RunnerOutput(tokens, -tokens.astype(np.float32) / VOCAB, steps)
+
+    def _chain(self, pending, pages):
+        rows, prev = pending
+        K, chained = self.config.decode_steps, []
+        for r, (token, start, _, limit, remaining, seq) in enumerate(rows):
+            steps = int(prev.steps[r])
+            last = int(prev.tokens[steps - 1, r]) if steps else token
+            stopped = steps > 0 and last == EOS
+            left = remaining - steps
+            live = len(pages[r]) > 0 and limit > 0 and not stopped
+            chained.append((last, start + steps, pages[r], min(K, left) if live else 0, left, seq))
+        return self._decode(chained)
+
+    def reset(self, physical: bool) -> None:
+        self._ahead = None
+        if physical:
+            self.kv.clear()
+
+
+def reference(request: Request, max_seq_len: int) -> list[int]:
+    """The dummy model run on one request alone."""
+    context, out = list(request.prompt_token_ids), []
+    from engine.sampler import sample_base_key
+
+    key = sample_base_key(request.sampling.seed, request.prompt_id, request.generation_index)
+    while len(out) < request.sampling.max_new_tokens:
+        token = next_token(tuple(context), key, request.sampling.temperature > 0)
+        out.append(token)
+        context.append(token)
+        if token == EOS:
+            break
+    return out
+
+
+def make_engine(config: EngineConfig, max_seq_len: int = 64) -> Engine:
+    return Engine.from_runner(DummyRunner(config, max_seq_len), config, VOCAB, {EOS})
+
+
+configs = st.builds(
+    lambda ps, pages, seqs, prefill_seqs, prefill, k, pipe: EngineConfig(
+        page_size=ps, max_pages=max(pages, 64 // ps), max_seqs=seqs, max_seqs_in_prefill=min(prefill_seqs, seqs),
+        max_prefill_size=prefill, decode_steps=k, pipeline_decode=pipe, max_seq_len=64, debug_invariants=True),
+    # cleanup_mode stays incremental: with `end` a call larger than the pool stops by design (the last test)
+    st.sampled_from([2, 4, 8]), st.integers(8, 48), st.integers(1, 8), st.integers(1, 4), st.integers(1, 64),
+    st.integers(1, 4), st.booleans())
+
+workloads = st.lists(st.tuples(st.integers(1, 30), st.integers(1, 20), st.integers(1, 3), st.booleans()),
+                     min_size=1, max_size=10)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(config=configs, workload=workloads, split=st.integers(0, 10), data=st.data())
+def test_samples_equal_the_dummy_model_alone_and_pages_balance(config, workload, split, data):
+    """Whatever the capacities (preemption when pages run short, chunked prefill, forks, multi-step calls
+    and calls run ahead), every sample is the one its request gives alone, and after the call no page is held.
+    Requests arrive in two groups, the second while the first runs."""
+    rng = np.random.default_rng(len(workload))
+    requests = []
+    for i, (length, new, n, sampled) in enumerate(workload):
+        n = min(n, config.max_seqs)
+        prompt = tuple(int(t) for t in rng.integers(1, VOCAB, length))
+        sampling = SamplingConfig(max_new_tokens=min(new, 64 - length), temperature=1.0 if sampled else 0.0, seed=i, n=n)
+        requests += [Request(f"p{i}", prompt, sampling, generation_index=g) for g in range(n)]
+    engine = make_engine(config)
+    done = []
+    for r in requests[:split]:
+        assert engine.add_request(r) is None
+    for _ in range(data.draw(st.integers(0, 5))):
+        if engine.has_unfinished:
+            done += engine.step()
+    for r in requests[split:]:
+        assert engine.add_request(r) is None
+    while engine.has_unfinished:
+        done += engine.step()
+        sched = engine.scheduler
+        assert sched.allocator.num_used == len({p for s in sched.running + sched.retained for p in s.pages})
+    assert sorted((c.prompt_id, c.generation_index) for c in done) == sorted((r.prompt_id, r.generation_index)
+                                                                           for r in requests)
+    by_key = {(c.prompt_id, c.generation_index): c for c in done}
+    for r in requests:
+        got = by_key[(r.prompt_id, r.generation_index)]
+        assert got.token_ids == reference(r, 64), (r.prompt_id, r.generation_index)
+        assert got.finish_reason == ("stop" if got.token_ids[-1] == EOS else "length")
+    # FIFO: the first sample of each prompt starts its prompt in arrival order unless it was preempted.
+    firsts = [s.arrival for s in engine.runner.first_scheduled
+              if s.request.generation_index == 0 and s.num_preemptions == 0]
+    assert firsts == sorted(firsts)
+    engine.release_finished()
+    assert engine.scheduler.allocator.num_used == 0 and engine.scheduler.allocator.max_refcount == 0
+    engine.reset()
+    engine.scheduler.allocator.check()
+
+
+def test_siblings_share_full_prompt_pages_and_copy_the_partial_one():
+    config = EngineConfig(page_size=4, max_pages=32, max_seqs=4, max_seqs_in_prefill=4, max_seq_len=64, decode_steps=1)
+    engine = make_engine(config)
+    sampling = SamplingConfig(max_new_tokens=3, temperature=1.0, n=3)
+    for g in range(3):
+        engine.add_request(Request("p", tuple(range(1, 11)), sampling, generation_index=g))  # 10 tokens: 2 full pages
+    assert len(engine.scheduler.waiting) == 1  # the samples of one prompt queue as one sequence
+    engine.step()
+    seqs = engine.scheduler.running
+    alloc = engine.scheduler.allocator
+    assert len(seqs) == 3 and all(len(q.token_ids) == 11 for q in seqs)
+    assert {tuple(q.pages[:2]) for q in seqs} == {tuple(seqs[0].pages[:2])}
+    assert [alloc.refcount(p) for p in seqs[0].pages[:2]] == [3, 3]
+    assert len({q.pages[2] for q in seqs}) == 3 and all(alloc.refcount(q.pages[2]) == 1 for q in seqs)
+
+
+def test_preemption_frees_pages_and_recompute_restores_the_samples():
+    """Too few pages for every sequence at full length: the newest is preempted and recomputed later."""
+    config = EngineConfig(page_size=2, max_pages=32, max_seqs=4, max_seqs_in_prefill=4, max_seq_len=64,
+                          decode_steps=2, debug_invariants=True)
+    engine = make_engine(config)
+    requests = [Request(f"p{i}", tuple(range(1 + i, 13 + i)), SamplingConfig(max_new_tokens=20)) for i in range(4)]
+    done = engine.generate(requests)
+    assert engine.scheduler.num_preemptions > 0
+    assert [c.token_ids for c in done] == [reference(r, 64) for r in requests]
+    assert engine.scheduler.allocator.num_used == 0
+
+
+def test_multi_step_reservations_are_released():
+    config = EngineConfig(page_size=4, max_pages=64, max_seqs=4, max_seqs_in_prefill=4, max_seq_len=64, decode_steps=4)
+    engine = make_engine(config)
+    requests = [Request(f"p{i}", (5 + i, 6, 7), SamplingConfig(max_new_tokens=30, temperature=1.0, seed=i))
+                for i in range(4)]
+    done = engine.generate(requests, reset=False)
+    assert engine.scheduler.num_pipelined_calls > 0
+    assert [c.token_ids for c in done] == [reference(r, 64) for r in requests]
+    assert engine.scheduler.allocator.num_used == 0
+
+
+def test_nothing_fits_is_an_answer_with_the_fix():
+    config = EngineConfig(page_size=4, max_pages=16, max_seqs=2, max_seqs_in_prefill=2, max_seq_len=64, cleanup_mode="none")
+    engine = make_engine(config)
+    engine.generate([Request("a", tuple(range(1, 50)), SamplingConfig(max_new_tokens=8))], reset=False)
+    engine.add_request(Request("b", tuple(range(1, 50)), SamplingConfig(max_new_tokens=8)))
+    with pytest.raises(RuntimeError, match="cleanup_mode=incremental"):
+        engine.step()
