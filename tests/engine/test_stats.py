@@ -38,7 +38,7 @@ def test_device_time_outside_a_step_is_not_counted():
 
 def test_the_prefix_cache_counters_reach_the_summary_and_clear_with_it():
     stats = EngineStats()
-    with StepTimer(stats, [], DeviceClock()):
+    with StepTimer(stats, DeviceClock()):
         stats.prefix_cache_query_tokens += 400  # what the scheduler's cache records at admission
         stats.prefix_cache_hit_tokens += 300
     s = stats.summary(max_seqs=4)
