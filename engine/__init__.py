@@ -11,6 +11,7 @@ import importlib
 
 from engine.capacity import check_pool, length_error, max_seq_len, pages_for, pages_needed, validate_request
 from engine.config import EngineConfig, SamplingConfig, SamplingParams
+from engine.model_bytes import DTYPE_BYTES, GiB, ParamCount, count_params, kv_bytes_per_token
 from engine.record import RECORD_FIELDS, SampleRecord, arrow_fields
 from engine.sequence import Request
 
@@ -38,7 +39,7 @@ _LAZY = {
 }
 
 __all__ = ["Engine", "EngineConfig", "SamplingConfig", "SamplingParams", "Request", "SampleRecord", "RECORD_FIELDS",
-           "arrow_fields", "check_pool", "length_error", "max_seq_len", "pages_for", "pages_needed",
+           "arrow_fields", "DTYPE_BYTES", "GiB", "ParamCount", "count_params", "kv_bytes_per_token", "check_pool", "length_error", "max_seq_len", "pages_for", "pages_needed",
            "validate_request", *[name for name in _LAZY if name != "Engine"]]
 
 

@@ -26,10 +26,9 @@ from dataclasses import dataclass
 
 from engine.capacity import pages_for
 from engine.config import EngineConfig
+from engine.model_bytes import DTYPE_BYTES, GiB, count_params, kv_bytes_per_token
 from engine.model_config import ModelConfig
 
-GiB = 2**30
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 CPU_KV_SHARE = 0.25
 """Of the host memory available when the engine starts, the share its KV pool may take."""
@@ -73,18 +72,9 @@ def _mem_available_bytes() -> int:
     raise RuntimeError("/proc/meminfo has no MemAvailable line; set engine.kv_memory_gib")
 
 
-def kv_bytes_per_token(model: ModelConfig, dtype: str) -> int:
-    """K and V of one token in every layer (the pool's layout: [layers, 2, pages, page_size, kv_heads, head_dim])."""
-    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * DTYPE_BYTES[dtype]
-
-
 def weight_bytes(model: ModelConfig, dtype: str) -> int:
     """Parameters of a Llama-family model (attention, MLP, norms, embeddings, lm_head) in `dtype`."""
-    h, d = model.hidden_size, model.head_dim
-    attn = h * (model.num_heads + 2 * model.num_kv_heads) * d + model.num_heads * d * h
-    per_layer = attn + 3 * h * model.intermediate_size + 2 * h
-    embed = model.vocab_size * h * (1 if model.tie_word_embeddings else 2)
-    return (model.num_layers * per_layer + embed + h) * DTYPE_BYTES[dtype]
+    return count_params(model).total * DTYPE_BYTES[dtype]
 
 
 def kv_memory_bytes(config: EngineConfig, model: ModelConfig, dtype: str, machine: Machine) -> int:
@@ -107,7 +97,7 @@ def size_for_machine(config: EngineConfig, model: ModelConfig, dtype: str, machi
     max_pages = config.max_pages
     if "max_pages" not in explicit:
         budget = kv_memory_bytes(config, model, dtype, machine)
-        max_pages = max(0, budget) // (config.page_size * kv_bytes_per_token(model, dtype))
+        max_pages = max(0, budget) // (config.page_size * kv_bytes_per_token(model, DTYPE_BYTES[dtype]))
         if max_pages < seq_pages:
             raise ValueError(
                 f"a KV budget of {budget / GiB:.2f} GiB holds {max_pages} pages of {config.page_size} tokens, fewer "

@@ -6,7 +6,7 @@ import pytest
 
 from engine.capacity import pages_for
 from engine.config import EngineConfig
-from engine.machine_sizing import (GiB, Machine, kv_bytes_per_token, size_for_machine, weight_bytes)
+from engine.machine_sizing import GiB, Machine, kv_bytes_per_token, size_for_machine, weight_bytes
 from engine.model_config import ModelConfig
 
 LLAMA_40M = ModelConfig.from_hf({"model_type": "llama", "hidden_size": 512, "intermediate_size": 1536,
@@ -17,7 +17,7 @@ PAGE_BYTES = 16 * 2 * 10 * 4 * 64 * 4  # page_size * K and V * layers * kv_heads
 
 def test_a_cpu_engine_takes_a_quarter_of_available_memory_and_at_most_64_slots():
     cfg = size_for_machine(EngineConfig(), LLAMA_40M, "float32", Machine("cpu", 20 * GiB))
-    assert kv_bytes_per_token(LLAMA_40M, "float32") * 16 == PAGE_BYTES
+    assert kv_bytes_per_token(LLAMA_40M, 4) * 16 == PAGE_BYTES
     assert cfg.max_pages == 5 * GiB // PAGE_BYTES == 16384
     assert cfg.max_seqs == 64 and cfg.max_prefill_size == 4096  # 16384 pages hold 64 sequences of 4,096 tokens
     assert cfg.max_seqs_in_prefill == EngineConfig().max_seqs_in_prefill
