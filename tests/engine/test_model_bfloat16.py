@@ -84,6 +84,6 @@ def test_bfloat16_matches_transformers_in_bfloat16(tmp_path, preset):
             for s, (ref_tokens, _, _) in enumerate(refs):
                 seqs.tokens[s].append(ref_tokens[i])
             seqs._reserve([len(t) for t in seqs.tokens])
-            step_logits = runner.step([SeqChunk([t[-1]], len(t) - 1, p) for t, p in zip(seqs.tokens, seqs.pages)])
+            step_logits = runner.logits([SeqChunk([t[-1]], len(t) - 1, p) for t, p in zip(seqs.tokens, seqs.pages)])
     # Most steps have a clear margin (about 2 in 3 on these presets): the comparison is not vacuous.
     assert compared >= 0.5 * len(prompts) * NEW_TOKENS, compared
