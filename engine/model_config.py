@@ -93,6 +93,11 @@ class ModelConfig:
             raise UnsupportedModelError(f"config.json hidden_act={act!r} is not supported; only 'silu'")
         if hf.get("mlp_bias", False):
             raise UnsupportedModelError("config.json mlp_bias=true is not supported")
+        missing = [k for k in ("num_attention_heads", "hidden_size", "num_hidden_layers", "intermediate_size",
+                               "vocab_size") if k not in hf]
+        if missing:
+            raise UnsupportedModelError(f"config.json has no {', '.join(missing)}; a Llama-family checkpoint's "
+                                        "config.json names them (is this the model's own config.json?)")
         num_heads = hf["num_attention_heads"]
         num_kv_heads = hf.get("num_key_value_heads") or num_heads
         if num_heads % num_kv_heads:

@@ -122,14 +122,14 @@ class Driver:
 
     def run(self) -> RunOutcome:
         model = self.cfg.model.require_path()
-        if "://" not in model:  # headers only, before planning: a bad checkpoint stops the run once, by name
-            from engine import check_checkpoint
-
-            check_checkpoint(model)
         if not self.run_dir.is_planned():
             from orchestrator.planner import refuse_impossible
 
             refuse_impossible(self.cfg)  # before the run directory or Ray exists
+        if "://" not in model:  # headers only, before planning: a bad checkpoint stops the run once, by name
+            from engine import check_checkpoint
+
+            check_checkpoint(model)
         with RunLock(self.run_dir.root):
             try:
                 return self._run_locked()

@@ -163,6 +163,9 @@ def test_unsupported_configs_name_the_field(tmp_path):
         ModelConfig.from_hf({**base, "hidden_act": "gelu"})
     with pytest.raises(UnsupportedModelError, match="num_key_value_heads=3"):
         ModelConfig.from_hf({**base, "num_key_value_heads": 3})
+    # A config.json without the fields a decoder needs is named in one line, not a KeyError.
+    with pytest.raises(UnsupportedModelError, match="config.json has no num_attention_heads, num_hidden_layers"):
+        ModelConfig.from_hf({k: v for k, v in base.items() if k not in ("num_attention_heads", "num_hidden_layers")})
 
 
 def test_released_checkpoint_rope_fields_are_read():

@@ -181,11 +181,12 @@ def test_a_corpus_of_blank_lines_is_refused_in_one_line(tiny_model, tmp_path, ca
 
 
 @pytest.mark.parametrize("command", ["plan", "run"])
-def test_a_corpus_with_every_row_rejected_exits_fault(tiny_model, tmp_path, capsys, ray_local, command):
+def test_a_corpus_with_every_row_rejected_exits_fault(run_model, tmp_path, capsys, ray_local, command):
+    """A whole checkpoint (`run` reads its safetensors headers before planning), every corpus row bad."""
     corpus = tmp_path / "bad.jsonl"
     corpus.write_bytes(b"{not json\n" + b'{"id": "w", "prompt": 7}\n' + b'{"id": "e", "prompt": ""}\n')
     run_dir = tmp_path / "run"
-    args = [command, str(DEMO), f"--model.path={tiny_model}", f"--corpus.path={corpus}", f"--run_dir={run_dir}",
+    args = [command, str(DEMO), f"--model.path={run_model}", f"--corpus.path={corpus}", f"--run_dir={run_dir}",
             "--tracker.type=noop"]
     err = _one_line_fault(capsys, args)
     assert "all 3 rows were rejected" in err and "rejected.jsonl" in err
