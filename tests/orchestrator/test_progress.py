@@ -2,6 +2,7 @@
 
 import io
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -72,6 +73,7 @@ def test_a_run_into_a_file_prints_progress_lines_and_the_slices_it_waits_for(run
     assert done.returncode == 0, text[-3000:]
     assert "\r" not in text
     assert sum(line.startswith("progress: ") for line in text.splitlines()) >= 2, text[-3000:]
-    assert ("2 of 4 slices wait for resources the cluster does not have (2 started): a slice needs CPU 1, the "
-            "cluster has CPU 2 in all") in text, text[-3000:]
+    # How many of the two that fit have started when a line is printed depends on the machine's speed.
+    assert re.search(r"2 of 4 slices wait for resources the cluster does not have \([0-2] started\): a slice needs "
+                     r"CPU 1, the cluster has CPU 2 in all", text), text[-3000:]
     assert "slices wait for resources the cluster does not have" in (tmp_path / "run" / "events.log").read_text()
