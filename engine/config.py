@@ -54,6 +54,11 @@ class EngineConfig:
     sequence waits for a slot (a row that stops would keep its slot one call longer). Same tokens either
     way; a row finished by a stop string runs one call more, its tokens discarded. False reads each call
     before dispatching the next."""
+    prefix_caching: bool = True
+    """Reuse the KV of full prompt pages across sequences with the same leading tokens (within a call and across
+    calls and batches): a new sequence maps the cached pages of its prompt's leading full pages and computes
+    only the rest. Cached pages nobody maps are reclaimed, least recently used first, only when pages run out.
+    Samples are the same either way."""
     debug_invariants: bool = False
     """Check page-allocator and sequence invariants after every step (slow; for debugging)."""
 

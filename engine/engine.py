@@ -146,6 +146,8 @@ class Engine:
         out = self.scheduler.schedule()
         if out.is_empty:
             raise RuntimeError(self.scheduler.stuck_message())
+        self.stats.prefix_cache_query_tokens += out.cache_query_tokens
+        self.stats.prefix_cache_hit_tokens += out.cache_hit_tokens
         with StepTimer(self.stats, self.runner.clock) as timer:
             result = self.runner.run(out)
             _count(timer, out, result)
@@ -201,10 +203,11 @@ class Engine:
 
     # -- whole calls, reset ---------------------------------------------------------------------
 
-    def generate(self, requests: Iterable[Request], reset: bool = True,
+    def generate(self, requests: Iterable[Request], reset: bool = False,
                  on_finish: Callable[[SampleRecord], None] | None = None) -> list[SampleRecord]:
-        """Run every request to completion; results in request order. Ends with a reset unless told not to.
-        `stats` then describe this call alone (its performance summary: `stats.summary(max_seqs)`)."""
+        """Run every request to completion; results in request order. Ends with every page released but the
+        prefix cache kept for the next call (`settle`), or with a reset when told (`reset=True`). `stats` then
+        describe this call alone (its performance summary: `stats.summary(max_seqs)`)."""
         requests = list(requests)
         keys = [(r.prompt_id, r.generation_index) for r in requests]
         if len(set(keys)) != len(keys):
@@ -223,18 +226,31 @@ class Engine:
                 results[(done.prompt_id, done.generation_index)] = done
                 if on_finish:
                     on_finish(done)
-        if self.config.cleanup_mode == "end":
-            self.scheduler.release_finished()
         if reset:
             self.reset()
+        else:
+            self.settle()
         return [results[(r.prompt_id, r.generation_index)] for r in requests]
 
     def release_finished(self) -> None:
         """Free the pages that finished sequences still hold (cleanup_mode `end` or `none`)."""
         self.scheduler.release_finished()
 
+    def settle(self) -> None:
+        """Between calls, with nothing unfinished: free the pages finished sequences hold and forget a call
+        dispatched ahead; the prefix cache stays for later requests. Under reset_mode `physical` (the pool is
+        zeroed between calls) this is a reset. Executed the same way on every host."""
+        if self.config.reset_mode == "physical":
+            self.reset()
+            return
+        if self.scheduler.has_work:
+            raise RuntimeError("settle while sequences are still running; finish or drop them first")
+        self.scheduler.reset(keep_cache=True)
+        self.runner.reset(physical=False)
+
     def reset(self, mode: str | None = None) -> None:
-        """Drop every allocation; `physical` also zeroes the KV pool. Executed the same way on every host."""
+        """Drop every allocation and the prefix cache; `physical` also zeroes the KV pool. Executed the same way
+        on every host."""
         mode = mode or self.config.reset_mode
         if mode not in ("logical", "physical"):
             raise ValueError(f"reset mode must be 'logical' or 'physical', got {mode!r}")
@@ -263,7 +279,7 @@ class Engine:
         return {"active_seqs": len(sched.running), "waiting_seqs": len(sched.waiting),
                 "pages_in_use": alloc.num_used, "free_pages": alloc.num_free, "max_refcount": alloc.max_refcount,
                 "num_preemptions": sched.num_preemptions, "num_multi_step_fallbacks": sched.num_multi_step_fallbacks,
-                "num_pipelined_calls": sched.num_pipelined_calls}
+                "num_pipelined_calls": sched.num_pipelined_calls, "cached_pages": alloc.num_cached}
 
 
 def _count(timer: StepTimer, out: SchedulerOutput, result: RunnerOutput) -> None:

@@ -1,14 +1,30 @@
-"""Host-side page allocator: the only owner of which KV page belongs to which sequence. No JAX here.
+"""Host-side page allocator: the only owner of which KV page belongs to which sequence, and of the prefix
+cache's pages. No JAX here.
 
-Invariants (see `check`):
-- a page is either free (reference count 0, on the free list exactly once) or in use (count >= 1);
-- counts never go negative; freeing a free page is an error, not a silent no-op;
-- after `reset` every page is free.
+A page is in exactly one of three states:
+- in use: reference count >= 1 (mapped by that many sequences);
+- cached and evictable: count 0, its KV still valid and findable by its key, in an LRU order;
+- free: count 0, not cached, on the free list exactly once.
+
+The prefix cache identifies a full, computed prompt page by its key `(parent, tokens)`: the page holding the
+previous page's tokens of the same prompt (-1 for the first page) and the page's own token ids. The parent
+stands for the whole chain before it, so the key names every token the page's KV depends on; the lookup is a
+dict lookup, which confirms the key by equality (a hash collision can never map the wrong KV). A cached page
+stays cached while its count is 0 and is only reclaimed (least recently freed first) when `allocate` runs
+out of free pages; reclaiming a page uncaches its descendants too (their keys name it), and they are never in
+use then, since a sequence maps a prompt's pages from the first one on.
+
+Invariants (see `check`): counts never go negative; freeing a page whose count is 0 is an error, not a
+silent no-op; a cached page's parent is cached; after `reset` every page is free and nothing is cached.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
+
+PageKey = tuple[int, tuple[int, ...]]
+"""A cached page's identity: (parent page or -1, the page's token ids)."""
 
 
 class PageAllocationError(RuntimeError):
@@ -20,17 +36,21 @@ class PageAllocator:
         if num_pages < 1:
             raise ValueError(f"num_pages must be at least 1, got {num_pages}")
         self.num_pages = num_pages
-        self._refcount = [0] * num_pages
-        # Pop from the end: page 0 is handed out first after a reset, which keeps runs reproducible.
-        self._free = list(range(num_pages - 1, -1, -1))
+        self.reset()
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages `allocate` can hand out: free ones and cached ones no sequence maps."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.num_pages - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Pages the prefix cache can serve (in use or evictable)."""
+        return len(self._page_of)
 
     def refcount(self, page: int) -> int:
         return self._refcount[page]
@@ -40,36 +60,94 @@ class PageAllocator:
         return max(self._refcount)
 
     def allocate(self, num: int) -> list[int] | None:
-        """`num` fresh pages with count 1, or None (nothing taken) when fewer than `num` are free."""
+        """`num` pages with count 1, uncached, or None (nothing taken) when fewer than `num` can be had. Free
+        pages go first; then the least recently freed cached pages are reclaimed."""
         if num < 0:
             raise ValueError(f"cannot allocate {num} pages")
-        if num > len(self._free):
+        if num > self.num_free:
             return None
-        pages = [self._free.pop() for _ in range(num)]
+        pages = []
+        for _ in range(num):
+            if not self._free:
+                self._uncache(next(iter(self._evictable)))  # puts it (and its descendants) on the free list
+            pages.append(self._free.pop())
         for p in pages:
             self._refcount[p] = 1
         return pages
 
     def share(self, pages: Iterable[int]) -> None:
-        """Add one reference to each page (another sequence maps it too)."""
+        """Add one reference to each page (another sequence maps it too); a cached page nobody mapped leaves
+        the evictable set."""
         for p in pages:
-            if self._refcount[p] < 1:
-                raise PageAllocationError(f"cannot share page {p}: it is free")
+            if self._refcount[p] == 0:
+                if p not in self._evictable:
+                    raise PageAllocationError(f"cannot share page {p}: it is free")
+                del self._evictable[p]
             self._refcount[p] += 1
 
     def free(self, pages: Iterable[int]) -> None:
-        """Drop one reference from each page; a page whose count reaches 0 returns to the free list."""
+        """Drop one reference from each page. A page whose count reaches 0 returns to the free list, or, when
+        cached, to the evictable set, last page first: a prompt's later pages are reclaimed before the earlier
+        ones that other prompts share."""
+        evictable = []
         for p in pages:
             if self._refcount[p] < 1:
                 raise PageAllocationError(f"double free of page {p}")
             self._refcount[p] -= 1
             if self._refcount[p] == 0:
+                if self._key[p] is None:
+                    self._free.append(p)
+                else:
+                    evictable.append(p)
+        for p in reversed(evictable):
+            self._evictable[p] = None
+
+    # -- the prefix cache --------------------------------------------------------------------------
+
+    def lookup(self, key: PageKey) -> int | None:
+        """The cached page under `key`, or None."""
+        return self._page_of.get(key)
+
+    def cache(self, page: int, key: PageKey) -> bool:
+        """Make an in-use page findable under `key` (its KV is, or is being, computed for those tokens); False
+        when another page already holds the key (the page stays uncached)."""
+        if self._refcount[page] < 1 or self._key[page] is not None:
+            raise PageAllocationError(f"cannot cache page {page}: it is free or cached already")
+        parent = key[0]
+        if parent >= 0 and self._key[parent] is None:
+            raise PageAllocationError(f"cannot cache page {page}: its parent page {parent} is not cached")
+        if key in self._page_of:
+            return False
+        self._page_of[key] = page
+        self._key[page] = key
+        if parent >= 0:
+            self._children.setdefault(parent, []).append(page)
+        return True
+
+    def _uncache(self, page: int) -> None:
+        """Forget `page` and every page whose key descends from it; those not in use become free."""
+        stack = [page]
+        parent = self._key[page][0]
+        if parent >= 0:
+            self._children[parent].remove(page)
+        while stack:
+            p = stack.pop()
+            del self._page_of[self._key[p]]
+            self._key[p] = None
+            stack.extend(self._children.pop(p, ()))
+            if p in self._evictable:
+                del self._evictable[p]
                 self._free.append(p)
 
     def reset(self) -> None:
-        """Forget every allocation (logical reset)."""
+        """Forget every allocation and the cache (logical reset)."""
         self._refcount = [0] * self.num_pages
+        # Pop from the end: page 0 is handed out first after a reset, which keeps runs reproducible.
         self._free = list(range(self.num_pages - 1, -1, -1))
+        self._key: list[PageKey | None] = [None] * self.num_pages
+        self._page_of: dict[PageKey, int] = {}
+        self._children: dict[int, list[int]] = {}  # cached page -> cached pages whose key names it as parent
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, count 0; least recently freed first
 
     def check(self, live_page_lists: Iterable[Iterable[int]] = ()) -> None:
         """Raise AssertionError if an invariant is broken; `live_page_lists` are the pages each live sequence maps."""
@@ -79,9 +157,16 @@ class PageAllocator:
                 counts[p] += 1
         free_set = set(self._free)
         assert len(free_set) == len(self._free), "a page is on the free list twice"
+        assert not free_set & set(self._evictable), "a page is both free and evictable"
         for p, c in enumerate(self._refcount):
             assert c >= 0, f"page {p} has negative count {c}"
-            assert (c == 0) == (p in free_set), f"page {p}: count {c} but free-list membership {p in free_set}"
+            cached = self._key[p] is not None
+            assert (c == 0 and not cached) == (p in free_set), f"page {p}: count {c}, cached {cached}, free {p in free_set}"
+            assert (c == 0 and cached) == (p in self._evictable), f"page {p}: count {c}, cached {cached}, evictable"
             assert counts[p] <= c, f"page {p} is mapped by {counts[p]} live sequences but has count {c}"
-            if c == 0:
-                assert counts[p] == 0, f"free page {p} is mapped by a live sequence"
+            if cached:
+                assert self._page_of[self._key[p]] == p, f"page {p}'s key maps to another page"
+                parent = self._key[p][0]
+                assert parent < 0 or self._key[parent] is not None, f"cached page {p}'s parent {parent} is not cached"
+                assert parent < 0 or p in self._children[parent], f"cached page {p} is not among its parent's children"
+        assert len(self._page_of) == sum(k is not None for k in self._key), "a key maps to an uncached page"

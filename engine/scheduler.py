@@ -8,6 +8,13 @@ count catches up with its token count, which gives chunked prefill and mixed ste
 first, then prompt chunks; a slot freed by a finished sequence goes to the next waiting one in the same
 step. Running out of pages is an answer, not a crash: the newest running sequence is preempted (its pages
 freed, its tokens recomputed later).
+
+Prefix caching (`engine.prefix_caching`): a sequence being admitted maps the cached pages of its prompt's
+leading full pages and computes only the rest; a full prompt page is cached as soon as the step that computes
+it is scheduled. A later sequence of the same step may map it: each layer writes the step's new K/V into the
+pool before any attention reads it. Cached pages outlive their sequences (the allocator reclaims them when
+pages run out), so a prompt preempted or sent again later finds its prefix too. Which pages are cached
+depends only on the requests and their order, so every host of a slice decides the same.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from collections import deque
 
 from engine.capacity import pages_for
 from engine.config import EngineConfig
-from engine.page_allocator import PageAllocator
+from engine.page_allocator import PageAllocator, PageKey
 from engine.scheduler_output import DecodeCall, ScheduledChunk, SchedulerOutput
 from engine.sequence import Sequence
 
@@ -35,6 +42,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_multi_step_fallbacks = 0  # decode-only steps run singly because their pages were not free
         self.num_pipelined_calls = 0  # multi-step calls dispatched ahead
+        self._cache_query_tokens = 0  # prompt tokens of sequences admitted with a cache lookup, this step
+        self._cache_hit_tokens = 0  # of those, tokens whose KV the cache held
 
     # -- sequences ---------------------------------------------------------------------------------
 
@@ -89,14 +98,18 @@ class Scheduler:
             seq.pages = []
         self.retained = []
 
-    def reset(self) -> None:
-        """Forget every allocation (after every sequence finished, or when dropping them all)."""
+    def reset(self, keep_cache: bool = False) -> None:
+        """Forget every sequence and allocation (after every sequence finished, or when dropping them all);
+        `keep_cache` (only when no sequence is left) keeps the prefix cache's pages for later requests."""
+        if keep_cache and self.has_work:
+            raise RuntimeError("the prefix cache is kept only when no sequence is left")
+        self.release_finished()
         self.waiting.clear()
         self.running.clear()
-        self.retained = []
         self._last_queued = None
         self._ahead = None
-        self.allocator.reset()
+        if not keep_cache:
+            self.allocator.reset()
 
     # -- one step ----------------------------------------------------------------------------------
 
@@ -107,6 +120,7 @@ class Scheduler:
         if self._ahead is not None:
             seqs = self._ahead
             return SchedulerOutput(decode=DecodeCall(seqs, resume=True, chain_pages=self._chain(seqs)))
+        self._cache_query_tokens = self._cache_hit_tokens = 0
         chunks = self._schedule_chunks()
         limits = self._reserve_multi_step(chunks)
         if limits is not None:
@@ -114,7 +128,8 @@ class Scheduler:
             budgets = [q.tokens_left(self.max_seq_len) for q in seqs]
             return SchedulerOutput(chunks, decode=DecodeCall(seqs, False, limits, budgets, self._chain(seqs)))
         rows, row_chunk, copies = self._fork(chunks)
-        return SchedulerOutput(chunks, rows, row_chunk, copies)
+        return SchedulerOutput(chunks, rows, row_chunk, copies, cache_query_tokens=self._cache_query_tokens,
+                               cache_hit_tokens=self._cache_hit_tokens)
 
     def _schedule_chunks(self) -> list[ScheduledChunk]:
         budget = self.config.max_prefill_size
@@ -138,21 +153,69 @@ class Scheduler:
                 self._preempt(victim)
             if seq in self.running:
                 chunks.append(ScheduledChunk.of(seq, n))
+                self._cache_pages(seq, n)
                 scheduled.add(id(seq))
                 budget -= n
                 num_prefill += seq.num_pending > 1
         # 2. Admit waiting sequences while slots, budget and pages allow (FIFO: stop at the first that does not fit).
         while self.head_has_slots and budget > 0 and num_prefill < self.config.max_seqs_in_prefill:
             seq = self.waiting[0]
+            hit = self._map_cached(seq)
             n = min(seq.num_pending, budget)
             if not self._grow(seq, n):
+                self._unmap(seq)
                 break
             self.waiting.popleft()
             self.running.append(seq)
             chunks.append(ScheduledChunk.of(seq, n))
+            self._cache_pages(seq, n)
+            if self.config.prefix_caching:
+                self._cache_query_tokens += seq.num_prompt_tokens
+                self._cache_hit_tokens += hit
             budget -= n
             num_prefill += 1
         return chunks
+
+    # -- the prefix cache --------------------------------------------------------------------------
+
+    def _page_key(self, seq: Sequence, i: int) -> PageKey:
+        ps = self.config.page_size
+        return (seq.pages[i - 1] if i else -1, tuple(seq.token_ids[i * ps:(i + 1) * ps]))
+
+    def _map_cached(self, seq: Sequence) -> int:
+        """Map the cached pages of a sequence's leading full prompt pages (it computes nothing yet); the
+        tokens they hold. The last token is always computed: its logits pick the next token."""
+        if not self.config.prefix_caching or seq.pages:
+            return 0
+        ps = self.config.page_size
+        for i in range(min(seq.num_prompt_tokens, len(seq.token_ids) - 1) // ps):
+            page = self.allocator.lookup(self._page_key(seq, i))
+            if page is None:
+                break
+            self.allocator.share([page])
+            seq.pages.append(page)
+        seq.num_cached_pages = len(seq.pages)
+        seq.num_computed = len(seq.pages) * ps
+        return seq.num_computed
+
+    def _unmap(self, seq: Sequence) -> None:
+        """Undo `_map_cached` for a sequence that cannot be admitted now."""
+        self.allocator.free(seq.pages)
+        seq.pages = []
+        seq.num_computed = seq.num_cached_pages = 0
+
+    def _cache_pages(self, seq: Sequence, num_tokens: int) -> None:
+        """Cache the full prompt pages this step's chunk of `num_tokens` completes (scheduled, so computed
+        before any later step reads them, and written before any attention of this step reads them)."""
+        if not self.config.prefix_caching:
+            return
+        end = min(seq.num_computed + num_tokens, seq.num_prompt_tokens) // self.config.page_size
+        while seq.caching and seq.num_cached_pages < end:
+            i = seq.num_cached_pages
+            if not self.allocator.cache(seq.pages[i], self._page_key(seq, i)):
+                seq.caching = False
+                return
+            seq.num_cached_pages += 1
 
     def _pages_short(self, seq: Sequence, num_tokens: int) -> int:
         """Pages the sequence lacks to hold `num_tokens` tokens past its computed ones."""
@@ -170,7 +233,8 @@ class Scheduler:
         self.running.remove(seq)
         self.allocator.free(seq.pages)
         seq.pages = []
-        seq.num_computed = 0
+        seq.num_computed = seq.num_cached_pages = 0
+        seq.caching = True
         seq.num_preemptions += 1
         self.num_preemptions += 1
         # Back to the head of the queue, in arrival order among the preempted.
@@ -255,6 +319,7 @@ class Scheduler:
                     src.append(parent.pages[num_full])
                     dst.append(own[0])
                 sib.num_computed = parent.num_prompt_tokens  # the parent's prompt, computed in this step
+                sib.num_cached_pages, sib.caching = parent.num_cached_pages, False  # the parent caches them
                 self.running.append(sib)  # its slot was counted at the parent's admission
             parent.siblings = []
         return rows, row_chunk, (src, dst)

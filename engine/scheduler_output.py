@@ -57,6 +57,8 @@ class SchedulerOutput:
     row_chunk: list[int] = field(default_factory=list)
     copies: tuple[list[int], list[int]] = ((), ())
     decode: DecodeCall | None = None
+    cache_query_tokens: int = 0  # prompt tokens of the sequences admitted in this step with a prefix cache lookup
+    cache_hit_tokens: int = 0  # of those, tokens whose KV came from cached pages (not computed)
 
     @property
     def is_empty(self) -> bool:

@@ -37,6 +37,12 @@ class Sequence:
     num_preemptions: int = 0
     siblings: list["Sequence"] = field(default_factory=list)
     """Other samples of the same prompt, waiting to fork from this one when its prompt is computed."""
+    num_cached_pages: int = 0
+    """Leading pages the prefix cache holds for this sequence's prompt (mapped from it or cached by it); pages
+    from there on are cached as their tokens are scheduled, until one's key is already held elsewhere."""
+    caching: bool = True
+    """False once a page of this sequence could not be cached (another page holds its key): later pages would
+    chain from an uncached parent, so they are not cached either."""
 
     @property
     def num_prompt_tokens(self) -> int:

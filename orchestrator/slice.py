@@ -278,7 +278,7 @@ class SliceWorker:
                 if self.spec.engine.cleanup_mode == "end":  # a batch is this mode's "call"
                     self.engine.release_finished()
         if not self.engine.has_unfinished:
-            self.engine.reset()  # idle: every page back, the same way on every host
+            self.engine.settle()  # idle: every page back (the prefix cache kept), the same way on every host
         self._wake_head()
 
     def _wake_head(self) -> None:

@@ -7,6 +7,7 @@ changes the samples. Every sample is compared with the same dummy model run on t
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import numpy as np
@@ -229,3 +230,92 @@ def test_nothing_fits_is_an_answer_with_the_fix():
     engine.add_request(Request("b", tuple(range(1, 50)), SamplingConfig(max_new_tokens=8)))
     with pytest.raises(RuntimeError, match="cleanup_mode=incremental"):
         engine.step()
+
+
+# -- the prefix cache ------------------------------------------------------------------------------
+
+prefixed_workloads = st.lists(st.tuples(st.integers(0, 2), st.integers(0, 12), st.integers(1, 16), st.integers(1, 3),
+                                        st.booleans()), min_size=1, max_size=12)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(config=configs, workload=prefixed_workloads, split=st.integers(0, 12), calls=st.integers(1, 2), data=st.data())
+def test_prompts_sharing_prefixes_give_the_same_samples_with_the_cache_on_and_off(config, workload, split, calls, data):
+    """Prompts behind one of three shared prefixes (up to 40 tokens, several pages), arriving in two groups and
+    over one or two calls: with the cache on, every sample is the one its request gives alone (the dummy
+    runner reads each token back through the page table, so a page mapped from the cache that holds other
+    tokens changes the sample), every step keeps the allocator's invariants, and the cache served tokens
+    whenever a prompt's leading full page was computed before it was admitted."""
+    rng = np.random.default_rng(len(workload))
+    prefixes = [tuple(int(t) for t in rng.integers(1, VOCAB, n)) for n in (40, 24, 9)]
+    requests = []
+    for i, (which, extra, new, n, sampled) in enumerate(workload):
+        n = min(n, config.max_seqs)
+        prompt = prefixes[which] + tuple(int(t) for t in rng.integers(1, VOCAB, extra))
+        sampling = SamplingConfig(max_new_tokens=min(new, 63 - len(prompt)), temperature=1.0 if sampled else 0.0,
+                                  seed=i, n=n)
+        requests += [Request(f"p{i}", prompt, sampling, generation_index=g) for g in range(n)]
+    results = {}
+    for caching in (True, False):
+        engine = make_engine(dataclasses.replace(config, prefix_caching=caching))
+        done, hits = [], 0
+        for call in range(calls):
+            for r in requests[:split]:
+                assert engine.add_request(r) is None
+            for _ in range(data.draw(st.integers(0, 5))) if caching and call == 0 else ():
+                if engine.has_unfinished:
+                    done += engine.step()
+            for r in requests[split:]:
+                assert engine.add_request(r) is None
+            while engine.has_unfinished:
+                done += engine.step()
+            engine.settle()
+            hits += engine.stats.prefix_cache_hit_tokens
+            engine.stats.clear()
+            assert engine.scheduler.allocator.num_used == 0
+            engine.scheduler.allocator.check()
+        for c in done:
+            request = next(r for r in requests if (r.prompt_id, r.generation_index) == (c.prompt_id, c.generation_index))
+            assert c.token_ids == reference(request, 64), (c.prompt_id, c.generation_index, caching)
+        results[caching] = sorted((c.prompt_id, c.generation_index, tuple(c.token_ids)) for c in done)
+        if not caching:
+            assert hits == 0 and engine.scheduler.allocator.num_cached == 0
+        elif calls == 2 and any(len(r.prompt_token_ids) > config.page_size for r in requests):
+            assert hits > 0  # the second call finds the first call's pages (nothing evicts them: the pool is idle)
+    assert results[True] == results[False]
+
+
+def test_a_prompt_whose_prefix_was_evicted_recomputes_it():
+    """A pool that holds one prompt: the second prompt reclaims the first's cached pages, and the first sent
+    again computes its prefix anew, with the same samples."""
+    config = EngineConfig(page_size=4, max_pages=11, max_seqs=1, max_seqs_in_prefill=1, max_seq_len=44,
+                          debug_invariants=True)
+    engine = make_engine(config, max_seq_len=44)
+    a = Request("a", tuple(range(1, 37)), SamplingConfig(max_new_tokens=8))
+    b = Request("b", tuple(range(2, 38)), SamplingConfig(max_new_tokens=8))
+    first = engine.generate([a])[0].token_ids
+    assert engine.scheduler.allocator.num_cached == 9  # 36 prompt tokens: 9 full pages, all cached
+    assert engine.generate([a])[0].token_ids == first
+    assert engine.stats.prefix_cache_hit_tokens == 32  # the last page is recomputed for the last token's logits
+    engine.generate([b])  # 44 tokens: 11 pages, so a's 9 cached pages are reclaimed
+    assert engine.scheduler.allocator.lookup((-1, tuple(range(1, 5)))) is None
+    assert engine.generate([a])[0].token_ids == first == reference(a, 44)
+    assert engine.stats.prefix_cache_hit_tokens == 0
+    engine.reset()
+    assert engine.scheduler.allocator.num_cached == 0
+
+
+def test_a_later_sequence_of_the_same_step_maps_the_pages_an_earlier_one_computes():
+    config = EngineConfig(page_size=4, max_pages=64, max_seqs=4, max_seqs_in_prefill=4, max_prefill_size=64,
+                          max_seq_len=64, decode_steps=1)
+    engine = make_engine(config)
+    prefix = tuple(range(1, 21))  # 5 full pages
+    requests = [Request(f"p{i}", prefix + (30 + i,), SamplingConfig(max_new_tokens=4)) for i in range(3)]
+    for r in requests:
+        engine.add_request(r)
+    out = engine.scheduler.schedule()
+    assert [c.num_tokens for c in out.chunks] == [21, 1, 1]  # the two later prompts compute only their last token
+    assert out.cache_query_tokens == 63 and out.cache_hit_tokens == 40
+    assert [c.seq.pages[:5] for c in out.chunks[1:]] == [out.chunks[0].seq.pages[:5]] * 2
+    engine.scheduler.reset()
+    assert [c.token_ids for c in make_engine(config).generate(requests)] == [reference(r, 64) for r in requests]
