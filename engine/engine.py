@@ -74,7 +74,8 @@ class Engine:
     def from_runner(cls, runner, config: EngineConfig, vocab_size: int, eos_token_ids: Iterable[int],
                     tokenizer=None) -> "Engine":
         """An engine over a given runner: anything with `run(SchedulerOutput) -> RunnerOutput`, `reset`,
-        `clock` and `max_seq_len` (a dummy model drives the loop in tests). Single-host."""
+        `clock`, `transfers` (a TransferLedger) and `max_seq_len` (a dummy model drives the loop in tests).
+        Single-host."""
         engine = cls.__new__(cls)
         engine._multihost, engine._requests_digest, engine._requests_agreed = False, None, True
         engine._setup(config, runner, vocab_size, set(eos_token_ids), tokenizer)
@@ -148,7 +149,7 @@ class Engine:
             raise RuntimeError(self.scheduler.stuck_message())
         self.stats.prefix_cache_query_tokens += out.cache_query_tokens
         self.stats.prefix_cache_hit_tokens += out.cache_hit_tokens
-        with StepTimer(self.stats, self.runner.clock) as timer:
+        with StepTimer(self.stats, self.runner.clock, self.runner.transfers) as timer:
             result = self.runner.run(out)
             _count(timer, out, result)
         done = self._take_tokens(out, result) if out.decode is None else self._take_steps(out, result)

@@ -14,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from engine.model import kv_pool_axes
 from engine.model_config import ModelConfig
+from engine.transfers import TransferLedger
 from engine.weights import partition_spec
 
 
@@ -23,9 +24,11 @@ class KVCache:
     Page p of the scheduler's allocator is page p of every layer (layer i's copy sits at i * num_pages + p).
     """
 
-    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32,
-                 mesh: Mesh | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, transfers: TransferLedger,
+                 dtype=jnp.float32, mesh: Mesh | None = None) -> None:
+        """`transfers`: the runner's ledger, which counts the page indices a page copy sends."""
         self.num_pages = num_pages
+        self._transfers = transfers
         self.page_size = page_size
         self._axes = kv_pool_axes(cfg, num_pages, page_size)
         self._dtype = dtype
@@ -49,7 +52,8 @@ class KVCache:
         d = np.full(n, np.iinfo(np.int32).max, np.int32)  # padding: out of range, dropped
         s[:len(src)], d[:len(dst)] = src, dst
         layers = self.pool.array.shape[0] // self.num_pages
-        self.pool = hax.named(_copy_pages(self.pool.array, s, d, self.num_pages, layers), self.pool.axes)
+        with self._transfers.sending(page_copies=(s, d)):
+            self.pool = hax.named(_copy_pages(self.pool.array, s, d, self.num_pages, layers), self.pool.axes)
 
     def zero(self) -> None:
         """A fresh zeroed pool (a physical reset, or after a failed step donated the pool away)."""

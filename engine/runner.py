@@ -29,6 +29,7 @@ from engine.scheduler_output import RunnerOutput, SchedulerOutput
 from engine.sequence import Sequence as Seq
 from engine.stats import DeviceClock
 from engine.step_inputs import StepInputs
+from engine.transfers import TransferLedger
 
 MIN_ROWS = 64
 """Every matmul of a step runs on 1 row or on at least this many (tokens of a step, rows of its logits), so a
@@ -204,7 +205,8 @@ class ModelRunner:
         self.max_seq_len = max_seq_len
         self.stop_ids = sorted(stop_ids)
         self.pages_per_seq = pages_for(max_seq_len, config.page_size)  # page-table width
-        self.kv = KVCache(model.config, config.max_pages, config.page_size, kv_dtype, mesh)
+        self.transfers = TransferLedger()  # every read of a device output and every host input below goes through it
+        self.kv = KVCache(model.config, config.max_pages, config.page_size, self.transfers, kv_dtype, mesh)
         self.clock = DeviceClock()  # every dispatch and every wait for outputs below is timed on it
         impl = resolve_attention_impl(config.attention_impl, kv_dtype)
         self._settings = {
@@ -323,8 +325,9 @@ class ModelRunner:
         engine's path (it samples on the device): for checks against a reference model and step timings."""
         inputs = self.build_inputs(chunks)  # host arrays: the jitted call copies them (cheaper than jnp.asarray)
         with self.clock.timing():
-            self.kv.pool, logits = _logits(self.model, self.kv.pool, inputs, self._settings_for(chunks))
-            return np.asarray(logits.array)[:len(chunks)]  # read the local replica, slice on the host
+            with self.transfers.sending(**_sent(inputs)):
+                self.kv.pool, logits = _logits(self.model, self.kv.pool, inputs, self._settings_for(chunks))
+            return self.transfers.read(logits=logits.array)[0][:len(chunks)]  # the local replica, sliced on the host
 
     def step_sample(self, chunks: Sequence[SeqChunk], rows: Sequence[RowSampling],
                     row_chunk: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -335,9 +338,11 @@ class ModelRunner:
         mode, sampling = _sampling_mode(rows, self.model.config.vocab_size), _sampling_arrays(rows, S)
         n = len(rows)
         with self.clock.timing():
-            self.kv.pool, tokens, logprobs = _step_sample(self.model, self.kv.pool, inputs, self._settings_for(chunks),
-                                                          mode, *sampling, positions)
-            return np.asarray(tokens)[:n], np.asarray(logprobs)[:n]
+            with self.transfers.sending(**_sent(inputs), sampling=(*sampling, positions)):
+                self.kv.pool, tokens, logprobs = _step_sample(self.model, self.kv.pool, inputs,
+                                                              self._settings_for(chunks), mode, *sampling, positions)
+            tokens, logprobs = self.transfers.read(tokens=tokens, logprobs=logprobs)
+            return tokens[:n], logprobs[:n]
 
     def dispatch_multi_step(self, rows: Sequence[DecodeRow], stop_ids: Sequence[int], num_steps: int,
                             remaining: Sequence[int] | None = None) -> PendingSteps:
@@ -368,7 +373,7 @@ class ModelRunner:
         # host builds the same rows; no cross-host check (device_put would make one on every call).
         mesh = self._settings[1].mesh
         replicated = self.kv.pool.array.sharding if mesh is None else NamedSharding(mesh, P())
-        with self.clock.timing():
+        with self.clock.timing(), self.transfers.sending(step_inputs=per_row):
             per_row = tuple(jax.make_array_from_process_local_data(replicated, x) for x in per_row)
         return self._launch(*per_row, mode, sampling, stops, len(rows), [row.pages for row in rows], num_steps)
 
@@ -380,7 +385,7 @@ class ModelRunner:
         S = prev.steps.shape[0]
         live = np.zeros(S, bool)
         live[:len(pages)] = [len(p) > 0 for p in pages]
-        with self.clock.timing():
+        with self.clock.timing(), self.transfers.sending(step_inputs=live, sampling=prev.stops):
             token_ids, starts, remaining, limits = _chain(prev.tokens, prev.steps, prev.token_ids, prev.starts,
                                                           prev.remaining, prev.limits, live, prev.stops, num_steps)
         return self._launch(token_ids, starts, limits, remaining, prev.mode, prev.sampling, prev.stops,
@@ -391,10 +396,12 @@ class ModelRunner:
         page_array = np.zeros((stops.shape[0], self.pages_per_seq), np.int32)
         for r, row_pages in enumerate(pages):
             page_array[r, :len(row_pages)] = row_pages
-        with self.clock.timing():
+        num_seqs = np.array([num_rows], np.int32)
+        with self.clock.timing(), self.transfers.sending(step_inputs=num_seqs, page_tables=page_array,
+                                                         sampling=(*sampling, stops)):
             self.kv.pool, tokens, logprobs, steps = _steps_sample(
                 self.model, self.kv.pool, self._settings[1], num_steps, mode, token_ids, starts, limits, page_array,
-                np.array([num_rows], np.int32), *sampling, stops)
+                num_seqs, *sampling, stops)
         return PendingSteps(tokens, logprobs, steps, token_ids, starts, limits, remaining, mode, sampling, stops,
                             num_rows)
 
@@ -403,7 +410,16 @@ class ModelRunner:
         steps i32[rows]); row r's tokens are tokens[:steps[r], r]."""
         n = pending.num_rows
         with self.clock.timing():
-            return np.asarray(pending.tokens)[:, :n], np.asarray(pending.logprobs)[:, :n], np.asarray(pending.steps)[:n]
+            tokens, logprobs, steps = self.transfers.read(tokens=pending.tokens, logprobs=pending.logprobs,
+                                                          steps=pending.steps)
+            return tokens[:, :n], logprobs[:, :n], steps[:n]
+
+
+def _sent(inputs: StepInputs) -> dict[str, tuple[np.ndarray, ...]]:
+    """A step's host arrays by transfer category (engine.transfers): its page table, and the rest."""
+    rest = (inputs.token_ids, inputs.positions, inputs.slot_mapping, inputs.cu_q_lens, inputs.kv_lens, inputs.num_seqs,
+            inputs.logits_indices)
+    return {"step_inputs": rest, "page_tables": (inputs.page_indices,)}
 
 
 def _row_sampling(seq: Seq) -> RowSampling:

@@ -6,8 +6,14 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+from engine.transfers import transfer_summary
+
+if TYPE_CHECKING:
+    from engine.transfers import TransferLedger
 
 
 class DeviceClock:
@@ -40,6 +46,8 @@ class EngineStats:
     model_steps: list[int] = field(default_factory=list)  # forward passes per step: > 1 for a multi-step decode call
     prefix_cache_query_tokens: int = 0  # prompt tokens of admitted sequences looked up in the prefix cache
     prefix_cache_hit_tokens: int = 0  # of those, tokens whose KV came from cached pages (not computed)
+    device_to_host_bytes: dict[str, int] = field(default_factory=dict)  # by category (engine.transfers), over the steps
+    host_to_device_bytes: dict[str, int] = field(default_factory=dict)  # by category, over the steps
     first_start: float | None = None  # perf_counter at the first step's start
     last_end: float = 0.0  # perf_counter at the last step's end
 
@@ -49,18 +57,25 @@ class EngineStats:
             values.clear()
         self.first_start, self.last_end = None, 0.0
         self.prefix_cache_query_tokens = self.prefix_cache_hit_tokens = 0
+        self.device_to_host_bytes.clear()
+        self.host_to_device_bytes.clear()
 
     def prefix_cache(self) -> dict[str, float]:
         """Prompt tokens looked up in the prefix cache, those served from it, and their ratio (0 with no query)."""
         return prefix_cache_summary(self.prefix_cache_query_tokens, self.prefix_cache_hit_tokens)
 
+    def transfers(self) -> dict[str, float]:
+        """Bytes the steps moved each way, total and by category, and per generated token (engine.transfers)."""
+        return transfer_summary(self.device_to_host_bytes, self.host_to_device_bytes, sum(self.decode_tokens))
+
     def summary(self, max_seqs: int) -> dict[str, float]:
         """p50/p90/max step time (ms); the loop's wall time from the first step's start to the last one's end,
         split into device calls and host work between and around them (s); prefill and decode tokens/s over
         the steps; mean and peak slot occupancy (fraction of max_seqs); mean forward passes per step (device
-        call); the prefix cache's query and hit tokens and hit rate."""
+        call); the prefix cache's query and hit tokens and hit rate; the bytes moved between host and device
+        (`transfers`)."""
         if not self.step_s:
-            return {"steps": 0, **self.prefix_cache()}
+            return {"steps": 0, **self.prefix_cache(), **self.transfers()}
         t = np.asarray(self.step_s)
         total = float(t.sum())
         wall = self.last_end - self.first_start
@@ -79,6 +94,7 @@ class EngineStats:
             "max_slot_occupancy": max(self.active_seqs) / max_seqs,
             "mean_model_steps": float(np.mean(self.model_steps)),
             **self.prefix_cache(),
+            **self.transfers(),
         }
 
 
@@ -90,12 +106,14 @@ def prefix_cache_summary(query_tokens: int, hit_tokens: int) -> dict[str, float]
 
 class StepTimer:
     """Context manager that records one step (one device call) into EngineStats: its wall time, its time in
-    device calls, and the counts the engine sets before the block ends (sequences that ran, prompt or
-    recomputed tokens, tokens drawn, forward passes)."""
+    device calls, the bytes its transfer ledger counted (the step is the ledger's device call), and the counts
+    the engine sets before the block ends (sequences that ran, prompt or recomputed tokens, tokens drawn,
+    forward passes)."""
 
-    def __init__(self, stats: EngineStats, clock: DeviceClock) -> None:
+    def __init__(self, stats: EngineStats, clock: DeviceClock, transfers: TransferLedger) -> None:
         self.stats = stats
         self.clock = clock
+        self.transfers = transfers
         self.active_seqs = 0
         self.prefill_tokens = 0
         self.decode_tokens = 0
@@ -117,3 +135,7 @@ class StepTimer:
         self.stats.prefill_tokens.append(self.prefill_tokens)
         self.stats.active_seqs.append(self.active_seqs)
         self.stats.model_steps.append(self.model_steps)
+        d2h, h2d = self.transfers.end_call()
+        for totals, counts in ((self.stats.device_to_host_bytes, d2h), (self.stats.host_to_device_bytes, h2d)):
+            for category, n in counts.items():
+                totals[category] = totals.get(category, 0) + n

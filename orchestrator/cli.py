@@ -7,6 +7,7 @@ import errno
 import os
 import sys
 
+from engine.trace import traces
 from orchestrator.exit_codes import BATCHES_FAILED, FAULT, INTERRUPTED, OK
 
 
@@ -214,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pagefleet: unknown command {command!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
         return FAULT
     try:
+        traces()  # a bad PAGEFLEET_TRACE is refused here, on the head, before any slice or engine starts
         return COMMANDS[command](rest)
     except KeyboardInterrupt:
         print(f"pagefleet {command}: interrupted", file=sys.stderr)

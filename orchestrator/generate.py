@@ -22,7 +22,7 @@ from orchestrator.corpus import CorpusConfig, RawRow, Rejection, extract_prompt,
 from orchestrator.json_out import dumps
 from orchestrator.model_source import resolve_model
 from orchestrator.prompt_checks import out_of_vocabulary, render_chat
-from orchestrator.progress import format_prefix_cache
+from orchestrator.progress import format_prefix_cache, format_transfers
 
 
 @dataclass(frozen=True)
@@ -190,6 +190,7 @@ def run_generate(cfg: GenerateConfig, explicit: frozenset[str] = frozenset()) ->
               f"slot occupancy mean {summary['mean_slot_occupancy']:.2f}, max {summary['max_slot_occupancy']:.2f}; "
               f"{counters['num_preemptions']} preemptions", file=sys.stderr)
     print(f"prefix cache: {format_prefix_cache(summary)}", file=sys.stderr)
+    print(f"transfers: {format_transfers(summary)}", file=sys.stderr)
     if cfg.stats_output:
         _write_atomically(Path(cfg.stats_output), [dumps({**summary, **counters}, indent=1) + "\n"])
     return exit_codes.FAULT if records and errors == len(records) else exit_codes.OK

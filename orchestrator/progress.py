@@ -8,7 +8,8 @@ import socket
 import sys
 import time
 
-from engine import prefix_cache_summary
+from engine import (TRANSFER_DIRECTIONS, prefix_cache_summary, sum_transfer_counters, transfer_counter_key,
+                    transfer_summary)
 from orchestrator.atomic import atomic_write_text
 from orchestrator.json_out import dumps
 from orchestrator.manifest import BatchRecord
@@ -158,6 +159,26 @@ def prefix_cache(timeline: list[dict]) -> dict[str, float] | None:
         return None
     return prefix_cache_summary(sum(b["prefix_cache_query_tokens"] for b in counted),
                                 sum(b["prefix_cache_hit_tokens"] for b in counted))
+
+
+def transfers(timeline: list[dict]) -> dict[str, float] | None:
+    """The bytes the engine loops moved between host and device over the whole run, every slice summed: per
+    direction the total, by category, and per generated token; None before any bucket has them."""
+    counted = [b for b in timeline if "decode_tokens" in b]  # buckets written with the transfer counters
+    if not counted:
+        return None
+    return transfer_summary(*sum_transfer_counters(counted), sum(b["decode_tokens"] for b in counted))
+
+
+def format_transfers(figures: dict[str, float]) -> str:
+    """One line: device-to-host bytes (the figure that must stay small: no KV page, no logits) by category with
+    bytes per generated token, then host-to-device bytes."""
+    def by_category(direction: str) -> str:
+        parts = [f"{c} {n:,}" for c in TRANSFER_DIRECTIONS[direction]
+                 if (n := figures[transfer_counter_key(direction, c)])]
+        return (f"{figures[f'{direction}_bytes']:,} B" + (f" ({', '.join(parts)})" if parts else "") +
+                f", {figures[f'{direction}_bytes_per_token']:,.1f} B per generated token")
+    return f"device to host {by_category('device_to_host')}; host to device {by_category('host_to_device')}"
 
 
 def format_prefix_cache(figures: dict[str, float]) -> str:

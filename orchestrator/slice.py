@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from engine import RECORD_FIELDS, EngineConfig, SamplingConfig
+from engine import RECORD_FIELDS, EngineConfig, SamplingConfig, transfer_counters
 from orchestrator.results import SAMPLE_SCHEMA, BatchStats, BatchWork, Completed, Failed, Result, with_stats
 
 TIMELINE_BUCKET_S = 1.0
@@ -328,7 +328,10 @@ class SliceWorker:
                                    "occupancy": b[3] / b[1] / self.spec.engine.max_seqs,
                                    "device_s": perf.get("device_s", 0.0), "host_s": perf.get("host_s", 0.0),
                                    "prefix_cache_query_tokens": perf["prefix_cache_query_tokens"],
-                                   "prefix_cache_hit_tokens": perf["prefix_cache_hit_tokens"]})
+                                   "prefix_cache_hit_tokens": perf["prefix_cache_hit_tokens"],
+                                   "decode_tokens": b[2],  # with the transfer counters: their bytes per token
+                                   **transfer_counters(self.engine.stats.device_to_host_bytes,
+                                                       self.engine.stats.host_to_device_bytes)})
             self._bucket = [0.0, 0, 0, 0]
             self.engine.stats.clear()  # only the last step is read here: keep a days-long run's memory flat
 

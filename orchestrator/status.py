@@ -10,8 +10,8 @@ from collections import Counter
 from pathlib import Path
 
 from orchestrator.manifest import read_manifest
-from orchestrator.progress import (engine_time, format_engine_time, format_prefix_cache, mean_occupancy, prefix_cache,
-                                   read_timeline)
+from orchestrator.progress import (engine_time, format_engine_time, format_prefix_cache, format_transfers,
+                                   mean_occupancy, prefix_cache, read_timeline, transfers)
 from orchestrator.rundir import RunDir
 
 
@@ -65,6 +65,7 @@ def status(run_dir_path: str | Path) -> dict:
         "mean_occupancy": mean_occupancy(timeline),
         "engine_time": dict(zip(("device_s", "host_s"), split)) if (split := engine_time(timeline)) else None,
         "prefix_cache": prefix_cache(timeline),
+        "transfers": transfers(timeline),
         "failed": [{"batch_id": r.batch_id, "attempts": r.attempts, "error": r.error}
                    for r in records if r.status == "failed"],
     }
@@ -94,6 +95,8 @@ def format_status(s: dict) -> str:
         lines.append(f"engine time    {format_engine_time((s['engine_time']['device_s'], s['engine_time']['host_s']))}")
     if s["prefix_cache"] is not None:
         lines.append(f"prefix cache   {format_prefix_cache(s['prefix_cache'])}")
+    if s["transfers"] is not None:
+        lines.append(f"transfers      {format_transfers(s['transfers'])}")
     for f in s["failed"]:
         lines.append(f"failed {f['batch_id']} after {f['attempts']} attempts:")
         lines += [f"    {line}" for line in (f["error"] or "").strip().splitlines()[-6:]]

@@ -19,6 +19,7 @@ from engine import EngineConfig, Request, SamplingConfig
 from engine.engine import Engine
 from engine.scheduler_output import RunnerOutput, SchedulerOutput
 from engine.stats import DeviceClock
+from engine.transfers import TransferLedger
 
 VOCAB, EOS = 40, 0
 
@@ -35,6 +36,7 @@ class DummyRunner:
     def __init__(self, config: EngineConfig, max_seq_len: int) -> None:
         self.config, self.max_seq_len = config, max_seq_len
         self.clock = DeviceClock()
+        self.transfers = TransferLedger()  # a dummy moves nothing: every call's bytes are 0
         self.kv: dict[int, int] = {}
         self._ahead = None
         self.first_scheduled: list = []  # sequences in the order their first prompt chunk ran

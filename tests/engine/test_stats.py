@@ -5,16 +5,17 @@ from __future__ import annotations
 import time
 
 from engine.stats import DeviceClock, EngineStats, StepTimer
+from engine.transfers import TransferLedger, transfer_summary
 
 
 def test_wall_time_splits_into_device_calls_and_host_work():
     stats, clock = EngineStats(), DeviceClock()
-    with StepTimer(stats, clock):
+    with StepTimer(stats, clock, TransferLedger()):
         time.sleep(0.01)  # host work inside the step (input packing)
         with clock.timing():
             time.sleep(0.05)  # a device call
     time.sleep(0.03)  # host work between steps (stop checks, scheduling)
-    with StepTimer(stats, clock):
+    with StepTimer(stats, clock, TransferLedger()):
         with clock.timing():
             time.sleep(0.02)
     s = stats.summary(max_seqs=4)
@@ -28,20 +29,53 @@ def test_device_time_outside_a_step_is_not_counted():
     stats, clock = EngineStats(), DeviceClock()
     with clock.timing():
         time.sleep(0.02)  # before any step: not this call's
-    with StepTimer(stats, clock):
+    with StepTimer(stats, clock, TransferLedger()):
         pass
     assert stats.summary(max_seqs=4)["device_s"] < 0.01
     stats.clear()
     assert stats.summary(max_seqs=4) == {"steps": 0, "prefix_cache_query_tokens": 0, "prefix_cache_hit_tokens": 0,
-                                         "prefix_cache_hit_rate": 0.0} and stats.first_start is None
+                                         "prefix_cache_hit_rate": 0.0, **transfer_summary({}, {}, 0)}
+    assert stats.first_start is None
 
 
 def test_the_prefix_cache_counters_reach_the_summary_and_clear_with_it():
     stats = EngineStats()
-    with StepTimer(stats, DeviceClock()):
+    with StepTimer(stats, DeviceClock(), TransferLedger()):
         stats.prefix_cache_query_tokens += 400  # what the scheduler's cache records at admission
         stats.prefix_cache_hit_tokens += 300
     s = stats.summary(max_seqs=4)
     assert (s["prefix_cache_query_tokens"], s["prefix_cache_hit_tokens"], s["prefix_cache_hit_rate"]) == (400, 300, 0.75)
     stats.clear()
     assert stats.prefix_cache_query_tokens == stats.prefix_cache_hit_tokens == 0
+
+
+def test_each_steps_transfers_are_summed_by_category_per_generated_token_and_cleared():
+    """The ledger's bytes of a step (its device call) reach the stats when the step ends, summed over the steps
+    by category; bytes per generated token divide the total by the tokens drawn; `clear` empties them."""
+    import numpy as np
+
+    stats, ledger = EngineStats(), TransferLedger()
+    ledger.read(tokens=np.zeros(8, np.int32))  # before any step: counted with the first one (its call is open)
+    for _ in range(2):
+        with StepTimer(stats, DeviceClock(), ledger) as timer:
+            ledger.read(tokens=np.zeros(8, np.int32), logprobs=np.zeros(8, np.float32))
+            with ledger.sending(step_inputs=(np.zeros(16, np.int32), np.zeros(4, np.int32)),
+                                page_tables=np.zeros((4, 8), np.int32)):
+                pass
+            timer.decode_tokens = 4
+    s = stats.summary(max_seqs=4)
+    assert (s["device_to_host_bytes_tokens"], s["device_to_host_bytes_logprobs"], s["device_to_host_bytes"]) == \
+        (96, 64, 160)
+    assert s["device_to_host_bytes_swap"] == s["device_to_host_bytes_steps"] == 0
+    assert (s["host_to_device_bytes_step_inputs"], s["host_to_device_bytes_page_tables"]) == (160, 256)
+    assert s["device_to_host_bytes_per_token"] == 160 / 8 and s["host_to_device_bytes_per_token"] == 416 / 8
+    stats.clear()
+    assert stats.summary(max_seqs=4)["device_to_host_bytes"] == 0 == stats.summary(max_seqs=4)["host_to_device_bytes"]
+
+
+def test_a_category_the_ledger_does_not_know_is_refused():
+    import numpy as np
+    import pytest
+
+    with pytest.raises(ValueError, match="'kv' is not a transfer category; valid: tokens, logprobs"):
+        TransferLedger().read(kv=np.zeros(2))

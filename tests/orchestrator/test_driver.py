@@ -217,6 +217,48 @@ def test_slices_that_cannot_start_end_the_run_with_the_reason(ray_local, run_mod
     assert all(r.status == "pending" for r in read_manifest(run_dir / "batches.jsonl"))
 
 
+def test_the_transfer_counters_reach_the_summary_status_and_wandb(ray_local, run_model, tmp_path, monkeypatch):
+    """The timeline's transfer counters, an earlier session's (written by hand) and this one's, are summed over
+    the run into the head's summary, the tracker's final summary (W&B) and `pagefleet status`, with the bytes
+    per generated token; a bucket from before the ledger (no counters) is left out of both sums."""
+    import orchestrator.tracking as tracking
+    from orchestrator.progress import read_timeline
+    from orchestrator.rundir import RunDir
+
+    corpus = write_run_corpus(tmp_path / "corpus.jsonl", 8)
+    run_dir = tmp_path / "run"
+    cfg = load_run_config(None, run_args(run_model, corpus, run_dir, "--cluster.num_slices=1"))
+    plan(cfg)
+    earlier = [{"t": 1.0, "steps": 3, "tokens_per_s": 1.0, "occupancy": 0.5, "device_s": 0.1, "host_s": 0.1,
+                "decode_tokens": 40, "device_to_host_bytes_tokens": 1000, "device_to_host_bytes_swap": 7,
+                "host_to_device_bytes_step_inputs": 500, "slice": "slice-0"},
+               {"t": 2.0, "steps": 1, "tokens_per_s": 1.0, "occupancy": 0.5, "device_s": 0.1, "host_s": 0.1,
+                "slice": "slice-0"}]
+    (run_dir / "timeline.jsonl").write_text("".join(json.dumps(b) + "\n" for b in earlier))
+    finished = []
+    make = tracking.make_tracker
+
+    def recording_tracker(*args, **kwargs):
+        tracker = make(*args, **kwargs)
+        tracker.finish = finished.append
+        return tracker
+
+    monkeypatch.setattr(tracking, "make_tracker", recording_tracker)
+    outcome = Driver(cfg, show_progress=False).run()
+    assert outcome.exit_code == 0
+    session = [b for b in read_timeline(RunDir(run_dir)) if b["t"] > 2.0]
+    tokens = 40 + sum(b["decode_tokens"] for b in session)
+    d2h_tokens = 1000 + sum(b.get("device_to_host_bytes_tokens", 0) for b in session)
+    d2h = d2h_tokens + 7 + sum(b.get(f"device_to_host_bytes_{c}", 0) for b in session for c in ("logprobs", "steps"))
+    s = outcome.summary
+    assert s["device_to_host_bytes_tokens"] == d2h_tokens > 1000 and s["device_to_host_bytes_swap"] == 7
+    assert s["device_to_host_bytes"] == d2h and s["device_to_host_bytes_per_token"] == d2h / tokens
+    assert s["host_to_device_bytes_step_inputs"] > 500
+    figures = {k: v for k, v in s.items() if k.startswith(("device_to_host_bytes", "host_to_device_bytes"))}
+    assert {k: finished[0][k] for k in figures} == figures == status(run_dir)["transfers"]
+    assert f"transfers      device to host {d2h:,} B (tokens {d2h_tokens:,}, " in format_status(status(run_dir))
+
+
 def test_the_prefix_cache_counters_reach_the_summary_status_and_wandb(ray_local, run_model, tmp_path, monkeypatch):
     """The timeline's prefix-cache counters (here an earlier session's buckets, written by hand) are summed over
     the run into the head's summary, the tracker's final summary (W&B) and `pagefleet status`."""

@@ -83,6 +83,27 @@ def test_generate_reports_the_prefix_cache_counters(tmp_path, model_dir, monkeyp
         in capsys.readouterr().err
 
 
+def test_generate_reports_the_bytes_moved_between_host_and_device(tmp_path, model_dir, capsys):
+    """The transfer ledger's figures reach --stats_output (by category, total, per generated token) and the
+    summary's `transfers:` line; the KV pool and the logits never cross, nor anything reserved."""
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": str(i), "prompt_token_ids": [5 + i, 6, 7]}) + "\n"
+                                               for i in range(3)))
+    stats_file = tmp_path / "stats.json"
+    assert generate_main(["--model", str(model_dir), "--input", str(tmp_path / "in.jsonl"), "--output",
+                          str(tmp_path / "out.jsonl"), "--stats_output", str(stats_file), "--progress=false",
+                          "--sampling.max_new_tokens=4", "--engine.max_seq_len=64", "--engine.max_pages=32"]) == 0
+    stats = json.loads(stats_file.read_text())
+    d2h = {c: stats[f"device_to_host_bytes_{c}"] for c in ("tokens", "logprobs", "steps", "logits", "stats", "swap")}
+    assert stats["device_to_host_bytes"] == sum(d2h.values()) and d2h["tokens"] > 0 and d2h["logprobs"] > 0
+    assert d2h["logits"] == d2h["stats"] == d2h["swap"] == 0
+    assert 0 < stats["device_to_host_bytes_per_token"] <= stats["device_to_host_bytes"]
+    assert stats["host_to_device_bytes"] >= stats["host_to_device_bytes_page_tables"] > 0
+    err = capsys.readouterr().err
+    assert (f"transfers: device to host {stats['device_to_host_bytes']:,} B (tokens {d2h['tokens']:,}, "
+            f"logprobs {d2h['logprobs']:,}") in err
+    assert f"{stats['device_to_host_bytes_per_token']:,.1f} B per generated token; host to device" in err
+
+
 def test_generate_sizes_the_engine_for_the_machine_and_keeps_explicit_keys(tmp_path, model_dir, capsys):
     """No capacity flags: max_pages from engine.kv_memory_gib (tiny-llama: 2 layers * K,V * 2 kv heads * 16 dims *
     4 bytes = 512 bytes a token, 8 KiB a page of 16), max_seqs as many sequences of max_seq_len as fit (CPU cap

@@ -92,6 +92,42 @@ def test_the_timeline_splits_every_step_into_device_calls_and_host_work(run_mode
         w.stop()
 
 
+def test_the_timeline_carries_the_transfer_counters_and_the_tokens_they_served(run_model):
+    """Each bucket carries the bytes its steps moved, by category (those that moved any), and the tokens they
+    drew; summed over the buckets, they are every device call's bytes and every step's tokens."""
+    from engine import transfer_summary
+    from orchestrator.progress import transfers
+
+    w = worker(run_model, None)
+    moved = {"d2h": {}, "h2d": {}, "tokens": 0}
+    ledger, step = w.engine.runner.transfers, w.engine.step
+    end_call = ledger.end_call
+
+    def counted_end_call():
+        d2h, h2d = end_call()
+        for key, counts in (("d2h", d2h), ("h2d", h2d)):
+            for c, n in counts.items():
+                moved[key][c] = moved[key].get(c, 0) + n
+        return d2h, h2d
+
+    def counted_step():
+        done = step()
+        moved["tokens"] += w.engine.stats.decode_tokens[-1]
+        return done
+
+    ledger.end_call, w.engine.step = counted_end_call, counted_step
+    try:
+        w.submit(batch("b0", 0, 3))
+        got, _ = poll_until_done(w, {"b0"})
+        buckets = [b for r in got for b in r.timeline]
+        assert sum(b["steps"] for b in buckets) == w.steps > 0
+        assert transfers(buckets) == transfer_summary(moved["d2h"], moved["h2d"], moved["tokens"])
+        assert sum(b["decode_tokens"] for b in buckets) == moved["tokens"] > 0 and moved["d2h"]["tokens"] > 0
+        assert not any("device_to_host_bytes_swap" in b for b in buckets)  # only the categories that moved bytes
+    finally:
+        w.stop()
+
+
 def test_the_timeline_carries_the_prefix_cache_counters(run_model):
     """The counters the engine's cache records reach the timeline, every step's once: set here at each step."""
     w = worker(run_model, None)
