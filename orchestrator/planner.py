@@ -38,7 +38,10 @@ from orchestrator.tokenize import PromptTokenizer, shard_item
 log = logging.getLogger(__name__)
 
 SUMMARY_COLUMNS = ["row", "prompt_id", "num_tokens", "reason", "detail", "file_index", "line", "page_keys"]
-BATCH_SCHEMA = pa.schema([("prompt_id", pa.string()), ("row", pa.int64()), ("token_ids", pa.list_(pa.int32()))])
+BATCH_SCHEMA = pa.schema([("prompt_id", pa.string()), ("row", pa.int64()), ("token_ids", pa.list_(pa.int32())),
+                          ("passthrough", pa.string())])
+"""batches/<id>.parquet. `passthrough` (SampleRecord.passthrough: the row's other columns and typed id) is absent
+from plans older than it; their samples carry none."""
 
 
 class NothingToRun(ValueError):
@@ -288,7 +291,7 @@ def _write_batch_files(tokenized, assignment_ref, batches_dir: str, num_batches:
 
         batch_of_row, position_of_row = ray.get(assignment_ref)
         rows = table["row"].to_numpy()
-        table = table.select(["prompt_id", "row", "token_ids"])
+        table = table.select(BATCH_SCHEMA.names)
         table = table.append_column("batch", pa.array(batch_of_row[rows]))
         table = table.append_column("position", pa.array(position_of_row[rows]))
         return table.filter(pc.greater_equal(table["batch"], 0))

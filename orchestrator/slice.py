@@ -301,6 +301,8 @@ class SliceWorker:
         columns = {name: [getattr(c, name) for c in samples] for name in RECORD_FIELDS}
         columns["batch_id"] = [work.batch_id] * len(samples)  # the engine's records carry none
         columns["row"] = [r for r in rows for _ in range(n)]
+        if "passthrough" in work.prompts.column_names:  # the row's other columns and typed id (a plan's batch file)
+            columns["passthrough"] = [k for k in work.prompts.column("passthrough").to_pylist() for _ in range(n)]
         stats = BatchStats(
             num_samples=len(samples), num_output_tokens=sum(len(c.token_ids) for c in samples),
             duration_s=time.time() - live.started, num_steps=live.steps,

@@ -19,14 +19,15 @@ import numpy as np
 import pyarrow as pa
 
 from engine import length_error
-from orchestrator.corpus import CorpusConfig, Prompt, RawRow, Rejection, Shard, extract_prompt, read_rows, row_id
+from orchestrator.corpus import (CorpusConfig, Prompt, RawRow, Rejection, Shard, extract_prompt, passthrough,
+                                 read_rows, row_id)
 from orchestrator.model_source import ModelSourceConfig, load_tokenizer
 from orchestrator.packing import PackingLimits, leading_page_keys
 from orchestrator.prompt_checks import out_of_vocabulary, render_chat
 
 # Rejection reasons (rejected.jsonl `reason`).
 REASONS = ("malformed_row", "undecodable", "missing_field", "wrong_type", "empty_prompt", "no_chat_template",
-           "out_of_vocabulary", "too_long", "exceeds_budget", "duplicate_id")
+           "out_of_vocabulary", "too_long", "exceeds_budget", "duplicate_id", "reserved_column")
 
 SCHEMA = pa.schema([
     ("row", pa.int64()),  # row number in corpus order
@@ -38,6 +39,7 @@ SCHEMA = pa.schema([
     ("file_index", pa.int32()),  # the row's file, as a position in the sorted corpus file list
     ("line", pa.int64()),  # 1-based line of a JSON-lines file, else null
     ("page_keys", pa.list_(pa.uint64())),  # packing.leading_page_keys of an accepted prompt, else empty
+    ("passthrough", pa.string()),  # corpus.passthrough of an accepted prompt (SampleRecord.passthrough), else null
 ])
 
 
@@ -109,6 +111,9 @@ class PromptTokenizer:
     def tokenize_shard(self, shard: Shard) -> pa.Table:
         raw_rows = list(read_rows(shard))
         parsed = [extract_prompt(raw, self.corpus) for raw in raw_rows]
+        kept_columns = [passthrough(raw.record, self.corpus.id_field) if isinstance(p, Prompt) else None
+                        for raw, p in zip(raw_rows, parsed)]
+        parsed = [k if isinstance(k, Rejection) else p for p, k in zip(parsed, kept_columns)]
         ok = [i for i, p in enumerate(parsed) if isinstance(p, Prompt)]
         encoded = dict(zip(ok, self.encode([parsed[i] for i in ok])))
         prompt_ids, reasons, details, lengths, kept = [], [], [], [], []
@@ -136,4 +141,5 @@ class PromptTokenizer:
             pa.array([r.line for r in raw_rows], pa.int64()),
             pa.array([leading_page_keys(np.asarray(t, dtype=np.int64), self.limits.page_size) for t in kept],
                      pa.list_(pa.uint64())),
+            pa.array([k if r is None else None for k, r in zip(kept_columns, reasons)], pa.string()),
         ], schema=SCHEMA)

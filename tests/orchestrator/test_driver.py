@@ -247,3 +247,35 @@ def test_the_prefix_cache_counters_reach_the_summary_status_and_wandb(ray_local,
     assert {k: finished[0][k] for k in expected} == expected
     assert status(run_dir)["prefix_cache"] == expected
     assert "300 of 400 prompt tokens served from cached pages (75.0% hit rate)" in format_status(status(run_dir))
+
+
+def test_run_passes_input_columns_through_to_the_export(ray_local, run_model, tmp_path):
+    """Item 10 for `pagefleet run`: the planner keeps each row's other columns and typed id in its batch file, the
+    slice writes them into the samples, and export spreads them; a column named like a record field rejects its
+    row with the reason. Seeds still read ids as strings: the samples equal one engine's on the string ids."""
+    from orchestrator.export import export
+
+    rows = [{"id": i, "prompt": f"the sea {'and the fox ' * i}", "meta": {"k": i, "src": "web"}} for i in range(6)]
+    rows.append({"id": "x", "prompt": "hello world", "token_ids": [1]})  # `token_ids` is a record field
+    rows.append({"prompt": "no id here", "lang": "en"})
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_dir = tmp_path / "run"
+    cfg = load_run_config(None, run_args(run_model, str(corpus), run_dir, "--cluster.num_slices=1",
+                                         "--sampling.temperature=0.8", "--sampling.seed=3"))
+    assert Driver(cfg, show_progress=False).run().exit_code == 0
+    rejected = [json.loads(line) for line in (run_dir / "rejected.jsonl").read_text().splitlines()]
+    assert [(r["row"], r["reason"]) for r in rejected] == [(6, "reserved_column")]
+    assert "column 'token_ids' has the name of a sample record field" in rejected[0]["detail"]
+    export(run_dir, tmp_path / "out.jsonl")
+    records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["prompt_id"] for r in records] == [0, 1, 2, 3, 4, 5, "7"]
+    assert [r["meta"] for r in records[:6]] == [{"k": i, "src": "web"} for i in range(6)]
+    assert records[3]["prompt"] == rows[3]["prompt"] and records[6]["lang"] == "en"
+    assert all(r["batch_id"] and "passthrough" not in r for r in records)
+    got = {(str(r["prompt_id"]), r["generation_index"]): r["token_ids"] for r in records}
+    assert got == reference(run_model, run_dir, cfg)
+    export(run_dir, tmp_path / "out.parquet")
+    table = pq.read_table(tmp_path / "out.parquet")
+    assert table.schema.field("prompt_id").type == pa.int64()
+    assert table["prompt_id"].to_pylist() == [0, 1, 2, 3, 4, 5, 7]

@@ -38,7 +38,7 @@ def test_generate_returns_the_records_pagefleet_generate_writes(tmp_path, model_
     assert generate_main(args) == 0
     assert records == [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [(r["prompt_id"], r["generation_index"]) for r in records] == [
-        (p, g) for p in ["0", "1", "2", "3", "own"] for g in (0, 1)]
+        (p, g) for p in [0, 1, 2, 3, "own"] for g in (0, 1)]
     assert records[6]["error"] == "empty_prompt: field 'prompt' is empty"
     assert all(1 <= len(r["token_ids"]) <= 5 for r in records if "error" not in r)
 
