@@ -63,6 +63,8 @@ def validate_request(prompt_token_ids: Sequence[int], sampling: SamplingConfig, 
         return f"{error[0]}: {error[1]}"
     if any(not 0 <= t < vocab_size for t in prompt_token_ids):
         return f"out_of_vocabulary: prompt token ids must lie in [0, {vocab_size}) (the model's vocab_size)"
+    if any(not 0 <= t < vocab_size for t in sampling.stop_token_ids):
+        return f"out_of_vocabulary: sampling.stop_token_ids must lie in [0, {vocab_size}) (the model's vocab_size)"
     if sampling.stop and not has_tokenizer:
         return "sampling.stop needs a tokenizer to decode text, and the model directory has none"
     return None
