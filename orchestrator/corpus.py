@@ -31,6 +31,9 @@ class CorpusConfig:
     this field or messages_field, not both."""
     messages_field: str | None = "messages"
     """Field holding a chat (a list of {role, content}) rendered with the tokenizer's chat template."""
+    sampling_field: str | None = "sampling"
+    """Field holding a row's own sampling settings, an object of `sampling.*` keys (all but `n`) that override the
+    run's for that row (docs/records.md); rows without it use the run's."""
     shard_bytes: int = 16 * 2**20
     """Target bytes per shard read by one worker task (does not change the plan)."""
 

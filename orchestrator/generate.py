@@ -1,8 +1,9 @@
 """`pagefleet generate`: the engine alone in one process, no Ray.
 
-Input lines: {"id", "prompt"} | {"id", "messages"} | {"id", "prompt_token_ids"}. Output: one sample
-record per (prompt, generation_index) in input order (docs/records.md; `batch_id` is null). A
-line that cannot run becomes a record with `error` set and no tokens: nothing is dropped.
+Input lines: {"id", "prompt"} | {"id", "messages"} | {"id", "prompt_token_ids"}, optionally with a
+`sampling` object of per-line settings and any other columns (passed through to the line's records).
+Output: one sample record per (prompt, generation_index) in input order (docs/records.md; `batch_id` is
+null). A line that cannot run becomes a record with `error` set and no tokens: nothing is dropped.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from orchestrator.json_out import dumps
 from orchestrator.model_source import resolve_model
 from orchestrator.prompt_checks import out_of_vocabulary, render_chat
 from orchestrator.progress import format_prefix_cache
+from orchestrator.row_sampling import apply, row_overrides
 
 
 @dataclass(frozen=True)
@@ -62,10 +64,12 @@ class ParsedLine:
     error: str | None = None
     passthrough: str | None = None
     """SampleRecord.passthrough: the line's other columns and its typed id."""
+    sampling: dict = field(default_factory=dict)
+    """The line's own sampling overrides (its `sampling` object, orchestrator.row_sampling)."""
 
 
-def _parse_line(raw: bytes | dict, line_no: int, tokenizer, vocab_size: int | None = None, tokenizer_path: str = ""
-                ) -> ParsedLine:
+def _parse_line(raw: bytes | dict, line_no: int, tokenizer, vocab_size: int | None = None, tokenizer_path: str = "",
+                sampling: SamplingConfig = SamplingConfig()) -> ParsedLine:
     """One input line (its bytes, or the row already decoded, as `pagefleet.generate` passes it).
 
     Lines are judged as `pagefleet run` judges corpus rows, and an error names the same reasons as its
@@ -91,7 +95,10 @@ def _parse_line(raw: bytes | dict, line_no: int, tokenizer, vocab_size: int | No
     if isinstance(kept, Rejection):  # its record still names it by its id as typed
         typed = None if pid is None else json.dumps({"prompt_id": row["id"]}, ensure_ascii=False)
         return ParsedLine(pid, error=f"{kept.reason}: {kept.detail}", passthrough=typed)
-    line = ParsedLine(pid, passthrough=kept)
+    own = row_overrides(row.get("sampling"), sampling, "sampling")
+    if isinstance(own, Rejection):
+        return ParsedLine(pid, error=f"{own.reason}: {own.detail}", passthrough=kept)
+    line = ParsedLine(pid, passthrough=kept, sampling=own)
     if "prompt_token_ids" in row:  # bypasses the tokenizer ("prompt" or "messages" beside it are not read)
         ids = row["prompt_token_ids"]
         if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -127,7 +134,7 @@ def sample_records(engine, lines: Iterable[tuple[int, bytes | dict]], sampling: 
     first_line: dict[str, int] = {}
     kept: dict[str, str | None] = {}
     for line_no, raw in lines:
-        line = _parse_line(raw, line_no, engine.tokenizer, engine.model_config.vocab_size, tokenizer_path)
+        line = _parse_line(raw, line_no, engine.tokenizer, engine.model_config.vocab_size, tokenizer_path, sampling)
         pid, ids, err = line.prompt_id or f"line-{line_no}", line.token_ids, line.error
         kept_columns = line.passthrough
         if pid in first_line:  # a repeated id would make two prompts' samples indistinguishable
@@ -143,7 +150,7 @@ def sample_records(engine, lines: Iterable[tuple[int, bytes | dict]], sampling: 
             if ids is None:
                 failed.append(SampleRecord(pid, g, "", [], None, None, 0, error=err))
             else:
-                requests.append(Request(pid, tuple(ids), sampling, generation_index=g))
+                requests.append(Request(pid, tuple(ids), apply(sampling, line.sampling), generation_index=g))
     done = engine.generate(requests, on_finish=lambda _: on_finish())
     for _ in failed:
         on_finish()
