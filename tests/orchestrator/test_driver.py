@@ -279,3 +279,37 @@ def test_run_passes_input_columns_through_to_the_export(ray_local, run_model, tm
     table = pq.read_table(tmp_path / "out.parquet")
     assert table.schema.field("prompt_id").type == pa.int64()
     assert table["prompt_id"].to_pylist() == [0, 1, 2, 3, 4, 5, 7]
+
+
+def test_run_applies_each_row_s_own_sampling_settings(ray_local, run_model, tmp_path):
+    """Item 12 for `pagefleet run`: a row's `sampling` object is validated when planning (a bad one, or one too long
+    for the context, is rejected with its reason), packs with its own max_new_tokens, and its samples are those of
+    one engine given the same per-row settings."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.sequence import Request
+    from orchestrator.row_sampling import apply
+
+    own = [{"max_new_tokens": 3}, {"temperature": 0.9, "seed": 7, "top_k": 30},
+           {"max_new_tokens": 20, "repetition_penalty": 1.3, "stop_token_ids": [5]}, None,
+           {"min_p": 0.1, "temperature": 1.1, "frequency_penalty": 0.5}]
+    rows = [{"id": f"r{i}", "prompt": f"the quick brown fox {'jumps ' * i}", "sampling": s} for i, s in enumerate(own)]
+    rows.append({"id": "bad", "prompt": "hello", "sampling": {"top_k": -1}})
+    rows.append({"id": "long", "prompt": "hello", "sampling": {"max_new_tokens": 500}})
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_dir = tmp_path / "run"
+    cfg = load_run_config(None, run_args(run_model, str(corpus), run_dir, "--cluster.num_slices=1"))
+    assert Driver(cfg, show_progress=False).run().exit_code == 0
+    rejected = {r["prompt_id"]: r for r in map(json.loads, (run_dir / "rejected.jsonl").read_text().splitlines())}
+    assert rejected["bad"]["reason"] == "bad_sampling" and "sampling.top_k must be >= 0" in rejected["bad"]["detail"]
+    assert rejected["long"]["reason"] == "too_long" and "sampling.max_new_tokens=500" in rejected["long"]["detail"]
+    got = samples(run_dir)
+    assert len(got[("r0", 0)]) <= 3 and len(got[("r3", 0)]) <= 12
+    engine = Engine(run_model, EngineConfig(page_size=16, max_pages=64, max_seqs=16, max_seq_len=128))
+    requests = []
+    for path in sorted((run_dir / "batches").glob("*.parquet")):
+        for row in pq.read_table(path).to_pylist():
+            requests.append(Request(row["prompt_id"], tuple(row["token_ids"]), apply(cfg.sampling, row["sampling"])))
+    assert sorted(r.prompt_id for r in requests) == [f"r{i}" for i in range(5)]
+    assert {(c.prompt_id, c.generation_index): c.token_ids for c in engine.generate(requests)} == got
