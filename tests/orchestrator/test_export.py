@@ -188,3 +188,12 @@ def test_export_to_parquet_refuses_ids_of_mixed_types_in_one_line(tmp_path):
     assert export(tmp_path / "run", tmp_path / "out.jsonl") == 36
     ids = [r["prompt_id"] for r in read_output(tmp_path / "out.jsonl")][::3]
     assert ids == [f"s{r}" if r % 2 == 0 else r for r in range(12)]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_outputs_older_than_passed_through_columns_still_export(tmp_path, suffix):
+    expected = make_run(tmp_path / "run", num_rows=20, num_batches=3)
+    for path in (tmp_path / "run" / "outputs").glob("*.parquet"):
+        pq.write_table(pq.read_table(path).drop_columns(["passthrough"]), path)
+    assert export(tmp_path / "run", tmp_path / f"out{suffix}") == len(expected)
+    assert approx(read_output(tmp_path / f"out{suffix}")) == approx(expected)
