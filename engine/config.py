@@ -126,7 +126,12 @@ class SamplingConfig:
     @property
     def penalizes(self) -> bool:
         """Whether a penalty changes this sample's logits (the step program then counts tokens)."""
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return penalizes(self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
+
+
+def penalizes(repetition_penalty: float, presence_penalty: float, frequency_penalty: float) -> bool:
+    """Whether these penalties change any logit (each is off at its default)."""
+    return repetition_penalty != 1.0 or presence_penalty != 0.0 or frequency_penalty != 0.0
 
 
 SamplingParams = SamplingConfig

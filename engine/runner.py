@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from engine.attention import resolve_attention_impl
 from engine.axes import PAGE_SLOT
 from engine.capacity import pages_for
-from engine.config import EngineConfig
+from engine.config import EngineConfig, penalizes
 from engine.kv_cache import KVCache
 from engine.model import AttentionSettings, Transformer
 from engine.sampler import greedy_sample, penalize, penalty_state, position_keys, sample
@@ -67,7 +67,7 @@ class RowSampling:
 
     @property
     def penalizes(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return penalizes(self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from engine import SamplingConfig, length_error
+from engine.capacity import stop_ids_error
 from orchestrator.corpus import (CorpusConfig, Prompt, RawRow, Rejection, Shard, extract_prompt, passthrough,
                                  read_rows, row_id)
 from orchestrator.model_source import ModelSourceConfig, load_tokenizer
@@ -101,9 +102,8 @@ class PromptTokenizer:
             return problem
         if (why := self.limits.why_unfit(len(tokens), new)) is not None:
             return "exceeds_budget", f"prompt {why}"
-        if (bad := next((t for t in apply(self.sampling, overrides).stop_token_ids
-                         if self.vocab_size is not None and not 0 <= t < self.vocab_size), None)) is not None:
-            return "bad_sampling", f"stop token id {bad} is outside the model's vocabulary [0, {self.vocab_size})"
+        if (why := stop_ids_error(apply(self.sampling, overrides).stop_token_ids, self.vocab_size)) is not None:
+            return "out_of_vocabulary", why
         return None
 
     def __call__(self, batch: dict[str, np.ndarray]) -> pa.Table:
