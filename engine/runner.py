@@ -443,6 +443,10 @@ class ModelRunner:
             history[r, :len(row.history)] = row.history
         prompt_lens = np.zeros(size, np.int32)
         prompt_lens[:len(rows)] = [row.num_prompt_tokens for row in rows]
+        # Placed as the step's other device inputs (replicated over the mesh), so the state lands there too.
+        mesh = self._settings[1].mesh
+        replicated = self.kv.pool.array.sharding if mesh is None else NamedSharding(mesh, P())
+        history, prompt_lens = (jax.make_array_from_process_local_data(replicated, x) for x in (history, prompt_lens))
         in_prompt, counts = _penalty_state(history, prompt_lens, self.model.config.vocab_size)
         pad = size - len(rows)
         return (in_prompt, counts, np.array([r.repetition_penalty for r in rows] + [1.0] * pad, np.float32),

@@ -206,3 +206,19 @@ def test_a_job_without_penalties_or_min_p_leaves_them_out_of_its_programs(hf_mod
     with pytest.raises(AssertionError, match="penalty program was traced"):
         engine(path, 4, **shapes).generate(
             [Request("a", tuple(prompts()[0]), dataclasses.replace(plain, presence_penalty=0.5))])
+
+
+def test_penalized_samples_on_a_mesh_equal_one_device(hf_model):
+    """The penalty state is placed on the mesh the step runs on (replicated), single and multi-step."""
+    from engine.distributed import slice_mesh
+
+    path, _ = hf_model
+    sampling = SamplingConfig(max_new_tokens=12, temperature=0.8, seed=2, repetition_penalty=1.3,
+                              frequency_penalty=0.4)
+    requests = [Request(f"p{i}", tuple(p), sampling) for i, p in enumerate(prompts(3))]
+    ref = engine(path, 4).generate(requests)
+    for steps in (1, 4):
+        got = Engine(path, EngineConfig(page_size=8, max_pages=128, max_seqs=4, max_seqs_in_prefill=4,
+                                        max_prefill_size=256, max_seq_len=256, decode_steps=steps),
+                     mesh=slice_mesh(2)).generate(requests)
+        assert [c.token_ids for c in got] == [c.token_ids for c in ref]
