@@ -12,7 +12,7 @@ import importlib
 from engine.capacity import check_pool, length_error, max_seq_len, pages_for, pages_needed, validate_request
 from engine.config import EngineConfig, SamplingConfig, SamplingParams
 from engine.model_bytes import DTYPE_BYTES, GiB, ParamCount, count_params, kv_bytes_per_token
-from engine.record import RECORD_FIELDS, SampleRecord, arrow_fields
+from engine.record import RECORD_FIELDS, RESERVED_COLUMNS, SampleRecord, arrow_fields, output_record
 from engine.sequence import Request
 
 _LAZY = {
@@ -43,7 +43,7 @@ _LAZY = {
     "sampling_mode": "engine.preflight",
 }
 
-__all__ = ["Engine", "EngineConfig", "SamplingConfig", "SamplingParams", "Request", "SampleRecord", "RECORD_FIELDS",
+__all__ = ["Engine", "EngineConfig", "SamplingConfig", "SamplingParams", "Request", "SampleRecord", "RECORD_FIELDS", "RESERVED_COLUMNS", "output_record",
            "arrow_fields", "DTYPE_BYTES", "GiB", "ParamCount", "count_params", "kv_bytes_per_token", "check_pool", "length_error", "max_seq_len", "pages_for", "pages_needed",
            "validate_request", *[name for name in _LAZY if name != "Engine"]]
 

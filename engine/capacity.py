@@ -55,6 +55,14 @@ def length_error(num_prompt_tokens: int, max_new_tokens: int, max_seq_len: int) 
     return None
 
 
+def stop_ids_error(stop_token_ids: Sequence[int], vocab_size: int | None) -> str | None:
+    """Why `sampling.stop_token_ids` cannot stop a sample of a model of `vocab_size` entries (None: no limit known),
+    or None."""
+    bad = [t for t in stop_token_ids if vocab_size is not None and not 0 <= t < vocab_size]
+    return None if not bad else (f"sampling.stop_token_ids must lie in [0, {vocab_size}) (the model's vocab_size), "
+                                 f"got {bad[0]}")
+
+
 def validate_request(prompt_token_ids: Sequence[int], sampling: SamplingConfig, max_seq_len: int,
                      vocab_size: int, has_tokenizer: bool) -> str | None:
     """Why a request cannot run on the engine, or None; the message starts with the reason a run writes to
@@ -63,6 +71,8 @@ def validate_request(prompt_token_ids: Sequence[int], sampling: SamplingConfig, 
         return f"{error[0]}: {error[1]}"
     if any(not 0 <= t < vocab_size for t in prompt_token_ids):
         return f"out_of_vocabulary: prompt token ids must lie in [0, {vocab_size}) (the model's vocab_size)"
+    if (why := stop_ids_error(sampling.stop_token_ids, vocab_size)) is not None:
+        return f"out_of_vocabulary: {why}"
     if sampling.stop and not has_tokenizer:
         return "sampling.stop needs a tokenizer to decode text, and the model directory has none"
     return None

@@ -89,6 +89,18 @@ class SamplingConfig:
     """Nucleus sampling mass; 1.0 is off."""
     top_k: int = 0
     """Keep the k most likely tokens; 0 is off."""
+    min_p: float = 0.0
+    """Drop tokens whose probability (after temperature) is below min_p times the most likely token's; 0 is off,
+    and a greedy sample (temperature 0) is unchanged by it."""
+    repetition_penalty: float = 1.0
+    """Every token already in the prompt or the completion has its logit divided by this when positive and
+    multiplied by it when negative (transformers' and vLLM's repetition_penalty, greedy included); 1 is off."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token the completion already holds (OpenAI's and vLLM's); 0 is off."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time the completion already holds it; 0 is off."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end a sample as EOS does (kept in token_ids, finish_reason `stop`), besides the EOS ids."""
     n: int = 1
     """Samples per prompt."""
     seed: int = 0
@@ -109,6 +121,22 @@ class SamplingConfig:
             raise ValueError(f"sampling.top_k must be >= 0, got {self.top_k}")
         if self.n < 1:
             raise ValueError(f"sampling.n must be at least 1, got {self.n}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"sampling.min_p must be in [0, 1], got {self.min_p}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"sampling.repetition_penalty must be positive, got {self.repetition_penalty}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"sampling.stop_token_ids must be token ids (>= 0), got {self.stop_token_ids}")
+
+    @property
+    def penalizes(self) -> bool:
+        """Whether a penalty changes this sample's logits (the step program then counts tokens)."""
+        return penalizes(self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
+
+
+def penalizes(repetition_penalty: float, presence_penalty: float, frequency_penalty: float) -> bool:
+    """Whether these penalties change any logit (each is off at its default)."""
+    return repetition_penalty != 1.0 or presence_penalty != 0.0 or frequency_penalty != 0.0
 
 
 SamplingParams = SamplingConfig

@@ -116,7 +116,8 @@ class Engine:
                                 len(request.prompt_token_ids), error=error)
         s = request.sampling
         names_special = any(t in stop for stop in s.stop for t in self._special_texts)
-        stop = StopChecker(stop_strings=s.stop, eos_token_ids=self.eos_token_ids, max_new_tokens=s.max_new_tokens,
+        stop = StopChecker(stop_strings=s.stop, eos_token_ids=self.eos_token_ids | set(s.stop_token_ids),
+                           max_new_tokens=s.max_new_tokens,
                            decode=self._decode_special if names_special else self._decode,
                            start=len(request.prompt_token_ids))
         self.scheduler.add(Sequence(request, self._arrivals, sample_base_key(s.seed, request.prompt_id,

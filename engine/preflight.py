@@ -145,7 +145,9 @@ def sampling_mode(sampling: SamplingConfig, vocab_size: int) -> str:
     """The runner's sampling mode for a job whose every row samples as `sampling` says."""
     from engine import runner
 
-    row = runner.RowSampling(sampling.temperature, sampling.top_k, sampling.top_p, np.zeros(2, np.uint32), 0)
+    row = runner.RowSampling(sampling.temperature, sampling.top_k, sampling.top_p, np.zeros(2, np.uint32), 0,
+                             sampling.min_p, sampling.repetition_penalty, sampling.presence_penalty,
+                             sampling.frequency_penalty)
     return runner._sampling_mode([row], vocab_size)
 
 
@@ -170,23 +172,28 @@ def _runner_programs(engine: EngineConfig, max_seq_len: int, mode: str, num_stop
                                  arg((S, pages), i32), arg((1,), i32), arg((S,), i32))
 
     def sampling(S: int) -> tuple:
-        return arg((S,), f32), arg((S,), i32), arg((S,), f32), arg((S, 2), jnp.uint32)
+        return arg((S,), f32), arg((S,), i32), arg((S,), f32), arg((S,), f32), arg((S, 2), jnp.uint32)
+
+    def penalties(S: int) -> tuple | None:  # ModelRunner._penalties' arrays, for a mode that penalizes
+        V = model.config.vocab_size
+        return ((arg((S, V), jnp.bool_), arg((S, V), i32), arg((S,), f32), arg((S,), f32), arg((S,), f32))
+                if "+penalties" in mode else None)
 
     stops = runner.bucket(num_stop_ids, 4)
     for T in token_buckets:  # steps that carry prompt chunks: max_seqs rows, T varies
         yield ("step", T, rows, runner._step_sample,
                (model, pool, inputs(T, rows), settings[engine.attn_queries_per_block], mode, *sampling(rows),
-                arg((rows,), i32)))
+                arg((rows,), i32), penalties(rows)))
     for S in decode:  # decode-only steps: one token a row
         yield "decode", S, S, runner._step_sample, (model, pool, inputs(S, S), settings[1], mode, *sampling(S),
-                                                  arg((S,), i32))
+                                                  arg((S,), i32), penalties(S))
     if engine.decode_steps > 1:
         K = engine.decode_steps
         for S in decode:
             per_row = tuple(arg((S,), i32) for _ in range(4))
             yield ("multi_step", S, S, runner._steps_sample,
                    (model, pool, settings[1], K, mode, *per_row[:3], arg((S, pages), i32), arg((1,), i32),
-                    *sampling(S), arg((S, stops), i32)))
+                    *sampling(S), arg((S, stops), i32), penalties(S)))
             if engine.pipeline_decode:
                 yield ("chain", S, S, runner._chain,
                        (arg((K, S), i32), *per_row, arg((S,), i32), arg((S,), jnp.bool_), arg((S, stops), i32), K))

@@ -3,6 +3,7 @@ of `pagefleet generate` and the W&B samples table are all derived from `SampleRe
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, fields
 
 
@@ -25,11 +26,15 @@ class SampleRecord:
     num_prompt_tokens: int
     batch_id: str | None = None
     """The batch that produced it (a run); None for `pagefleet generate` and the Python API."""
+    passthrough: str | None = None
+    """The input row's columns other than its id, plus `prompt_id` holding the id as the input typed it (an
+    integer stays an integer), as a JSON object's text; None when the input kept nothing. `prompt_id` above is
+    the id as a string (it seeds the sample and keys it); `output_record` spreads this object into the record."""
     error: str | None = None
 
     def to_json(self) -> dict:
-        """The JSON record: every field of RECORD_FIELDS, and `error` when set."""
-        record = {name: getattr(self, name) for name in RECORD_FIELDS}
+        """The JSON record a user reads (`output_record`), and `error` when set."""
+        record = output_record({name: getattr(self, name) for name in RECORD_FIELDS})
         if self.error is not None:
             record["error"] = self.error
         return record
@@ -38,9 +43,23 @@ class SampleRecord:
 RECORD_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(SampleRecord) if f.name != "error")
 """The stored record's fields, in order."""
 
+RESERVED_COLUMNS: frozenset[str] = frozenset(RECORD_FIELDS) | {"error"}
+"""Names an input column cannot have: a passed-through column is a field of the output record (`prompt_id` is
+the input's id column itself, so it is not passed through under its own name)."""
+
+
+def output_record(record: dict) -> dict:
+    """The record as users read it (`pagefleet generate`, export, the API, the service): the stored fields
+    without `passthrough`, whose object is spread in: `prompt_id` takes the id as typed in the input, and the
+    input's other columns follow the record's fields (their names are never RESERVED_COLUMNS)."""
+    out = {name: value for name, value in record.items() if name != "passthrough"}
+    if record.get("passthrough"):
+        out.update(json.loads(record["passthrough"]))
+    return out
+
 _ARROW_TYPES = {"prompt_id": "string", "generation_index": "int32", "completion": "string",
                 "token_ids": "list<int32>", "logprobs": "list<float32>", "finish_reason": "string",
-                "num_prompt_tokens": "int32", "batch_id": "string"}
+                "num_prompt_tokens": "int32", "batch_id": "string", "passthrough": "string"}
 assert tuple(_ARROW_TYPES) == RECORD_FIELDS, "every stored field needs an Arrow type"
 
 

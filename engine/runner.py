@@ -24,9 +24,11 @@ from engine.capacity import pages_for
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache
 from engine.model import AttentionSettings, Transformer
-from engine.sampler import greedy_sample, position_keys, sample
+# Bound here: tests patch `runner._sampling_mode`, and callers build rows as `runner.RowSampling`.
+from engine.row_sampling import RowSampling, row_sampling as _row_sampling, sampling_arrays as _sampling_arrays
+from engine.row_sampling import sampling_mode as _sampling_mode
+from engine.sampler import greedy_sample, penalize, penalty_state, position_keys, sample
 from engine.scheduler_output import RunnerOutput, SchedulerOutput
-from engine.sequence import Sequence as Seq
 from engine.stats import DeviceClock
 from engine.step_inputs import StepInputs
 from engine.transfers import TransferLedger
@@ -53,17 +55,6 @@ class SeqChunk:
 def bucket(n: int, minimum: int) -> int:
     """Smallest power of two >= n (and >= minimum): the few shapes the step is compiled for."""
     return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
-
-
-@dataclass(frozen=True)
-class RowSampling:
-    """How to pick the next token of one sequence (a row of the step)."""
-
-    temperature: float
-    top_k: int
-    top_p: float
-    base_key: np.ndarray  # u32[2] from (seed, prompt_id, generation_index)
-    position: int  # index the new token will take in its sequence (prompt included)
 
 
 @dataclass(frozen=True)
@@ -94,17 +85,18 @@ def _forward(model: Transformer, pool, inputs: StepInputs, settings: AttentionSe
 
 
 def _forward_sample(model: Transformer, pool, inputs: StepInputs, settings: AttentionSettings, mode: str,
-                    temperature, top_k, top_p, base_keys, positions):
+                    temperature, top_k, top_p, min_p, base_keys, positions, penalties=None):
     """Forward and sample on the device: only tokens i32[S] and logprobs f32[S] come back to the host.
-    `mode` (static, `_sampling_mode`) leaves out of the program what no row of the step needs."""
+    `mode` (static, `_sampling_mode`) leaves out of the program what no row of the step needs; `penalties`
+    (`_penalties`) is None unless the mode penalizes."""
     pool, logits = model(pool, inputs, settings)
-    tokens, logprobs = _pick(logits.array, mode, temperature, top_k, top_p, base_keys, positions)
+    tokens, logprobs = _pick(logits.array, mode, temperature, top_k, top_p, min_p, base_keys, positions, penalties)
     return pool, _replicated(tokens, settings.mesh), _replicated(logprobs, settings.mesh)
 
 
 def _forward_sample_steps(model: Transformer, pool, settings: AttentionSettings, num_steps: int, mode: str,
-                          token_ids, starts, limits, page_indices, num_seqs, temperature, top_k, top_p, base_keys,
-                          stop_ids):
+                          token_ids, starts, limits, page_indices, num_seqs, temperature, top_k, top_p, min_p, base_keys,
+                          stop_ids, penalties=None):
     """Up to `num_steps` decode steps in one call; each row stops on the device at a stop id or its limit.
 
     Row s feeds token_ids[s] (i32[S]) at position starts[s] in step 0 and its own last token after that;
@@ -112,7 +104,10 @@ def _forward_sample_steps(model: Transformer, pool, settings: AttentionSettings,
     (i32[S, E], padded with -1). A done row writes no more KV; the loop ends when every row is done.
     Step i is the single decode step for the same tokens: same inputs, same 1-query attention, same key
     (the generated token's position), so the tokens are those of `num_steps` single steps.
-    Returns tokens i32[K, S] and logprobs f32[K, S] (entries past a row's steps are junk) and steps i32[S].
+    Penalties (`penalties`, None unless the mode penalizes) count each step's new token before the next step,
+    as the single steps' token histories would. Returns tokens i32[K, S] and logprobs f32[K, S] (entries past a
+    row's steps are junk), steps i32[S] and the rows' completion token counts i32[S, V] after the call (None
+    without penalties), from which a chained call goes on.
     """
     S = token_ids.shape[0]
     page_size = pool.axis_size(PAGE_SLOT)
@@ -122,11 +117,11 @@ def _forward_sample_steps(model: Transformer, pool, settings: AttentionSettings,
     logits_indices = jnp.where(present, rows, 0)
 
     def running(carry) -> jax.Array:
-        i, _, _, done, _, _, _ = carry
+        i, _, _, done, _, _, _, _ = carry
         return (i < num_steps) & ~jnp.all(done)
 
     def one_step(carry):
-        i, pool, tokens, done, steps, out_tokens, out_logprobs = carry
+        i, pool, tokens, done, steps, out_tokens, out_logprobs, counts = carry
         active = ~done
         # A done row repeats its last position (its write is dropped, its token ignored): every index stays
         # inside the pages it was given.
@@ -137,18 +132,24 @@ def _forward_sample_steps(model: Transformer, pool, settings: AttentionSettings,
         kv_lens = jnp.where(present & (active | (settings.impl != "cpu_kernel")), positions + 1, 0)
         inputs = StepInputs(tokens, positions, slots, cu_q_lens, kv_lens, page_indices, num_seqs, logits_indices)
         pool, logits = model(pool, inputs, settings)
-        new, logprobs = _pick(logits.array, mode, temperature, top_k, top_p, base_keys, positions + 1)
+        step_penalties = None if penalties is None else (penalties[0], counts, *penalties[2:])
+        new, logprobs = _pick(logits.array, mode, temperature, top_k, top_p, min_p, base_keys, positions + 1,
+                              step_penalties)
+        if penalties is not None:  # the new token joins its row's completion for the next step
+            counts = counts.at[rows, new].add(active.astype(jnp.int32))
         steps = steps + active.astype(jnp.int32)
         stopped = jnp.any(new[:, None] == stop_ids, axis=1)
         done = done | (active & (stopped | (steps >= limits)))
         return (i + 1, pool, jnp.where(active, new, tokens), done, steps, out_tokens.at[i].set(new),
-                out_logprobs.at[i].set(logprobs))
+                out_logprobs.at[i].set(logprobs), counts)
 
     carry = (jnp.int32(0), pool, token_ids, limits <= 0, jnp.zeros(S, jnp.int32),
-             jnp.zeros((num_steps, S), jnp.int32), jnp.zeros((num_steps, S), jnp.float32))
-    _, pool, _, _, steps, out_tokens, out_logprobs = jax.lax.while_loop(running, one_step, carry)
+             jnp.zeros((num_steps, S), jnp.int32), jnp.zeros((num_steps, S), jnp.float32),
+             None if penalties is None else penalties[1])
+    _, pool, _, _, steps, out_tokens, out_logprobs, counts = jax.lax.while_loop(running, one_step, carry)
     mesh = settings.mesh
-    return pool, _replicated(out_tokens, mesh), _replicated(out_logprobs, mesh), _replicated(steps, mesh)
+    return (pool, _replicated(out_tokens, mesh), _replicated(out_logprobs, mesh), _replicated(steps, mesh),
+            counts)
 
 
 def _chained_inputs(tokens, steps, token_ids, starts, remaining, limits, live, stop_ids, num_steps: int):
@@ -169,6 +170,7 @@ _logits = jax.jit(_forward, donate_argnums=(1,), static_argnums=(3,))
 _step_sample = jax.jit(_forward_sample, donate_argnums=(1,), static_argnums=(3, 4))
 _steps_sample = jax.jit(_forward_sample_steps, donate_argnums=(1,), static_argnums=(2, 3, 4))
 _chain = jax.jit(_chained_inputs, static_argnums=(8,))
+_penalty_state = jax.jit(penalty_state, static_argnums=(2,))
 
 
 @dataclass(frozen=True)
@@ -186,14 +188,26 @@ class PendingSteps:
     sampling: tuple  # _sampling_arrays of the rows
     stops: np.ndarray
     num_rows: int
+    penalties: tuple | None = None  # the call's `penalties`, counts as they were after it
 
 
-def _pick(logits: jax.Array, mode: str, temperature, top_k, top_p, base_keys, positions):
+def _pick(logits: jax.Array, mode: str, temperature, top_k, top_p, min_p, base_keys, positions, penalties=None):
     """(tokens, logprobs) of `sample`, from a program with only what `mode` needs: for `greedy` the argmax
-    alone, for `sample` no top-k/top-p sort. Each gives every row the token and logprob `sample` gives it."""
-    if mode == "greedy":
-        return greedy_sample(logits)
-    return sample(logits, temperature, top_k, top_p, position_keys(base_keys, positions), truncation=mode == "truncate")
+    alone, for `sample` no top-k/top-p sort, min-p only with `+min_p`, penalties only with `+penalties`
+    (`penalties` = (in_prompt bool[S, V], counts i32[S, V], repetition, presence, frequency f32[S])). Each gives
+    every row the token and logprob `sample` gives it; logprobs are the raw model's, penalties or not."""
+    kind = mode.split("+")[0]
+    raw = logits
+    if penalties is not None:
+        logits = penalize(raw, *penalties)
+    if kind == "greedy":
+        if penalties is None:
+            return greedy_sample(raw)
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        raw_logprobs = jax.nn.log_softmax(raw.astype(jnp.float32), axis=-1)
+        return tokens, jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    return sample(logits, temperature, top_k, top_p, position_keys(base_keys, positions), truncation=kind == "truncate",
+                  min_p=min_p if "+min_p" in mode else None, raw_logits=None if penalties is None else raw)
 
 
 class ModelRunner:
@@ -338,9 +352,11 @@ class ModelRunner:
         mode, sampling = _sampling_mode(rows, self.model.config.vocab_size), _sampling_arrays(rows, S)
         n = len(rows)
         with self.clock.timing():
-            with self.transfers.sending(**_sent(inputs), sampling=(*sampling, positions)):
+            penalties = self._penalties(rows, S, mode)
+            with self.transfers.sending(**_sent(inputs), sampling=(*sampling, positions, *_host(penalties))):
                 self.kv.pool, tokens, logprobs = _step_sample(self.model, self.kv.pool, inputs,
-                                                              self._settings_for(chunks), mode, *sampling, positions)
+                                                              self._settings_for(chunks), mode, *sampling, positions,
+                                                              penalties)
             tokens, logprobs = self.transfers.read(tokens=tokens, logprobs=logprobs)
             return tokens[:n], logprobs[:n]
 
@@ -359,8 +375,11 @@ class ModelRunner:
                     or row.sampling.position != row.start + 1):
                 raise ValueError(f"decode row {r}: {row.limit} steps from position {row.start} with {len(row.pages)} "
                                  f"pages (page_size {ps}, max_seq_len {self.max_seq_len})")
-        stops = np.full((S, bucket(len(stop_ids), 4)), -1, np.int32)  # E fixed per engine: one compile
-        stops[:len(rows), :len(stop_ids)] = list(stop_ids)
+        # E is fixed per engine (one compile) unless rows bring stop ids of their own (sampling.stop_token_ids).
+        row_stops = [sorted(set(stop_ids) | set(row.sampling.stop_token_ids)) for row in rows]
+        stops = np.full((S, bucket(max([len(stop_ids), *map(len, row_stops)]), 4)), -1, np.int32)
+        for r, ids in enumerate(row_stops):
+            stops[r, :len(ids)] = ids
         limits = [row.limit for row in rows]
         remaining = limits if remaining is None else list(remaining)
         mode = _sampling_mode([row.sampling for row in rows], self.model.config.vocab_size)
@@ -375,7 +394,9 @@ class ModelRunner:
         replicated = self.kv.pool.array.sharding if mesh is None else NamedSharding(mesh, P())
         with self.clock.timing(), self.transfers.sending(step_inputs=per_row):
             per_row = tuple(jax.make_array_from_process_local_data(replicated, x) for x in per_row)
-        return self._launch(*per_row, mode, sampling, stops, len(rows), [row.pages for row in rows], num_steps)
+            penalties = self._penalties([row.sampling for row in rows], S, mode)
+        return self._launch(*per_row, mode, sampling, stops, len(rows), [row.pages for row in rows], num_steps,
+                            penalties)
 
     def chain_multi_step(self, prev: PendingSteps, pages: Sequence[Sequence[int]], num_steps: int) -> PendingSteps:
         """Dispatch the call that continues `prev`'s rows from its device outputs, before the host has read
@@ -389,21 +410,45 @@ class ModelRunner:
             token_ids, starts, remaining, limits = _chain(prev.tokens, prev.steps, prev.token_ids, prev.starts,
                                                           prev.remaining, prev.limits, live, prev.stops, num_steps)
         return self._launch(token_ids, starts, limits, remaining, prev.mode, prev.sampling, prev.stops,
-                            prev.num_rows, pages, num_steps)
+                            prev.num_rows, pages, num_steps, prev.penalties)
 
     def _launch(self, token_ids, starts, limits, remaining, mode: str, sampling: tuple, stops: np.ndarray,
-                num_rows: int, pages: Sequence[Sequence[int]], num_steps: int) -> PendingSteps:
+                num_rows: int, pages: Sequence[Sequence[int]], num_steps: int,
+                penalties: tuple | None = None) -> PendingSteps:
         page_array = np.zeros((stops.shape[0], self.pages_per_seq), np.int32)
         for r, row_pages in enumerate(pages):
             page_array[r, :len(row_pages)] = row_pages
         num_seqs = np.array([num_rows], np.int32)
         with self.clock.timing(), self.transfers.sending(step_inputs=num_seqs, page_tables=page_array,
-                                                         sampling=(*sampling, stops)):
-            self.kv.pool, tokens, logprobs, steps = _steps_sample(
+                                                         sampling=(*sampling, stops, *_host(penalties))):
+            self.kv.pool, tokens, logprobs, steps, counts = _steps_sample(
                 self.model, self.kv.pool, self._settings[1], num_steps, mode, token_ids, starts, limits, page_array,
-                num_seqs, *sampling, stops)
+                num_seqs, *sampling, stops, penalties)
+        after = None if penalties is None else (penalties[0], counts, *penalties[2:])
         return PendingSteps(tokens, logprobs, steps, token_ids, starts, limits, remaining, mode, sampling, stops,
-                            num_rows)
+                            num_rows, after)
+
+    def _penalties(self, rows: Sequence[RowSampling], size: int, mode: str) -> tuple | None:
+        """The `penalties` of a call whose mode penalizes (None otherwise): each row's prompt tokens and
+        completion counts, built on the device from its token history (padded to a power of two: few programs)."""
+        if "+penalties" not in mode:
+            return None
+        width = bucket(max(len(r.history) for r in rows), MIN_TOKEN_BUCKET)
+        history = np.full((size, width), -1, np.int32)
+        for r, row in enumerate(rows):
+            history[r, :len(row.history)] = row.history
+        prompt_lens = np.zeros(size, np.int32)
+        prompt_lens[:len(rows)] = [row.num_prompt_tokens for row in rows]
+        # Placed as the step's other device inputs (replicated over the mesh), so the state lands there too.
+        mesh = self._settings[1].mesh
+        replicated = self.kv.pool.array.sharding if mesh is None else NamedSharding(mesh, P())
+        with self.transfers.sending(sampling=(history, prompt_lens)):
+            history, prompt_lens = (jax.make_array_from_process_local_data(replicated, x) for x in (history, prompt_lens))
+        in_prompt, counts = _penalty_state(history, prompt_lens, self.model.config.vocab_size)
+        pad = size - len(rows)
+        return (in_prompt, counts, np.array([r.repetition_penalty for r in rows] + [1.0] * pad, np.float32),
+                np.array([r.presence_penalty for r in rows] + [0.0] * pad, np.float32),
+                np.array([r.frequency_penalty for r in rows] + [0.0] * pad, np.float32))
 
     def fetch_multi_step(self, pending: PendingSteps) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Wait for a dispatched call: (tokens i32[num_steps, rows], logprobs f32[num_steps, rows],
@@ -422,29 +467,6 @@ def _sent(inputs: StepInputs) -> dict[str, tuple[np.ndarray, ...]]:
     return {"step_inputs": rest, "page_tables": (inputs.page_indices,)}
 
 
-def _row_sampling(seq: Seq) -> RowSampling:
-    """How the sequence's next token (at index len(token_ids)) is drawn."""
-    s = seq.request.sampling
-    return RowSampling(s.temperature, s.top_k, s.top_p, seq.base_key, len(seq.token_ids))
-
-
-def _sampling_mode(rows: Sequence[RowSampling], vocab_size: int) -> str:
-    """What a step's program must be able to do: `greedy` (every row is greedy), `sample` (no sampled row
-    truncates) or `truncate` (top-k or top-p). A job's steps all share one mode, so it compiles one variant;
-    the sampler is about half of a step program's compile time, the sort most of that. A row truncates by
-    the test `sample` applies on the device (`truncates`)."""
-    sampled = [r for r in rows if r.temperature > 0]
-    if not sampled:
-        return "greedy"
-    return "truncate" if any(0 < r.top_k < vocab_size or r.top_p < 1.0 for r in sampled) else "sample"
-
-
-def _sampling_arrays(rows: Sequence[RowSampling], size: int) -> tuple[np.ndarray, ...]:
-    """Temperature f32[size], top_k i32[size], top_p f32[size] and base keys u32[size, 2] of the rows,
-    padded with greedy rows (their tokens are never read)."""
-    pad = size - len(rows)
-    keys = np.zeros((size, 2), np.uint32)
-    keys[:len(rows)] = [r.base_key for r in rows]
-    return (np.array([r.temperature for r in rows] + [0.0] * pad, np.float32),
-            np.array([r.top_k for r in rows] + [0] * pad, np.int32),
-            np.array([r.top_p for r in rows] + [1.0] * pad, np.float32), keys)
+def _host(penalties: tuple | None) -> tuple[np.ndarray, ...]:
+    """The host arrays among a call's penalty arguments (its token state is on the device already)."""
+    return () if penalties is None else tuple(a for a in penalties if isinstance(a, np.ndarray))

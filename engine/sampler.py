@@ -14,6 +14,7 @@ own key, never on the other rows, the batch size or the row index.
 from __future__ import annotations
 
 import hashlib
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -76,11 +77,13 @@ def sample(
     top_p: jax.Array,
     keys: jax.Array,
     truncation: bool = True,
+    min_p: jax.Array | None = None,
+    raw_logits: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Draw one token per row; returns `(tokens: i32[S], logprobs: f32[S])`. Pure and jittable.
 
-    `truncation=False` (static) promises that no sampled row truncates (top_k off, top_p 1): the program
-    then leaves out the top-k/top-p sort, with the same results.
+    `truncation=False` (static) promises that no sampled row truncates (top_k off, top_p 1, min_p 0): the
+    program then leaves out the top-k/top-p sort, with the same results.
 
     Inputs (S rows, V vocabulary entries), each row with its own settings:
       logits:      f32[S, V]  the model's logits for the next token
@@ -88,18 +91,22 @@ def sample(
       top_k:       i32[S]     keep the k most likely tokens; 0 (or >= V) is off
       top_p:       f32[S]     nucleus mass in (0, 1]; 1 is off
       keys:        key[S] typed keys (from `position_keys`) or raw threefry key data u32[S, 2]
+      min_p:       f32[S]     (optional) keep tokens of probability >= min_p * the top probability; 0 is off
+      raw_logits:  f32[S, V]  (optional) the model's logits when `logits` are penalized (`penalize`): the
+                              logprobs are read from them
 
     Semantics per row:
       * temperature == 0: the argmax of `logits` (ties go to the lowest index, like torch.argmax);
         top_k, top_p and the key are ignored.
-      * temperature > 0: `logits / temperature`, then top-k, then top-p on the distribution left by
-        top-k (the smallest set of most likely tokens whose cumulative probability is >= top_p; the
-        most likely token is always kept), then a draw with `jax.random.categorical` from the row's
-        key. Ties in the ranking are broken by the lowest token index.
+      * temperature > 0: `logits / temperature`, then min-p (vLLM's: tokens whose probability under
+        `softmax(logits / temperature)` is below `min_p` times the largest are dropped), then top-k, then
+        top-p on the distribution left by top-k (the smallest set of most likely tokens whose cumulative
+        probability is >= top_p; the most likely token is always kept), then a draw with
+        `jax.random.categorical` from the row's key. Ties in the ranking are broken by the lowest token index.
 
     `logprobs[i]` is the log-probability of the chosen token under the raw model distribution,
-    `log_softmax(logits[i])` at temperature 1 with no truncation, whatever the row's settings:
-    the number to compare with Hugging Face's `log_softmax(logits)`.
+    `log_softmax(raw_logits[i])` (default `logits`) at temperature 1 with no truncation or penalty, whatever
+    the row's settings: the number to compare with Hugging Face's `log_softmax(logits)`.
 
     A row's result depends only on that row's inputs (never on S, the row's index or the other
     rows), which is what makes samples independent of how prompts were batched.
@@ -108,19 +115,23 @@ def sample(
     if not jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key):
         keys = jax.random.wrap_key_data(keys.astype(jnp.uint32), impl=KEY_IMPL)
     vocab_size = logits.shape[-1]
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # f32[S, V]
+    raw = logits if raw_logits is None else raw_logits.astype(jnp.float32)
+    raw_logprobs = jax.nn.log_softmax(raw, axis=-1)  # f32[S, V]
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # i32[S]
     sampled_rows = temperature > 0  # bool[S]
     # A greedy row still flows through the sampled branch; divide by 1 there to keep it finite.
     scaled = logits / jnp.where(sampled_rows, temperature, 1.0)[:, None]  # f32[S, V]
     truncates = sampled_rows & (((top_k > 0) & (top_k < vocab_size)) | (top_p < 1.0))  # bool[S]
+    if min_p is not None:  # static: a program for rows without min_p leaves it out
+        truncates = truncates | (sampled_rows & (min_p > 0))
 
     # Batch-level fast paths (the full-vocabulary sort is most of a decode step): skip sampling when
     # every row is greedy, and skip the sort when no row truncates. The draw is made in vocabulary order
     # in every case (truncation only masks), so a row's token never depends on which path its batch took.
     def draw() -> jax.Array:
         masked = scaled if not truncation else jax.lax.cond(
-            jnp.any(truncates), lambda: jax.vmap(_truncate_row)(scaled, top_k, top_p), lambda: scaled)  # f32[S, V]
+            jnp.any(truncates), lambda: jax.vmap(partial(_truncate_row, with_min_p=min_p is not None))(
+                scaled, top_k, top_p, jnp.zeros_like(top_p) if min_p is None else min_p), lambda: scaled)  # f32[S, V]
         return jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
 
     sampled_tokens = jax.lax.cond(jnp.any(sampled_rows), draw, lambda: greedy_tokens)  # i32[S]
@@ -138,9 +149,14 @@ def greedy_sample(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     return tokens, logprobs
 
 
-def _truncate_row(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """One row's logits with tokens outside top-k, then outside the top-p nucleus, set to -inf: `f32[V]`."""
+def _truncate_row(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
+                  with_min_p: bool = False) -> jax.Array:
+    """One row's logits with tokens below min-p (when `with_min_p`, static), then outside top-k, then outside
+    the top-p nucleus, set to -inf: `f32[V]`."""
     vocab_size = scaled.shape[-1]
+    if with_min_p:  # as vLLM applies it, before top-k/top-p: probabilities under the whole (scaled) distribution
+        probs_all = jax.nn.softmax(scaled)  # f32[V]
+        scaled = jnp.where(probs_all < min_p * jnp.max(probs_all), -jnp.inf, scaled)
     # One stable sort gives both truncations; rank r holds the (r+1)-th most likely token.
     order = jnp.argsort(scaled, descending=True, stable=True)  # i32[V]
     sorted_logits = scaled[order]  # f32[V]
@@ -157,3 +173,32 @@ def _truncate_row(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.
     in_nucleus = (mass_before < top_p) | (top_p >= 1.0) | (ranks == 0)
     kept = jnp.zeros(vocab_size, bool).at[order].set(keep & in_nucleus)  # back to vocabulary order
     return jnp.where(kept, scaled, -jnp.inf)
+
+
+def penalty_state(history: jax.Array, prompt_lens: jax.Array, vocab_size: int) -> tuple[jax.Array, jax.Array]:
+    """What the penalties read, from each row's tokens so far: `(in_prompt: bool[S, V], counts: i32[S, V])`, whether
+    a token is in the row's prompt and how often its completion holds it. `history: i32[S, L]` is the row's prompt
+    then generated tokens, padded with -1; `prompt_lens: i32[S]` its prompt length. Jittable."""
+    S, L = history.shape
+    rows = jnp.broadcast_to(jnp.arange(S)[:, None], (S, L))
+    known = history >= 0
+    in_prompt_cols = jnp.arange(L)[None, :] < prompt_lens[:, None]
+    prompt_ids = jnp.where(known & in_prompt_cols, history, vocab_size)  # out of range: dropped
+    generated_ids = jnp.where(known & ~in_prompt_cols, history, vocab_size)
+    in_prompt = jnp.zeros((S, vocab_size), bool).at[rows, prompt_ids].set(True, mode="drop")
+    counts = jnp.zeros((S, vocab_size), jnp.int32).at[rows, generated_ids].add(1, mode="drop")
+    return in_prompt, counts
+
+
+def penalize(logits: jax.Array, in_prompt: jax.Array, counts: jax.Array, repetition: jax.Array,
+             presence: jax.Array, frequency: jax.Array) -> jax.Array:
+    """Logits `f32[S, V]` with each row's penalties applied as vLLM applies them (`repetition: f32[S]`, 1 off;
+    `presence`, `frequency: f32[S]`, 0 off): a token in the prompt or the completion has its logit divided by
+    `repetition` when positive and multiplied by it otherwise (transformers' RepetitionPenaltyLogitsProcessor),
+    then `frequency * count + presence * (count > 0)` is subtracted, `count` being its occurrences in the
+    completion. Jittable."""
+    logits = logits.astype(jnp.float32)
+    seen = in_prompt | (counts > 0)
+    rep = repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)

@@ -93,7 +93,8 @@ def run_check(config_path: str, overrides: list[str], target: str | None) -> str
     try:
         programs = lower_step_programs(model_cfg, cfg.engine, context, cfg.model.dtype,
                                        sampling_mode(cfg.sampling, model_cfg.vocab_size),
-                                       len(model_cfg.eos_token_ids), mesh, platform)
+                                       len(set(model_cfg.eos_token_ids) | set(cfg.sampling.stop_token_ids)), mesh,
+                                       platform)
     except (LoweringFailed, ValueError) as e:
         raise Refused(f"{e}") from None
     lines.append(f"step programs: {len(programs)} lowered for {platform} in {time.perf_counter() - started:.1f} s")

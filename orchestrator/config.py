@@ -175,6 +175,9 @@ def plan_changes(planned: dict[str, Any], cfg: RunConfig) -> list[str]:
     (run.json). Plans written before capacities were retunable hold them there too; they are not compared."""
     old = {section: dict(values) for section, values in planned.items()}
     old.pop("packing", None)
+    for section, values in RunConfig().sample_affecting().items():  # keys newer than the plan: their defaults
+        for key, value in values.items():  # (each new key's default samples what the code did before it)
+            old.setdefault(section, {}).setdefault(key, value)
     for key in CAPACITY_ENGINE_KEYS:
         old.get("engine", {}).pop(key, None)
     return diff_keys(old, cfg.sample_affecting())

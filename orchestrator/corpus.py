@@ -31,6 +31,9 @@ class CorpusConfig:
     this field or messages_field, not both."""
     messages_field: str | None = "messages"
     """Field holding a chat (a list of {role, content}) rendered with the tokenizer's chat template."""
+    sampling_field: str | None = "sampling"
+    """Field holding a row's own sampling settings, an object of `sampling.*` keys (all but `n`) that override the
+    run's for that row (docs/records.md); rows without it use the run's."""
     shard_bytes: int = 16 * 2**20
     """Target bytes per shard read by one worker task (does not change the plan)."""
 
@@ -269,6 +272,29 @@ def row_id(record: dict, id_field: str | None, default: str | None) -> str | Non
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         return Rejection("wrong_type", f"field {id_field!r} is {a_type(value)}, not a string or integer")
     return str(value)
+
+
+def passthrough(record: dict, id_field: str | None) -> str | Rejection:
+    """The row's columns to pass through to its samples (`SampleRecord.passthrough`): every column but the id
+    column, plus `prompt_id` holding the id as typed (when the row has one), as JSON object text. A value JSON
+    cannot hold (a parquet timestamp, bytes) is written as its text. A column named like a field of the sample
+    record rejects the row (`reserved_column`): its value would be lost in the output."""
+    from engine import RESERVED_COLUMNS
+
+    clash = sorted(name for name in record if name != id_field and name in RESERVED_COLUMNS)
+    if clash:
+        return Rejection("reserved_column", f"column {clash[0]!r} has the name of a sample record field (its output "
+                                            f"would hide it); rename the column in the input (reserved: "
+                                            f"{', '.join(sorted(RESERVED_COLUMNS))})")
+    kept = {name: value for name, value in record.items() if name != id_field}
+    if id_field and record.get(id_field) is not None:
+        kept = {"prompt_id": record[id_field], **kept}
+    try:
+        return json.dumps(kept, default=str, allow_nan=False, ensure_ascii=False)
+    except ValueError:  # NaN or infinity in a column: JSON has none, so null (as every JSON pagefleet writes)
+        from orchestrator.json_out import finite
+
+        return json.dumps(finite(kept), default=str, ensure_ascii=False)
 
 
 def extract_prompt(raw: RawRow, config: CorpusConfig) -> Prompt | Rejection:

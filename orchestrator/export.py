@@ -12,6 +12,7 @@ temporary directory (beside the output file for `export`) that is removed at the
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -27,14 +28,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from engine import RECORD_FIELDS as ENGINE_RECORD_FIELDS
+from engine import RECORD_FIELDS as ENGINE_RECORD_FIELDS, output_record
 from orchestrator.atomic import atomic_write
 from orchestrator.json_out import dumps
 from orchestrator.manifest import read_manifest
-from orchestrator.results import SAMPLE_SCHEMA
+from orchestrator.results import SAMPLE_SCHEMA, conform
 from orchestrator.rundir import RunDir
 
-RECORD_FIELDS = list(ENGINE_RECORD_FIELDS)  # the exported record: the engine's SampleRecord
+RECORD_FIELDS = list(ENGINE_RECORD_FIELDS)  # the stored record: the engine's SampleRecord
+OWN_FIELDS = [f for f in RECORD_FIELDS if f != "passthrough"]  # an exported record's own fields, before the input's
 DEFAULT_MEMORY_BYTES = 2 * 2**30
 _SORT_KEYS = [("row", "ascending"), ("generation_index", "ascending")]
 _JSONL_ROWS = 4096  # samples converted to Python objects at a time
@@ -115,7 +117,7 @@ def page(paths: list[Path], tmp_dir: str | Path | None, offset: int, limit: int,
         for table in tables:
             start = max(offset - seen, 0)
             if start < table.num_rows:
-                rows += table.slice(start, limit - len(rows)).select(RECORD_FIELDS).to_pylist()
+                rows += [output_record(r) for r in table.slice(start, limit - len(rows)).select(RECORD_FIELDS).to_pylist()]
             seen += table.num_rows
             if len(rows) >= limit:
                 break
@@ -153,17 +155,76 @@ def export(run_dir_path: str | Path, output: str | Path, partial: bool = False,
 
     def write(tmp: str) -> None:
         if output.suffix == ".parquet":
-            with pq.ParquetWriter(tmp, pa.schema([SAMPLE_SCHEMA.field(f) for f in RECORD_FIELDS])) as writer:
+            columns = passthrough_schema(paths)
+            with pq.ParquetWriter(tmp, exported_schema(columns)) as writer:
                 for table in records():
-                    writer.write_table(table)
+                    writer.write_table(expand_passthrough(table, columns))
             return
         with open(tmp, "w", encoding="utf-8") as f:
             for table in records():
                 for batch in table.to_batches(max_chunksize=_JSONL_ROWS):
-                    f.writelines(dumps(row, ensure_ascii=False) + "\n" for row in batch.to_pylist())
+                    f.writelines(dumps(output_record(row), ensure_ascii=False) + "\n" for row in batch.to_pylist())
 
     atomic_write(output, write)
     return written
+
+
+# -- passed-through input columns in a parquet export ---------------------------------------------
+
+def passthrough_schema(paths: list[Path]) -> pa.Schema:
+    """The Arrow types of the passed-through input columns (SampleRecord.passthrough) over every output file, in
+    first-seen order; `prompt_id` among them when ids were typed. A column whose values have no common type
+    (an id that is an integer in one row and a string in another) raises ValueError naming it: JSON lines keep
+    each value as the input had it."""
+    schemas = []
+    for path in paths:
+        if "passthrough" not in pq.read_schema(path).names:  # an output older than passed-through columns
+            continue
+        values = [json.loads(t) for t in pq.read_table(path, columns=["passthrough"])["passthrough"].to_pylist() if t]
+        if values:
+            schemas.append(_inferred(values, path))
+    try:
+        return pa.unify_schemas(schemas, promote_options="permissive") if schemas else pa.schema([])
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as err:
+        raise ValueError(f"the input columns passed through to the samples have no common type across rows ({err}); "
+                         "export to .jsonl instead, which keeps each value as the input had it") from None
+
+
+def _inferred(values: list[dict], path: Path) -> pa.Schema:
+    try:
+        return pa.Table.from_pylist(values).schema
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as err:
+        raise ValueError(f"the input columns passed through to the samples of {path.name} have no common type "
+                         f"across rows ({err}); export to .jsonl instead, which keeps each value as the input had it"
+                         ) from None
+
+
+def exported_schema(columns: pa.Schema) -> pa.Schema:
+    """A parquet export's schema: the record's own fields (`prompt_id` typed as the input typed its ids), then the
+    passed-through columns."""
+    own = [columns.field("prompt_id") if f == "prompt_id" and "prompt_id" in columns.names else SAMPLE_SCHEMA.field(f)
+           for f in OWN_FIELDS]
+    return pa.schema(own + [f for f in columns if f.name != "prompt_id"])
+
+
+def expand_passthrough(table: pa.Table, columns: pa.Schema) -> pa.Table:
+    """`table` (RECORD_FIELDS) as `exported_schema(columns)`: the passthrough object spread into columns; a row
+    without a typed id keeps its string id (a row number) cast to the ids' type."""
+    out = table.select(OWN_FIELDS)
+    values = [json.loads(t) if t else {} for t in table["passthrough"].to_pylist()]
+    try:
+        extra = pa.Table.from_pylist(values, schema=columns)
+        if "prompt_id" in columns.names:
+            field = columns.field("prompt_id")
+            untyped = pc.if_else(pc.is_null(extra["prompt_id"]), out["prompt_id"], None)  # rows without an id
+            out = out.set_column(0, field, pc.coalesce(extra["prompt_id"], untyped.cast(field.type)))
+            extra = extra.drop_columns(["prompt_id"])
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as err:
+        raise ValueError(f"the input columns passed through to the samples have no common type across rows ({err}); "
+                         "export to .jsonl instead, which keeps each value as the input had it") from None
+    for f in extra.schema:
+        out = out.append_column(f, extra[f.name])
+    return out
 
 
 # -- temporaries ----------------------------------------------------------------------------------
@@ -209,7 +270,7 @@ def _alive(pid: int) -> bool:
 
 def _read(path: Path) -> pa.Table:
     try:
-        return pq.read_table(path).cast(SAMPLE_SCHEMA)
+        return conform(pq.read_table(path))
     except (pa.ArrowException, OSError, ValueError) as err:
         raise ValueError(f"the samples file {path} is corrupt or truncated ({err}); rerun `pagefleet run` with the "
                          "run's config: it finds the file on start and recomputes that batch") from None
@@ -269,7 +330,7 @@ def _merge(runs: list[Path]) -> Iterator[pa.Table]:
             table = files[i].read_row_group(next_group[i])
             next_group[i] += 1
             if table.num_rows:
-                buffers[i] = table.cast(SAMPLE_SCHEMA)
+                buffers[i] = conform(table)
                 return
         buffers[i] = None
 

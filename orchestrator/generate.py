@@ -1,16 +1,18 @@
 """`pagefleet generate`: the engine alone in one process, no Ray.
 
-Input lines: {"id", "prompt"} | {"id", "messages"} | {"id", "prompt_token_ids"}. Output: one sample
-record per (prompt, generation_index) in input order (docs/records.md; `batch_id` is null). A
-line that cannot run becomes a record with `error` set and no tokens: nothing is dropped.
+Input lines: {"id", "prompt"} | {"id", "messages"} | {"id", "prompt_token_ids"}, optionally with a
+`sampling` object of per-line settings and any other columns (passed through to the line's records).
+Output: one sample record per (prompt, generation_index) in input order (docs/records.md; `batch_id` is
+null). A line that cannot run becomes a record with `error` set and no tokens: nothing is dropped.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import draccus
@@ -18,11 +20,12 @@ import draccus
 from engine import EngineConfig, SampleRecord, SamplingConfig
 from orchestrator import exit_codes
 from orchestrator.atomic import atomic_write_text
-from orchestrator.corpus import CorpusConfig, RawRow, Rejection, extract_prompt, loads_row, row_id
+from orchestrator.corpus import CorpusConfig, RawRow, Rejection, extract_prompt, loads_row, passthrough, row_id
 from orchestrator.json_out import dumps
 from orchestrator.model_source import resolve_model
 from orchestrator.prompt_checks import out_of_vocabulary, render_chat
 from orchestrator.progress import format_prefix_cache, format_transfers
+from orchestrator.row_sampling import apply, row_overrides
 
 
 @dataclass(frozen=True)
@@ -51,52 +54,72 @@ class GenerateConfig:
 _FIELDS = CorpusConfig(path="", id_field="id", text_field="prompt", messages_field="messages")
 
 
-def _parse_line(raw: bytes | dict, line_no: int, tokenizer, vocab_size: int | None = None, tokenizer_path: str = ""
-                ) -> tuple[str | None, list[int] | None, str | None]:
-    """(prompt_id or None when the line has none, token ids or None, error or None) for one input line
-    (its bytes, or the row already decoded, as `pagefleet.generate` passes it).
+@dataclass(frozen=True)
+class ParsedLine:
+    """One input line as `generate` reads it; `error` set (and `token_ids` None) when it cannot run."""
+
+    prompt_id: str | None
+    """The line's id as a string (None when it has none)."""
+    token_ids: list[int] | None = None
+    error: str | None = None
+    passthrough: str | None = None
+    """SampleRecord.passthrough: the line's other columns and its typed id."""
+    sampling: dict = field(default_factory=dict)
+    """The line's own sampling overrides (its `sampling` object, orchestrator.row_sampling)."""
+
+
+def _parse_line(raw: bytes | dict, line_no: int, tokenizer, vocab_size: int | None = None, tokenizer_path: str = "",
+                sampling: SamplingConfig = SamplingConfig()) -> ParsedLine:
+    """One input line (its bytes, or the row already decoded, as `pagefleet.generate` passes it).
 
     Lines are judged as `pagefleet run` judges corpus rows, and an error names the same reasons as its
     rejected.jsonl: a line that is not UTF-8, not JSON or not an object, an empty prompt or message list, a
-    field of the wrong type or no prompt field at all, a row nested too deeply to read, a chat the tokenizer
-    has no template for, or a token id outside the model's vocabulary is an error record, never repaired or
-    dropped."""
+    field of the wrong type or no prompt field at all, a column named like a sample record field, a row nested
+    too deeply to read, a chat the tokenizer has no template for, or a token id outside the model's vocabulary
+    is an error record, never repaired or dropped."""
     if isinstance(raw, dict):
         row = raw
     else:
         try:
             row = loads_row(raw.decode("utf-8"))
         except UnicodeDecodeError as e:
-            return None, None, f"undecodable: line {line_no} is not UTF-8 ({e.reason} at byte {e.start})"
+            return ParsedLine(None, error=f"undecodable: line {line_no} is not UTF-8 ({e.reason} at byte {e.start})")
         except ValueError as e:
-            return None, None, f"malformed_row: line {line_no} is not valid JSON ({e})"
+            return ParsedLine(None, error=f"malformed_row: line {line_no} is not valid JSON ({e})")
     if not isinstance(row, dict):
-        return None, None, f"malformed_row: line {line_no} is a JSON {type(row).__name__}, not an object"
+        return ParsedLine(None, error=f"malformed_row: line {line_no} is a JSON {type(row).__name__}, not an object")
     pid = row_id(row, "id", None)
     if isinstance(pid, Rejection):
-        return None, None, f"{pid.reason}: {pid.detail}"
+        return ParsedLine(None, error=f"{pid.reason}: {pid.detail}")
+    kept = passthrough(row, "id")
+    if isinstance(kept, Rejection):  # its record still names it by its id as typed
+        typed = None if pid is None else json.dumps({"prompt_id": row["id"]}, ensure_ascii=False)
+        return ParsedLine(pid, error=f"{kept.reason}: {kept.detail}", passthrough=typed)
+    own = row_overrides(row.get("sampling"), sampling, "sampling")
+    if isinstance(own, Rejection):
+        return ParsedLine(pid, error=f"{own.reason}: {own.detail}", passthrough=kept)
+    line = ParsedLine(pid, passthrough=kept, sampling=own)
     if "prompt_token_ids" in row:  # bypasses the tokenizer ("prompt" or "messages" beside it are not read)
         ids = row["prompt_token_ids"]
         if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            return pid, None, "wrong_type: prompt_token_ids must be a list of integers"
-        return _in_vocabulary(pid, list(ids), vocab_size)
+            return replace(line, error="wrong_type: prompt_token_ids must be a list of integers")
+        return _in_vocabulary(line, list(ids), vocab_size)
     parsed = extract_prompt(RawRow(line_no - 1, "", line_no, row), _FIELDS)
     if isinstance(parsed, Rejection):
-        return pid, None, f"{parsed.reason}: {parsed.detail}"
+        return replace(line, error=f"{parsed.reason}: {parsed.detail}")
     if tokenizer is None:
-        return pid, None, "the model directory has no tokenizer; give prompt_token_ids"
+        return replace(line, error="the model directory has no tokenizer; give prompt_token_ids")
     if parsed.messages is not None:
         text = render_chat(tokenizer, parsed.messages, tokenizer_path)
         if isinstance(text, Rejection):
-            return pid, None, f"{text.reason}: {text.detail}"
-        return _in_vocabulary(pid, tokenizer(text, add_special_tokens=False)["input_ids"], vocab_size)
-    return _in_vocabulary(pid, tokenizer(parsed.text)["input_ids"], vocab_size)
+            return replace(line, error=f"{text.reason}: {text.detail}")
+        return _in_vocabulary(line, tokenizer(text, add_special_tokens=False)["input_ids"], vocab_size)
+    return _in_vocabulary(line, tokenizer(parsed.text)["input_ids"], vocab_size)
 
 
-def _in_vocabulary(pid: str | None, ids: list[int], vocab_size: int | None
-                   ) -> tuple[str | None, list[int] | None, str | None]:
+def _in_vocabulary(line: ParsedLine, ids: list[int], vocab_size: int | None) -> ParsedLine:
     why = out_of_vocabulary(ids, vocab_size)
-    return (pid, ids, None) if why is None else (pid, None, f"out_of_vocabulary: {why}")
+    return replace(line, token_ids=ids) if why is None else replace(line, error=f"out_of_vocabulary: {why}")
 
 
 def sample_records(engine, lines: Iterable[tuple[int, bytes | dict]], sampling: SamplingConfig,
@@ -109,24 +132,30 @@ def sample_records(engine, lines: Iterable[tuple[int, bytes | dict]], sampling: 
     requests, failed = [], []
     order: list[tuple[str, int]] = []
     first_line: dict[str, int] = {}
-    for line_no, line in lines:
-        pid, ids, err = _parse_line(line, line_no, engine.tokenizer, engine.model_config.vocab_size, tokenizer_path)
-        pid = pid or f"line-{line_no}"
+    kept: dict[str, str | None] = {}
+    for line_no, raw in lines:
+        line = _parse_line(raw, line_no, engine.tokenizer, engine.model_config.vocab_size, tokenizer_path, sampling)
+        pid, ids, err = line.prompt_id or f"line-{line_no}", line.token_ids, line.error
+        kept_columns = line.passthrough
         if pid in first_line:  # a repeated id would make two prompts' samples indistinguishable
             ids, err = None, f"duplicate id {pid!r} (first on line {first_line[pid]})"
             pid = f"line-{line_no}"
+            if kept_columns is not None:  # its record is named line-N: its own id must not rename it back
+                kept_columns = json.dumps({k: v for k, v in json.loads(kept_columns).items() if k != "prompt_id"},
+                                          ensure_ascii=False)
         first_line.setdefault(pid, line_no)
+        kept[pid] = kept_columns
         for g in range(sampling.n):
             order.append((pid, g))
             if ids is None:
                 failed.append(SampleRecord(pid, g, "", [], None, None, 0, error=err))
             else:
-                requests.append(Request(pid, tuple(ids), sampling, generation_index=g))
+                requests.append(Request(pid, tuple(ids), apply(sampling, line.sampling), generation_index=g))
     done = engine.generate(requests, on_finish=lambda _: on_finish())
     for _ in failed:
         on_finish()
     by_key = {(c.prompt_id, c.generation_index): c for c in done + failed}
-    return [by_key[key].to_json() for key in order]
+    return [replace(by_key[key], passthrough=kept[key[0]]).to_json() for key in order]
 
 
 def _write_atomically(path: Path, lines: list[str]) -> None:

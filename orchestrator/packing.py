@@ -94,15 +94,19 @@ class PackingLimits:
             max_prompts=min(engine.max_seqs_in_prefill * packing.max_prefill_steps, engine.max_seqs // sampling.n),
         )
 
-    def page_need(self, num_tokens: np.ndarray | int) -> np.ndarray | int:
-        """Exact KV pages for one prompt of `num_tokens` tokens and its `n` samples at full length."""
-        return pages_needed(num_tokens, self.max_new_tokens, self.page_size, self.n)
+    def page_need(self, num_tokens: np.ndarray | int, max_new_tokens: np.ndarray | int | None = None
+                  ) -> np.ndarray | int:
+        """Exact KV pages for one prompt of `num_tokens` tokens and its `n` samples at full length; each prompt's
+        own `max_new_tokens` (a row's `sampling` override) where given, else the run's."""
+        new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        return pages_needed(num_tokens, new, self.page_size, self.n)
 
-    def why_unfit(self, num_tokens: int) -> str | None:
+    def why_unfit(self, num_tokens: int, max_new_tokens: int | None = None) -> str | None:
         """Why a single prompt can never fit a batch, or None when it can."""
-        pages = int(self.page_need(num_tokens))
+        new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        pages = int(self.page_need(num_tokens, new))
         if pages > self.max_pages:
-            return (f"needs {pages} KV pages with {self.n} sample(s) of {self.max_new_tokens} new tokens; a batch "
+            return (f"needs {pages} KV pages with {self.n} sample(s) of {new} new tokens; a batch "
                     f"holds {self.max_pages} (packing.page_budget / engine.max_pages)")
         if num_tokens > self.max_prompt_tokens:
             return (f"has {num_tokens} prompt tokens; a batch prefills at most {self.max_prompt_tokens} "
@@ -165,14 +169,14 @@ def shareable_prompt_tokens(page_keys: list[np.ndarray] | np.ndarray, page_size:
     return page_size * int(len(flat) - len(np.unique(flat)))
 
 
-def lower_bound(num_tokens: np.ndarray, limits: PackingLimits) -> int:
+def lower_bound(num_tokens: np.ndarray, limits: PackingLimits, max_new_tokens: np.ndarray | None = None) -> int:
     """No packing can use fewer batches: the largest of the page, prefill and sequence-count bounds."""
     num_tokens = np.asarray(num_tokens, dtype=np.int64)
     if len(num_tokens) == 0:
         return 0
     count = len(num_tokens)
     return max(
-        math.ceil(int(limits.page_need(num_tokens).sum()) / limits.max_pages),
+        math.ceil(int(limits.page_need(num_tokens, max_new_tokens).sum()) / limits.max_pages),
         math.ceil(int(num_tokens.sum()) / limits.max_prompt_tokens),
         math.ceil(count * limits.n / limits.max_seqs),
         math.ceil(count / limits.max_prompts),
@@ -197,16 +201,23 @@ def sharing_order(tokens: np.ndarray, first_page_keys: np.ndarray | None) -> np.
     return np.lexsort((index, -tokens, leader[group], -group_len[group]))
 
 
-def pack(num_tokens: np.ndarray, limits: PackingLimits, first_page_keys: np.ndarray | None = None) -> Packing:
+def pack(num_tokens: np.ndarray, limits: PackingLimits, first_page_keys: np.ndarray | None = None,
+         max_new_tokens: np.ndarray | None = None) -> Packing:
     """Pack items (prompt token counts, in corpus order) into batches; every item must fit alone.
     `first_page_keys` (u64[items], 0 for none: `leading_page_keys(...)[0]`) keeps prompts that share their
-    leading page together in the order (`sharing_order`)."""
+    leading page together in the order (`sharing_order`). `max_new_tokens` (i64[items]) gives each item its own
+    completion length (rows' `sampling` overrides; default the run's): its pages are counted with it."""
     tokens = np.asarray(num_tokens, dtype=np.int64)
     order = sharing_order(tokens, first_page_keys)  # longest first (groups at their longest), ties in corpus order
     size_t = tokens[order]
-    pages = np.asarray(limits.page_need(size_t), dtype=np.int64)
-    if len(order) and (reason := limits.why_unfit(int(size_t[0]))) is not None:  # page need grows with length
-        raise ValueError(f"item {int(order[0])} cannot fit any batch: it {reason}")
+    new_t = None if max_new_tokens is None else np.asarray(max_new_tokens, dtype=np.int64)[order]
+    pages = np.asarray(limits.page_need(size_t, new_t), dtype=np.int64)
+    # Page need grows with length at one max_new_tokens: the longest item is the one to check; else every item.
+    for i in (range(min(1, len(order))) if new_t is None else
+              np.flatnonzero((pages > limits.max_pages) | (size_t > limits.max_prompt_tokens))[:1]):
+        reason = limits.why_unfit(int(size_t[i]), None if new_t is None else int(new_t[i]))
+        if reason is not None:
+            raise ValueError(f"item {int(order[i])} cannot fit any batch: it {reason}")
     cum_pages = np.concatenate([[0], np.cumsum(pages)]).tolist()
     cum_tokens = np.concatenate([[0], np.cumsum(size_t)]).tolist()
     pages_l, tokens_l = pages.tolist(), size_t.tolist()

@@ -37,8 +37,12 @@ from orchestrator.tokenize import PromptTokenizer, shard_item
 
 log = logging.getLogger(__name__)
 
-SUMMARY_COLUMNS = ["row", "prompt_id", "num_tokens", "reason", "detail", "file_index", "line", "page_keys"]
-BATCH_SCHEMA = pa.schema([("prompt_id", pa.string()), ("row", pa.int64()), ("token_ids", pa.list_(pa.int32()))])
+SUMMARY_COLUMNS = ["row", "prompt_id", "num_tokens", "reason", "detail", "file_index", "line", "page_keys",
+                   "max_new_tokens"]
+BATCH_SCHEMA = pa.schema([("prompt_id", pa.string()), ("row", pa.int64()), ("token_ids", pa.list_(pa.int32())),
+                          ("passthrough", pa.string()), ("sampling", pa.string())])
+"""batches/<id>.parquet. `passthrough` (SampleRecord.passthrough: the row's other columns and typed id) and
+`sampling` (the row's own sampling overrides, orchestrator.row_sampling) are absent from plans older than them."""
 
 
 class NothingToRun(ValueError):
@@ -192,7 +196,7 @@ def _plan_into(cfg: RunConfig, run_dir: RunDir, files: list[str]) -> tuple[PlanS
         warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
         tokenized = ray.data.from_items([shard_item(s) for s in shards], override_num_blocks=len(shards)).map_batches(
             PromptTokenizer, fn_constructor_args=(cfg.model, cfg.corpus, limits, context,
-                                                  model_config(cfg.model).get("vocab_size")),
+                                                  model_config(cfg.model).get("vocab_size"), cfg.sampling),
             batch_size=1, compute=ray.data.ActorPoolStrategy(size=workers), batch_format="numpy",
             # No actor restarts: Ray Data hands its actors their arguments as object refs, which a restart may not
             # recover (Ray says so in an E-level core_worker line on every plan). A lost tokenizer fails the plan,
@@ -207,9 +211,12 @@ def _plan_into(cfg: RunConfig, run_dir: RunDir, files: list[str]) -> tuple[PlanS
     rejected = summary.filter(pc.is_valid(summary["reason"]))
     _write_rejected(run_dir, rejected, files)
     lengths = accepted["num_tokens"].to_numpy().astype(np.int64)
+    new_tokens = accepted["max_new_tokens"].to_numpy().astype(np.int64)
+    if (new_tokens == limits.max_new_tokens).all():  # no row sets its own: the run's, as packing defaults to
+        new_tokens = None
     phase("collecting summaries and rejections")
     first_keys, all_keys = _page_keys(accepted)
-    packing = pack(lengths, limits, first_keys)
+    packing = pack(lengths, limits, first_keys, new_tokens)
     num_batches = packing.num_batches
 
     rows = accepted["row"].to_numpy()
@@ -230,7 +237,8 @@ def _plan_into(cfg: RunConfig, run_dir: RunDir, files: list[str]) -> tuple[PlanS
                     num_prompt_tokens=int(packing.num_prompt_tokens[b]), num_pages=int(packing.num_pages[b]))
         for b in range(num_batches)
     ]
-    stats = PlanStats.build(num_rows, rejected["reason"].to_pylist(), lengths, packing, lower_bound(lengths, limits),
+    stats = PlanStats.build(num_rows, rejected["reason"].to_pylist(), lengths, packing,
+                            lower_bound(lengths, limits, new_tokens),
                             shareable_prompt_tokens(all_keys, limits.page_size))
     return stats, records
 
@@ -288,7 +296,7 @@ def _write_batch_files(tokenized, assignment_ref, batches_dir: str, num_batches:
 
         batch_of_row, position_of_row = ray.get(assignment_ref)
         rows = table["row"].to_numpy()
-        table = table.select(["prompt_id", "row", "token_ids"])
+        table = table.select(BATCH_SCHEMA.names)
         table = table.append_column("batch", pa.array(batch_of_row[rows]))
         table = table.append_column("position", pa.array(position_of_row[rows]))
         return table.filter(pc.greater_equal(table["batch"], 0))

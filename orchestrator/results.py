@@ -16,6 +16,14 @@ from engine import arrow_fields
 # outputs/<id>.parquet and `pagefleet export`: the engine's SampleRecord, plus `row` (the prompt's corpus
 # row, which orders the export).
 SAMPLE_SCHEMA = pa.schema([*arrow_fields(), ("row", pa.int64())])
+
+
+def conform(table: pa.Table) -> pa.Table:
+    """A samples table as SAMPLE_SCHEMA: outputs written before a field existed (`passthrough`) get it as nulls."""
+    for name in SAMPLE_SCHEMA.names:
+        if name not in table.column_names:
+            table = table.append_column(SAMPLE_SCHEMA.field(name), pa.nulls(table.num_rows, SAMPLE_SCHEMA.field(name).type))
+    return table.select(SAMPLE_SCHEMA.names).cast(SAMPLE_SCHEMA)
 STATS_KEY = b"pagefleet.batch_stats"  # parquet metadata: the batch's BatchStats as JSON
 
 

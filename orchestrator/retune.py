@@ -17,10 +17,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from engine import SamplingConfig
 from orchestrator.atomic import atomic_write_parquet
 from orchestrator.config import RunConfig, diff_keys
 from orchestrator.manifest import BatchRecord, batch_id
 from orchestrator.packing import PackingLimits, pack
+from orchestrator.row_sampling import max_new_tokens
 from orchestrator.run_state import RunState
 from orchestrator.rundir import PlanMismatch, RunDir
 
@@ -48,16 +50,17 @@ def retune(run_dir: RunDir, state: RunState, cfg: RunConfig) -> None:
     tables = {r.batch_id: pq.read_table(run_dir.batch_file(r.batch_id)) for r in pending}
     lengths = {b: np.array([len(t) for t in table.column("token_ids").to_pylist()], dtype=np.int64)
                for b, table in tables.items()}
+    new_tokens = {b: max_new_tokens(table, cfg.sampling) for b, table in tables.items()}
     for b, table in tables.items():
-        for pid, n in zip(table.column("prompt_id").to_pylist(), lengths[b].tolist()):
-            if (why := limits.why_unfit(n)) is not None:
+        for pid, n, new in zip(table.column("prompt_id").to_pylist(), lengths[b].tolist(), new_tokens[b].tolist()):
+            if (why := limits.why_unfit(n, new)) is not None:
                 raise PlanMismatch(f"run directory {run_dir.root}: pending prompt {pid!r} no longer fits a batch with "
                                    f"{', '.join(changes)}: it {why}; resume with capacities that hold it, or start "
                                    "a new run with --name=NAME")
-    misfits = [b for b in tables if not _fits(lengths[b], limits)]
+    misfits = [b for b in tables if not _fits(lengths[b], new_tokens[b], limits)]
     what = "; ".join(changes)
     if misfits:
-        _repack(run_dir, state, tables, lengths, limits, what, len(misfits))
+        _repack(run_dir, state, tables, limits, cfg.sampling, what, len(misfits))
     else:
         state.event(f"capacities changed ({what}); the {len(pending)} pending batches fit them as they are")
     info["capacities"] = cfg.capacities()
@@ -67,16 +70,16 @@ def retune(run_dir: RunDir, state: RunState, cfg: RunConfig) -> None:
             run_dir.batch_file(b).unlink(missing_ok=True)
 
 
-def _fits(lengths: np.ndarray, limits: PackingLimits) -> bool:
-    return (int(limits.page_need(lengths).sum()) <= limits.max_pages and int(lengths.sum()) <= limits.max_prompt_tokens
+def _fits(lengths: np.ndarray, new_tokens: np.ndarray, limits: PackingLimits) -> bool:
+    return (int(limits.page_need(lengths, new_tokens).sum()) <= limits.max_pages and int(lengths.sum()) <= limits.max_prompt_tokens
             and len(lengths) * limits.n <= limits.max_seqs and len(lengths) <= limits.max_prompts)
 
 
-def _repack(run_dir: RunDir, state: RunState, tables: dict[str, pa.Table], lengths: dict[str, np.ndarray],
-            limits: PackingLimits, what: str, num_misfits: int) -> None:
+def _repack(run_dir: RunDir, state: RunState, tables: dict[str, pa.Table], limits: PackingLimits,
+            sampling: SamplingConfig, what: str, num_misfits: int) -> None:
     prompts = pa.concat_tables(tables.values()).sort_by("row")  # corpus order: the packing's tie-break
     token_counts = np.array([len(t) for t in prompts.column("token_ids").to_pylist()], dtype=np.int64)
-    packing = pack(token_counts, limits)
+    packing = pack(token_counts, limits, max_new_tokens=max_new_tokens(prompts, sampling))
     generation = 1 + max((int(m.group(1)) for b in state.records if (m := _GENERATION.search(b))), default=0)
     records = []
     for b in range(packing.num_batches):

@@ -25,6 +25,7 @@ import pyarrow as pa
 
 from engine import RECORD_FIELDS, EngineConfig, SamplingConfig, transfer_counters
 from orchestrator.results import SAMPLE_SCHEMA, BatchStats, BatchWork, Completed, Failed, Result, with_stats
+from orchestrator.row_sampling import apply
 
 TIMELINE_BUCKET_S = 1.0
 
@@ -229,8 +230,10 @@ class SliceWorker:
 
         sampling = self.spec.sampling
         ids = work.prompts.column("prompt_id").to_pylist()
-        requests = [Request(pid, tuple(tokens), sampling, generation_index=g)
-                    for pid, tokens in zip(ids, work.prompts.column("token_ids").to_pylist())
+        own = (work.prompts.column("sampling").to_pylist() if "sampling" in work.prompts.column_names
+               else [None] * len(ids))  # each row's own sampling overrides (validated when planned)
+        requests = [Request(pid, tuple(tokens), apply(sampling, overrides), generation_index=g)
+                    for pid, tokens, overrides in zip(ids, work.prompts.column("token_ids").to_pylist(), own)
                     for g in range(sampling.n)]
         for r in requests[::sampling.n]:
             error = self.engine.validate(r)
@@ -301,6 +304,8 @@ class SliceWorker:
         columns = {name: [getattr(c, name) for c in samples] for name in RECORD_FIELDS}
         columns["batch_id"] = [work.batch_id] * len(samples)  # the engine's records carry none
         columns["row"] = [r for r in rows for _ in range(n)]
+        if "passthrough" in work.prompts.column_names:  # the row's other columns and typed id (a plan's batch file)
+            columns["passthrough"] = [k for k in work.prompts.column("passthrough").to_pylist() for _ in range(n)]
         stats = BatchStats(
             num_samples=len(samples), num_output_tokens=sum(len(c.token_ids) for c in samples),
             duration_s=time.time() - live.started, num_steps=live.steps,

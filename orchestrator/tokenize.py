@@ -18,15 +18,19 @@ from dataclasses import asdict
 import numpy as np
 import pyarrow as pa
 
-from engine import length_error
-from orchestrator.corpus import CorpusConfig, Prompt, RawRow, Rejection, Shard, extract_prompt, read_rows, row_id
+from engine import SamplingConfig, length_error
+from engine.capacity import stop_ids_error
+from orchestrator.corpus import (CorpusConfig, Prompt, RawRow, Rejection, Shard, extract_prompt, passthrough,
+                                 read_rows, row_id)
 from orchestrator.model_source import ModelSourceConfig, load_tokenizer
 from orchestrator.packing import PackingLimits, leading_page_keys
 from orchestrator.prompt_checks import out_of_vocabulary, render_chat
+from orchestrator.row_sampling import apply, overrides_json, row_overrides
 
 # Rejection reasons (rejected.jsonl `reason`).
 REASONS = ("malformed_row", "undecodable", "missing_field", "wrong_type", "empty_prompt", "no_chat_template",
-           "out_of_vocabulary", "too_long", "exceeds_budget", "duplicate_id")
+           "out_of_vocabulary", "too_long", "exceeds_budget", "duplicate_id", "reserved_column",
+           "bad_sampling")
 
 SCHEMA = pa.schema([
     ("row", pa.int64()),  # row number in corpus order
@@ -38,6 +42,9 @@ SCHEMA = pa.schema([
     ("file_index", pa.int32()),  # the row's file, as a position in the sorted corpus file list
     ("line", pa.int64()),  # 1-based line of a JSON-lines file, else null
     ("page_keys", pa.list_(pa.uint64())),  # packing.leading_page_keys of an accepted prompt, else empty
+    ("passthrough", pa.string()),  # corpus.passthrough of an accepted prompt (SampleRecord.passthrough), else null
+    ("sampling", pa.string()),  # row_sampling.overrides_json of an accepted prompt's own settings, else null
+    ("max_new_tokens", pa.int32()),  # the prompt's max_new_tokens (its own, else the run's)
 ])
 
 
@@ -58,10 +65,11 @@ class PromptTokenizer:
     """Ray Data stage (`map_batches`, one shard per call); the tokenizer is built once per worker."""
 
     def __init__(self, model: ModelSourceConfig, corpus: CorpusConfig, limits: PackingLimits, max_seq_len: int,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, sampling: SamplingConfig | None = None):
         self.tokenizer = load_tokenizer(model)
         self.tokenizer_path = model.tokenizer_path
         self.corpus, self.limits, self.max_seq_len, self.vocab_size = corpus, limits, max_seq_len, vocab_size
+        self.sampling = sampling or SamplingConfig(max_new_tokens=limits.max_new_tokens, n=limits.n)
 
     def render(self, messages: list[dict]) -> str | Rejection:
         """A chat as the tokenizer's chat template renders it, or why it cannot be."""
@@ -85,14 +93,17 @@ class PromptTokenizer:
                     ids[i] = tokens
         return ids  # type: ignore[return-value]
 
-    def check(self, tokens: list[int]) -> tuple[str, str] | None:
-        """Why a tokenized prompt cannot run, or None."""
+    def check(self, tokens: list[int], overrides: dict | None = None) -> tuple[str, str] | None:
+        """Why a tokenized prompt cannot run with its row's sampling `overrides` (row_sampling), or None."""
+        new = (overrides or {}).get("max_new_tokens", self.limits.max_new_tokens)
         if (why := out_of_vocabulary(tokens, self.vocab_size)) is not None:
             return "out_of_vocabulary", why
-        if (problem := length_error(len(tokens), self.limits.max_new_tokens, self.max_seq_len)) is not None:
+        if (problem := length_error(len(tokens), new, self.max_seq_len)) is not None:
             return problem
-        if (why := self.limits.why_unfit(len(tokens))) is not None:
+        if (why := self.limits.why_unfit(len(tokens), new)) is not None:
             return "exceeds_budget", f"prompt {why}"
+        if (why := stop_ids_error(apply(self.sampling, overrides).stop_token_ids, self.vocab_size)) is not None:
+            return "out_of_vocabulary", why
         return None
 
     def __call__(self, batch: dict[str, np.ndarray]) -> pa.Table:
@@ -109,6 +120,14 @@ class PromptTokenizer:
     def tokenize_shard(self, shard: Shard) -> pa.Table:
         raw_rows = list(read_rows(shard))
         parsed = [extract_prompt(raw, self.corpus) for raw in raw_rows]
+        kept_columns = [passthrough(raw.record, self.corpus.id_field) if isinstance(p, Prompt) else None
+                        for raw, p in zip(raw_rows, parsed)]
+        parsed = [k if isinstance(k, Rejection) else p for p, k in zip(parsed, kept_columns)]
+        field = self.corpus.sampling_field
+        overrides = [row_overrides(raw.record.get(field), self.sampling, field) if isinstance(p, Prompt) and field
+                     else {} for raw, p in zip(raw_rows, parsed)]
+        parsed = [o if isinstance(o, Rejection) else p for p, o in zip(parsed, overrides)]
+        overrides = [o if isinstance(o, dict) else {} for o in overrides]
         ok = [i for i, p in enumerate(parsed) if isinstance(p, Prompt)]
         encoded = dict(zip(ok, self.encode([parsed[i] for i in ok])))
         prompt_ids, reasons, details, lengths, kept = [], [], [], [], []
@@ -117,7 +136,7 @@ class PromptTokenizer:
             prompt_ids.append(p.prompt_id if isinstance(p, Prompt) else self.known_id(raw_rows[i]))
             if isinstance(tokens, Rejection):  # a chat that cannot be rendered: its id is known
                 p, tokens = tokens, None
-            problem = (p.reason, p.detail) if not isinstance(p, Prompt) else self.check(tokens)
+            problem = (p.reason, p.detail) if not isinstance(p, Prompt) else self.check(tokens, overrides[i])
             reasons.append(problem[0] if problem else None)
             details.append(problem[1] if problem else None)
             lengths.append(len(tokens) if tokens is not None else 0)
@@ -136,4 +155,7 @@ class PromptTokenizer:
             pa.array([r.line for r in raw_rows], pa.int64()),
             pa.array([leading_page_keys(np.asarray(t, dtype=np.int64), self.limits.page_size) for t in kept],
                      pa.list_(pa.uint64())),
+            pa.array([k if r is None else None for k, r in zip(kept_columns, reasons)], pa.string()),
+            pa.array([overrides_json(o) if r is None else None for o, r in zip(overrides, reasons)], pa.string()),
+            pa.array([o.get("max_new_tokens", self.limits.max_new_tokens) for o in overrides], pa.int32()),
         ], schema=SCHEMA)

@@ -19,9 +19,10 @@ from engine import RECORD_FIELDS
 # W&B truncates a logged wandb.Table to this many rows (wandb.Table.MAX_ROWS), with only a warning.
 WANDB_TABLE_MAX_ROWS = 10_000
 # The samples table: the sample record's scalar fields (engine.SampleRecord), which sample first, the token
-# lists summed up as a count.
+# lists summed up as a count; the input's passed-through columns (a prompt may be long) are left to the export.
 _KEY_COLUMNS = ("prompt_id", "generation_index", "batch_id")
-SAMPLE_COLUMNS = (*_KEY_COLUMNS, *(f for f in RECORD_FIELDS if f not in (*_KEY_COLUMNS, "token_ids", "logprobs")),
+_LEFT_OUT = (*_KEY_COLUMNS, "token_ids", "logprobs", "passthrough")
+SAMPLE_COLUMNS = (*_KEY_COLUMNS, *(f for f in RECORD_FIELDS if f not in _LEFT_OUT),
                   "num_output_tokens")
 
 BatchRow = dict[str, int | float | str | None]

@@ -59,3 +59,15 @@ def test_sampling_mode_follows_the_config():
     assert sampling_mode(SamplingConfig(temperature=0.0), 512) == "greedy"
     assert sampling_mode(SamplingConfig(temperature=0.7), 512) == "sample"
     assert sampling_mode(SamplingConfig(temperature=0.7, top_p=0.95), 512) == "truncate"
+    assert sampling_mode(SamplingConfig(temperature=0.7, min_p=0.1), 512) == "truncate+min_p"
+    assert sampling_mode(SamplingConfig(temperature=0.0, min_p=0.1), 512) == "greedy"  # min_p leaves greedy as is
+    assert sampling_mode(SamplingConfig(repetition_penalty=1.2), 512) == "greedy+penalties"
+    assert sampling_mode(SamplingConfig(temperature=0.7, top_k=5, min_p=0.1, frequency_penalty=0.5),
+                         512) == "truncate+min_p+penalties"
+
+
+@pytest.mark.parametrize("mode", ["greedy+penalties", "truncate+min_p+penalties"])
+def test_programs_with_min_p_and_penalties_lower(mode):
+    """The preflight's argument lists follow the runner's with the penalty arrays and min_p."""
+    programs = lower_step_programs(small_model(), ENGINE, 256, "float32", mode, 3, abstract_mesh(1, 1, None), "cpu")
+    assert [p.name for p in programs] == ["step", "decode", "multi_step", "chain"]

@@ -289,3 +289,69 @@ def test_the_prefix_cache_counters_reach_the_summary_status_and_wandb(ray_local,
     assert {k: finished[0][k] for k in expected} == expected
     assert status(run_dir)["prefix_cache"] == expected
     assert "300 of 400 prompt tokens served from cached pages (75.0% hit rate)" in format_status(status(run_dir))
+
+
+def test_run_passes_input_columns_through_to_the_export(ray_local, run_model, tmp_path):
+    """Item 10 for `pagefleet run`: the planner keeps each row's other columns and typed id in its batch file, the
+    slice writes them into the samples, and export spreads them; a column named like a record field rejects its
+    row with the reason. Seeds still read ids as strings: the samples equal one engine's on the string ids."""
+    from orchestrator.export import export
+
+    rows = [{"id": i, "prompt": f"the sea {'and the fox ' * i}", "meta": {"k": i, "src": "web"}} for i in range(6)]
+    rows.append({"id": "x", "prompt": "hello world", "token_ids": [1]})  # `token_ids` is a record field
+    rows.append({"prompt": "no id here", "lang": "en"})
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_dir = tmp_path / "run"
+    cfg = load_run_config(None, run_args(run_model, str(corpus), run_dir, "--cluster.num_slices=1",
+                                         "--sampling.temperature=0.8", "--sampling.seed=3"))
+    assert Driver(cfg, show_progress=False).run().exit_code == 0
+    rejected = [json.loads(line) for line in (run_dir / "rejected.jsonl").read_text().splitlines()]
+    assert [(r["row"], r["reason"]) for r in rejected] == [(6, "reserved_column")]
+    assert "column 'token_ids' has the name of a sample record field" in rejected[0]["detail"]
+    export(run_dir, tmp_path / "out.jsonl")
+    records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["prompt_id"] for r in records] == [0, 1, 2, 3, 4, 5, "7"]
+    assert [r["meta"] for r in records[:6]] == [{"k": i, "src": "web"} for i in range(6)]
+    assert records[3]["prompt"] == rows[3]["prompt"] and records[6]["lang"] == "en"
+    assert all(r["batch_id"] and "passthrough" not in r for r in records)
+    got = {(str(r["prompt_id"]), r["generation_index"]): r["token_ids"] for r in records}
+    assert got == reference(run_model, run_dir, cfg)
+    export(run_dir, tmp_path / "out.parquet")
+    table = pq.read_table(tmp_path / "out.parquet")
+    assert table.schema.field("prompt_id").type == pa.int64()
+    assert table["prompt_id"].to_pylist() == [0, 1, 2, 3, 4, 5, 7]
+
+
+def test_run_applies_each_row_s_own_sampling_settings(ray_local, run_model, tmp_path):
+    """Item 12 for `pagefleet run`: a row's `sampling` object is validated when planning (a bad one, or one too long
+    for the context, is rejected with its reason), packs with its own max_new_tokens, and its samples are those of
+    one engine given the same per-row settings."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.sequence import Request
+    from orchestrator.row_sampling import apply
+
+    own = [{"max_new_tokens": 3}, {"temperature": 0.9, "seed": 7, "top_k": 30},
+           {"max_new_tokens": 20, "repetition_penalty": 1.3, "stop_token_ids": [5]}, None,
+           {"min_p": 0.1, "temperature": 1.1, "frequency_penalty": 0.5}]
+    rows = [{"id": f"r{i}", "prompt": f"the quick brown fox {'jumps ' * i}", "sampling": s} for i, s in enumerate(own)]
+    rows.append({"id": "bad", "prompt": "hello", "sampling": {"top_k": -1}})
+    rows.append({"id": "long", "prompt": "hello", "sampling": {"max_new_tokens": 500}})
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_dir = tmp_path / "run"
+    cfg = load_run_config(None, run_args(run_model, str(corpus), run_dir, "--cluster.num_slices=1"))
+    assert Driver(cfg, show_progress=False).run().exit_code == 0
+    rejected = {r["prompt_id"]: r for r in map(json.loads, (run_dir / "rejected.jsonl").read_text().splitlines())}
+    assert rejected["bad"]["reason"] == "bad_sampling" and "sampling.top_k must be >= 0" in rejected["bad"]["detail"]
+    assert rejected["long"]["reason"] == "too_long" and "sampling.max_new_tokens=500" in rejected["long"]["detail"]
+    got = samples(run_dir)
+    assert len(got[("r0", 0)]) <= 3 and len(got[("r3", 0)]) <= 12
+    engine = Engine(run_model, EngineConfig(page_size=16, max_pages=64, max_seqs=16, max_seq_len=128))
+    requests = []
+    for path in sorted((run_dir / "batches").glob("*.parquet")):
+        for row in pq.read_table(path).to_pylist():
+            requests.append(Request(row["prompt_id"], tuple(row["token_ids"]), apply(cfg.sampling, row["sampling"])))
+    assert sorted(r.prompt_id for r in requests) == [f"r{i}" for i in range(5)]
+    assert {(c.prompt_id, c.generation_index): c.token_ids for c in engine.generate(requests)} == got

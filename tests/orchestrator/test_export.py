@@ -11,15 +11,18 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from engine import output_record
 from orchestrator import cli
 from orchestrator.export import RECORD_FIELDS, done_outputs, export, page
 from orchestrator.manifest import BatchRecord, batch_id, write_manifest
 from orchestrator.results import SAMPLE_SCHEMA
 
 
-def make_run(root: Path, num_rows: int = 240, n: int = 3, num_batches: int = 14, seed: int = 0) -> list[dict]:
+def make_run(root: Path, num_rows: int = 240, n: int = 3, num_batches: int = 14, seed: int = 0,
+             passthrough=lambda r: None, prompt_id=lambda r: f"doc-{r}") -> list[dict]:
     """A run directory whose done batches hold shuffled corpus rows (as longest-first packing leaves them),
-    each batch in batch order then generation index; returns every sample sorted the slow, obvious way."""
+    each batch in batch order then generation index; returns every sample, as exported, sorted the slow,
+    obvious way. `passthrough(row)` gives a row's SampleRecord.passthrough."""
     rng = random.Random(seed)
     rows = list(range(num_rows))
     rng.shuffle(rows)
@@ -32,16 +35,17 @@ def make_run(root: Path, num_rows: int = 240, n: int = 3, num_batches: int = 14,
         for r in rows[a:b]:
             for g in range(n):
                 tokens = [rng.randrange(50_000) for _ in range(rng.randint(0, 60))]
-                batch.append({"prompt_id": f"doc-{r}", "generation_index": g,
+                batch.append({"prompt_id": prompt_id(r), "generation_index": g,
                               "completion": "".join(rng.choice("ab é\n\"") for _ in range(rng.randint(0, 300))),
                               "token_ids": tokens, "logprobs": [-rng.random() for _ in tokens] if g % 2 else None,
                               "finish_reason": rng.choice(["stop", "length"]), "num_prompt_tokens": rng.randint(1, 99),
-                              "batch_id": bid, "row": r})
+                              "batch_id": bid, "row": r, "passthrough": passthrough(r)})
         pq.write_table(pa.Table.from_pylist(batch, schema=SAMPLE_SCHEMA), root / "outputs" / f"{bid}.parquet")
         records.append(BatchRecord(bid, status="done", output=f"outputs/{bid}.parquet", num_samples=len(batch)))
         samples += batch
     write_manifest(root / "batches.jsonl", records)
-    return [{k: s[k] for k in RECORD_FIELDS} for s in sorted(samples, key=lambda s: (s["row"], s["generation_index"]))]
+    return [output_record({k: s[k] for k in RECORD_FIELDS})
+            for s in sorted(samples, key=lambda s: (s["row"], s["generation_index"]))]
 
 
 def read_output(path: Path) -> list[dict]:
@@ -150,3 +154,46 @@ def test_export_refuses_an_unknown_extension_before_any_progress(tmp_path, capsy
     err = capsys.readouterr().err
     assert err.strip() == "pagefleet export: --output must end in .jsonl or .parquet, got 'x.csv'"
     assert not (tmp_path / "x.csv").exists()
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_export_spreads_the_passed_through_columns_and_keeps_integer_ids(tmp_path, suffix):
+    """Item 10: the input's other columns follow the record's fields and an integer id stays an integer, in both
+    formats (parquet types the columns; a row without an id keeps its row number, as the ids' type)."""
+    def columns(r: int) -> str | None:
+        if r % 5 == 4:  # a row without an id: its prompt_id is its row number, as a string
+            return json.dumps({"prompt": f"p{r}", "meta": None})
+        return json.dumps({"prompt_id": r, "prompt": f"p{r}", "meta": {"k": r % 3, "tags": ["a"] * (r % 2)}})
+
+    expected = make_run(tmp_path / "run", num_rows=30, num_batches=4, passthrough=columns, prompt_id=str)
+    out = tmp_path / f"out{suffix}"
+    assert export(tmp_path / "run", out) == len(expected)
+    got = read_output(out)
+    if suffix == ".parquet":  # row numbers as the ids' type; a struct column has every key, null where absent
+        for e in expected:
+            e["prompt_id"] = int(e["prompt_id"])
+            e["meta"] = None if e["meta"] is None else e["meta"]
+        assert pq.read_schema(out).field("prompt_id").type == pa.int64()
+    assert approx(got) == approx(expected)
+    assert list(got[0]) == [*(f for f in RECORD_FIELDS if f != "passthrough"), "prompt", "meta"]
+    assert got[0]["prompt_id"] == 0 and got[0]["meta"] == {"k": 0, "tags": []}
+
+
+def test_export_to_parquet_refuses_ids_of_mixed_types_in_one_line(tmp_path):
+    make_run(tmp_path / "run", num_rows=12, num_batches=2,
+             passthrough=lambda r: json.dumps({"prompt_id": r if r % 2 else f"s{r}"}),
+             prompt_id=lambda r: str(r) if r % 2 else f"s{r}")
+    with pytest.raises(ValueError, match=r"no common type across rows .*export to \.jsonl instead"):
+        export(tmp_path / "run", tmp_path / "out.parquet")
+    assert export(tmp_path / "run", tmp_path / "out.jsonl") == 36
+    ids = [r["prompt_id"] for r in read_output(tmp_path / "out.jsonl")][::3]
+    assert ids == [f"s{r}" if r % 2 == 0 else r for r in range(12)]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_outputs_older_than_passed_through_columns_still_export(tmp_path, suffix):
+    expected = make_run(tmp_path / "run", num_rows=20, num_batches=3)
+    for path in (tmp_path / "run" / "outputs").glob("*.parquet"):
+        pq.write_table(pq.read_table(path).drop_columns(["passthrough"]), path)
+    assert export(tmp_path / "run", tmp_path / f"out{suffix}") == len(expected)
+    assert approx(read_output(tmp_path / f"out{suffix}")) == approx(expected)

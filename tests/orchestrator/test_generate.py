@@ -145,7 +145,7 @@ def test_generate_judges_bad_lines_as_a_run_judges_corpus_rows(tmp_path, model_d
                           "--progress=false"])
     assert code == 0
     by = {r["prompt_id"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert list(by) == ["ok", "line-2", "blank", "line-4", "line-5", "num", "both", "nochat", "nofield", "bools", "7"]
+    assert list(by) == ["ok", "line-2", "blank", "line-4", "line-5", "num", "both", "nochat", "nofield", "bools", 7]
     expected = {"line-2": "undecodable: line 2 is not UTF-8 (invalid continuation byte at byte 30)",
                 "blank": "empty_prompt: field 'prompt' is empty",
                 "line-4": "malformed_row: line 4 is a JSON list, not an object",
@@ -158,9 +158,9 @@ def test_generate_judges_bad_lines_as_a_run_judges_corpus_rows(tmp_path, model_d
     assert {pid: r.get("error") for pid, r in by.items() if pid in expected} == expected
     for pid in expected:
         assert by[pid]["token_ids"] == [] and by[pid]["finish_reason"] is None
-    for pid in ("ok", "7"):
+    for pid in ("ok", 7):
         assert "error" not in by[pid] and len(by[pid]["token_ids"]) >= 1
-    assert by["7"]["num_prompt_tokens"] == 3
+    assert by[7]["num_prompt_tokens"] == 3
 
 
 def test_generate_refuses_unknown_keys_and_tiny_capacity(tmp_path, model_dir):
@@ -252,3 +252,37 @@ def test_generate_names_a_hub_id_that_is_not_cached(tmp_path, monkeypatch, capsy
     err = capsys.readouterr().err
     assert err.startswith("pagefleet generate: --model 'org/absent' is not a local directory, and the Hub id")
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "o.jsonl").exists()
+
+
+def test_generate_passes_input_columns_through_and_keeps_integer_ids(tmp_path, model_dir):
+    """Item 10: a sample carries its prompt and the input's other columns, an integer id comes back an integer
+    (a string id a string), and a column named like a record field is an error naming it, not a silent loss."""
+    rows = [{"id": 7, "prompt": "Hello there", "meta": {"source": "web", "tags": [1, 2]}},
+            {"id": "s", "prompt_token_ids": [5, 6, 7], "lang": "en"},
+            {"id": 9, "prompt": "the sea", "completion": "a reference answer"},
+            {"prompt": "no id", "meta": None}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out.jsonl"
+    assert generate_main(["--model", str(model_dir), "--input", str(tmp_path / "in.jsonl"), "--output", str(out),
+                          "--sampling.max_new_tokens=3", "--engine.max_seq_len=128", "--engine.max_pages=32",
+                          "--progress=false"]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt_id"] for r in records] == [7, "s", 9, "line-4"]
+    assert records[0]["prompt"] == "Hello there" and records[0]["meta"] == {"source": "web", "tags": [1, 2]}
+    assert list(records[0])[:9] == ["prompt_id", "generation_index", "completion", "token_ids", "logprobs",
+                                    "finish_reason", "num_prompt_tokens", "batch_id", "prompt"]
+    assert "passthrough" not in records[0]
+    assert records[1]["prompt_token_ids"] == [5, 6, 7] and records[1]["lang"] == "en"
+    assert records[2]["error"].startswith("reserved_column: column 'completion' has the name of a sample record field")
+    assert records[2]["completion"] == "" and records[2]["token_ids"] == []
+    assert records[3]["prompt"] == "no id" and records[3]["meta"] is None and "error" not in records[3]
+    # Seeding still reads the id as a string: an integer id samples what the same id as a string samples.
+    (tmp_path / "str.jsonl").write_text(json.dumps({"id": "7", "prompt": "Hello there"}) + "\n")
+    sampled = {}
+    for name in ("in", "str"):
+        assert generate_main(["--model", str(model_dir), "--input", str(tmp_path / f"{name}.jsonl"), "--output",
+                              str(tmp_path / f"{name}.out"), "--sampling.max_new_tokens=4",
+                              "--sampling.temperature=0.9", "--sampling.seed=5", "--engine.max_seq_len=128",
+                              "--engine.max_pages=32", "--progress=false"]) in (0, 2)
+        sampled[name] = json.loads((tmp_path / f"{name}.out").read_text().splitlines()[0])["token_ids"]
+    assert sampled["in"] == sampled["str"]

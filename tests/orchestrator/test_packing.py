@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.config import EngineConfig, SamplingConfig
+from engine import pages_needed
 from orchestrator.packing import (PackingConfig, PackingLimits, leading_page_keys, lower_bound, pack,
                                   shareable_prompt_tokens)
 
@@ -127,3 +128,25 @@ def test_prompts_sharing_a_leading_page_pack_together_and_are_counted_as_shareab
     assert np.array_equal(pack(tokens, lim, unique).order, plain.order)
     assert shareable_prompt_tokens(keys, 16) == 16 * 4 * (len(shared_items) - 1)  # 4 pages of the block, 9 repeats
     assert np.array_equal(pack(tokens, lim, first).order, shared.order)  # deterministic
+
+
+def test_each_prompt_s_own_max_new_tokens_counts_its_pages():
+    """Rows' `sampling.max_new_tokens` (per-row settings): a batch's pages are counted with each prompt's own
+    completion length (the one formula, engine.pages_needed), and a prompt that cannot fit with its own is named."""
+    limits = PackingLimits.resolve(PackingConfig(), EngineConfig(page_size=16, max_pages=64, max_seqs=8),
+                                   SamplingConfig(max_new_tokens=16, n=1))
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 200, 60)
+    own = rng.choice([1, 16, 300], 60)
+    packing = pack(lengths, limits, max_new_tokens=own)
+    seen = []
+    for b in range(packing.num_batches):
+        items = packing.batch(b)
+        pages = sum(int(pages_needed(int(lengths[i]), int(own[i]), 16)) for i in items)
+        assert pages == packing.num_pages[b] <= 64
+        seen += items.tolist()
+    assert sorted(seen) == list(range(60))
+    assert packing.num_batches != pack(lengths, limits).num_batches  # the run's 16 everywhere packs otherwise
+    assert lower_bound(lengths, limits, own) <= packing.num_batches
+    with pytest.raises(ValueError, match="item 1 cannot fit any batch: it needs 126 KV pages .* of 2000 new tokens"):
+        pack(np.array([5, 10, 3]), limits, max_new_tokens=np.array([1, 2000, 1]))

@@ -27,7 +27,8 @@ def output(run_dir: RunDir, batch_id: str, rows: int, plan: str | None = PLAN, i
     table = pa.Table.from_pydict({
         "prompt_id": ids, "generation_index": [0] * rows, "completion": ["x"] * rows,
         "token_ids": [[1, 2]] * rows, "logprobs": [None] * rows, "finish_reason": ["stop"] * rows,
-        "num_prompt_tokens": [3] * rows, "batch_id": [batch_id] * rows, "row": list(range(rows))}, schema=SAMPLE_SCHEMA)
+        "num_prompt_tokens": [3] * rows, "batch_id": [batch_id] * rows, "passthrough": [None] * rows,
+        "row": list(range(rows))}, schema=SAMPLE_SCHEMA)
     table = with_stats(table, BatchStats(rows, 2 * rows, 1.5, 4, 0.5, 7))
     atomic_write_parquet(run_dir.output_file(batch_id), table if plan is None else stamp(table, plan, ids))
 

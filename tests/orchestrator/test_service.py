@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 import requests
 
+from engine import output_record
 from orchestrator.export import RECORD_FIELDS, collect
 from orchestrator.serve_command import main as serve_main
 from orchestrator.service_auth import resolve_token
@@ -112,7 +113,7 @@ def test_two_runs_at_once_finish_and_samples_page_in_corpus_order(service, run_m
         assert body["counts"]["done"] == body["batches"] and body["samples_done"] == 2 * body["prompts"]
         assert body["output_tokens_done"] > 0 and body["run_dir"] == str(runs_root / name)
         got = all_samples(url, name)
-        expected = collect(runs_root / name).select(RECORD_FIELDS).to_pylist()
+        expected = [output_record(r) for r in collect(runs_root / name).select(RECORD_FIELDS).to_pylist()]
         assert got == expected and len(got) == body["samples_done"]
         batches = requests.get(f"{url}/runs/{name}/batches", headers=AUTH, timeout=30).json()["batches"]
         assert len(batches) == body["batches"] and {b["status"] for b in batches} == {"done"}
@@ -267,4 +268,4 @@ def test_a_run_planned_before_the_service_is_read_and_resumed_by_name(service, r
     assert r.status_code == 202, r.text
     body = wait_for(url, "svc-disk", {"done", "failed", "cancelled"})
     assert body["state"] == "done", body
-    assert all_samples(url, "svc-disk") == collect(runs_root / "svc-disk").select(RECORD_FIELDS).to_pylist()
+    assert all_samples(url, "svc-disk") == [output_record(r) for r in collect(runs_root / "svc-disk").select(RECORD_FIELDS).to_pylist()]

@@ -30,7 +30,8 @@ def worker(model: str, samples_in_flight: int | None) -> SliceWorker:
 def batch(batch_id: str, seq: int, num_prompts: int) -> BatchWork:
     prompts = pa.table({"prompt_id": [f"{batch_id}-{i}" for i in range(num_prompts)],
                         "row": list(range(num_prompts)),
-                        "token_ids": [[5 + i, 6, 7, 8 + seq] for i in range(num_prompts)]}, schema=BATCH_SCHEMA)
+                        "token_ids": [[5 + i, 6, 7, 8 + seq] for i in range(num_prompts)],
+                        "passthrough": [None] * num_prompts, "sampling": [None] * num_prompts}, schema=BATCH_SCHEMA)
     return BatchWork(batch_id, 1, prompts, seq=seq)
 
 

@@ -89,3 +89,31 @@ def test_rejected_rows_keep_their_valid_ids(tiny_model, tmp_path):
     rows = table.to_pylist()
     assert [(r["prompt_id"], r["reason"]) for r in rows] == [
         ("empty", "empty_prompt"), ("7", "wrong_type"), ("long", "too_long"), (None, "wrong_type"), (None, "malformed_row")]
+
+
+def test_rows_keep_their_columns_and_their_own_sampling_is_judged(tiny_model, tmp_path):
+    """Items 10 and 12 when planning: an accepted row keeps its other columns and typed id (`passthrough`) and its
+    validated `sampling` overrides; its own max_new_tokens judges its length; bad settings, a column named like a
+    record field and a stop id outside the vocabulary reject the row with the reason."""
+    rows = [{"id": 3, "prompt": "hello world", "meta": {"k": 1}, "sampling": {"max_new_tokens": 4, "top_k": 2}},
+            {"id": "long", "prompt": "hello world", "sampling": {"max_new_tokens": 63}},
+            {"id": "bad", "prompt": "hello world", "sampling": {"temperature": -1}},
+            {"id": "clash", "prompt": "hello world", "finish_reason": "x"},
+            {"id": "oov", "prompt": "hello world", "sampling": {"stop_token_ids": [100000]}},
+            {"id": "plain", "prompt": "hello world"}]
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tokenizer = stage(tiny_model, max_new_tokens=16, max_seq_len=64)
+    tokenizer.vocab_size = 400
+    table = tokenizer.tokenize_shard(Shard(str(path), "jsonl", 0, path.stat().st_size)).to_pylist()
+    by = {r["prompt_id"]: r for r in table}
+    assert by["3"]["reason"] is None and by["3"]["max_new_tokens"] == 4
+    assert json.loads(by["3"]["passthrough"]) == {"prompt_id": 3, "prompt": "hello world", "meta": {"k": 1},
+                                                  "sampling": {"max_new_tokens": 4, "top_k": 2}}
+    assert json.loads(by["3"]["sampling"]) == {"max_new_tokens": 4, "top_k": 2}
+    assert by["long"]["reason"] == "too_long" and "sampling.max_new_tokens=63" in by["long"]["detail"]
+    assert by["bad"]["reason"] == "bad_sampling" and "sampling.temperature must be >= 0" in by["bad"]["detail"]
+    assert by["clash"]["reason"] == "reserved_column" and "'finish_reason'" in by["clash"]["detail"]
+    assert by["oov"]["reason"] == "out_of_vocabulary" and "stop_token_ids" in by["oov"]["detail"]
+    assert by["plain"]["reason"] is None and by["plain"]["sampling"] is None and by["plain"]["max_new_tokens"] == 16
+    assert all(r["passthrough"] is None and r["sampling"] is None for r in table if r["reason"])

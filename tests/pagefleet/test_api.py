@@ -38,7 +38,7 @@ def test_generate_returns_the_records_pagefleet_generate_writes(tmp_path, model_
     assert generate_main(args) == 0
     assert records == [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [(r["prompt_id"], r["generation_index"]) for r in records] == [
-        (p, g) for p in ["0", "1", "2", "3", "own"] for g in (0, 1)]
+        (p, g) for p in [0, 1, 2, 3, "own"] for g in (0, 1)]
     assert records[6]["error"] == "empty_prompt: field 'prompt' is empty"
     assert all(1 <= len(r["token_ids"]) <= 5 for r in records if "error" not in r)
 
@@ -99,3 +99,29 @@ def test_run_plans_and_runs_like_the_command(tmp_path):
     assert outcome.summary["samples_done"] == 12 and outcome.summary["batches_failed"] == 0
     again = pagefleet.run({"name": "api"}, **overrides)  # planned and done: nothing to compute
     assert again.exit_code == exit_codes.OK
+
+
+def test_rows_carry_their_own_sampling_settings(model_dir):
+    """Item 12: a row's `sampling` object overrides the call's settings for its samples alone (the same samples as
+    the call made with those settings), and a bad one is an error record naming the key."""
+    engine = pagefleet.Engine(model_dir, pagefleet.EngineConfig(max_seq_len=128, max_pages=32, max_seqs=4))
+    ids = [5, 6, 7, 8]
+    hot = {"temperature": 0.9, "seed": 4, "top_k": 20, "min_p": 0.05, "max_new_tokens": 6}
+    rows = [{"id": "short", "prompt_token_ids": ids, "sampling": {"max_new_tokens": 2}},
+            {"id": "hot", "prompt_token_ids": ids, "sampling": hot},
+            {"id": "plain", "prompt_token_ids": ids},
+            {"id": "n", "prompt_token_ids": ids, "sampling": {"n": 3}},
+            {"id": "type", "prompt_token_ids": ids, "sampling": {"temperature": "warm"}},
+            {"id": "range", "prompt_token_ids": ids, "sampling": {"top_p": 0}},
+            {"id": "list", "prompt_token_ids": ids, "sampling": [1]},
+            {"id": "long", "prompt_token_ids": ids, "sampling": {"max_new_tokens": 200}}]
+    records = {r["prompt_id"]: r for r in pagefleet.generate(engine, rows, max_new_tokens=9)}
+    assert len(records["short"]["token_ids"]) <= 2 and len(records["plain"]["token_ids"]) <= 9
+    alone = pagefleet.generate(engine, [{"id": "hot", "prompt_token_ids": ids}], **hot)[0]
+    assert records["hot"]["token_ids"] == alone["token_ids"] and records["hot"]["sampling"] == hot
+    assert records["n"]["error"] == ("bad_sampling: field 'sampling': key 'n' cannot be set per row "
+                                      "(a prompt's sample count is the run's sampling.n)")
+    assert records["type"]["error"] == "bad_sampling: field 'sampling': temperature is a str, not a number"
+    assert records["range"]["error"] == "bad_sampling: field 'sampling': sampling.top_p must be in (0, 1], got 0"
+    assert records["list"]["error"].startswith("bad_sampling: field 'sampling' is a list, not an object")
+    assert records["long"]["error"].startswith("too_long: prompt has 4 tokens; with sampling.max_new_tokens=200")
