@@ -1,0 +1,202 @@
+"""Where pagefleet's files live: a local path or an object store URL (`gs://bucket/key`), one API for both.
+
+Every read and write of durable state goes through here, so the two kinds of storage keep the same
+guarantees:
+
+- `write_atomic`: all or nothing. Locally a temporary file, fsync, then rename (atomic.py); on an
+  object store one whole-object upload, which Cloud Storage makes visible all at once or not at all
+  (no temporary object, no rename: a rename there is a copy and a delete).
+- `create_if_absent` / `replace_if_generation`: compare-and-swap on an object's generation (Cloud
+  Storage's `ifGenerationMatch` precondition; 0 means "no live object"), for the run directory's
+  lock and manifest. A lost race raises `PreconditionFailed` naming the object; nothing is written.
+
+gcsfs (fsspec) does the plain reads, listings and writes. Its `pipe_file(mode="create")` sends
+`ifGenerationMatch=0` but nothing takes another generation, and its upload does not return the
+generation written, so the conditional writes use google-cloud-storage (a dependency of gcsfs):
+`Blob.upload_from_string(..., if_generation_match=G)` sends `ifGenerationMatch=G` and sets
+`Blob.generation` from the response. Both clients honour `STORAGE_EMULATOR_HOST`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fsspec.core import split_protocol, url_to_fs
+
+from orchestrator.atomic import atomic_write_bytes
+
+OBJECT_STORES = ("gs", "gcs")
+"""Protocols whose writes are whole-object and atomic, with generation preconditions."""
+
+
+class PreconditionFailed(RuntimeError):
+    """A conditional write lost its race: the object is not at the generation the writer expected."""
+
+
+def is_url(path: str | os.PathLike) -> bool:
+    """A protocol-qualified location (`gs://...`, `memory://...`), as opposed to a local path."""
+    return split_protocol(str(path))[0] is not None
+
+
+def is_object_store(path: str | os.PathLike) -> bool:
+    return split_protocol(str(path))[0] in OBJECT_STORES
+
+
+def join(root: str | os.PathLike, *parts: str) -> str:
+    """`root/part/...` for a local path or a URL (a URL keeps its `//`)."""
+    if is_url(root):
+        return "/".join([str(root).rstrip("/"), *(p.strip("/") for p in parts)])
+    return str(Path(root, *parts))
+
+
+def _fs(path: str):
+    # No listing cache: another process (a head, a slice, `status` on a laptop) may have changed the
+    # bucket since this process last looked, and a stale "absent" would be wrong.
+    return url_to_fs(path, use_listings_cache=False) if is_object_store(path) else url_to_fs(path)
+
+
+def exists(path: str | os.PathLike) -> bool:
+    if not is_url(path):
+        return os.path.exists(path)
+    fs, p = _fs(str(path))
+    return fs.exists(p)
+
+
+def read_bytes(path: str | os.PathLike) -> bytes:
+    if not is_url(path):
+        return Path(path).read_bytes()
+    fs, p = _fs(str(path))
+    return fs.cat_file(p)
+
+
+def read_text(path: str | os.PathLike) -> str:
+    return read_bytes(path).decode("utf-8")
+
+
+def write_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Replace `path` with `data`, all or nothing (see the module docstring)."""
+    if not is_url(path):
+        atomic_write_bytes(path, data)
+        return
+    fs, p = _fs(str(path))
+    fs.pipe_file(p, data)
+
+
+def list_names(directory: str | os.PathLike, suffix: str = "") -> list[str]:
+    """Names (not paths) of the files directly in `directory` ending in `suffix`, sorted; [] if it is absent."""
+    if not is_url(directory):
+        if not os.path.isdir(directory):
+            return []
+        return sorted(n for n in os.listdir(directory) if n.endswith(suffix) and os.path.isfile(os.path.join(directory, n)))
+    fs, p = _fs(str(directory))
+    try:
+        entries = fs.ls(p, detail=True)
+    except FileNotFoundError:
+        return []
+    return sorted(e["name"].rsplit("/", 1)[-1] for e in entries if e["type"] == "file" and e["name"].endswith(suffix))
+
+
+def makedirs(directory: str | os.PathLike) -> None:
+    """Make a local directory (and its parents); object stores have no directories, so nothing to do there."""
+    if not is_url(directory):
+        os.makedirs(directory, exist_ok=True)
+
+
+def remove(path: str | os.PathLike, missing_ok: bool = True) -> None:
+    if not is_url(path):
+        Path(path).unlink(missing_ok=missing_ok)
+        return
+    fs, p = _fs(str(path))
+    try:
+        fs.rm_file(p)
+    except FileNotFoundError:
+        if not missing_ok:
+            raise
+
+
+def open_file(path: str | os.PathLike, mode: str = "rb"):
+    """A file object for reading (`rb`), local or remote (ranged reads on an object store)."""
+    if not is_url(path):
+        return open(path, mode)
+    fs, p = _fs(str(path))
+    return fs.open(p, mode)
+
+
+def filesystem(path: str | os.PathLike) -> tuple[Any, str]:
+    """(fsspec filesystem, path within it) for libraries that take one (pyarrow, Ray Data)."""
+    return _fs(str(path))
+
+
+# -- compare-and-swap on object generations ---------------------------------------------------------
+
+@functools.cache
+def _client(emulator: str | None):
+    from google.cloud import storage
+
+    return storage.Client()  # on the emulator: anonymous credentials and a placeholder project
+
+
+def _blob(url: str):
+    if not is_object_store(url):
+        raise ValueError(f"{url} is not an object store URL (gs://BUCKET/KEY); generations exist only there")
+    bucket, _, key = split_protocol(url)[1].partition("/")
+    return _client(os.environ.get("STORAGE_EMULATOR_HOST")).bucket(bucket).blob(key)
+
+
+def _conditional(url: str, expect: str, do: Callable[[Any], Any]):
+    from google.api_core.exceptions import NotFound
+    from google.api_core.exceptions import PreconditionFailed as _Precondition
+
+    blob = _blob(url)
+    try:
+        do(blob)
+    except (_Precondition, NotFound):
+        raise PreconditionFailed(f"{url} changed under this writer (expected {expect}); another process wrote it") \
+            from None
+    return blob
+
+
+def read_with_generation(url: str) -> tuple[bytes, int] | None:
+    """The object's bytes and the generation they belong to (one request), or None if it does not exist."""
+    from google.api_core.exceptions import NotFound
+
+    blob = _blob(url)
+    try:
+        data = blob.download_as_bytes()
+    except NotFound:
+        return None
+    return data, int(blob.generation)
+
+
+def object_info(url: str) -> dict[str, Any] | None:
+    """`generation` (int) and `updated` (seconds since the epoch, the store's clock) of an object, or None."""
+    from google.api_core.exceptions import NotFound
+
+    blob = _blob(url)
+    try:
+        blob.reload()
+    except NotFound:
+        return None
+    return {"generation": int(blob.generation), "updated": blob.updated.timestamp()}
+
+
+def create_if_absent(url: str, data: bytes) -> int:
+    """Write `url` only if no object is there (ifGenerationMatch=0); returns the new generation."""
+    blob = _conditional(url, "no object", lambda b: b.upload_from_string(data, if_generation_match=0))
+    return int(blob.generation)
+
+
+def replace_if_generation(url: str, data: bytes, generation: int) -> int:
+    """Replace `url` only if it is still at `generation`; returns the new generation."""
+    blob = _conditional(url, f"generation {generation}",
+                        lambda b: b.upload_from_string(data, if_generation_match=generation))
+    return int(blob.generation)
+
+
+def delete_if_generation(url: str, generation: int) -> None:
+    """Delete `url` only if it is still at `generation`."""
+    _conditional(url, f"generation {generation}", lambda b: b.delete(if_generation_match=generation))
