@@ -274,8 +274,9 @@ class Driver:
         elif event.kind == "started":
             info = event.info
             where = f", pod_slice {info['pod_slice']}" if info.get("pod_slice") else ""
+            read = f", {info['model_bytes_read']:,} bytes read from the bucket" if info.get("model_bytes_read") else ""
             self._state.event(f"{slot.name} ready (pids {info['pids']}, {info['devices']} devices{where}, "
-                              f"model loaded in {info['load_s']:.1f} s)")
+                              f"model loaded in {info['load_s']:.1f} s{read})")
         elif event.kind == "results":
             slot.samples_finished = event.samples_finished
             for result in event.results:
