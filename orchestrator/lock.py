@@ -51,3 +51,15 @@ class RunLock:
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
         self._fd = None
+
+
+def run_lock(run_dir: str | Path):
+    """The lock for `run_dir`: `flock` on a local directory, an object with generation preconditions on an
+    object store (orchestrator/object_lock.py)."""
+    from orchestrator import storage
+
+    if storage.is_object_store(run_dir):
+        from orchestrator.object_lock import ObjectRunLock
+
+        return ObjectRunLock(str(run_dir))
+    return RunLock(run_dir)
