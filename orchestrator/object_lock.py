@@ -111,3 +111,16 @@ class ObjectRunLock:
             except storage.PreconditionFailed:
                 pass  # taken over meanwhile: it is the new holder's now
         self.generation = None
+
+
+def holder(run_dir: str, stale_after_s: float = STALE_AFTER_S) -> dict | None:
+    """The head holding `run_dir`'s lock ({pid, host, since}), or None when there is none or it is stale."""
+    url = storage.join(run_dir, ".lock")
+    current = storage.read_with_generation(url)
+    info = storage.object_info(url)
+    if current is None or info is None or time.time() - info["updated"] >= stale_after_s:
+        return None
+    try:
+        return json.loads(current[0])
+    except ValueError:
+        return {"pid": None, "host": None, "since": None}

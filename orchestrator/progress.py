@@ -9,6 +9,7 @@ import sys
 import time
 
 from engine import prefix_cache_summary
+from orchestrator import storage
 from orchestrator.atomic import atomic_write_text
 from orchestrator.json_out import dumps
 from orchestrator.manifest import BatchRecord
@@ -123,7 +124,7 @@ def read_timeline(run_dir: RunDir) -> list[dict]:
     if not run_dir.timeline.exists():
         return []
     out = []
-    with open(run_dir.timeline, encoding="utf-8") as f:
+    with storage.open_file(run_dir.timeline, "rb") as f:  # local or gs://
         for line in f:
             try:
                 out.append(json.loads(line))
