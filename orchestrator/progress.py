@@ -58,7 +58,7 @@ class RunProgress:
         done = [r for r in records if r.status == "done"]
         self.bar = tqdm(total=self.total_prompts, initial=sum(r.num_prompts for r in done), unit="prompt",
                         desc="prompts", file=stream, disable=not show_bar, dynamic_ncols=True, smoothing=0.1)
-        self._timeline = open(run_dir.timeline, "a", encoding="utf-8")
+        self._timeline = storage.open_append(run_dir.timeline)  # local file, or rewritten whole on gs://
 
     def batch_done(self, record: BatchRecord, num_done_batches: int, num_failed: int) -> None:
         self.session_prompts += record.num_prompts

@@ -107,6 +107,17 @@ def list_names(directory: str | os.PathLike, suffix: str = "") -> list[str]:
     return sorted(e["name"].rsplit("/", 1)[-1] for e in entries if e["type"] == "file" and e["name"].endswith(suffix))
 
 
+def remove_tree(path: str | os.PathLike) -> None:
+    """Remove a directory (locally) or every object under a prefix (object store)."""
+    if not is_url(path):
+        import shutil
+
+        shutil.rmtree(path)
+        return
+    fs, p = _fs(str(path))
+    fs.rm(p, recursive=True)
+
+
 def makedirs(directory: str | os.PathLike) -> None:
     """Make a local directory (and its parents); object stores have no directories, so nothing to do there."""
     if not is_url(directory):
@@ -236,6 +247,9 @@ class Location:
     def __hash__(self) -> int:
         return hash(self.url)
 
+    def __lt__(self, other: Location) -> bool:
+        return self.url < other.url
+
     @property
     def name(self) -> str:
         return self.url.rsplit("/", 1)[-1]
@@ -257,6 +271,11 @@ class Location:
 
     def is_file(self) -> bool:
         return exists(self.url)
+
+    def is_dir(self) -> bool:
+        """Whether any object lies under this prefix."""
+        fs, p = _fs(self.url)
+        return fs.isdir(p)
 
     def read_bytes(self) -> bytes:
         return read_bytes(self.url)
@@ -288,3 +307,73 @@ def parquet_source(path: Path | Location):
     """What pyarrow.parquet reads: the local path itself, or a seekable file object over the object (the
     caller closes it) whose footer and column chunks are fetched with ranged reads."""
     return open_file(str(path), "rb") if isinstance(path, Location) else path
+
+
+# -- appending and parquet reads, for files the head keeps adding to or reads back -------------------
+
+class _ObjectAppender:
+    """A text file opened for appending on an object store, which has no append: the whole object is
+    rewritten (one atomic write) with everything so far, at most every `interval_s` on `flush` and always
+    on `close`. A crash loses at most the last `interval_s` of lines (events.log, timeline.jsonl: for
+    people and plots, never the resume point)."""
+
+    def __init__(self, url: str, interval_s: float = 5.0) -> None:
+        import time
+
+        self.url, self.interval_s, self._time = url, interval_s, time.monotonic
+        self._parts = [read_text(url)] if exists(url) else []
+        self._dirty, self._last = False, 0.0
+
+    def write(self, text: str) -> int:
+        self._parts.append(text)
+        self._dirty = True
+        return len(text)
+
+    def flush(self, force: bool = False) -> None:
+        if self._dirty and (force or self._time() - self._last >= self.interval_s):
+            write_atomic(self.url, "".join(self._parts).encode("utf-8"))
+            self._dirty, self._last = False, self._time()
+
+    def close(self) -> None:
+        self.flush(force=True)
+
+    def __enter__(self) -> _ObjectAppender:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_append(path: str | os.PathLike):
+    """A text file to append lines to: the file itself locally, an `_ObjectAppender` on an object store."""
+    if is_object_store(path):
+        return _ObjectAppender(str(path))
+    return open(path, "a", encoding="utf-8")
+
+
+def read_parquet(path: str | os.PathLike, columns: list[str] | None = None):
+    """pyarrow.parquet.read_table for a local path or an object (ranged reads of the footer and columns)."""
+    import pyarrow.parquet as pq
+
+    if not is_url(path):
+        return pq.read_table(path, columns=columns)
+    with open_file(str(path), "rb") as f:
+        return pq.read_table(f, columns=columns)
+
+
+def read_parquet_metadata(path: str | os.PathLike):
+    import pyarrow.parquet as pq
+
+    if not is_url(path):
+        return pq.read_metadata(path)
+    with open_file(str(path), "rb") as f:
+        return pq.read_metadata(f)
+
+
+def read_parquet_schema(path: str | os.PathLike):
+    import pyarrow.parquet as pq
+
+    if not is_url(path):
+        return pq.read_schema(path)
+    with open_file(str(path), "rb") as f:
+        return pq.read_schema(f)
