@@ -130,7 +130,7 @@ class Driver:
             from engine import check_checkpoint
 
             check_checkpoint(model)
-        with run_lock(self.run_dir.root):
+        with run_lock(self.run_dir.root, self.cfg.lock_stale_s):
             try:
                 return self._run_locked()
             except OSError as e:

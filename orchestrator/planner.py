@@ -67,7 +67,7 @@ def plan(cfg: RunConfig) -> PlanResult:
     """Plan `cfg` into its run directory, or check that the existing plan matches it."""
     if not RunDir(storage.location(cfg.resolved_run_dir)).is_planned():
         refuse_impossible(cfg)
-    with run_lock(cfg.resolved_run_dir):
+    with run_lock(cfg.resolved_run_dir, cfg.lock_stale_s):
         return plan_locked(cfg)
 
 

@@ -68,3 +68,12 @@ def test_sharded_load_from_the_bucket_equals_the_local_load(gcs_bucket, run_mode
         for sx, sy in zip(x.addressable_shards, y.addressable_shards):
             assert sx.device == sy.device and sx.index == sy.index
             np.testing.assert_array_equal(np.asarray(sx.data), np.asarray(sy.data))
+
+
+def test_the_cache_directory_does_not_tie_the_plan():
+    """model.cache_dir says where a copy goes, not what is sampled: a resume with another one is the same plan."""
+    from orchestrator.config import load_run_config
+
+    a = load_run_config(None, ["--model.path=gs://b/m", "--model.cache_dir=/tmp/a"]).sample_affecting()
+    b = load_run_config(None, ["--model.path=gs://b/m", "--model.cache_dir=/tmp/b"]).sample_affecting()
+    assert a == b and "cache_dir" not in a["model"]
