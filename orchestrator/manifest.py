@@ -11,6 +11,7 @@ from typing import Literal
 from orchestrator import storage
 from orchestrator.atomic import atomic_write_text
 from orchestrator.json_out import dumps
+from orchestrator.lock import RunDirLocked
 
 Status = Literal["pending", "running", "done", "failed"]
 
@@ -46,8 +47,9 @@ def batch_id(index: int, num_batches: int) -> str:
     return f"b{index:0{max(6, len(str(max(num_batches - 1, 0))))}d}"
 
 
-class ManifestConflict(RuntimeError):
-    """Another writer replaced batches.jsonl on the object store since this head last wrote it."""
+class ManifestConflict(RunDirLocked):
+    """Another head replaced batches.jsonl on the object store since this head last wrote it: this head lost the
+    run directory (`pagefleet run` stops with the message, exit status 2)."""
 
 
 def write_manifest(path: str | Path, records: list[BatchRecord], before_replace=None,

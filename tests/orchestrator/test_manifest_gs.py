@@ -35,3 +35,24 @@ def test_local_manifest_unchanged(tmp_path):
     assert write_manifest(tmp_path / "batches.jsonl", plan) is None
     assert read_manifest_generation(tmp_path / "batches.jsonl") == (plan, None)
     assert not storage.is_url(tmp_path / "batches.jsonl")
+
+
+def test_a_head_whose_manifest_was_replaced_stops_instead_of_overwriting(gcs_bucket):
+    """RunState (the head's manifest owner) conditions each flush on the generation it last read or wrote."""
+    from orchestrator.lock import RunDirLocked
+    from orchestrator.run_state import RunState
+    from orchestrator.rundir import RunDir
+
+    run_dir = RunDir(storage.location(f"{gcs_bucket}/run"))
+    write_manifest(run_dir.manifest, [BatchRecord("b000000", num_prompts=1), BatchRecord("b000001", num_prompts=1)])
+    state = RunState.recover(run_dir, samples_per_prompt=1, plan="p")
+    state.mark_running("b000000", "slice-0")
+    state.flush(force=True)  # its own writes go through, each against the generation it wrote last
+    _, generation = read_manifest_generation(run_dir.manifest)
+    theirs = [BatchRecord("b000000", status="running", slice="other-head", num_prompts=1),
+              BatchRecord("b000001", num_prompts=1)]
+    write_manifest(run_dir.manifest, theirs, generation=generation)  # another head took the run over
+    state.mark_running("b000001", "slice-1")
+    with pytest.raises(RunDirLocked, match="written by another head"):
+        state.flush(force=True)
+    assert read_manifest(run_dir.manifest) == theirs
