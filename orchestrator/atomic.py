@@ -1,4 +1,7 @@
-"""Durable writes: a temporary file in the same directory, fsync, then rename over the target."""
+"""Durable writes: a temporary file in the same directory, fsync, then rename over the target.
+
+On an object store (`gs://`, given as a URL or a `storage.Location`) the file is written to a local
+temporary file and uploaded as one object, which is atomic there by itself (orchestrator/storage.py)."""
 
 from __future__ import annotations
 
@@ -24,6 +27,9 @@ def atomic_write(path: str | Path, write: Callable[[str], None], fsync: bool = T
     With `fsync=False` the rename is still atomic but not yet durable: the caller must `os.sync()`
     before anything that depends on the file (one barrier for many files instead of one each).
     """
+    if _is_object(path):
+        _write_object(str(path), write, before_replace)
+        return
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; the result should read like any other file
@@ -51,6 +57,26 @@ def atomic_write(path: str | Path, write: Callable[[str], None], fsync: bool = T
         os.close(dir_fd)
 
 
+def _is_object(path) -> bool:
+    from orchestrator import storage
+
+    return storage.is_object_store(str(path))
+
+
+def _write_object(url: str, write: Callable[[str], None], before_replace: Callable[[], None] | None) -> None:
+    from orchestrator import storage
+
+    fd, tmp = tempfile.mkstemp(prefix=".pagefleet-upload-", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        if before_replace is not None:
+            before_replace()
+        storage.upload_file(tmp, url)
+    finally:
+        os.unlink(tmp)
+
+
 def atomic_write_bytes(path: str | Path, data: bytes, before_replace: Callable[[], None] | None = None) -> None:
     atomic_write(path, lambda tmp: Path(tmp).write_bytes(data), before_replace=before_replace)
 
@@ -67,7 +93,10 @@ def atomic_write_parquet(path: str | Path, table, fsync: bool = True,
 
 
 def remove_stale_temporaries(directory: str | Path) -> int:
-    """Delete the `.NAME.*.tmp` files a crash left behind in `directory`; returns how many."""
+    """Delete the `.NAME.*.tmp` files a crash left behind in `directory`; returns how many (none on an object
+    store, where nothing is written beside the target)."""
+    if _is_object(directory):
+        return 0
     directory = Path(directory)
     if not directory.is_dir():
         return 0

@@ -31,7 +31,7 @@ PLAN_ENGINE_KEYS = ("page_size", "max_seq_len")
 # resumed with others (e.g. on other hardware); pending batches are re-packed when they no longer fit.
 CAPACITY_ENGINE_KEYS = ("max_pages", "max_seqs", "max_seqs_in_prefill", "max_prefill_size")
 # Keys that never change the samples or the plan.
-NOT_SAMPLE_AFFECTING = ("corpus.shard_bytes",)
+NOT_SAMPLE_AFFECTING = ("corpus.shard_bytes", "model.cache_dir")
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,10 @@ class RunConfig:
     name: str = "pagefleet"
     """Run name; run_dir defaults to manifests/<name>."""
     run_dir: str | None = None
-    """The run directory (plan, manifest, outputs); defaults to manifests/<name>."""
+    """The run directory (plan, manifest, outputs), a local path or a gs:// URL; defaults to manifests/<name>."""
+    lock_stale_s: float = 60.0
+    """On a gs:// run_dir: a head's lock not refreshed for this many seconds is stale (its head is gone) and the next
+    head takes it over; the holder refreshes it every lock_stale_s / 6 seconds (docs/storage.md)."""
     corpus: CorpusConfig = field(default_factory=CorpusConfig)
     """Where the prompts come from and which fields hold them."""
     model: ModelSourceConfig = field(default_factory=ModelSourceConfig)
@@ -75,12 +78,12 @@ class RunConfig:
 
     def sample_affecting(self) -> dict[str, Any]:
         """The keys a plan is tied to, as plain data (corpus, model source, sampling, the context and page size)."""
-        corpus = dataclasses.asdict(self.corpus)
+        sections = {"corpus": dataclasses.asdict(self.corpus), "model": dataclasses.asdict(self.model)}
         for key in NOT_SAMPLE_AFFECTING:
-            corpus.pop(key.split(".", 1)[1], None)
+            section, name = key.split(".", 1)
+            sections[section].pop(name, None)
         return {
-            "corpus": corpus,
-            "model": dataclasses.asdict(self.model),
+            **sections,
             "sampling": dataclasses.asdict(self.sampling),
             "engine": {k: getattr(self.engine, k) for k in PLAN_ENGINE_KEYS},
         }

@@ -27,11 +27,11 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from orchestrator import exit_codes
+from orchestrator import exit_codes, storage
 from orchestrator.atomic import atomic_write_parquet
 from orchestrator.config import RunConfig
 from orchestrator.faults import crash_point
-from orchestrator.lock import RunLock
+from orchestrator.lock import run_lock
 from orchestrator.output_plan import plan_fingerprint, stamp
 from orchestrator.progress import (RunProgress, engine_time, format_engine_time, format_prefix_cache, format_transfers,
                                    mean_occupancy, prefix_cache, read_timeline, transfers)
@@ -108,7 +108,7 @@ class Driver:
     def __init__(self, cfg: RunConfig, show_progress: bool = True, stop: threading.Event | None = None) -> None:
         check_cluster(cfg)
         self.cfg = cfg
-        self.run_dir = RunDir(Path(cfg.resolved_run_dir))
+        self.run_dir = RunDir(storage.location(cfg.resolved_run_dir))  # local, or gs:// (docs/storage.md)
         self.show_progress = show_progress
         self.stop = stop or threading.Event()
         self.slots: list[_Slot] = []
@@ -130,7 +130,7 @@ class Driver:
             from engine import check_checkpoint
 
             check_checkpoint(model)
-        with RunLock(self.run_dir.root):
+        with run_lock(self.run_dir.root, self.cfg.lock_stale_s):
             try:
                 return self._run_locked()
             except OSError as e:
@@ -274,8 +274,9 @@ class Driver:
         elif event.kind == "started":
             info = event.info
             where = f", pod_slice {info['pod_slice']}" if info.get("pod_slice") else ""
+            read = f", {info['model_bytes_read']:,} bytes read from the bucket" if info.get("model_bytes_read") else ""
             self._state.event(f"{slot.name} ready (pids {info['pids']}, {info['devices']} devices{where}, "
-                              f"model loaded in {info['load_s']:.1f} s)")
+                              f"model loaded in {info['load_s']:.1f} s{read})")
         elif event.kind == "results":
             slot.samples_finished = event.samples_finished
             for result in event.results:
@@ -324,7 +325,7 @@ class Driver:
         self._attempts[batch_id] += 1
         path = self.run_dir.batch_file(batch_id)
         try:
-            prompts = pq.read_table(path)
+            prompts = storage.read_parquet(path)
         except Exception as e:  # noqa: BLE001 - a bad batch file fails this batch, not the run; retrying cannot help
             what = "is missing" if isinstance(e, FileNotFoundError) else f"cannot be read ({e})"
             self._attempt_failed(batch_id, f"{path} {what}; the plan is damaged: remove {self.run_dir.manifest} and "
@@ -448,7 +449,7 @@ def _format_summary(s: dict) -> str:
 def _best_effort_event(run_dir: RunDir, text: str) -> None:
     """Append to events.log where the head's RunState is not at hand; a full disk may refuse even this."""
     try:
-        with open(run_dir.events, "a", encoding="utf-8") as f:
+        with storage.open_append(run_dir.events) as f:
             f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} {text}\n")
     except OSError:
         pass

@@ -29,6 +29,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from engine import RECORD_FIELDS as ENGINE_RECORD_FIELDS, output_record
+from orchestrator import storage
 from orchestrator.atomic import atomic_write
 from orchestrator.json_out import dumps
 from orchestrator.manifest import read_manifest
@@ -47,7 +48,7 @@ Log = Callable[[str], None]
 def done_outputs(run_dir_path: str | Path, partial: bool = False) -> list[Path]:
     """The output files of the run's done batches, in manifest order; refuses an unfinished run unless
     `partial`, and names any done batch whose output is missing."""
-    run_dir = RunDir(Path(run_dir_path))
+    run_dir = RunDir(storage.location(run_dir_path))  # local or gs://
     if not run_dir.manifest.exists():
         raise FileNotFoundError(f"{run_dir.manifest} not found: {run_dir.root} is not a run directory")
     records = read_manifest(run_dir.manifest)
@@ -67,10 +68,19 @@ def done_outputs(run_dir_path: str | Path, partial: bool = False) -> list[Path]:
     return paths
 
 
+def closing_source(path):
+    """A context manager giving what pyarrow.parquet reads for `path` (local, or a ranged-read file on gs://)."""
+    from contextlib import nullcontext
+
+    source = storage.parquet_source(path)
+    return nullcontext(source) if source is path else source
+
+
 def metadata(path: Path) -> pq.FileMetaData:
     """The samples file's parquet footer; a truncated or corrupt file raises ValueError naming it and the fix."""
     try:
-        return pq.read_metadata(path)
+        with closing_source(path) as source:
+            return pq.read_metadata(source)
     except (pa.ArrowException, OSError) as err:
         raise ValueError(f"the samples file {path} is corrupt or truncated ({err}); rerun `pagefleet run` with the "
                          "run's config: it finds the file on start and recomputes that batch") from None
@@ -137,10 +147,21 @@ def check_output(output: str | Path) -> None:
 def export(run_dir_path: str | Path, output: str | Path, partial: bool = False,
            memory_bytes: int = DEFAULT_MEMORY_BYTES, log: Log | None = None,
            on_rows: Callable[[int], None] | None = None) -> int:
-    """Write the samples to `output` (.jsonl or .parquet, atomically); returns how many."""
-    output = Path(output)
+    """Write the samples to `output` (.jsonl or .parquet, atomically; local or gs://); returns how many."""
     check_output(output)
     paths = done_outputs(run_dir_path, partial)
+    if not storage.is_url(output):
+        return _export(paths, Path(output), memory_bytes, log, on_rows)
+    # Written locally, then uploaded as one whole object: atomic on an object store, as a rename is locally.
+    with tempfile.TemporaryDirectory(prefix=_temporary_prefix()) as tmp:
+        local = Path(tmp) / str(output).rstrip("/").rsplit("/", 1)[-1]
+        count = _export(paths, local, memory_bytes, log, on_rows)
+        storage.upload_file(str(local), str(output))
+    return count
+
+
+def _export(paths: list, output: Path, memory_bytes: int, log: Log | None,
+            on_rows: Callable[[int], None] | None) -> int:
     output.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_export_temporaries(output)
     written = 0
@@ -178,9 +199,11 @@ def passthrough_schema(paths: list[Path]) -> pa.Schema:
     each value as the input had it."""
     schemas = []
     for path in paths:
-        if "passthrough" not in pq.read_schema(path).names:  # an output older than passed-through columns
+        if "passthrough" not in metadata(path).schema.names:  # an output older than passed-through columns
             continue
-        values = [json.loads(t) for t in pq.read_table(path, columns=["passthrough"])["passthrough"].to_pylist() if t]
+        with closing_source(path) as source:
+            values = [json.loads(t) for t in pq.read_table(source, columns=["passthrough"])["passthrough"].to_pylist()
+                      if t]
         if values:
             schemas.append(_inferred(values, path))
     try:
@@ -270,7 +293,8 @@ def _alive(pid: int) -> bool:
 
 def _read(path: Path) -> pa.Table:
     try:
-        return conform(pq.read_table(path))
+        with closing_source(path) as source:
+            return conform(pq.read_table(source))
     except (pa.ArrowException, OSError, ValueError) as err:
         raise ValueError(f"the samples file {path} is corrupt or truncated ({err}); rerun `pagefleet run` with the "
                          "run's config: it finds the file on start and recomputes that batch") from None

@@ -51,3 +51,15 @@ class RunLock:
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
         self._fd = None
+
+
+def run_lock(run_dir: str | Path, stale_after_s: float = 60.0):
+    """The lock for `run_dir`: `flock` on a local directory, an object with generation preconditions on an
+    object store (orchestrator/object_lock.py), stale after `stale_after_s` without a refresh."""
+    from orchestrator import storage
+
+    if storage.is_object_store(run_dir):
+        from orchestrator.object_lock import ObjectRunLock
+
+        return ObjectRunLock(str(run_dir), stale_after_s=stale_after_s, refresh_s=stale_after_s / 6)
+    return RunLock(run_dir)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
+from orchestrator import storage
 from orchestrator.atomic import atomic_write_text
 from orchestrator.json_out import dumps
+from orchestrator.lock import RunDirLocked
 
 Status = Literal["pending", "running", "done", "failed"]
 
@@ -44,9 +47,34 @@ def batch_id(index: int, num_batches: int) -> str:
     return f"b{index:0{max(6, len(str(max(num_batches - 1, 0))))}d}"
 
 
-def write_manifest(path: str | Path, records: list[BatchRecord], before_replace=None) -> None:
-    """Replace the manifest atomically."""
-    atomic_write_text(path, "".join(dumps(asdict(r)) + "\n" for r in records), before_replace=before_replace)
+class ManifestConflict(RunDirLocked):
+    """Another head replaced batches.jsonl on the object store since this head last wrote it: this head lost the
+    run directory (`pagefleet run` stops with the message, exit status 2)."""
+
+
+def write_manifest(path: str | Path, records: list[BatchRecord], before_replace=None,
+                   generation: int | None = None) -> int | None:
+    """Replace the manifest atomically; on an object store, returns the generation written.
+
+    Locally a temporary file and a rename (the `flock` keeps other heads out). On an object store one
+    whole-object write conditioned on `generation`, the one this head last read or wrote (None: the
+    manifest must not exist yet, as when planning): a second head that wrote in between (this one
+    stalled and lost its lock) makes this raise ManifestConflict instead of being overwritten.
+    """
+    data = "".join(dumps(asdict(r)) + "\n" for r in records)
+    if not storage.is_object_store(path):
+        atomic_write_text(path, data, before_replace=before_replace)
+        return None
+    if before_replace is not None:
+        before_replace()
+    try:
+        if generation is None:
+            return storage.create_if_absent(str(path), data.encode())
+        return storage.replace_if_generation(str(path), data.encode(), generation)
+    except storage.PreconditionFailed:
+        expected = "absent" if generation is None else f"at generation {generation}"
+        raise ManifestConflict(f"{path} was written by another head (this head expected it {expected}); stopping "
+                               "without overwriting it: the other head owns the run now") from None
 
 
 class CorruptRunFile(ValueError):
@@ -59,13 +87,28 @@ RECOVER = ("remove it and rerun `pagefleet run` with the same config: the plan i
 
 def read_manifest(path: str | Path) -> list[BatchRecord]:
     """The records; raises CorruptRunFile naming the file and line of a record that does not parse."""
+    return read_manifest_generation(path)[0]
+
+
+def read_manifest_generation(path: str | Path) -> tuple[list[BatchRecord], int | None]:
+    """The records and, on an object store, the generation they were read from (None locally)."""
+    generation = None
+    if storage.is_object_store(path):
+        found = storage.read_with_generation(str(path))  # bytes and generation in one request: they agree
+        if found is None:
+            raise FileNotFoundError(f"{path} does not exist")
+        data, generation = found
+        f = io.BytesIO(data)
+    else:
+        f = open(path, "rb")  # streamed: a manifest of a million batches is not held twice
     records = []
-    with open(path, "rb") as f:
+    with f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 records.append(BatchRecord(**json.loads(line)))
             except (ValueError, TypeError, RecursionError) as e:  # cut short, not JSON, or not a record's fields
-                raise CorruptRunFile(f"{path} line {line_no} is corrupt ({type(e).__name__}: {e}); {RECOVER}") from None
-    return records
+                raise CorruptRunFile(f"{path} line {line_no} is corrupt ({type(e).__name__}: {e}); {RECOVER}") \
+                    from None
+    return records, generation

@@ -29,6 +29,9 @@ class ModelSourceConfig:
     """Tokenizer directory (or Hub id in the local cache); defaults to model.path."""
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     """Parameter and activation dtype; float32 on CPU for exactness."""
+    cache_dir: str | None = None
+    """Where a gs:// model or tokenizer is copied on each host before loading, once (a later load with the same
+    objects reads nothing from the bucket); default ~/.cache/pagefleet/models."""
 
     @property
     def tokenizer_path(self) -> str:
@@ -112,8 +115,11 @@ def max_seq_len(source: ModelSourceConfig, engine: EngineConfig) -> int:
 def load_tokenizer(source: ModelSourceConfig):
     """The tokenizer as transformers' AutoTokenizer builds it (local directory; never the Hugging Face hub)."""
     from engine import load_tokenizer as load
+    from orchestrator.model_cache import local_copy
 
-    return load(source.tokenizer_path, local_files_only=True)
+    # A gs:// tokenizer: only its own files (and config.json) are copied, never the weights.
+    path = local_copy(source.tokenizer_path, source.cache_dir, names=(*TOKENIZER_FILES, "config.json")).local_path
+    return load(path, local_files_only=True)
 
 
 def tokenizer_fingerprint(source: ModelSourceConfig) -> str:

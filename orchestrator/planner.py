@@ -22,10 +22,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from orchestrator import storage
 from orchestrator.config import RunConfig
 from orchestrator.corpus import corpus_fingerprint, count_rows, list_files, number_shards, split_shards
 from orchestrator.json_out import dumps
-from orchestrator.lock import RunLock
+from orchestrator.lock import run_lock
 from orchestrator.manifest import BatchRecord, batch_id, write_manifest
 from orchestrator.model_source import max_seq_len, model_config, model_fingerprint, tokenizer_fingerprint
 from orchestrator.packing import PackingLimits, lower_bound, pack, shareable_prompt_tokens
@@ -68,9 +69,9 @@ def fingerprints(cfg: RunConfig, files: list[str]) -> dict[str, str]:
 
 def plan(cfg: RunConfig) -> PlanResult:
     """Plan `cfg` into its run directory, or check that the existing plan matches it."""
-    if not RunDir(Path(cfg.resolved_run_dir)).is_planned():
+    if not RunDir(storage.location(cfg.resolved_run_dir)).is_planned():
         refuse_impossible(cfg)
-    with RunLock(cfg.resolved_run_dir):
+    with run_lock(cfg.resolved_run_dir, cfg.lock_stale_s):
         return plan_locked(cfg)
 
 
@@ -106,7 +107,7 @@ def _is_empty(url: str) -> bool:
 
 def plan_locked(cfg: RunConfig) -> PlanResult:
     """`plan` for a caller that already holds the run directory's lock (`pagefleet run`)."""
-    run_dir = RunDir(Path(cfg.resolved_run_dir))
+    run_dir = RunDir(storage.location(cfg.resolved_run_dir))
     cfg.model.require_path()
     files = list_files(cfg.corpus.path)
     prints = fingerprints(cfg, files)
@@ -120,7 +121,7 @@ def plan_locked(cfg: RunConfig) -> PlanResult:
     stats, records = _plan_into(cfg, run_dir, files)
     if stats.accepted == 0:  # rejected.jsonl stays for the user to read; no plan, so a fixed corpus replans
         shutil.rmtree(run_dir.batches, ignore_errors=True)
-        with open(run_dir.events, "a", encoding="utf-8") as events:
+        with storage.open_append(run_dir.events) as events:
             events.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} not planned: {_nothing_accepted(stats, run_dir)}\n")
         raise NothingToRun(_nothing_accepted(stats, run_dir))
     run_dir.write_run_json({
@@ -134,7 +135,7 @@ def plan_locked(cfg: RunConfig) -> PlanResult:
         "plan": stats.to_json(),
     })
     write_manifest(run_dir.manifest, records)
-    with open(run_dir.events, "a", encoding="utf-8") as events:
+    with storage.open_append(run_dir.events) as events:
         events.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} planned {stats.num_batches} batches: "
                      f"{stats.accepted} prompts accepted, {stats.rows_read - stats.accepted} rejected\n")
     return PlanResult(run_dir.root, stats, False)
@@ -174,7 +175,7 @@ def _plan_into(cfg: RunConfig, run_dir: RunDir, files: list[str]) -> tuple[PlanS
     limits = PackingLimits.resolve(cfg.packing, cfg.engine, cfg.sampling)
     context = max_seq_len(cfg.model, cfg.engine)
     if run_dir.batches.exists():  # leftovers of an interrupted plan
-        shutil.rmtree(run_dir.batches)
+        storage.remove_tree(run_dir.batches)
     run_dir.batches.mkdir(parents=True)
 
     clock = time.perf_counter()

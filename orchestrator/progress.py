@@ -10,6 +10,7 @@ import time
 
 from engine import (TRANSFER_DIRECTIONS, prefix_cache_summary, sum_transfer_counters, transfer_counter_key,
                     transfer_summary)
+from orchestrator import storage
 from orchestrator.atomic import atomic_write_text
 from orchestrator.json_out import dumps
 from orchestrator.manifest import BatchRecord
@@ -58,7 +59,7 @@ class RunProgress:
         done = [r for r in records if r.status == "done"]
         self.bar = tqdm(total=self.total_prompts, initial=sum(r.num_prompts for r in done), unit="prompt",
                         desc="prompts", file=stream, disable=not show_bar, dynamic_ncols=True, smoothing=0.1)
-        self._timeline = open(run_dir.timeline, "a", encoding="utf-8")
+        self._timeline = storage.open_append(run_dir.timeline)  # local file, or rewritten whole on gs://
 
     def batch_done(self, record: BatchRecord, num_done_batches: int, num_failed: int) -> None:
         self.session_prompts += record.num_prompts
@@ -124,7 +125,7 @@ def read_timeline(run_dir: RunDir) -> list[dict]:
     if not run_dir.timeline.exists():
         return []
     out = []
-    with open(run_dir.timeline, encoding="utf-8") as f:
+    with storage.open_file(run_dir.timeline, "rb") as f:  # local or gs://
         for line in f:
             try:
                 out.append(json.loads(line))

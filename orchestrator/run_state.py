@@ -16,17 +16,22 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from orchestrator import storage
 from orchestrator.atomic import remove_stale_temporaries
 from orchestrator.faults import crash_point
-from orchestrator.manifest import BatchRecord, read_manifest, write_manifest
+from orchestrator.manifest import BatchRecord, read_manifest_generation, write_manifest
 from orchestrator.output_plan import belongs
 from orchestrator.results import BatchStats, stats_of
 from orchestrator.rundir import RunDir
 
 
 class RunState:
-    def __init__(self, run_dir: RunDir, records: list[BatchRecord], flush_interval_s: float = 1.0) -> None:
+    def __init__(self, run_dir: RunDir, records: list[BatchRecord], flush_interval_s: float = 1.0,
+                 manifest_generation: int | None = None) -> None:
         self.run_dir = run_dir
+        self.manifest_generation = manifest_generation
+        """On an object store: the manifest's generation this head last read or wrote (its writes are conditioned
+        on it, so a head that lost the run fails instead of overwriting); None locally."""
         self.records: dict[str, BatchRecord] = {r.batch_id: r for r in records}
         self.flush_interval_s = flush_interval_s
         self.counts: Counter[str] = Counter(r.status for r in records)
@@ -34,7 +39,7 @@ class RunState:
         self.prompts_not_done = sum(r.num_prompts for r in records if r.status != "done")
         self._dirty = False
         self._next_flush = 0.0
-        self._events = open(run_dir.events, "a", encoding="utf-8")
+        self._events = storage.open_append(run_dir.events)  # local file, or rewritten whole on gs://
 
     # -- start-up --------------------------------------------------------------------------------
 
@@ -51,7 +56,8 @@ class RunState:
         """
         removed = sum(remove_stale_temporaries(d) for d in (run_dir.root, run_dir.outputs))
         run_dir.outputs.mkdir(exist_ok=True)
-        state = cls(run_dir, read_manifest(run_dir.manifest), flush_interval_s)
+        records, generation = read_manifest_generation(run_dir.manifest)
+        state = cls(run_dir, records, flush_interval_s, manifest_generation=generation)
         if removed:
             state.event(f"removed {removed} unfinished temporary files left by a crash")
         for r in list(state.records.values()):
@@ -148,8 +154,9 @@ class RunState:
         if not self._dirty or (not force and time.monotonic() < self._next_flush):
             return
         start = time.monotonic()
-        write_manifest(self.run_dir.manifest, list(self.records.values()),
-                       before_replace=lambda: crash_point("manifest_tmp"))
+        self.manifest_generation = write_manifest(self.run_dir.manifest, list(self.records.values()),
+                                                  before_replace=lambda: crash_point("manifest_tmp"),
+                                                  generation=self.manifest_generation)
         crash_point("manifest_written")
         self._dirty = False
         now = time.monotonic()
@@ -171,7 +178,7 @@ def _complete(output: Path, expected_samples: int) -> tuple[pq.FileMetaData | No
     Reads the parquet footer only: one small read a batch, so a restart checks every done batch cheaply.
     """
     try:
-        meta = pq.read_metadata(output)
+        meta = storage.read_parquet_metadata(output)
     except Exception as e:  # noqa: BLE001 - unreadable means not complete; it is recomputed
         return None, None, f"unreadable: {type(e).__name__}"
     stats = stats_of(meta.schema.to_arrow_schema())

@@ -47,6 +47,8 @@ class SliceSpec:
     """This host's place in the slice; host 0 is the jax.distributed coordinator and returns the results."""
     devices_per_host: int | None = None
     """CPU slices: XLA host devices this process exposes."""
+    model_cache_dir: str | None = None
+    """model.cache_dir: where a gs:// checkpoint is copied on this host before loading."""
     samples_in_flight: int | None = None
     """The head's budget of unfinished samples here (RunConfig.samples_in_flight_per_slice): once the slice
     holds fewer, it returns the head's poll early so that the head sends the next batch. None: it never does."""
@@ -114,16 +116,20 @@ class SliceWorker:
 
             initialize_distributed(coordinator, self.spec.num_hosts, self.spec.host_index, self.spec.devices_per_host)
         from engine import Engine
+        from orchestrator.model_cache import local_copy
         from orchestrator.model_source import ModelSourceConfig, load_tokenizer
 
-        tokenizer = load_tokenizer(ModelSourceConfig(path=self.spec.model_path, tokenizer=self.spec.tokenizer_path))
-        self.engine = Engine(self.spec.model_path, self.spec.engine, dtype=self.spec.dtype, mesh=self._mesh(),
+        tokenizer = load_tokenizer(ModelSourceConfig(path=self.spec.model_path, tokenizer=self.spec.tokenizer_path,
+                                                     cache_dir=self.spec.model_cache_dir))
+        fetch = local_copy(self.spec.model_path, self.spec.model_cache_dir)  # gs://: copied once per host
+        self.engine = Engine(fetch.local_path, self.spec.engine, dtype=self.spec.dtype, mesh=self._mesh(),
                              tokenizer=tokenizer)
         self._thread = threading.Thread(target=self._run, name=f"{self.spec.name}-engine", daemon=True)
         self._thread.start()
         import jax
 
         return {"slice": self.spec.name, "pid": os.getpid(), "load_s": time.perf_counter() - t0,
+                "model_bytes_read": fetch.bytes_read, "model_fetch_s": fetch.seconds,
                 "devices": [str(d) for d in jax.devices()]}
 
     def submit(self, work: BatchWork) -> None:

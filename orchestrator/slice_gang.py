@@ -105,7 +105,7 @@ class SliceGang:
             spec = SliceSpec(self.name, cfg.model.require_path(), cfg.model.tokenizer_path, cfg.model.dtype,
                              cfg.engine, cfg.sampling, dict(cfg.cluster.mesh), num_hosts=self.num_hosts,
                              host_index=host, devices_per_host=cfg.cluster.devices_per_host,
-                             samples_in_flight=cfg.samples_in_flight_per_slice)
+                             samples_in_flight=cfg.samples_in_flight_per_slice, model_cache_dir=cfg.model.cache_dir)
             if self._head_group is not None:  # host 0 in the head's group, the others in the slice's
                 group, index = (self._head_group, 0) if host == 0 else (self.placement_group, host - 1)
             else:
@@ -209,6 +209,7 @@ class SliceGang:
         first = self._infos[0] if self._infos else {}
         return {"pids": [i.get("pid") for i in self._infos], "devices": len(first.get("devices", [])),
                 "load_s": max((i.get("load_s", 0.0) for i in self._infos), default=0.0),
+                "model_bytes_read": sum(i.get("model_bytes_read", 0) for i in self._infos),
                 **({"pod_slice": self._slice_name} if self._slice_name else {})}
 
 

@@ -13,10 +13,15 @@ from orchestrator.manifest import read_manifest
 from orchestrator.progress import (engine_time, format_engine_time, format_prefix_cache, format_transfers,
                                    mean_occupancy, prefix_cache, read_timeline, transfers)
 from orchestrator.rundir import RunDir
+from orchestrator.storage import Location, location
 
 
 def head_holding(run_dir: RunDir) -> dict | None:
     """The head that holds the run directory's lock now ({pid, host, since}), or None."""
+    if isinstance(run_dir.root, Location):
+        from orchestrator.object_lock import holder
+
+        return holder(str(run_dir.root))
     path = run_dir.root / ".lock"
     if not path.exists():
         return None
@@ -35,7 +40,7 @@ def head_holding(run_dir: RunDir) -> dict | None:
 
 
 def status(run_dir_path: str | Path) -> dict:
-    run_dir = RunDir(Path(run_dir_path))
+    run_dir = RunDir(location(run_dir_path))
     if not run_dir.manifest.exists():
         raise FileNotFoundError(f"{run_dir.manifest} not found: {run_dir.root} is not a planned run directory "
                                 "(`pagefleet plan CONFIG` or `pagefleet run CONFIG` makes one)")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal, NoReturn, Protocol
 
 from engine import RECORD_FIELDS
+from orchestrator import storage
 
 # W&B truncates a logged wandb.Table to this many rows (wandb.Table.MAX_ROWS), with only a warning.
 WANDB_TABLE_MAX_ROWS = 10_000
@@ -142,7 +143,7 @@ class WandbTracker(HeadOnly):
         self._samples_logged = False
         self._finished = False
         disabled = config.mode == "disabled"
-        if not disabled:
+        if not disabled and not storage.is_url(run_dir):
             Path(run_dir).mkdir(parents=True, exist_ok=True)
         self._run = wandb.init(
             project=config.project,
@@ -150,7 +151,8 @@ class WandbTracker(HeadOnly):
             group=config.group or run_name,
             name=run_name,
             job_type="sample",
-            dir=None if disabled else str(run_dir),  # W&B makes `dir` even when disabled
+            # W&B makes `dir` even when disabled; it writes local files, so a gs:// run keeps them in the working directory.
+            dir=None if disabled or storage.is_url(run_dir) else str(run_dir),
             mode=config.mode,
             config=run_config,
             # Own run object (never the global wandb.run); no console capture or system metrics: the

@@ -2,6 +2,9 @@
 
 import os
 
+# The Cloud Storage emulator fixtures (gcs_emulator, gcs_bucket) for the gs:// tests.
+pytest_plugins = ["tests.gcs_emulator"]
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
