@@ -174,6 +174,9 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workloads", default="plain,shared-prefix")
+    p.add_argument("--off-repeats", type=int, default=1,
+                   help="repeats (the first ones) that also run pagefleet with the prefix cache off on shared-prefix: "
+                        "it recomputes the shared block for every prompt, several times the other runs' time")
     p.add_argument("--pagefleet-flags", default="", help="extra `pagefleet generate` flags, e.g. '--engine.max_seqs=64'")
     p.add_argument("--vllm-worker", nargs=3, metavar=("MODEL", "IN", "OUT"))
     args = p.parse_args()
@@ -203,7 +206,7 @@ def main() -> None:
               f"{args.repeats} interleaved repeats", flush=True)
         pagefleet_run(model, prompts_path, pf_out, stats, args.new_tokens, flags, pf_env)  # fills the compile cache
         pf, vl, off, pf_stats, v_inner, off_stats = [], [], [], [], [], []
-        for _ in range(args.repeats):
+        for repeat in range(args.repeats):
             wall, st = pagefleet_run(model, prompts_path, pf_out, stats, args.new_tokens, flags, pf_env)
             pf.append(wall)
             pf_stats.append(st)
@@ -211,7 +214,7 @@ def main() -> None:
                                       str(prompts_path), str(v_out), f"--new-tokens={args.new_tokens}"], v_env)
             vl.append(wall)
             v_inner.append(json.loads(stdout.strip().splitlines()[-1]))
-            if name == "shared-prefix" and caching_key:
+            if name == "shared-prefix" and caching_key and repeat < args.off_repeats:
                 wall, st = pagefleet_run(model, prompts_path, off_out, stats, args.new_tokens,
                                          [*flags, "--engine.prefix_caching=false"], pf_env)
                 off.append(wall)
@@ -230,8 +233,8 @@ def main() -> None:
               f"(> 1: pagefleet faster; acceptance >= 1.0, goal 1.5)")
         print(f"  greedy tokens identical on {same}/{len(theirs)} prompts (new tokens per sample: {sorted(lengths)})")
         if name == "shared-prefix":
-            if not caching_key:
-                print("  pagefleet caching off: prefix caching not available (engine.prefix_caching does not exist yet)")
+            if not caching_key or not off:
+                print("  pagefleet caching off: not run" + ("" if caching_key else " (engine.prefix_caching does not exist)"))
             else:
                 same_off = sum(read_tokens(off_out)[k] == ours[k] for k in ours)
                 print(f"  pagefleet caching off {statistics.median(off):6.1f} s  (runs {fmt(off)}); caching on / off "

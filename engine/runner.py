@@ -33,14 +33,8 @@ from engine.stats import DeviceClock
 from engine.step_inputs import StepInputs
 from engine.transfers import TransferLedger
 
-MIN_ROWS = 64
-"""Every matmul of a step runs on 1 row or on at least this many (tokens of a step, rows of its logits), so a
-row's result never depends on how many rows share the call. XLA's CPU matmuls pick their kernel by the row
-count, and rows of 2-32-row calls differ in the last bits from the same rows in 1-row or 64-row calls
-(tests/engine/test_runner.py checks the backend keeps to this). This is what makes a sample's tokens and
-logprobs bit-identical however it is batched, chunked or served from the prefix cache."""
-MIN_TOKEN_BUCKET = MIN_ROWS
-MIN_SEQ_BUCKET = MIN_ROWS
+MIN_TOKEN_BUCKET = 16
+MIN_SEQ_BUCKET = 4
 
 
 @dataclass(frozen=True)
@@ -258,11 +252,9 @@ class ModelRunner:
             self.kv.zero()
 
     def decode_bucket(self, n: int) -> int:
-        """Rows of a decode-only step or a multi-step call for n sequences: 1 for one sequence, else a power of
-        four from MIN_ROWS, at most the steps with prompt chunks' max_seqs bucket. Half as many programs to
-        compile as powers of two; an extra decode row costs little next to reading every weight once per step."""
-        if n == 1:
-            return 1
+        """Rows of a decode-only step or a multi-step call for n sequences: a power of four, at most the
+        steps with prompt chunks' max_seqs bucket. Half as many programs to compile as powers of two; an
+        extra decode row costs little next to reading every weight once per step."""
         cap = bucket(self.config.max_seqs, MIN_SEQ_BUCKET)
         rows = MIN_SEQ_BUCKET
         while rows < n:
