@@ -284,11 +284,16 @@ def test_the_prefix_cache_counters_reach_the_summary_status_and_wandb(ray_local,
     monkeypatch.setattr(tracking, "make_tracker", recording_tracker)
     outcome = Driver(cfg, show_progress=False).run()
     assert outcome.exit_code == 0
-    expected = {"prefix_cache_query_tokens": 400, "prefix_cache_hit_tokens": 300, "prefix_cache_hit_rate": 0.75}
-    assert {k: outcome.summary[k] for k in expected} == expected  # this session's buckets hold zeros (no cache yet)
+    session = [json.loads(line) for line in (run_dir / "timeline.jsonl").read_text().splitlines()][len(earlier):]
+    query = 400 + sum(b.get("prefix_cache_query_tokens", 0) for b in session)
+    hits = 300 + sum(b.get("prefix_cache_hit_tokens", 0) for b in session)
+    assert query > 400  # this session's lookups are counted beside the earlier session's
+    expected = {"prefix_cache_query_tokens": query, "prefix_cache_hit_tokens": hits, "prefix_cache_hit_rate": hits / query}
+    assert {k: outcome.summary[k] for k in expected} == expected
     assert {k: finished[0][k] for k in expected} == expected
     assert status(run_dir)["prefix_cache"] == expected
-    assert "300 of 400 prompt tokens served from cached pages (75.0% hit rate)" in format_status(status(run_dir))
+    assert (f"{hits:,} of {query:,} prompt tokens served from cached pages ({hits / query:.1%} hit rate)"
+            in format_status(status(run_dir)))
 
 
 def test_run_passes_input_columns_through_to_the_export(ray_local, run_model, tmp_path):

@@ -56,31 +56,21 @@ def test_generate_writes_one_record_per_sample_in_input_order(tmp_path, model_di
     assert by[("a", 0)]["token_ids"] != by[("a", 1)]["token_ids"]  # two samples, two random streams
 
 
-def test_generate_reports_the_prefix_cache_counters(tmp_path, model_dir, monkeypatch, capsys):
-    """The counters the engine's cache records (set here at every step) reach the summary line and
-    --stats_output, with their hit rate."""
-    from engine.engine import Engine
-
-    step = Engine.step
-
-    def counted_step(self):
-        self.stats.prefix_cache_query_tokens += 16
-        self.stats.prefix_cache_hit_tokens += 12
-        return step(self)
-
-    monkeypatch.setattr(Engine, "step", counted_step)
-    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": str(i), "prompt_token_ids": [5 + i, 6, 7]}) + "\n"
+def test_generate_reports_the_prefix_cache_counters(tmp_path, model_dir, capsys):
+    """Three prompts behind one 40-token block: the second and third map the first's two full 16-token pages, and
+    the counters reach the summary line and --stats_output with their hit rate."""
+    block = list(range(10, 50))
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": str(i), "prompt_token_ids": block + [60 + i]}) + "\n"
                                                for i in range(3)))
     stats_file = tmp_path / "stats.json"
     assert generate_main(["--model", str(model_dir), "--input", str(tmp_path / "in.jsonl"), "--output",
                           str(tmp_path / "out.jsonl"), "--stats_output", str(stats_file), "--progress=false",
-                          "--sampling.max_new_tokens=4", "--engine.max_seq_len=64", "--engine.max_pages=32"]) == 0
+                          "--sampling.max_new_tokens=4", "--engine.max_seq_len=64", "--engine.max_pages=32",
+                          "--engine.page_size=16"]) == 0
     stats = json.loads(stats_file.read_text())
-    calls = stats["prefix_cache_query_tokens"] // 16
-    assert calls >= stats["steps"] > 0 and stats["prefix_cache_hit_tokens"] == 12 * calls
-    assert stats["prefix_cache_hit_rate"] == 0.75
-    assert f"prefix cache: {12 * calls:,} of {16 * calls:,} prompt tokens served from cached pages (75.0% hit rate)" \
-        in capsys.readouterr().err
+    assert (stats["prefix_cache_query_tokens"], stats["prefix_cache_hit_tokens"]) == (3 * 41, 2 * 32)
+    assert stats["prefix_cache_hit_rate"] == 64 / 123
+    assert "prefix cache: 64 of 123 prompt tokens served from cached pages (52.0% hit rate)" in capsys.readouterr().err
 
 
 def test_generate_reports_the_bytes_moved_between_host_and_device(tmp_path, model_dir, capsys):
