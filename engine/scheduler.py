@@ -122,14 +122,15 @@ class Scheduler:
             return SchedulerOutput(decode=DecodeCall(seqs, resume=True, chain_pages=self._chain(seqs)))
         self._cache_query_tokens = self._cache_hit_tokens = 0
         chunks = self._schedule_chunks()
+        counters = dict(cache_query_tokens=self._cache_query_tokens, cache_hit_tokens=self._cache_hit_tokens)
         limits = self._reserve_multi_step(chunks)
-        if limits is not None:
+        if limits is not None:  # a sequence admitted with all but its last prompt token cached decodes at once
             seqs = [c.seq for c in chunks]
             budgets = [q.tokens_left(self.max_seq_len) for q in seqs]
-            return SchedulerOutput(chunks, decode=DecodeCall(seqs, False, limits, budgets, self._chain(seqs)))
+            return SchedulerOutput(chunks, decode=DecodeCall(seqs, False, limits, budgets, self._chain(seqs)),
+                                   **counters)
         rows, row_chunk, copies = self._fork(chunks)
-        return SchedulerOutput(chunks, rows, row_chunk, copies, cache_query_tokens=self._cache_query_tokens,
-                               cache_hit_tokens=self._cache_hit_tokens)
+        return SchedulerOutput(chunks, rows, row_chunk, copies, **counters)
 
     def _schedule_chunks(self) -> list[ScheduledChunk]:
         budget = self.config.max_prefill_size

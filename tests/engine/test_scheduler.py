@@ -321,3 +321,17 @@ def test_a_later_sequence_of_the_same_step_maps_the_pages_an_earlier_one_compute
     assert [c.seq.pages[:5] for c in out.chunks[1:]] == [out.chunks[0].seq.pages[:5]] * 2
     engine.scheduler.reset()
     assert [c.token_ids for c in make_engine(config).generate(requests)] == [reference(r, 64) for r in requests]
+
+
+def test_a_prompt_served_from_the_cache_but_its_last_token_counts_its_hit_in_a_multi_step_call():
+    """A prompt cached up to its last token decodes from its first step (a multi-step call): that step
+    still reports its lookup and its hit (the counters once went only with ragged steps)."""
+    config = EngineConfig(page_size=2, max_pages=32, max_seqs=1, max_seqs_in_prefill=1, max_prefill_size=1,
+                          max_seq_len=64, decode_steps=2, debug_invariants=True)
+    engine = make_engine(config)
+    request = Request("a", tuple(range(1, 40)) + (1, 2), SamplingConfig(max_new_tokens=3))
+    first = engine.generate([request])[0].token_ids
+    assert len(first) == 3
+    engine.stats.clear()
+    assert engine.generate([request])[0].token_ids == first
+    assert (engine.stats.prefix_cache_query_tokens, engine.stats.prefix_cache_hit_tokens) == (41, 40)
