@@ -20,12 +20,13 @@ from jax.sharding import Mesh, PartitionSpec as P
 from engine.attention import ragged_paged_attention, write_kv
 from engine.axes import EMBED, HEAD_SIZE, KV_COMBINED, PAGE, PAGE_SLOT, TOKEN, ModelAxes
 from engine.model_config import ModelConfig
+from engine.row_tiles import by_named_rows
 from engine.step_inputs import StepInputs
 
 
 @dataclass(frozen=True)
 class AttentionSettings:
-    """Static (compile-time) attention choices."""
+    """Static (compile-time) choices of a forward pass: attention, and the row tiles of its matmuls."""
 
     impl: str  # "reference" | "pallas_tpu"
     pages_per_block: int
@@ -34,6 +35,12 @@ class AttentionSettings:
     mesh: Mesh | None = None  # when it has several devices, attention runs per device (per KV-head shard over `model`)
     tiles_per_group: int = 8  # query tiles the reference attention moves through the KV blocks together
     decode_pages_per_block: int | None = None  # block size for one-query tiles (default: pages_per_block)
+    # Token rows per matmul: every row-wise layer (projections, MLP, LM head) runs on tiles of exactly this
+    # many rows, one tile at a time, so a row's bits never depend on how many rows share the step. XLA's CPU
+    # matmuls pick their kernel by row count (a 16-row and a 512-row call round differently), which made
+    # logprobs move with batching, caching and preemption. 0: the whole step in one matmul.
+    row_tile: int = 0
+    sample_row_tile: int = 0  # the same for sampling's row reductions (softmax, top-p), over sequences
 
 
 class Attention(eqx.Module):
@@ -73,25 +80,33 @@ class Transformer(eqx.Module):
         Token = hax.Axis(TOKEN, inputs.token_ids.shape[0])
         x = self.embed.take(ax.Vocab, hax.named(inputs.token_ids, Token))
         cos, sin = rope_tables(cfg, inputs.positions)
+        tile = settings.row_tile
 
         def layer_step(carry, layer: DecoderLayer, layer_index: NamedArray):
             x, pool = carry
-            h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-            attn_out, pool = _attention(layer.attn, h, pool, layer_index.array, cos, sin, inputs, cfg, ax, settings)
-            x = x + attn_out
-            h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-            gate = hax.dot(h, layer.w_gate, axis=ax.Embed)
-            up = hax.dot(h, layer.w_up, axis=ax.Embed)
-            x = x + hax.dot(hax.nn.silu(gate) * up, layer.w_down, axis=ax.Mlp)
-            return (x, pool), None
+            q, k, v = by_named_rows(lambda x: _qkv(layer.attn, rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), ax),
+                                    tile, TOKEN, x)
+            attn, pool = _attention(q, k, v, pool, layer_index.array, cos, sin, inputs, cfg, ax, settings)
+
+            def out_and_mlp(x: NamedArray, attn: NamedArray) -> NamedArray:
+                x = x + hax.dot(attn, layer.attn.wo, axis=(ax.KVHeads, ax.QPerKV, ax.HeadSize))
+                h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
+                gate = hax.dot(h, layer.w_gate, axis=ax.Embed)
+                up = hax.dot(h, layer.w_up, axis=ax.Embed)
+                return x + hax.dot(hax.nn.silu(gate) * up, layer.w_down, axis=ax.Mlp)
+
+            return (by_named_rows(out_and_mlp, tile, TOKEN, x, attn), pool), None
 
         (x, kv_pool), _ = hax.scan(layer_step, ax.Layers)((x, kv_pool), self.layers, hax.arange(ax.Layers))
         Seq = hax.Axis("seq", inputs.logits_indices.shape[0])
         last = x.take(Token, hax.named(inputs.logits_indices, Seq))
-        last = rms_norm(last, self.final_norm, cfg.rms_norm_eps)
         head = self.embed if self.lm_head is None else self.lm_head
-        logits = hax.dot(last, head, axis=ax.Embed, preferred_element_type=jnp.float32)
-        return kv_pool, logits.astype(jnp.float32).rearrange((Seq, ax.Vocab))
+
+        def lm_head(last: NamedArray) -> NamedArray:
+            last = rms_norm(last, self.final_norm, cfg.rms_norm_eps)
+            return hax.dot(last, head, axis=ax.Embed, preferred_element_type=jnp.float32).astype(jnp.float32)
+
+        return kv_pool, by_named_rows(lm_head, tile, "seq", last).rearrange((Seq, ax.Vocab))
 
 
 def rms_norm(x: NamedArray, weight: NamedArray, eps: float) -> NamedArray:
@@ -119,15 +134,20 @@ def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (x32 * c + rotated * s).astype(x.dtype)
 
 
-def _attention(attn: Attention, h: NamedArray, pool: NamedArray, layer: jax.Array, cos, sin,
-               inputs: StepInputs, cfg: ModelConfig, ax: ModelAxes, settings: AttentionSettings
-               ) -> tuple[NamedArray, NamedArray]:
-    Token = h.resolve_axis(TOKEN)
+def _qkv(attn: Attention, h: NamedArray, ax: ModelAxes) -> tuple[NamedArray, NamedArray, NamedArray]:
     q = hax.dot(h, attn.wq, axis=ax.Embed)
     k = hax.dot(h, attn.wk, axis=ax.Embed)
     v = hax.dot(h, attn.wv, axis=ax.Embed)
     if attn.bq is not None:
         q, k, v = q + attn.bq, k + attn.bk, v + attn.bv
+    return q, k, v
+
+
+def _attention(q: NamedArray, k: NamedArray, v: NamedArray, pool: NamedArray, layer: jax.Array, cos, sin,
+               inputs: StepInputs, cfg: ModelConfig, ax: ModelAxes, settings: AttentionSettings
+               ) -> tuple[NamedArray, NamedArray]:
+    """Attention outputs [token, kv_heads, q_per_kv, head_size] (before `wo`) and the pool with this step's KV."""
+    Token = q.resolve_axis(TOKEN)
     q = _rotate(q.rearrange((Token, ax.KVHeads, ax.QPerKV, ax.HeadSize)).array, cos, sin)
     q = q.reshape(Token.size, cfg.num_heads, cfg.head_dim)  # [T, H, d]; head = kv_head * q_per_kv + g
     k = _rotate(k.rearrange((Token, ax.KVHeads, ax.HeadSize)).array, cos, sin)  # [T, kvh, d]
@@ -159,7 +179,7 @@ def _attention(attn: Attention, h: NamedArray, pool: NamedArray, layer: jax.Arra
     out, kv = attend(q, k, v, pool.array, slots, inputs.kv_lens, pages, inputs.cu_q_lens, inputs.num_seqs)
     out = hax.named(out.reshape(Token.size, cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim),
                     (Token, ax.KVHeads, ax.QPerKV, ax.HeadSize))
-    return hax.dot(out, attn.wo, axis=(ax.KVHeads, ax.QPerKV, ax.HeadSize)), hax.named(kv, pool.axes)
+    return out, hax.named(kv, pool.axes)
 
 
 def kv_pool_axes(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple[hax.Axis, ...]:

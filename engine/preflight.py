@@ -105,9 +105,9 @@ def lower_step_programs(cfg: ModelConfig, engine: EngineConfig, max_seq_len: int
     def arg(shape: tuple[int, ...], kind) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, jnp.dtype(kind), sharding=replicated)
 
-    settings = {bq: AttentionSettings(impl, engine.attn_pages_per_block, bq, engine.max_pages, mesh,
-                                      engine.attn_tiles_per_group, engine.attn_decode_pages_per_block)
-                for bq in (1, engine.attn_queries_per_block)}
+    from engine import runner
+
+    settings = runner.step_settings(engine, impl, mesh, platform)
     tp = mesh.shape["model"]
     programs = []
     for name, tokens, seqs, fn, args in _runner_programs(engine, max_seq_len, sampling_mode, num_stop_ids,

@@ -24,6 +24,7 @@ from engine.capacity import pages_for
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache
 from engine.model import AttentionSettings, Transformer
+from engine.row_tiles import by_row_tiles
 # Bound here: tests patch `runner._sampling_mode`, and callers build rows as `runner.RowSampling`.
 from engine.row_sampling import RowSampling, row_sampling as _row_sampling, sampling_arrays as _sampling_arrays
 from engine.row_sampling import sampling_mode as _sampling_mode
@@ -35,6 +36,10 @@ from engine.transfers import TransferLedger
 
 MIN_TOKEN_BUCKET = 16
 MIN_SEQ_BUCKET = 4
+# Rows per matmul tile on the CPU (AttentionSettings.row_tile): XLA's CPU matmuls choose kernels by row count,
+# so fixed tiles keep each row's bits independent of the step around it. Elsewhere 0 (one matmul a step).
+CPU_ROW_TILE = 16
+CPU_SAMPLE_ROW_TILE = 8  # rows per tile of sampling (AttentionSettings.sample_row_tile), on the CPU
 
 
 @dataclass(frozen=True)
@@ -84,7 +89,8 @@ def _forward_sample(model: Transformer, pool, inputs: StepInputs, settings: Atte
     `mode` (static, `_sampling_mode`) leaves out of the program what no row of the step needs; `penalties`
     (`_penalties`) is None unless the mode penalizes."""
     pool, logits = model(pool, inputs, settings)
-    tokens, logprobs = _pick(logits.array, mode, temperature, top_k, top_p, min_p, base_keys, positions, penalties)
+    tokens, logprobs = _pick_rows(settings, logits.array, mode, temperature, top_k, top_p, min_p, base_keys, positions,
+                                  penalties)
     return pool, _replicated(tokens, settings.mesh), _replicated(logprobs, settings.mesh)
 
 
@@ -127,8 +133,8 @@ def _forward_sample_steps(model: Transformer, pool, settings: AttentionSettings,
         inputs = StepInputs(tokens, positions, slots, cu_q_lens, kv_lens, page_indices, num_seqs, logits_indices)
         pool, logits = model(pool, inputs, settings)
         step_penalties = None if penalties is None else (penalties[0], counts, *penalties[2:])
-        new, logprobs = _pick(logits.array, mode, temperature, top_k, top_p, min_p, base_keys, positions + 1,
-                              step_penalties)
+        new, logprobs = _pick_rows(settings, logits.array, mode, temperature, top_k, top_p, min_p, base_keys,
+                                   positions + 1, step_penalties)
         if penalties is not None:  # the new token joins its row's completion for the next step
             counts = counts.at[rows, new].add(active.astype(jnp.int32))
         steps = steps + active.astype(jnp.int32)
@@ -185,6 +191,12 @@ class PendingSteps:
     penalties: tuple | None = None  # the call's `penalties`, counts as they were after it
 
 
+def _pick_rows(settings: AttentionSettings, logits: jax.Array, mode: str, *rows):
+    """`_pick` on tiles of `settings.sample_row_tile` rows (`row_tiles`): a row's logprob does not depend on
+    how many rows the step samples."""
+    return by_row_tiles(lambda logits, *rows: _pick(logits, mode, *rows), settings.sample_row_tile, logits, *rows)
+
+
 def _pick(logits: jax.Array, mode: str, temperature, top_k, top_p, min_p, base_keys, positions, penalties=None):
     """(tokens, logprobs) of `sample`, from a program with only what `mode` needs: for `greedy` the argmax
     alone, for `sample` no top-k/top-p sort, min-p only with `+min_p`, penalties only with `+penalties`
@@ -204,6 +216,15 @@ def _pick(logits: jax.Array, mode: str, temperature, top_k, top_p, min_p, base_k
                   min_p=min_p if "+min_p" in mode else None, raw_logits=None if penalties is None else raw)
 
 
+def step_settings(config: EngineConfig, impl: str, mesh, platform: str) -> dict[int, AttentionSettings]:
+    """The forward pass's static settings by query tile (1 for decode-only steps), for `platform`."""
+    cpu = platform == "cpu"
+    return {bq: AttentionSettings(impl, config.attn_pages_per_block, bq, config.max_pages, mesh,
+                                  config.attn_tiles_per_group, config.attn_decode_pages_per_block,
+                                  CPU_ROW_TILE if cpu else 0, CPU_SAMPLE_ROW_TILE if cpu else 0)
+            for bq in (1, config.attn_queries_per_block)}
+
+
 class ModelRunner:
     def __init__(self, model: Transformer, config: EngineConfig, max_seq_len: int, stop_ids: Sequence[int] = (),
                  mesh: Mesh | None = None, kv_dtype=jnp.float32) -> None:
@@ -217,11 +238,7 @@ class ModelRunner:
         self.kv = KVCache(model.config, config.max_pages, config.page_size, self.transfers, kv_dtype, mesh)
         self.clock = DeviceClock()  # every dispatch and every wait for outputs below is timed on it
         impl = resolve_attention_impl(config.attention_impl, kv_dtype)
-        self._settings = {
-            bq: AttentionSettings(impl, config.attn_pages_per_block, bq, config.max_pages, mesh,
-                                  config.attn_tiles_per_group, config.attn_decode_pages_per_block)
-            for bq in (1, config.attn_queries_per_block)
-        }
+        self._settings = step_settings(config, impl, mesh, jax.default_backend())
         self._ahead: PendingSteps | None = None  # the multi-step call dispatched ahead of the host's read
 
     def run(self, out: SchedulerOutput) -> RunnerOutput:

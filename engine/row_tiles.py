@@ -1,0 +1,55 @@
+"""Row-wise device work in fixed-size row tiles, so that a row's bits never depend on the rows beside it.
+
+XLA's CPU backend picks a matmul kernel by the number of rows (a 16-row and a 512-row product round
+differently) and vectorizes a row reduction (softmax, RMSNorm) across rows once there are enough of them.
+A token computed in a 4,096-token prompt step, in a 40-token chunk after cached prefix pages, or in an
+8-row decode step would then differ in the last bits, and so would its logprobs. Run on tiles of exactly
+`tile` rows, one tile after another, every row goes through the same compiled kernels in every step.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import haliax as hax
+import jax
+import jax.numpy as jnp
+from haliax import NamedArray
+
+
+def by_row_tiles(f: Callable, tile: int, *xs):
+    """`f(*xs)` for a row-wise `f` over pytrees of arrays whose leading axis is the row (row i of every output
+    depends only on row i of every input), computed on tiles of exactly `tile` rows one after another:
+    rows are padded with zeros to whole tiles and the padding is dropped from the outputs. `tile` 0: at once."""
+    if not tile:
+        return f(*xs)
+    n = jax.tree.leaves(xs)[0].shape[0]
+    k = -(-n // tile)
+
+    def split(a: jax.Array) -> jax.Array:
+        return jnp.pad(a, [(0, k * tile - n)] + [(0, 0)] * (a.ndim - 1)).reshape(k, tile, *a.shape[1:])
+
+    out = jax.lax.map(lambda tiles: f(*tiles), jax.tree.map(split, xs))
+    return jax.tree.map(lambda y: y.reshape(k * tile, *y.shape[2:])[:n], out)
+
+
+def by_named_rows(f: Callable, tile: int, row_axis: str, *xs: NamedArray):
+    """`by_row_tiles` for named arrays: the rows are axis `row_axis` of each x (and of each output of `f`,
+    a pytree of named arrays); `f` sees that axis with `tile` rows."""
+    if not tile:
+        return f(*xs)
+    xs = tuple(x.rearrange((row_axis, ...)) for x in xs)
+    Rows = xs[0].axes[0]
+    Tile = Rows.resize(tile)
+    structure: list = []  # the outputs' tree and axes (after the rows), found when `f` is traced
+
+    def on_arrays(*arrays: jax.Array) -> list[jax.Array]:
+        out = f(*(hax.named(a, (Tile,) + x.axes[1:]) for a, x in zip(arrays, xs)))
+        leaves, tree = jax.tree.flatten(out, is_leaf=lambda y: isinstance(y, NamedArray))
+        leaves = [y.rearrange((row_axis, ...)) for y in leaves]
+        structure[:] = [tree, [y.axes[1:] for y in leaves]]
+        return [y.array for y in leaves]
+
+    arrays = by_row_tiles(on_arrays, tile, *(x.array for x in xs))
+    tree, axes = structure
+    return jax.tree.unflatten(tree, [hax.named(a, (Rows,) + rest) for a, rest in zip(arrays, axes)])

@@ -1,0 +1,61 @@
+"""Row tiles: a row's bits do not depend on how many rows share the call or where the row sits."""
+
+from __future__ import annotations
+
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine.row_tiles import by_named_rows, by_row_tiles
+
+ROW_COUNTS = (1, 2, 5, 16, 33, 64, 200)
+
+
+def _rows_at(x: np.ndarray, m: int, pos: int) -> np.ndarray:
+    """The first m rows of x with row 0 moved to `pos`."""
+    a = np.array(x[:m])
+    a[[0, pos]] = a[[pos, 0]]
+    return a
+
+
+@pytest.mark.parametrize("k, n", [(512, 512), (1536, 512)])
+def test_a_tiled_matmul_row_is_the_same_bits_in_any_batch(k, n):
+    """XLA's CPU matmul picks its kernel by row count, so untiled rows move in the last bits (the 1536-wide
+    product differs at every row count here); in 16-row tiles a row is the same bits at any count and position."""
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((k, n), np.float32))
+    x = rng.standard_normal((max(ROW_COUNTS), k)).astype(np.float32)
+    tiled = jax.jit(lambda a: by_row_tiles(lambda t: t @ w, 16, a))
+    plain = jax.jit(lambda a: a @ w)
+    alone, moved = np.asarray(tiled(x[:1]))[0], []
+    for m in ROW_COUNTS:
+        for pos in {0, m // 2, m - 1}:
+            assert (np.asarray(tiled(_rows_at(x, m, pos)))[pos] == alone).all(), (m, pos)
+            moved.append(not (np.asarray(plain(_rows_at(x, m, pos)))[pos] == np.asarray(plain(x[:1]))[0]).all())
+    assert any(moved), "the untiled product no longer depends on the row count here: the test shows nothing"
+    np.testing.assert_allclose(np.asarray(tiled(x)), np.asarray(plain(x)), rtol=1e-5, atol=1e-4)
+
+
+def test_a_tiled_softmax_row_is_the_same_bits_in_any_batch():
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((max(ROW_COUNTS), 32000)) * 3).astype(np.float32)
+    tiled = jax.jit(lambda a: by_row_tiles(lambda t: jax.nn.log_softmax(t, axis=-1), 8, a))
+    alone = np.asarray(tiled(x[:1]))[0]
+    for m in ROW_COUNTS:
+        for pos in {0, m // 2, m - 1}:
+            assert (np.asarray(tiled(_rows_at(x, m, pos)))[pos] == alone).all(), (m, pos)
+
+
+def test_pytrees_and_named_axes_come_back_in_their_shapes():
+    Rows, Embed, Out = hax.Axis("token", 37), hax.Axis("embed", 8), hax.Axis("out", 3)
+    x = hax.random.normal(jax.random.key(0), (Embed, Rows))  # the rows need not come first
+    w = hax.random.normal(jax.random.key(1), (Embed, Out))
+    a, b = by_named_rows(lambda x: (hax.dot(x, w, axis=Embed), x * 2), 16, "token", x)
+    assert a.axes == (Rows, Out) and b.axes == (Rows, Embed)
+    np.testing.assert_allclose(a.rearrange((Rows, Out)).array, hax.dot(x, w, axis=Embed).rearrange((Rows, Out)).array,
+                               rtol=1e-5, atol=1e-5)
+    assert (b.array == (x * 2).rearrange((Rows, Embed)).array).all()
+    none, y = by_row_tiles(lambda p, y: (p, y + 1), 4, None, jnp.arange(10))
+    assert none is None and (np.asarray(y) == np.arange(1, 11)).all()
