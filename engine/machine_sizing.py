@@ -16,6 +16,9 @@ the machine, as vLLM does, and this module says how. Every value the caller set 
   cannot fill lower the occupancy (a 256-prompt job on 256 slots spends most of its steps filling them).
 - **Token budget.** `max_prefill_size` is the platform's step size (`STEP_TOKENS`): large enough that a
   prompt chunk's matmuls run near peak, the CPU's at 4,096 tokens as vLLM's CPU build schedules them.
+- **Prompts per step.** `max_seqs_in_prefill` is `max_seqs`: the token budget alone bounds a step, as in
+  vLLM. With the run path's default of 8, short prompts, or prompts whose prefix the cache serves (a
+  90-token tail behind a 1,270-token cached block), left most of a 4,096-token step empty.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ MAX_SEQS = {"cpu": 64, "accelerator": 256}
 STEP_TOKENS = {"cpu": 4096, "accelerator": 8192}
 """Tokens per step (engine.max_prefill_size) per platform."""
 
-SIZED_KEYS = ("max_pages", "max_seqs", "max_prefill_size")
+SIZED_KEYS = ("max_pages", "max_seqs", "max_prefill_size", "max_seqs_in_prefill")
 """The capacities this module sizes; an explicit value of any of them is kept."""
 
 
@@ -109,7 +112,6 @@ def size_for_machine(config: EngineConfig, model: ModelConfig, dtype: str, machi
         changes["max_seqs"] = max(1, min(MAX_SEQS[machine.platform], 2 ** int(math.log2(max(fit, 1)))))
     if "max_prefill_size" not in explicit:
         changes["max_prefill_size"] = STEP_TOKENS[machine.platform]
-    max_seqs = changes.get("max_seqs", config.max_seqs)
-    if "max_seqs_in_prefill" not in explicit and config.max_seqs_in_prefill > max_seqs:
-        changes["max_seqs_in_prefill"] = max_seqs  # the default (8) may exceed a small machine's slots
+    if "max_seqs_in_prefill" not in explicit:
+        changes["max_seqs_in_prefill"] = changes.get("max_seqs", config.max_seqs)
     return dataclasses.replace(config, **changes)

@@ -176,6 +176,7 @@ def run_generate(cfg: GenerateConfig, explicit: frozenset[str] = frozenset()) ->
     from tqdm import tqdm
 
     from engine import Engine, ModelConfig, size_for_machine, this_machine
+    from engine.machine_sizing import SIZED_KEYS
 
     for name in ("model", "input", "output"):
         if not getattr(cfg, name):
@@ -189,7 +190,7 @@ def run_generate(cfg: GenerateConfig, explicit: frozenset[str] = frozenset()) ->
         print(f"pagefleet generate: {e}", file=sys.stderr)
         return exit_codes.FAULT
     engine = Engine(model, engine_cfg, dtype=cfg.dtype)
-    sized = [k for k in ("max_pages", "max_seqs", "max_prefill_size") if k not in explicit]
+    sized = [k for k in SIZED_KEYS if k not in explicit]
     if sized:
         print("engine sized for this machine: " + ", ".join(f"{k}={getattr(engine_cfg, k):,}" for k in sized) +
               " (engine.kv_memory_gib or an explicit --engine.KEY overrides)", file=sys.stderr)
