@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from orchestrator import exit_codes, storage
+from orchestrator import exit_codes, location, object_append, parquet_io
 from orchestrator.atomic import atomic_write_parquet
 from orchestrator.config import RunConfig
 from orchestrator.faults import crash_point
@@ -108,7 +108,7 @@ class Driver:
     def __init__(self, cfg: RunConfig, show_progress: bool = True, stop: threading.Event | None = None) -> None:
         check_cluster(cfg)
         self.cfg = cfg
-        self.run_dir = RunDir(storage.location(cfg.resolved_run_dir))  # local, or gs:// (docs/storage.md)
+        self.run_dir = RunDir(location.location(cfg.resolved_run_dir))  # local, or gs:// (docs/storage.md)
         self.show_progress = show_progress
         self.stop = stop or threading.Event()
         self.slots: list[_Slot] = []
@@ -325,7 +325,7 @@ class Driver:
         self._attempts[batch_id] += 1
         path = self.run_dir.batch_file(batch_id)
         try:
-            prompts = storage.read_parquet(path)
+            prompts = parquet_io.read_parquet(path)
         except Exception as e:  # noqa: BLE001 - a bad batch file fails this batch, not the run; retrying cannot help
             what = "is missing" if isinstance(e, FileNotFoundError) else f"cannot be read ({e})"
             self._attempt_failed(batch_id, f"{path} {what}; the plan is damaged: remove {self.run_dir.manifest} and "
@@ -449,7 +449,7 @@ def _format_summary(s: dict) -> str:
 def _best_effort_event(run_dir: RunDir, text: str) -> None:
     """Append to events.log where the head's RunState is not at hand; a full disk may refuse even this."""
     try:
-        with storage.open_append(run_dir.events) as f:
+        with object_append.open_append(run_dir.events) as f:
             f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} {text}\n")
     except OSError:
         pass

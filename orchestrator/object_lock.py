@@ -22,7 +22,7 @@ import socket
 import threading
 import time
 
-from orchestrator import storage
+from orchestrator import generations, storage
 from orchestrator.lock import RunDirLocked
 
 STALE_AFTER_S = 60.0
@@ -53,21 +53,21 @@ class ObjectRunLock:
 
     def __enter__(self) -> ObjectRunLock:
         try:
-            self.generation = storage.create_if_absent(self.url, self._body())
-        except storage.PreconditionFailed:
+            self.generation = generations.create_if_absent(self.url, self._body())
+        except generations.PreconditionFailed:
             self._take_over()
         self._thread = threading.Thread(target=self._refresh, name="run-lock-refresh", daemon=True)
         self._thread.start()
         return self
 
     def _take_over(self) -> None:
-        current = storage.read_with_generation(self.url)
+        current = generations.read_with_generation(self.url)
         if current is None:  # released between our two requests: try again from the start
-            self.generation = storage.create_if_absent(self.url, self._body())
+            self.generation = generations.create_if_absent(self.url, self._body())
             return
         data, generation = current
         holder = data.decode(errors="replace").strip() or "an unknown process"
-        info = storage.object_info(self.url)
+        info = generations.object_info(self.url)
         age_s = time.time() - info["updated"] if info and info["generation"] == generation else 0.0
         if age_s < self.stale_after_s:
             raise RunDirLocked(
@@ -75,8 +75,8 @@ class ObjectRunLock:
                 f"for that head to finish or stop it; if it is gone, its lock is taken over once it is "
                 f"{self.stale_after_s:.0f} s old")
         try:
-            self.generation = storage.replace_if_generation(self.url, self._body(), generation)
-        except storage.PreconditionFailed:
+            self.generation = generations.replace_if_generation(self.url, self._body(), generation)
+        except generations.PreconditionFailed:
             raise RunDirLocked(f"run directory {self.root}: another head took over the stale lock of {holder} "
                                "first") from None
         self.took_over_from = holder
@@ -84,9 +84,9 @@ class ObjectRunLock:
     def _refresh(self) -> None:
         while not self._stop.wait(self.refresh_s):
             try:
-                self.generation = storage.replace_if_generation(self.url, self._body(), self.generation)
-            except storage.PreconditionFailed:
-                current = storage.read_with_generation(self.url)
+                self.generation = generations.replace_if_generation(self.url, self._body(), self.generation)
+            except generations.PreconditionFailed:
+                current = generations.read_with_generation(self.url)
                 if current is not None and current[0] == self._body():  # our last refresh landed, its reply did not
                     self.generation = current[1]
                     continue
@@ -107,8 +107,8 @@ class ObjectRunLock:
             self._thread.join()
         if self.lost is None and self.generation is not None:
             try:
-                storage.delete_if_generation(self.url, self.generation)
-            except storage.PreconditionFailed:
+                generations.delete_if_generation(self.url, self.generation)
+            except generations.PreconditionFailed:
                 pass  # taken over meanwhile: it is the new holder's now
         self.generation = None
 
@@ -116,8 +116,8 @@ class ObjectRunLock:
 def holder(run_dir: str, stale_after_s: float = STALE_AFTER_S) -> dict | None:
     """The head holding `run_dir`'s lock ({pid, host, since}), or None when there is none or it is stale."""
     url = storage.join(run_dir, ".lock")
-    current = storage.read_with_generation(url)
-    info = storage.object_info(url)
+    current = generations.read_with_generation(url)
+    info = generations.object_info(url)
     if current is None or info is None or time.time() - info["updated"] >= stale_after_s:
         return None
     try:
