@@ -127,10 +127,9 @@ class Driver:
             from orchestrator.planner import refuse_impossible
 
             refuse_impossible(self.cfg)  # before the run directory or Ray exists
-        if "://" not in model:  # headers only, before planning: a bad checkpoint stops the run once, by name
-            from engine import check_checkpoint
+        from engine import check_checkpoint
 
-            check_checkpoint(model)
+        check_checkpoint(model)  # headers only (ranged reads on gs://), before planning: a bad one stops the run once
         with run_lock(self.run_dir.root, self.cfg.lock_stale_s) as lock:
             self._lock = lock  # checked every turn of the loop: a head that lost it stops (object_lock.py)
             try:
