@@ -1,5 +1,6 @@
-"""A head whose run-directory lock is taken from it (the Cloud Storage emulator) notices within seconds, stops its
-slices, writes nothing more there, and exits 2 with one line naming the fix: not only at its next manifest write."""
+"""`pagefleet run` heads on a gs:// run directory (the Cloud Storage emulator): a second head is refused while the
+first holds the lock; a head whose lock is taken from it notices within seconds, stops its slices, writes nothing
+more there, and exits 2 with one line naming the fix (not only at its next manifest write)."""
 
 import json
 import os
@@ -29,12 +30,12 @@ def wait_for(predicate, timeout_s: float, what: str) -> None:
 
 @pytest.mark.slow  # one `pagefleet run` with its own Ray: a minute on a loaded 2-core machine
 @pytest.mark.ray
-def test_a_head_whose_lock_is_taken_over_stops_promptly(run_model, tmp_path, gcs_bucket):
-    corpus = write_run_corpus(tmp_path / "corpus.jsonl", 80, seed=3)
+def test_a_second_head_is_refused_and_a_head_whose_lock_is_taken_over_stops_promptly(run_model, tmp_path, gcs_bucket):
+    corpus = write_run_corpus(tmp_path / "corpus.jsonl", 400, seed=3)  # far more than it gets to
     run_dir = f"{gcs_bucket}/runs/taken"
     config = tmp_path / "run.yaml"
     config.write_text("name: taken\n")
-    args = run_args(run_model, corpus, run_dir, "--sampling.max_new_tokens=48", f"--lock_stale_s={STALE_S}")
+    args = run_args(run_model, corpus, run_dir, "--sampling.max_new_tokens=64", f"--lock_stale_s={STALE_S}")
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PAGEFLEET_CRASH_AT")}
     env["PAGEFLEET_PROGRESS"] = "0"
     head = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(config), *args], cwd=ROOT, env=env,
@@ -44,6 +45,14 @@ def test_a_head_whose_lock_is_taken_over_stops_promptly(run_model, tmp_path, gcs
         wait_for(lambda: storage.exists(events) and "run started" in storage.read_text(events), 300, "the run to start")
         data, generation = generations.read_with_generation(lock)
         assert json.loads(data)["pid"] == head.pid
+        # A second head, as a separate process, is refused while this one holds the lock (before starting Ray).
+        second = subprocess.run([sys.executable, "-m", "orchestrator", "run", str(config), *args], cwd=ROOT, env=env,
+                                capture_output=True, text=True, timeout=300)
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert f"pagefleet run: run directory {run_dir} is in use by" in second.stderr, second.stderr[-2000:]
+        assert f'"pid": {head.pid}' in second.stderr
+        data, generation = generations.read_with_generation(lock)
+        assert json.loads(data)["pid"] == head.pid and head.poll() is None
         # Another head takes the run over (as one would once this head's lock went stale).
         thief = json.dumps({"pid": 999999, "host": "another-machine", "since": time.time()}).encode()
         generations.replace_if_generation(lock, thief, generation)
