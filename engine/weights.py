@@ -134,13 +134,15 @@ def _place(axes: tuple[hax.Axis, ...], read: Callable[[tuple[slice, ...]], np.nd
 
 
 def load_transformer(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | None = None,
-                     config: ModelConfig | None = None, report: dict | None = None) -> Transformer:
+                     config: ModelConfig | None = None, report: dict | None = None,
+                     merge_gap: int = ranged_file.MERGE_GAP) -> Transformer:
     """Load a Llama/Mistral/Qwen2 checkpoint (a local directory or a `gs://` URL) into a `Transformer` (parameters
-    in `dtype`). `report`, if given, receives `load_s` and `bytes_read` (from an object store; 0 locally)."""
+    in `dtype`). `report`, if given, receives `load_s` and `bytes_read` (from an object store; 0 locally);
+    `merge_gap`: see engine/ranged_file.py."""
     t0 = time.perf_counter()
     cfg = config or ModelConfig.from_pretrained(path)
     check_checkpoint(path, cfg)  # headers only: a missing, truncated or misshapen tensor is named before any read
-    ckpt = SafetensorsCheckpoint(path)
+    ckpt = SafetensorsCheckpoint(path, merge_gap)
     np_dtype = np.dtype(jnp.dtype(dtype))
 
     def one(name: str, axes, to_named: Callable[[np.ndarray], np.ndarray]) -> NamedArray:
