@@ -16,6 +16,7 @@ import os
 import struct
 from pathlib import Path
 
+from engine import ranged_file
 from engine.model_config import ModelConfig
 
 
@@ -24,21 +25,21 @@ class CheckpointError(ValueError):
     the field. Deterministic: retrying or restarting a slice never helps."""
 
 
-def read_header(file: Path) -> tuple[dict, int]:
-    """(the safetensors header without `__metadata__`, the byte offset where tensor data starts); raises
-    CheckpointError naming the file when the header is cut short or is not JSON."""
+def read_header(file: str | Path) -> tuple[dict, int]:
+    """(the safetensors header without `__metadata__`, the byte offset where tensor data starts) of a local file or
+    an object (`gs://...`, two ranged reads); raises CheckpointError naming the file when the header is cut short
+    or is not JSON."""
     try:
-        size = file.stat().st_size
-        with open(file, "rb") as f:
-            raw_len = f.read(8)
-            if len(raw_len) < 8:
-                raise CheckpointError(f"{file}: truncated safetensors file ({size} bytes, no header); "
-                                      "copy or download it again")
-            (header_len,) = struct.unpack("<Q", raw_len)
-            if 8 + header_len > size:
-                raise CheckpointError(f"{file}: truncated safetensors file: its header alone claims {header_len:,} "
-                                      f"bytes of {size:,}; copy or download it again")
-            header = json.loads(f.read(header_len))
+        size = ranged_file.file_size(file)
+        raw_len = ranged_file.read_range(file, 0, 8)
+        if len(raw_len) < 8:
+            raise CheckpointError(f"{file}: truncated safetensors file ({size} bytes, no header); "
+                                  "copy or download it again")
+        (header_len,) = struct.unpack("<Q", raw_len)
+        if 8 + header_len > size:
+            raise CheckpointError(f"{file}: truncated safetensors file: its header alone claims {header_len:,} "
+                                  f"bytes of {size:,}; copy or download it again")
+        header = json.loads(ranged_file.read_range(file, 8, 8 + header_len))
     except FileNotFoundError:
         raise CheckpointError(f"{file} is missing: the checkpoint's index names it; copy or download it") from None
     except (UnicodeDecodeError, ValueError) as e:
@@ -80,27 +81,27 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[
     return shapes
 
 
-def checkpoint_files(root: Path) -> list[Path]:
-    index = root / "model.safetensors.index.json"
-    if index.exists():
+def checkpoint_files(root: str | Path) -> list[str | Path]:
+    index = ranged_file.join(root, "model.safetensors.index.json")
+    if ranged_file.exists(index):
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = json.loads(ranged_file.read_text(index))["weight_map"]
         except (ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index} is not a safetensors index (a JSON object with weight_map): {e}") from None
-        return [root / name for name in sorted(set(weight_map.values()))]
-    if (root / "model.safetensors").exists():
-        return [root / "model.safetensors"]
+        return [ranged_file.join(root, name) for name in sorted(set(weight_map.values()))]
+    if ranged_file.exists(ranged_file.join(root, "model.safetensors")):
+        return [ranged_file.join(root, "model.safetensors")]
     raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {root}")
 
 
 def check_checkpoint(path: str | os.PathLike, config: ModelConfig | None = None) -> None:
     """Raise CheckpointError for the first fault the headers show (see the module docstring); reads no tensor."""
-    root = Path(path)
+    root = str(path) if ranged_file.is_url(path) else Path(path)
     cfg = config or ModelConfig.from_pretrained(root)
-    where: dict[str, tuple[Path, list[int]]] = {}
+    where: dict[str, tuple[str | Path, list[int]]] = {}
     for file in checkpoint_files(root):
         header, data_start = read_header(file)
-        size = file.stat().st_size
+        size = ranged_file.file_size(file)
         end = max((int(meta["data_offsets"][1]) for meta in header.values() if isinstance(meta, dict)
                    and "data_offsets" in meta), default=0)
         if data_start + end > size:

@@ -66,7 +66,9 @@ class Engine:
             agree({"engine_config": repr(config), "model_config": repr(self.model_config), "dtype": dtype,
                    "eos_token_ids": repr(sorted(eos_token_ids)),
                    "mesh": repr((dict(mesh.shape), mesh.device_ids.tolist()))})
-        model = load_transformer(model_path, dtype=jdtype, mesh=mesh, config=self.model_config)
+        self.load_report: dict = {}
+        """`load_s` and `bytes_read` (from an object store: only this host's shards; 0 for a local checkpoint)."""
+        model = load_transformer(model_path, dtype=jdtype, mesh=mesh, config=self.model_config, report=self.load_report)
         runner = ModelRunner(model, config, self.max_seq_len, eos_token_ids, mesh=mesh, kv_dtype=jdtype)
         self._setup(config, runner, self.model_config.vocab_size, eos_token_ids, tokenizer)
 

@@ -76,10 +76,12 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "ModelConfig":
-        config_path = Path(path) / "config.json"
-        if not config_path.exists():
+        from engine import ranged_file
+
+        config_path = ranged_file.join(path if ranged_file.is_url(path) else Path(path), "config.json")
+        if not ranged_file.exists(config_path):
             raise FileNotFoundError(f"{config_path} not found: model.path must be a Hugging Face checkpoint directory")
-        return cls.from_hf(json.loads(config_path.read_text()))
+        return cls.from_hf(json.loads(ranged_file.read_text(config_path)))
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":

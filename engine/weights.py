@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import numpy as np
 from haliax import NamedArray
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
+from engine import ranged_file
 from engine.axes import TENSOR_PARALLEL, ModelAxes
 from engine.checkpoint_check import CheckpointError, check_checkpoint
 from engine.model import Attention, DecoderLayer, Transformer
@@ -33,24 +35,28 @@ _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F6
 
 
 class SafetensorsCheckpoint:
-    """Memory-mapped tensors of a checkpoint directory, by Hugging Face name."""
+    """The tensors of a checkpoint directory, by Hugging Face name: memory-mapped from a local directory, or read by
+    byte ranges from an object store (`gs://...`, engine/ranged_file.py) with nothing copied to disk."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
-        root = Path(path)
-        index = root / "model.safetensors.index.json"
-        if index.exists():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        elif (root / "model.safetensors").exists():
+    def __init__(self, path: str | os.PathLike, merge_gap: int = ranged_file.MERGE_GAP) -> None:
+        root = str(path) if ranged_file.is_url(path) else Path(path)
+        index = ranged_file.join(root, "model.safetensors.index.json")
+        if ranged_file.exists(index):
+            files = sorted(set(json.loads(ranged_file.read_text(index))["weight_map"].values()))
+        elif ranged_file.exists(ranged_file.join(root, "model.safetensors")):
             files = ["model.safetensors"]
         else:
             raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {root}")
-        self._tensors: dict[str, tuple[Path, str, tuple[int, ...], int]] = {}
-        self._maps: dict[Path, np.memmap] = {}
+        self._tensors: dict[str, tuple[str | Path, str, tuple[int, ...], int]] = {}
+        self._maps: dict[str | Path, np.ndarray] = {}
+        self._remote: dict[str | Path, ranged_file.RangedFile] = {}
         for name in files:
-            file = root / name
-            with open(file, "rb") as f:
-                (header_len,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(header_len))
+            file = ranged_file.join(root, name)
+            (header_len,) = struct.unpack("<Q", ranged_file.read_range(file, 0, 8))
+            header = json.loads(ranged_file.read_range(file, 8, 8 + header_len))
+            if ranged_file.is_url(file):
+                self._remote[file] = ranged_file.RangedFile(str(file), merge_gap)
+                self._maps[file] = self._remote[file].buffer
             for key, meta in header.items():
                 if key == "__metadata__":
                     continue
@@ -58,10 +64,15 @@ class SafetensorsCheckpoint:
                     raise ValueError(f"{file}: tensor {key} has unsupported dtype {meta['dtype']}")
                 self._tensors[key] = (file, meta["dtype"], tuple(meta["shape"]), 8 + header_len + meta["data_offsets"][0])
 
+    @property
+    def bytes_read(self) -> int:
+        """Bytes read from the object store so far (0 for a local checkpoint: it is memory-mapped)."""
+        return sum(f.bytes_read for f in self._remote.values())
+
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
 
-    def file_of(self, name: str) -> Path:
+    def file_of(self, name: str) -> str | Path:
         return self._tensors[name][0]
 
     def finite(self, name: str, values: np.ndarray) -> np.ndarray:
@@ -73,8 +84,18 @@ class SafetensorsCheckpoint:
                                   f"index {tuple(int(i) for i in bad[0])} of the part read); the checkpoint is corrupt")
         return values
 
+    def read(self, name: str, select: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        """`select(tensor)`, a view of tensor `name` (the part one device holds), read and checked finite. From an
+        object store only the bytes of that view are fetched (those not fetched before)."""
+        part = select(self.get(name))
+        remote = self._remote.get(self.file_of(name))
+        if remote is not None:
+            remote.ensure(part)
+        return self.finite(name, part)
+
     def get(self, name: str) -> np.ndarray:
-        """The tensor as a read-only memory-mapped array (no data is read until it is sliced)."""
+        """The tensor as an array over the memory-mapped file or the object's buffer (no data is read: local
+        pages are read once touched, remote bytes by `read`)."""
         if name not in self._tensors:
             raise KeyError(f"checkpoint has no tensor {name!r}")
         file, dtype, shape, offset = self._tensors[name]
@@ -113,27 +134,33 @@ def _place(axes: tuple[hax.Axis, ...], read: Callable[[tuple[slice, ...]], np.nd
 
 
 def load_transformer(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | None = None,
-                     config: ModelConfig | None = None) -> Transformer:
-    """Load a Llama/Mistral/Qwen2 checkpoint into a `Transformer` (parameters in `dtype`)."""
+                     config: ModelConfig | None = None, report: dict | None = None,
+                     merge_gap: int = ranged_file.MERGE_GAP) -> Transformer:
+    """Load a Llama/Mistral/Qwen2 checkpoint (a local directory or a `gs://` URL) into a `Transformer` (parameters
+    in `dtype`). `report`, if given, receives `load_s` and `bytes_read` (from an object store; 0 locally);
+    `merge_gap`: see engine/ranged_file.py."""
+    t0 = time.perf_counter()
     cfg = config or ModelConfig.from_pretrained(path)
     check_checkpoint(path, cfg)  # headers only: a missing, truncated or misshapen tensor is named before any read
-    ckpt = SafetensorsCheckpoint(path)
+    ckpt = SafetensorsCheckpoint(path, merge_gap)
     np_dtype = np.dtype(jnp.dtype(dtype))
 
     def one(name: str, axes, to_named: Callable[[np.ndarray], np.ndarray]) -> NamedArray:
-        return _place(axes, lambda idx: ckpt.finite(name, to_named(ckpt.get(name))[idx]), np_dtype, mesh)
+        return _place(axes, lambda idx: ckpt.read(name, lambda w: to_named(w)[idx]), np_dtype, mesh)
 
     def stacked(suffix: str, axes, to_named: Callable[[np.ndarray], np.ndarray]) -> NamedArray:
         """`model.layers.{i}.<suffix>` for every layer, stacked on a leading `layers` axis."""
         def read(idx):
             layers = range(cfg.num_layers)[idx[0]]
-            return np.stack([ckpt.finite(f"model.layers.{i}.{suffix}", to_named(ckpt.get(f"model.layers.{i}.{suffix}"))[idx[1:]])
-                             for i in layers])
+            return np.stack([ckpt.read(f"model.layers.{i}.{suffix}", lambda w: to_named(w)[idx[1:]]) for i in layers])
         return _place(axes, read, np_dtype, mesh)
 
     if not cfg.tie_word_embeddings and "lm_head.weight" not in ckpt:
         raise ValueError(f"{path}: config.json says tie_word_embeddings=false but the checkpoint has no lm_head.weight")
-    return _build(cfg, one, stacked)
+    model = _build(cfg, one, stacked)  # every device's shard is read here (make_array_from_callback)
+    if report is not None:
+        report.update(load_s=time.perf_counter() - t0, bytes_read=ckpt.bytes_read)
+    return model
 
 
 def abstract_transformer(cfg: ModelConfig, dtype, mesh: Mesh | AbstractMesh | None) -> Transformer:

@@ -1,6 +1,6 @@
 """Durable writes: a temporary file in the same directory, fsync, then rename over the target.
 
-On an object store (`gs://`, given as a URL or a `storage.Location`) the file is written to a local
+On an object store (`gs://`, given as a URL or an `orchestrator.location.Location`) the file is written to a local
 temporary file and uploaded as one object, which is atomic there by itself (orchestrator/storage.py)."""
 
 from __future__ import annotations

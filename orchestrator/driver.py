@@ -27,11 +27,11 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from orchestrator import exit_codes, storage
+from orchestrator import exit_codes, location, object_append, parquet_io
 from orchestrator.atomic import atomic_write_parquet
 from orchestrator.config import RunConfig
 from orchestrator.faults import crash_point
-from orchestrator.lock import run_lock
+from orchestrator.lock import RunDirLocked, run_lock
 from orchestrator.output_plan import plan_fingerprint, stamp
 from orchestrator.progress import (RunProgress, engine_time, format_engine_time, format_prefix_cache, format_transfers,
                                    mean_occupancy, prefix_cache, read_timeline, transfers)
@@ -108,7 +108,7 @@ class Driver:
     def __init__(self, cfg: RunConfig, show_progress: bool = True, stop: threading.Event | None = None) -> None:
         check_cluster(cfg)
         self.cfg = cfg
-        self.run_dir = RunDir(storage.location(cfg.resolved_run_dir))  # local, or gs:// (docs/storage.md)
+        self.run_dir = RunDir(location.location(cfg.resolved_run_dir))  # local, or gs:// (docs/storage.md)
         self.show_progress = show_progress
         self.stop = stop or threading.Event()
         self.slots: list[_Slot] = []
@@ -116,6 +116,7 @@ class Driver:
         self.on_slices_done = None  # tests: called with the slots before the actors are stopped
         self._samples_in_flight = cfg.samples_in_flight_per_slice
         self._fault: str | None = None  # why the run stopped early on a fault (exit_codes.FAULT)
+        self._lock_lost = False  # another head took the run directory over: this one writes nothing more there
         self._waiting = WaitingReport(cfg.cluster)
 
     # -- the run ---------------------------------------------------------------------------------
@@ -126,11 +127,11 @@ class Driver:
             from orchestrator.planner import refuse_impossible
 
             refuse_impossible(self.cfg)  # before the run directory or Ray exists
-        if "://" not in model:  # headers only, before planning: a bad checkpoint stops the run once, by name
-            from engine import check_checkpoint
+        from engine import check_checkpoint
 
-            check_checkpoint(model)
-        with run_lock(self.run_dir.root, self.cfg.lock_stale_s):
+        check_checkpoint(model)  # headers only (ranged reads on gs://), before planning: a bad one stops the run once
+        with run_lock(self.run_dir.root, self.cfg.lock_stale_s) as lock:
+            self._lock = lock  # checked every turn of the loop: a head that lost it stops (object_lock.py)
             try:
                 return self._run_locked()
             except OSError as e:
@@ -145,6 +146,7 @@ class Driver:
         from orchestrator.planner import plan_locked
 
         planned = plan_locked(self.cfg)  # starts Ray only when there is something to plan
+        self._lock.check()
         if not planned.already_planned:
             print(planned.stats.format())
         crash_point("planned")
@@ -159,9 +161,13 @@ class Driver:
                 return RunOutcome(exit_codes.OK, summary)
             ensure_ray(self.cfg.cluster)
             return self._execute(state, [r.batch_id for r in todo])
+        except RunDirLocked:  # the lock, or the manifest, went to another head
+            self._lock_lost = True
+            raise
         finally:
             try:
-                state.close()
+                if not self._lock_lost:  # another head owns the run directory now: write nothing more there
+                    state.close()
             except OSError:
                 if self._fault is None:
                     raise
@@ -190,33 +196,16 @@ class Driver:
             if full is None:
                 raise
             self._fault = full.strerror
+        except RunDirLocked:  # lost the lock (or the manifest to another head): leave the run directory to it
+            self._lock_lost = True
+            for slot in self.slots:
+                slot.gang.kill()
+            progress.bar.close()
+            raise
         finally:
             _restore_signals(previous)
-            stopped = self.stop.is_set()
-            if self.on_slices_done is not None:
-                self.on_slices_done(self.slots)
-            requeued = []
-            for slot in self.slots:
-                for batch_id in slot.inflight:  # stopped mid-batch: resumable, nothing half-done stays "running"
-                    state.update(batch_id, status="pending")
-                    requeued.append(batch_id)
-                slot.gang.kill()
-            try:
-                for batch_id in requeued:
-                    state.event(f"{batch_id} back to pending: the run stopped")
-                if self._fault is not None:
-                    state.event(f"the run stopped on a fault: {self._fault}")
-                state.flush(force=True)
-                progress.write(state.prompts_not_done, force=True, running=False)
-            except OSError:
-                if self._fault is None:
-                    raise  # with a fault (a full disk), the state written so far is the resume point
-            progress.close()
-            summary = self._summary(state, progress, progress.elapsed_s)
-            tracker.finish({k: v for k, v in summary.items() if isinstance(v, int | float | str)})
-            if self._fault is None:
-                self._plot(summary.get("tokens_per_s"))
-            print(_format_summary(summary))
+            if not self._lock_lost:
+                summary, stopped = self._wind_down(state, progress, tracker)
         if self._fault is not None:
             return RunOutcome(exit_codes.FAULT, summary, self._fault)
         if stopped:
@@ -224,11 +213,41 @@ class Driver:
         return RunOutcome(exit_codes.OK if summary["batches_done"] == summary["batches"] else exit_codes.BATCHES_FAILED,
                           summary)
 
+    def _wind_down(self, state: RunState, progress: RunProgress, tracker) -> tuple[dict, bool]:
+        """Stop the slices, put their batches back to pending, write the final state; (summary, stopped)."""
+        stopped = self.stop.is_set()
+        if self.on_slices_done is not None:
+            self.on_slices_done(self.slots)
+        requeued = []
+        for slot in self.slots:
+            for batch_id in slot.inflight:  # stopped mid-batch: resumable, nothing half-done stays "running"
+                state.update(batch_id, status="pending")
+                requeued.append(batch_id)
+            slot.gang.kill()
+        try:
+            for batch_id in requeued:
+                state.event(f"{batch_id} back to pending: the run stopped")
+            if self._fault is not None:
+                state.event(f"the run stopped on a fault: {self._fault}")
+            state.flush(force=True)
+            progress.write(state.prompts_not_done, force=True, running=False)
+        except OSError:
+            if self._fault is None:
+                raise  # with a fault (a full disk), the state written so far is the resume point
+        progress.close()
+        summary = self._summary(state, progress, progress.elapsed_s)
+        tracker.finish({k: v for k, v in summary.items() if isinstance(v, int | float | str)})
+        if self._fault is None:
+            self._plot(summary.get("tokens_per_s"))
+        print(_format_summary(summary))
+        return summary, stopped
+
     def _loop(self) -> None:
         import ray
 
         announced = False
         while self._pending or any(s.inflight for s in self.slots):
+            self._lock.check()  # a head that lost its run directory stops within POLL_S of knowing it
             if self._fault is not None:
                 return
             if self.stop.is_set():
@@ -325,7 +344,7 @@ class Driver:
         self._attempts[batch_id] += 1
         path = self.run_dir.batch_file(batch_id)
         try:
-            prompts = storage.read_parquet(path)
+            prompts = parquet_io.read_parquet(path)
         except Exception as e:  # noqa: BLE001 - a bad batch file fails this batch, not the run; retrying cannot help
             what = "is missing" if isinstance(e, FileNotFoundError) else f"cannot be read ({e})"
             self._attempt_failed(batch_id, f"{path} {what}; the plan is damaged: remove {self.run_dir.manifest} and "
@@ -449,7 +468,7 @@ def _format_summary(s: dict) -> str:
 def _best_effort_event(run_dir: RunDir, text: str) -> None:
     """Append to events.log where the head's RunState is not at hand; a full disk may refuse even this."""
     try:
-        with storage.open_append(run_dir.events) as f:
+        with object_append.open_append(run_dir.events) as f:
             f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} {text}\n")
     except OSError:
         pass

@@ -29,7 +29,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from engine import RECORD_FIELDS as ENGINE_RECORD_FIELDS, output_record
-from orchestrator import storage
+from orchestrator import location, parquet_io, storage
 from orchestrator.atomic import atomic_write
 from orchestrator.json_out import dumps
 from orchestrator.manifest import read_manifest
@@ -48,7 +48,7 @@ Log = Callable[[str], None]
 def done_outputs(run_dir_path: str | Path, partial: bool = False) -> list[Path]:
     """The output files of the run's done batches, in manifest order; refuses an unfinished run unless
     `partial`, and names any done batch whose output is missing."""
-    run_dir = RunDir(storage.location(run_dir_path))  # local or gs://
+    run_dir = RunDir(location.location(run_dir_path))  # local or gs://
     if not run_dir.manifest.exists():
         raise FileNotFoundError(f"{run_dir.manifest} not found: {run_dir.root} is not a run directory")
     records = read_manifest(run_dir.manifest)
@@ -72,7 +72,7 @@ def closing_source(path):
     """A context manager giving what pyarrow.parquet reads for `path` (local, or a ranged-read file on gs://)."""
     from contextlib import nullcontext
 
-    source = storage.parquet_source(path)
+    source = parquet_io.parquet_source(path)
     return nullcontext(source) if source is path else source
 
 

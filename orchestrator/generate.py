@@ -31,8 +31,9 @@ from orchestrator.row_sampling import apply, row_overrides
 @dataclass(frozen=True)
 class GenerateConfig:
     model: str = ""
-    """Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files), or a Hub id
-    (`org/name`) already in the local Hub cache."""
+    """Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files), a `gs://` URL of one (read
+    by ranged reads, nothing but the tokenizer copied; docs/storage.md), or a Hub id (`org/name`) already in the
+    local Hub cache."""
     input: str = ""
     """JSON lines, one prompt each."""
     output: str = ""
@@ -170,6 +171,21 @@ def explicit_engine_keys(argv: list[str]) -> frozenset[str]:
     return frozenset(a.removeprefix("--engine.").split("=", 1)[0] for a in argv if a.startswith("--engine."))
 
 
+def url_tokenizer(model: str):
+    """For a `gs://` model: its tokenizer, from its tokenizer files copied once to the local cache (transformers reads
+    a directory; the weights are read by ranged reads, never copied). None for a local model (the Engine loads it)
+    or a bucket with no tokenizer files."""
+    if "://" not in model:
+        return None
+    from engine import load_tokenizer
+    from engine.tokenizer_cache import has_tokenizer
+    from orchestrator.model_cache import local_copy
+    from orchestrator.model_source import TOKENIZER_FILES
+
+    copy = local_copy(model, None, names=(*TOKENIZER_FILES, "config.json")).local_path
+    return load_tokenizer(copy, local_files_only=True) if has_tokenizer(copy) else None
+
+
 def run_generate(cfg: GenerateConfig, explicit: frozenset[str] = frozenset()) -> int:
     """Generate for every input line. Engine capacities not in `explicit` are sized for this machine
     (engine/machine_sizing.py)."""
@@ -189,7 +205,10 @@ def run_generate(cfg: GenerateConfig, explicit: frozenset[str] = frozenset()) ->
     except ValueError as e:
         print(f"pagefleet generate: {e}", file=sys.stderr)
         return exit_codes.FAULT
-    engine = Engine(model, engine_cfg, dtype=cfg.dtype)
+    engine = Engine(model, engine_cfg, dtype=cfg.dtype, tokenizer=url_tokenizer(model))
+    if engine.load_report["bytes_read"]:
+        print(f"model read from {model} in {engine.load_report['load_s']:.1f} s "
+              f"({engine.load_report['bytes_read']:,} bytes, ranged reads)", file=sys.stderr)
     sized = [k for k in SIZED_KEYS if k not in explicit]
     if sized:
         print("engine sized for this machine: " + ", ".join(f"{k}={getattr(engine_cfg, k):,}" for k in sized) +
@@ -226,7 +245,7 @@ def run_generate(cfg: GenerateConfig, explicit: frozenset[str] = frozenset()) ->
     return exit_codes.FAULT if records and errors == len(records) else exit_codes.OK
 
 
-USAGE = "usage: pagefleet generate --model DIR_OR_HUB_ID --input IN.jsonl --output OUT.jsonl [--section.key=value ...]"
+USAGE = "usage: pagefleet generate --model DIR_URL_OR_HUB_ID --input IN.jsonl --output OUT.jsonl [--section.key=value ...]"
 
 
 def parse_args(argv: list[str]) -> GenerateConfig:

@@ -38,6 +38,9 @@ class RunLock:
         self._fd = fd
         return self
 
+    def check(self) -> None:
+        """A `flock` is held until this process lets it go or exits: it cannot be lost (ObjectRunLock's can)."""
+
     def __exit__(self, exc_type, *exc) -> None:
         if self._fd is None:
             return

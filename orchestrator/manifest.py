@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from orchestrator import storage
+from orchestrator import generations, storage
 from orchestrator.atomic import atomic_write_text
 from orchestrator.json_out import dumps
 from orchestrator.lock import RunDirLocked
@@ -69,9 +69,9 @@ def write_manifest(path: str | Path, records: list[BatchRecord], before_replace=
         before_replace()
     try:
         if generation is None:
-            return storage.create_if_absent(str(path), data.encode())
-        return storage.replace_if_generation(str(path), data.encode(), generation)
-    except storage.PreconditionFailed:
+            return generations.create_if_absent(str(path), data.encode())
+        return generations.replace_if_generation(str(path), data.encode(), generation)
+    except generations.PreconditionFailed:
         expected = "absent" if generation is None else f"at generation {generation}"
         raise ManifestConflict(f"{path} was written by another head (this head expected it {expected}); stopping "
                                "without overwriting it: the other head owns the run now") from None
@@ -94,7 +94,7 @@ def read_manifest_generation(path: str | Path) -> tuple[list[BatchRecord], int |
     """The records and, on an object store, the generation they were read from (None locally)."""
     generation = None
     if storage.is_object_store(path):
-        found = storage.read_with_generation(str(path))  # bytes and generation in one request: they agree
+        found = generations.read_with_generation(str(path))  # bytes and generation in one request: they agree
         if found is None:
             raise FileNotFoundError(f"{path} does not exist")
         data, generation = found

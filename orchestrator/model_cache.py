@@ -7,8 +7,9 @@ generation (or etag) and size: a second load on the same host reads nothing from
 checkpoint replaced in the bucket is copied again. A copy is made in a temporary directory and
 renamed into place, so a crash mid-download never leaves a partial checkpoint that looks complete.
 
-Each device reading only its shard straight from the bucket (ranged reads) is not done yet: every
-host copies the whole checkpoint.
+This copy is the optional cache (`model.cache_dir`). Without it, the engine reads a gs:// checkpoint straight
+from the bucket, each host only its own devices' shards (engine/ranged_file.py); the tokenizer, which
+transformers reads from a directory, is always copied (its files only).
 """
 
 from __future__ import annotations

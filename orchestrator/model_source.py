@@ -30,8 +30,10 @@ class ModelSourceConfig:
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     """Parameter and activation dtype; float32 on CPU for exactness."""
     cache_dir: str | None = None
-    """Where a gs:// model or tokenizer is copied on each host before loading, once (a later load with the same
-    objects reads nothing from the bucket); default ~/.cache/pagefleet/models."""
+    """Unset: each host reads a gs:// checkpoint straight from the bucket, only its own devices' shards (ranged
+    reads), at every load. Set: each host copies the gs:// checkpoint here once and loads the copy (a later load
+    with the same objects reads nothing from the bucket). A gs:// tokenizer's files are copied here either way
+    (default ~/.cache/pagefleet/models)."""
 
     @property
     def tokenizer_path(self) -> str:

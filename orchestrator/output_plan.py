@@ -21,7 +21,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from orchestrator import storage
+from orchestrator import parquet_io
 
 PLAN_KEY = b"pagefleet.plan"
 PROMPT_IDS_KEY = b"pagefleet.prompt_ids"
@@ -57,12 +57,12 @@ def belongs(output: Path, meta: pq.FileMetaData, plan: str, batch_file: Path, n:
     recorded = stamped_plan(metadata)
     if recorded is not None and recorded != plan:
         return "it was computed for another plan (config, corpus, tokenizer or model)"
-    prompt_ids = storage.read_parquet(batch_file, columns=["prompt_id"]).column("prompt_id").to_pylist()
+    prompt_ids = parquet_io.read_parquet(batch_file, columns=["prompt_id"]).column("prompt_id").to_pylist()
     if recorded is not None:
         if metadata.get(PROMPT_IDS_KEY, b"").decode() != prompt_ids_digest(prompt_ids):
             return "its prompt ids are not this batch's"
         return None
-    columns = storage.read_parquet(output, columns=["prompt_id", "generation_index"])  # an output older than the stamp
+    columns = parquet_io.read_parquet(output, columns=["prompt_id", "generation_index"])  # an output older than the stamp
     if (columns.column("prompt_id").to_pylist() != [p for p in prompt_ids for _ in range(n)]
             or columns.column("generation_index").to_pylist() != list(range(n)) * len(prompt_ids)):
         return "its samples are not this batch's prompts"
@@ -75,7 +75,7 @@ def first_foreign(outputs: Path, plan: str) -> Path | None:
         return None
     for path in sorted(outputs.glob("*.parquet")):
         try:
-            recorded = stamped_plan(storage.read_parquet_schema(path).metadata)
+            recorded = stamped_plan(parquet_io.read_parquet_schema(path).metadata)
         except Exception:  # noqa: BLE001 - an unreadable file cannot prove its plan either
             recorded = None
         if recorded != plan:

@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from orchestrator import storage
+from orchestrator import location, object_append, storage
 from orchestrator.config import RunConfig
 from orchestrator.corpus import corpus_fingerprint, count_rows, list_files, number_shards, split_shards
 from orchestrator.json_out import dumps
@@ -69,7 +69,7 @@ def fingerprints(cfg: RunConfig, files: list[str]) -> dict[str, str]:
 
 def plan(cfg: RunConfig) -> PlanResult:
     """Plan `cfg` into its run directory, or check that the existing plan matches it."""
-    if not RunDir(storage.location(cfg.resolved_run_dir)).is_planned():
+    if not RunDir(location.location(cfg.resolved_run_dir)).is_planned():
         refuse_impossible(cfg)
     with run_lock(cfg.resolved_run_dir, cfg.lock_stale_s):
         return plan_locked(cfg)
@@ -107,7 +107,7 @@ def _is_empty(url: str) -> bool:
 
 def plan_locked(cfg: RunConfig) -> PlanResult:
     """`plan` for a caller that already holds the run directory's lock (`pagefleet run`)."""
-    run_dir = RunDir(storage.location(cfg.resolved_run_dir))
+    run_dir = RunDir(location.location(cfg.resolved_run_dir))
     cfg.model.require_path()
     files = list_files(cfg.corpus.path)
     prints = fingerprints(cfg, files)
@@ -121,7 +121,7 @@ def plan_locked(cfg: RunConfig) -> PlanResult:
     stats, records = _plan_into(cfg, run_dir, files)
     if stats.accepted == 0:  # rejected.jsonl stays for the user to read; no plan, so a fixed corpus replans
         shutil.rmtree(run_dir.batches, ignore_errors=True)
-        with storage.open_append(run_dir.events) as events:
+        with object_append.open_append(run_dir.events) as events:
             events.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} not planned: {_nothing_accepted(stats, run_dir)}\n")
         raise NothingToRun(_nothing_accepted(stats, run_dir))
     run_dir.write_run_json({
@@ -135,7 +135,7 @@ def plan_locked(cfg: RunConfig) -> PlanResult:
         "plan": stats.to_json(),
     })
     write_manifest(run_dir.manifest, records)
-    with storage.open_append(run_dir.events) as events:
+    with object_append.open_append(run_dir.events) as events:
         events.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} planned {stats.num_batches} batches: "
                      f"{stats.accepted} prompts accepted, {stats.rows_read - stats.accepted} rejected\n")
     return PlanResult(run_dir.root, stats, False)

@@ -10,7 +10,7 @@ import time
 
 from engine import (TRANSFER_DIRECTIONS, prefix_cache_summary, sum_transfer_counters, transfer_counter_key,
                     transfer_summary)
-from orchestrator import storage
+from orchestrator import object_append, storage
 from orchestrator.atomic import atomic_write_text
 from orchestrator.json_out import dumps
 from orchestrator.manifest import BatchRecord
@@ -59,7 +59,7 @@ class RunProgress:
         done = [r for r in records if r.status == "done"]
         self.bar = tqdm(total=self.total_prompts, initial=sum(r.num_prompts for r in done), unit="prompt",
                         desc="prompts", file=stream, disable=not show_bar, dynamic_ncols=True, smoothing=0.1)
-        self._timeline = storage.open_append(run_dir.timeline)  # local file, or rewritten whole on gs://
+        self._timeline = object_append.open_append(run_dir.timeline)  # local file, or rewritten whole on gs://
 
     def batch_done(self, record: BatchRecord, num_done_batches: int, num_failed: int) -> None:
         self.session_prompts += record.num_prompts

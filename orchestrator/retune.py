@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from engine import SamplingConfig
-from orchestrator import storage
+from orchestrator import parquet_io
 from orchestrator.atomic import atomic_write_parquet
 from orchestrator.config import RunConfig, diff_keys
 from orchestrator.manifest import BatchRecord, batch_id
@@ -48,7 +48,7 @@ def retune(run_dir: RunDir, state: RunState, cfg: RunConfig) -> None:
         return
     limits = PackingLimits.resolve(cfg.packing, cfg.engine, cfg.sampling)
     pending = state.with_status("pending")
-    tables = {r.batch_id: storage.read_parquet(run_dir.batch_file(r.batch_id)) for r in pending}
+    tables = {r.batch_id: parquet_io.read_parquet(run_dir.batch_file(r.batch_id)) for r in pending}
     lengths = {b: np.array([len(t) for t in table.column("token_ids").to_pylist()], dtype=np.int64)
                for b, table in tables.items()}
     new_tokens = {b: max_new_tokens(table, cfg.sampling) for b, table in tables.items()}

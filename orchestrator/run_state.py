@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from orchestrator import storage
+from orchestrator import object_append, parquet_io
 from orchestrator.atomic import remove_stale_temporaries
 from orchestrator.faults import crash_point
 from orchestrator.manifest import BatchRecord, read_manifest_generation, write_manifest
@@ -39,7 +39,7 @@ class RunState:
         self.prompts_not_done = sum(r.num_prompts for r in records if r.status != "done")
         self._dirty = False
         self._next_flush = 0.0
-        self._events = storage.open_append(run_dir.events)  # local file, or rewritten whole on gs://
+        self._events = object_append.open_append(run_dir.events)  # local file, or rewritten whole on gs://
 
     # -- start-up --------------------------------------------------------------------------------
 
@@ -178,7 +178,7 @@ def _complete(output: Path, expected_samples: int) -> tuple[pq.FileMetaData | No
     Reads the parquet footer only: one small read a batch, so a restart checks every done batch cheaply.
     """
     try:
-        meta = storage.read_parquet_metadata(output)
+        meta = parquet_io.read_parquet_metadata(output)
     except Exception as e:  # noqa: BLE001 - unreadable means not complete; it is recomputed
         return None, None, f"unreadable: {type(e).__name__}"
     stats = stats_of(meta.schema.to_arrow_schema())

@@ -121,15 +121,18 @@ class SliceWorker:
 
         tokenizer = load_tokenizer(ModelSourceConfig(path=self.spec.model_path, tokenizer=self.spec.tokenizer_path,
                                                      cache_dir=self.spec.model_cache_dir))
-        fetch = local_copy(self.spec.model_path, self.spec.model_cache_dir)  # gs://: copied once per host
-        self.engine = Engine(fetch.local_path, self.spec.engine, dtype=self.spec.dtype, mesh=self._mesh(),
-                             tokenizer=tokenizer)
+        # gs://: each host reads only its devices' shards by ranged reads, or, with model.cache_dir, copies the
+        # checkpoint there once and loads it from there (docs/storage.md)
+        fetch = local_copy(self.spec.model_path, self.spec.model_cache_dir) if self.spec.model_cache_dir else None
+        self.engine = Engine(fetch.local_path if fetch else self.spec.model_path, self.spec.engine,
+                             dtype=self.spec.dtype, mesh=self._mesh(), tokenizer=tokenizer)
         self._thread = threading.Thread(target=self._run, name=f"{self.spec.name}-engine", daemon=True)
         self._thread.start()
         import jax
 
         return {"slice": self.spec.name, "pid": os.getpid(), "load_s": time.perf_counter() - t0,
-                "model_bytes_read": fetch.bytes_read, "model_fetch_s": fetch.seconds,
+                "model_bytes_read": fetch.bytes_read if fetch else self.engine.load_report["bytes_read"],
+                "model_fetch_s": fetch.seconds if fetch else self.engine.load_report["load_s"],
                 "devices": [str(d) for d in jax.devices()]}
 
     def submit(self, work: BatchWork) -> None:

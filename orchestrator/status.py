@@ -13,7 +13,7 @@ from orchestrator.manifest import read_manifest
 from orchestrator.progress import (engine_time, format_engine_time, format_prefix_cache, format_transfers,
                                    mean_occupancy, prefix_cache, read_timeline, transfers)
 from orchestrator.rundir import RunDir
-from orchestrator.storage import Location, location
+from orchestrator.location import Location, location
 
 
 def head_holding(run_dir: RunDir) -> dict | None:

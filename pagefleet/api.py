@@ -47,7 +47,7 @@ def generate(model: str | Engine, prompts: Sequence[Prompt], *, engine: Mapping[
     A prompt that cannot run gives records with `error` set (as `pagefleet generate` writes them); a bad
     key raises ValueError naming it."""
     from engine import Engine, EngineConfig, SamplingConfig
-    from orchestrator.generate import sample_records
+    from orchestrator.generate import sample_records, url_tokenizer
     from orchestrator.model_source import resolve_model
 
     if isinstance(prompts, (str, bytes)):
@@ -64,7 +64,7 @@ def generate(model: str | Engine, prompts: Sequence[Prompt], *, engine: Mapping[
         # Sized for this machine as `pagefleet generate` sizes its engine; the keys given here are kept.
         cfg = size_for_machine(_build(EngineConfig, given, "engine"), ModelConfig.from_pretrained(path), dtype,
                                this_machine(), frozenset(given))
-        eng = Engine(path, cfg, dtype=dtype)
+        eng = Engine(path, cfg, dtype=dtype, tokenizer=url_tokenizer(path))  # gs://: the tokenizer copied once
     return sample_records(eng, [(i + 1, _row(p, i)) for i, p in enumerate(prompts)], sampling_cfg)
 
 

@@ -4,6 +4,8 @@
 then for each (model directory, mesh `model` size) pair build an Engine and generate the same
 requests, greedy and seeded; write token ids, logprobs, snapshot and stats counts as JSON.
 `agree` mode: make the hosts disagree on purpose and record the errors each host raised.
+`load` mode: load a gs:// checkpoint by ranged reads; record whether this host's shards equal the local load's
+and the bytes it read.
 """
 
 from __future__ import annotations
@@ -62,6 +64,28 @@ def run(args) -> dict:
     return results
 
 
+def load(args) -> dict:
+    """Load `--model URL:MODEL_AXIS` from the bucket (ranged reads, no merging of ranges) and from `--local DIR`; say
+    whether this host's shards are equal and how many bytes it read against the bytes of its shards."""
+    import jax
+    import numpy as np
+
+    from engine.distributed import slice_mesh
+    from engine.weights import load_transformer
+
+    url, model_axis = args.model[0].rsplit(":", 1)
+    mesh = slice_mesh(int(model_axis))
+    report: dict = {}
+    remote = load_transformer(url, mesh=mesh, report=report, merge_gap=0)
+    local = load_transformer(args.local, mesh=mesh)
+    equal, shard_bytes = True, 0
+    for x, y in zip(jax.tree_util.tree_leaves(remote), jax.tree_util.tree_leaves(local)):
+        for sx, sy in zip(x.addressable_shards, y.addressable_shards):
+            equal &= sx.device == sy.device and sx.index == sy.index and np.array_equal(sx.data, sy.data)
+            shard_bytes += sx.data.nbytes  # one device per host: no shard counted twice
+    return {"equal": bool(equal), "bytes_read": report["bytes_read"], "shard_bytes": int(shard_bytes)}
+
+
 def disagree(args) -> dict:
     """Three ways for process 1 to differ; each must raise on every host, naming what differs."""
     import jax
@@ -100,7 +124,8 @@ def disagree(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["run", "agree"], default="run")
+    parser.add_argument("--mode", choices=["run", "agree", "load"], default="run")
+    parser.add_argument("--local", default="", help="load mode: the local copy of --model")
     parser.add_argument("--coordinator", default="")
     parser.add_argument("--num-processes", type=int, default=1)
     parser.add_argument("--process-id", type=int, default=0)
@@ -115,7 +140,7 @@ def main() -> None:
         distributed.initialize(args.coordinator, args.num_processes, args.process_id, args.local_devices)
     else:
         os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.local_devices}"
-    result = run(args) if args.mode == "run" else disagree(args)
+    result = {"run": run, "agree": disagree, "load": load}[args.mode](args)
     tmp = args.out + ".tmp"
     with open(tmp, "w") as f:
         json.dump(result, f)

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -111,3 +112,21 @@ def test_hosts_that_disagree_fail_everywhere_naming_what_differs(tmp_path, model
         assert "different sets of keys" in errors["keys"] and "process 1: 2 keys" in errors["keys"]
     # Mesh-less engines are per process: host 1's batch starts one request later than host 0's.
     assert host1["local_token_ids"][0] == host0["local_token_ids"][1]
+
+
+@pytest.mark.slow  # two JAX processes loading from the Cloud Storage emulator: ~20 s
+def test_each_host_reads_only_its_shards_from_the_bucket(tmp_path, models, gcs_bucket):
+    from tests.gcs_emulator import upload
+
+    local = models["tiny-llama"]
+    url = upload(str(local), f"{gcs_bucket}/models/tiny")
+    hosts = launch(tmp_path, ["--mode", "load", "--model", f"{url}:2", "--local", str(local)], num_processes=2,
+                   local_devices=1, tag="load")
+    with open(local / "model.safetensors", "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    assert {m["dtype"] for k, m in header.items() if k != "__metadata__"} == {"F32"}  # shard bytes = file bytes
+    data = sum(m["data_offsets"][1] - m["data_offsets"][0] for k, m in header.items() if k != "__metadata__")
+    for host in hosts:
+        assert host["equal"], host
+        assert host["bytes_read"] == host["shard_bytes"] < data, (host, data)  # its shards, nothing more

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from orchestrator import storage
+from orchestrator import generations, storage
 from orchestrator.config import load_run_config
 from orchestrator.driver import Driver
 from orchestrator.manifest import read_manifest
@@ -21,7 +21,7 @@ STALE_S = 2.0
 
 def done_outputs(run_dir: str) -> dict[str, int]:
     """Batches marked done -> the generation of their output object (a rewrite would give a new one)."""
-    return {r.batch_id: storage.object_info(f"{run_dir}/{r.output}")["generation"]
+    return {r.batch_id: generations.object_info(f"{run_dir}/{r.output}")["generation"]
             for r in read_manifest(f"{run_dir}/batches.jsonl") if r.status == "done"}
 
 

@@ -276,3 +276,24 @@ def test_generate_passes_input_columns_through_and_keeps_integer_ids(tmp_path, m
                               "--engine.max_pages=32", "--progress=false"]) in (0, 2)
         sampled[name] = json.loads((tmp_path / f"{name}.out").read_text().splitlines()[0])["token_ids"]
     assert sampled["in"] == sampled["str"]
+
+
+@pytest.mark.slow  # two generate processes (one reading the model from the Cloud Storage emulator): ~30 s
+def test_generate_reads_a_gs_model_and_samples_exactly_as_from_the_local_copy(tmp_path, model_dir, gcs_bucket):
+    from tests.gcs_emulator import upload
+
+    url = upload(str(model_dir), f"{gcs_bucket}/models/tiny")
+    rows = ['{"id": "a", "prompt": "Hello there"}', '{"id": "b", "messages": [{"role": "user", "content": "hi"}]}',
+            '{"id": "c", "prompt_token_ids": [5, 6, 7]}']
+    (tmp_path / "in.jsonl").write_text("\n".join(rows) + "\n")
+    outs = {}
+    for where, model in [("local", str(model_dir)), ("gs", url)]:
+        outs[where] = tmp_path / f"{where}.jsonl"
+        proc = run_cli("generate", "--model", model, "--input", str(tmp_path / "in.jsonl"), "--output",
+                       str(outs[where]), "--sampling.max_new_tokens=6", "--sampling.n=2", "--sampling.temperature=0.7",
+                       "--sampling.logprobs=true", "--engine.max_seq_len=256", "--engine.max_pages=32",
+                       "--progress=false")
+        assert proc.returncode == 0, proc.stderr
+    assert f"model read from {url} in " in proc.stderr and "bytes, ranged reads" in proc.stderr
+    local, remote = outs["local"].read_text(), outs["gs"].read_text()
+    assert local == remote and '"error"' not in local

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from orchestrator import storage
+from orchestrator import location, storage
 from orchestrator.manifest import (BatchRecord, ManifestConflict, read_manifest, read_manifest_generation,
                                    write_manifest)
 
@@ -43,7 +43,7 @@ def test_a_head_whose_manifest_was_replaced_stops_instead_of_overwriting(gcs_buc
     from orchestrator.run_state import RunState
     from orchestrator.rundir import RunDir
 
-    run_dir = RunDir(storage.location(f"{gcs_bucket}/run"))
+    run_dir = RunDir(location.location(f"{gcs_bucket}/run"))
     write_manifest(run_dir.manifest, [BatchRecord("b000000", num_prompts=1), BatchRecord("b000001", num_prompts=1)])
     state = RunState.recover(run_dir, samples_per_prompt=1, plan="p")
     state.mark_running("b000000", "slice-0")

@@ -29,6 +29,7 @@ def head(run_dir: str, stale_after_s: float, refresh_s: float = 0.3, hold_s: flo
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
+@pytest.mark.slow  # four head processes and waits for staleness: about 10 s
 def test_second_head_refused_while_held_then_takes_over_once_stale(gcs_bucket):
     run_dir = f"{gcs_bucket}/runs/a"
     first = head(run_dir, stale_after_s=3.0)
@@ -53,6 +54,7 @@ def test_second_head_refused_while_held_then_takes_over_once_stale(gcs_bucket):
     assert not storage.exists(f"{run_dir}/.lock")  # released on exit
 
 
+@pytest.mark.slow  # three head processes: about 5 s
 def test_two_heads_starting_at_once_one_wins(gcs_bucket):
     run_dir = f"{gcs_bucket}/runs/b"
     heads = [head(run_dir, stale_after_s=30.0, hold_s=3) for _ in range(3)]
@@ -86,3 +88,31 @@ def test_a_holder_that_stalled_and_was_taken_over_knows_it(gcs_bucket):
         stalled.__exit__(None, None, None)  # must not delete the new holder's lock
         assert storage.exists(f"{run_dir}/.lock")
         new.check()
+
+
+def test_a_holder_whose_lock_object_was_removed_knows_it(gcs_bucket):
+    run_dir = f"{gcs_bucket}/runs/d"
+    with ObjectRunLock(run_dir, stale_after_s=1.0, refresh_s=0.1) as lock:
+        storage.remove(f"{run_dir}/.lock")  # by hand, or by a tool that should not have
+        deadline = time.monotonic() + 10
+        while lock.lost is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(RunDirLocked, match="lost the lock .*: its lock object was removed by another process"):
+            lock.check()
+    assert not storage.exists(f"{run_dir}/.lock")  # nothing written back on exit
+
+
+def test_a_holder_that_cannot_refresh_stops_before_its_lock_can_go_stale(gcs_bucket, monkeypatch):
+    run_dir = f"{gcs_bucket}/runs/e"
+    with ObjectRunLock(run_dir, stale_after_s=1.0, refresh_s=0.1) as lock:
+        def unreachable(*args, **kwargs):
+            raise ConnectionError("the bucket does not answer")
+
+        monkeypatch.setattr("orchestrator.generations.replace_if_generation", unreachable)
+        started = time.monotonic()
+        while lock.lost is None and time.monotonic() - started < 10:
+            time.sleep(0.05)
+        assert time.monotonic() - started < 1.0 + 0.5, "it noticed only after another head could have taken over"
+        with pytest.raises(RunDirLocked, match="could not be refreshed for .* s .*Check this machine's access"):
+            lock.check()
+        monkeypatch.undo()

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from orchestrator import storage
 from orchestrator.object_lock import ObjectRunLock
 from tests.gcs_emulator import upload
@@ -19,6 +21,7 @@ def pagefleet(*args: str) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
+@pytest.mark.slow  # separate processes for status and export: several seconds
 def test_status_and_export_of_a_gs_run_directory_from_another_process(gcs_bucket, tmp_path):
     expected = make_run(tmp_path / "run")
     run_dir = upload(str(tmp_path / "run"), f"{gcs_bucket}/runs/r1")

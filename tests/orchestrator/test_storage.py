@@ -2,7 +2,7 @@
 
 import pytest
 
-from orchestrator import storage
+from orchestrator import generations, storage
 
 
 @pytest.fixture(params=["local", "gs"])
@@ -37,19 +37,19 @@ def test_join_keeps_url_and_path_forms(tmp_path):
 
 def test_generation_compare_and_swap_on_the_emulator(gcs_bucket):
     url = f"{gcs_bucket}/run/batches.jsonl"
-    assert storage.read_with_generation(url) is None
-    g1 = storage.create_if_absent(url, b"one")
-    with pytest.raises(storage.PreconditionFailed, match="no object"):
-        storage.create_if_absent(url, b"two")  # a second creator loses
-    assert storage.read_with_generation(url) == (b"one", g1)
-    g2 = storage.replace_if_generation(url, b"two", g1)
+    assert generations.read_with_generation(url) is None
+    g1 = generations.create_if_absent(url, b"one")
+    with pytest.raises(generations.PreconditionFailed, match="no object"):
+        generations.create_if_absent(url, b"two")  # a second creator loses
+    assert generations.read_with_generation(url) == (b"one", g1)
+    g2 = generations.replace_if_generation(url, b"two", g1)
     assert g2 != g1
-    with pytest.raises(storage.PreconditionFailed, match=f"generation {g1}"):
-        storage.replace_if_generation(url, b"stale writer", g1)  # wrote against an old generation: refused
+    with pytest.raises(generations.PreconditionFailed, match=f"generation {g1}"):
+        generations.replace_if_generation(url, b"stale writer", g1)  # wrote against an old generation: refused
     assert storage.read_bytes(url) == b"two"  # and nothing was clobbered
-    assert storage.object_info(url)["generation"] == g2
+    assert generations.object_info(url)["generation"] == g2
     # (fake-gcs-server does not check a delete's precondition, so only the delete itself is tested here.)
-    storage.delete_if_generation(url, g2)
+    generations.delete_if_generation(url, g2)
     assert not storage.exists(url)
 
 
