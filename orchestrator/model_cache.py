@@ -25,7 +25,12 @@ from dataclasses import dataclass
 
 from orchestrator import storage
 
-DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "pagefleet", "models")
+
+
+def default_cache_dir() -> str:
+    """Where copies go without `model.cache_dir`: `$XDG_CACHE_HOME/pagefleet/models`, else ~/.cache/..."""
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagefleet", "models")
+
 _SOURCE = ".pagefleet-source.json"  # what the copy was made from: url and each file's version
 
 
@@ -78,7 +83,7 @@ def local_copy(path: str, cache_dir: str | None = None, names: Iterable[str] | N
         raise FileNotFoundError(f"{url} holds no files: model.path / model.tokenizer must be a checkpoint "
                                 "directory (config.json, *.safetensors, tokenizer files)")
     key = hashlib.sha256(json.dumps([url, None if names is None else sorted(names)]).encode()).hexdigest()[:24]
-    root = os.path.abspath(cache_dir or DEFAULT_CACHE_DIR)
+    root = os.path.abspath(cache_dir or default_cache_dir())
     target = os.path.join(root, key)
     source = {"url": url, "files": versions}
     if _holds(target, source):

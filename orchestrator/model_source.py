@@ -33,7 +33,7 @@ class ModelSourceConfig:
     """Unset: each host reads a gs:// checkpoint straight from the bucket, only its own devices' shards (ranged
     reads), at every load. Set: each host copies the gs:// checkpoint here once and loads the copy (a later load
     with the same objects reads nothing from the bucket). A gs:// tokenizer's files are copied here either way
-    (default ~/.cache/pagefleet/models)."""
+    (default $XDG_CACHE_HOME/pagefleet/models, else ~/.cache/pagefleet/models)."""
 
     @property
     def tokenizer_path(self) -> str:

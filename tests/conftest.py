@@ -18,10 +18,16 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
     _CACHE_DIR = tempfile.mkdtemp(prefix="pagefleet-xla-cache-")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE_DIR
+# Caches a test run fills (a gs:// model's tokenizer files) stay out of the home directory.
+import tempfile as _tempfile
+
+_XDG_CACHE = _tempfile.mkdtemp(prefix="pagefleet-test-cache-")
+os.environ["XDG_CACHE_HOME"] = _XDG_CACHE
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if "_CACHE_DIR" in globals():
-        import shutil
+    import shutil
 
+    shutil.rmtree(_XDG_CACHE, ignore_errors=True)
+    if "_CACHE_DIR" in globals():
         shutil.rmtree(_CACHE_DIR, ignore_errors=True)
