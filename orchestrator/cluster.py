@@ -20,7 +20,10 @@ class ClusterConfig:
     devices_per_host: int | None = None
     """On CPU: how many XLA host devices each host process exposes; None keeps the default."""
     mesh: dict[str, int] = field(default_factory=lambda: {"model": 1})
-    """Named mesh axes inside a slice; `model` is the tensor-parallel width, the rest is data parallel."""
+    """Named mesh axes inside a slice: `model` is the tensor-parallel width T (a divisor of the model's KV heads, or a
+    multiple of them that divides its attention heads: each KV head is then replicated T / kv_heads times);
+    `data`, when given, must make data x model equal the slice's devices. Checked at the head against the
+    devices and the model's config.json before any slice starts."""
     resources_per_host: dict[str, float] = field(default_factory=lambda: {"CPU": 1})
     """Ray resources each host actor of a slice requests, e.g. {"TPU": 4} for one v5p host's chips;
     a slice's host 0 also requests the slice's head resource when `slice_head_resource` is set."""

@@ -40,6 +40,7 @@ from orchestrator.retune import retune
 from orchestrator.run_state import RunState
 from orchestrator.rundir import RunDir
 from orchestrator.slice_gang import POLL_S, SliceGang
+from orchestrator.slice_layout import check_mesh, validate
 from orchestrator.waiting import WaitingReport
 
 
@@ -94,19 +95,9 @@ def disk_full(e: OSError, where: Path) -> DiskFull | None:
                     "rerun the same command: the run resumes where it stopped, losing nothing written")
 
 
-def check_cluster(cfg: RunConfig) -> None:
-    """The head's check of the slice layout, before any slice starts (`pagefleet check` runs it too)."""
-    cluster = cfg.cluster
-    width = cluster.mesh.get("model", 1)
-    if cluster.devices_per_host and (cluster.hosts_per_slice * cluster.devices_per_host) % width:
-        raise ValueError(f"cluster.mesh.model={width} does not divide the slice's "
-                         f"{cluster.hosts_per_slice * cluster.devices_per_host} devices (cluster.hosts_per_slice="
-                         f"{cluster.hosts_per_slice} x cluster.devices_per_host={cluster.devices_per_host})")
-
-
 class Driver:
     def __init__(self, cfg: RunConfig, show_progress: bool = True, stop: threading.Event | None = None) -> None:
-        check_cluster(cfg)
+        check_mesh(cfg)  # no model needed: a config error before the run directory is touched
         self.cfg = cfg
         self.run_dir = RunDir(storage.location(cfg.resolved_run_dir))  # local, or gs:// (docs/storage.md)
         self.show_progress = show_progress
@@ -130,6 +121,7 @@ class Driver:
             from engine import check_checkpoint
 
             check_checkpoint(model)
+        validate(self.cfg)  # the mesh against the devices and the model, the capacities: before any slice starts
         with run_lock(self.run_dir.root, self.cfg.lock_stale_s):
             try:
                 return self._run_locked()

@@ -10,7 +10,9 @@ The rules, per chip of one tensor-parallel group (one engine):
   axis and replicates the rest (token embeddings, an untied lm_head, RMSNorm weights; see
   `engine/axes.py` TENSOR_PARALLEL), so a chip holds `replicated + sharded / tp` parameters.
 - **KV.** One token's K and V in every layer take `2 * layers * kv_heads * head_dim * dtype_bytes`
-  bytes (the pool layout of `engine/kv_cache.py`), split over `tp` chips by KV head.
+  bytes (the pool layout of `engine/kv_cache.py`), split over `tp` chips by KV head. When `tp` exceeds the
+  KV heads, each is replicated `tp / kv_heads` times (`engine/tensor_parallel.py`): `kv_heads` is then `tp`
+  here, and the K and V projections count that many times in the weights per chip.
 - **Pages.** `max_pages = floor((hbm - weights - reserve) / (page_size * kv_bytes_per_token / tp))`,
   where `reserve = reserve_fraction * hbm` is left for activations, logits and XLA's compile
   workspace.
@@ -32,7 +34,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import DTYPE_BYTES, GiB, ModelConfig, ParamCount, count_params, kv_bytes_per_token
+from engine import (DTYPE_BYTES, GiB, ModelConfig, ParamCount, count_params, kv_bytes_per_token, sharded_config,
+                    tensor_parallel_error)
 
 
 @dataclass(frozen=True)
@@ -78,16 +81,10 @@ def activation_bytes_per_chip(cfg: ModelConfig, tokens: int, seqs: int, tp: int)
 
 
 def check_tp(cfg: ModelConfig, tp: int) -> None:
-    """The engine shards KV heads and the MLP width over `tp` chips: both must divide evenly."""
-    if tp < 1:
-        raise SizingError(f"--tp must be at least 1, got {tp}")
-    if cfg.num_kv_heads % tp:
-        divisors = [d for d in range(1, cfg.num_kv_heads + 1) if cfg.num_kv_heads % d == 0]
-        raise SizingError(f"the model has {cfg.num_kv_heads} KV heads, which {tp} chips cannot share evenly; "
-                          f"choose --tp (cluster.mesh.model) from {divisors}")
-    if cfg.intermediate_size % tp:
-        raise SizingError(f"the MLP width {cfg.intermediate_size} does not divide over --tp {tp}; "
-                          "choose a tensor-parallel width that divides it")
+    """The engine's rule for a tensor-parallel width (`engine.tensor_parallel`), as a SizingError naming --tp."""
+    error = tensor_parallel_error(cfg, tp)
+    if error is not None:
+        raise SizingError(f"{error}; choose --tp (cluster.mesh.model) accordingly")
 
 
 def largest_pow2_at_most(n: int) -> int:
@@ -214,11 +211,12 @@ def size(cfg: ModelConfig, *, hbm_gib: float, hbm_gb_per_s: float, tp: int = 1, 
 
     nbytes = DTYPE_BYTES[dtype]
     params = count_params(cfg)
+    held = sharded_config(cfg, tp)  # as the engine holds it: KV heads replicated when tp exceeds them
     hbm = int(hbm_gib * GiB)
     reserve = int(hbm * reserve_fraction)
-    weights = params.per_chip(tp) * nbytes
+    weights = count_params(held).per_chip(tp) * nbytes
     budget = hbm - reserve - weights
-    kv_token = kv_bytes_per_token(cfg, nbytes)
+    kv_token = kv_bytes_per_token(held, nbytes)
     kv_token_chip = kv_token // tp
     page_bytes = page_size * kv_token_chip
     pages_per_seq = math.ceil(seq_len / page_size)
@@ -242,7 +240,7 @@ def size(cfg: ModelConfig, *, hbm_gib: float, hbm_gb_per_s: float, tp: int = 1, 
     per_engine = max_seqs / step_s
     compute_s = None
     if peak_tflops:
-        compute_s = 2 * params.per_chip(tp) * max_seqs / (peak_tflops * 1e12)
+        compute_s = 2 * count_params(held).per_chip(tp) * max_seqs / (peak_tflops * 1e12)
     return SizeReport(
         model=model_name, chip=chip, dtype=dtype, tp=tp, chips_per_slice=chips_per_slice,
         engines_per_slice=chips_per_slice // tp, hbm_bytes_per_chip=hbm, hbm_gb_per_s=hbm_gb_per_s,

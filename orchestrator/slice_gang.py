@@ -31,8 +31,8 @@ class GangEvent:
     info: dict | None = None
     reason: str | None = None
     fatal: bool = False
-    """With "failed": the slice failed on a deterministic fault (a checkpoint it cannot load): every slice would,
-    so restarting cannot help."""
+    """With "failed": the slice failed on a deterministic fault (a checkpoint it cannot load, a mesh the model cannot
+    be sharded over): every slice would, so restarting cannot help."""
 
 
 class SliceGang:
@@ -148,10 +148,13 @@ class SliceGang:
             try:
                 self._infos.append(ray.get(ref))
             except ray.exceptions.RayError as e:
-                from engine import CheckpointError
+                from engine import CheckpointError, MeshError
+                from engine.model_config import UnsupportedModelError
 
                 cause = getattr(e, "cause", None)
-                fatal = isinstance(cause, CheckpointError)
+                # Deterministic faults (a checkpoint it cannot load, a mesh or model it cannot run): every slice
+                # and every restart would fail the same way.
+                fatal = isinstance(cause, (CheckpointError, MeshError, UnsupportedModelError))
                 return GangEvent("failed", reason=f"could not start: {cause if fatal else _error_text(e)}", fatal=fatal)
             if self._starting:
                 return GangEvent("waiting")

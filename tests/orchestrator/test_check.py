@@ -55,8 +55,9 @@ def test_a_pool_larger_than_hbm_is_refused_with_the_numbers(small_config, capsys
 def test_kernel_blocks_larger_than_vmem_are_refused_with_the_numbers(small_config, capsys):
     # Pages of 256 tokens, 128 of them per sequence: the kernel's double-buffered KV block alone is
     # 2 x 128 pages x 256 tokens x 4 (K, V of 2 heads) x 128 x 2 bytes = 64 MiB, a v5p core's whole VMEM.
+    # (128 pages: the pool must hold one whole sequence, which the head checks first.)
     code = main([small_config, "--target", "tpu-v5p", *SMALL_ENGINE, "--engine.page_size=256",
-                 "--engine.max_seq_len=32768", "--cluster.mesh={model: 1}"])
+                 "--engine.max_seq_len=32768", "--engine.max_pages=128", "--cluster.mesh={model: 1}"])
     err = capsys.readouterr().err
     assert code == FAULT
     assert "128 pages of 256 tokens x 16 queries per block" in err

@@ -64,7 +64,7 @@ def test_few_pages_give_a_power_of_two_below_what_fits():
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"tp": 3}, "8 KV heads.*--tp"),
-    ({"tp": 16}, "8 KV heads"),
+    ({"tp": 64}, "8 KV heads and 32 attention heads cannot be split over 64 devices.*--tp"),
     ({"tp": 4, "chips_per_slice": 6}, "multiple of --tp"),
     ({"hbm_gib": 16, "tp": 1}, "weights take .* raise --tp"),
     ({"prompt_tokens": 131072}, "context of 131072"),
@@ -75,6 +75,19 @@ def test_errors_name_the_fix(kwargs, message):
     args = {"hbm_gib": 95, "hbm_gb_per_s": 2765, "prompt_tokens": 1024, "new_tokens": 256, **kwargs}
     with pytest.raises(SizingError, match=message):
         size(LLAMA, **args)
+
+
+def test_tp_beyond_the_kv_heads_counts_the_replicated_kv():
+    """At tp 16 each of the 8 KV heads is held by 2 chips: a chip holds as much KV (one head) as at tp 8, and the
+    K and V projections of its copy on top of its sixteenth of the rest."""
+    args = {"hbm_gib": 95, "hbm_gb_per_s": 2765, "prompt_tokens": 1024, "new_tokens": 256}
+    tp8, tp16 = size(LLAMA, tp=8, **args), size(LLAMA, tp=16, **args)
+    assert tp16.kv_bytes_per_token_per_chip == tp8.kv_bytes_per_token_per_chip == 2 * 32 * 128 * 2
+    assert tp16.kv_bytes_per_token == 2 * tp8.kv_bytes_per_token  # the replicated pool, over all 16 chips
+    kv_projections = 32 * 2 * 4096 * 128 * 2  # one KV head's K and V in every layer, bf16
+    assert tp16.weight_bytes_per_chip - tp8.weight_bytes_per_chip // 2 == pytest.approx(
+        kv_projections / 2 + count_params(LLAMA).replicated * 2 / 2, rel=1e-9)
+    assert tp16.num_params == tp8.num_params  # the checkpoint's own count
 
 
 def test_chip_table_holds_the_documented_figures():
