@@ -2,7 +2,7 @@
 
 The head owns all durable state (batches.jsonl, outputs/, events.log) and the tracker; slices get
 batches and return `Completed | Failed` as data. Each slice holds about
-`cluster.samples_in_flight_per_slice` unfinished samples (default 2 x engine.max_seqs; the slice
+`cluster.samples_in_flight_per_slice` unfinished samples (default 2 x engine.max_seqs per engine; the slice
 reports how many of those sent to it have finished): the next batches are already queued in its
 engine when slots free up, so it never drains between batches, even while a batch waits on one long
 sample; a slice that frees up pulls the next pending batch, so faster slices do more. A batch's outputs are written
@@ -267,6 +267,7 @@ class Driver:
             info = event.info
             where = f", pod_slice {info['pod_slice']}" if info.get("pod_slice") else ""
             read = f", {info['model_bytes_read']:,} bytes read from the bucket" if info.get("model_bytes_read") else ""
+            where += f", {info['engines']} data-parallel engines" if info.get("engines", 1) > 1 else ""
             self._state.event(f"{slot.name} ready (pids {info['pids']}, {info['devices']} devices{where}, "
                               f"model loaded in {info['load_s']:.1f} s{read})")
         elif event.kind == "results":

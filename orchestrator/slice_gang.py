@@ -211,6 +211,7 @@ class SliceGang:
     def _summary(self) -> dict:
         first = self._infos[0] if self._infos else {}
         return {"pids": [i.get("pid") for i in self._infos], "devices": len(first.get("devices", [])),
+                "engines": first.get("engines", 1),
                 "load_s": max((i.get("load_s", 0.0) for i in self._infos), default=0.0),
                 "model_bytes_read": sum(i.get("model_bytes_read", 0) for i in self._infos),
                 **({"pod_slice": self._slice_name} if self._slice_name else {})}

@@ -34,6 +34,10 @@ def check_mesh(cfg: RunConfig) -> None:
         raise ValueError(f"cluster.mesh has unknown axis {unknown[0]!r}; its axes are data (engines per slice) and "
                          "model (tensor-parallel width of each engine)")
     width, per_host = cluster.mesh.get("model", 1), devices_per_host(cfg)
+    if cluster.mesh.get("data", 1) > 1 and cluster.hosts_per_slice > 1:
+        raise ValueError(f"cluster.mesh.data={cluster.mesh['data']} on a slice of cluster.hosts_per_slice="
+                         f"{cluster.hosts_per_slice} hosts: data-parallel engines run on single-host slices only; "
+                         "leave data out (one engine over the slice) or use hosts_per_slice 1")
     if per_host is None:
         return
     devices = cluster.hosts_per_slice * per_host

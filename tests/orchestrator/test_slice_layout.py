@@ -41,14 +41,16 @@ def test_layouts_that_fit_pass(mqa_model, devices, mesh):
 
 
 @pytest.mark.parametrize("extra,needles", [
-    # 3 neither divides the one KV head's... multiples nor the 4 attention heads
+    # 3 is a multiple of the one KV head but does not divide the 4 attention heads
     (["--cluster.devices_per_host=3", "--cluster.mesh={model: 3}"],
      ["cluster.mesh.model=3: the model's 1 KV heads and 4 attention heads cannot be split over 3 devices",
       "one of [1, 2, 4]"]),
     (["--cluster.devices_per_host=4", "--cluster.mesh={data: 1, model: 2}"],
      ["cluster.mesh data=1 x model=2 = 2 devices, but the slice's 4 devices", "choose data x model = 4"]),
-    (["--cluster.hosts_per_slice=2", "--cluster.devices_per_host=2", "--cluster.mesh={data: 2, model: 4}"],
-     ["cluster.mesh data=2 x model=4 = 8 devices", "cluster.hosts_per_slice=2 x 2 devices per host"]),
+    (["--cluster.hosts_per_slice=2", "--cluster.devices_per_host=2", "--cluster.mesh={data: 1, model: 2}"],
+     ["cluster.mesh data=1 x model=2 = 2 devices", "cluster.hosts_per_slice=2 x 2 devices per host"]),
+    (["--cluster.hosts_per_slice=2", "--cluster.devices_per_host=2", "--cluster.mesh={data: 2, model: 2}"],
+     ["cluster.mesh.data=2 on a slice of cluster.hosts_per_slice=2 hosts", "single-host slices only"]),
     (["--cluster.resources_per_host={TPU: 4}", "--cluster.mesh={model: 8}"],
      ["cluster.mesh.model=8 does not divide the slice's 4 devices"]),
     (["--cluster.mesh={tensor: 2}"], ["cluster.mesh has unknown axis 'tensor'"]),
