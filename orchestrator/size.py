@@ -49,6 +49,14 @@ class Chip:
     """HBM bandwidth per chip in GB/s (1e9 bytes per second)."""
     peak_bf16_tflops: float
     """Peak bf16 matmul throughput per chip in TFLOP/s (for the compute figure only)."""
+    max_chips_per_host: int = 4
+    """Chips one host holds at most: a slice of up to this many chips is one host; a bigger one is hosts of
+    `multi_host_chips` chips each."""
+    multi_host_chips: int = 4
+
+    def chips_per_host(self, chips: int) -> int:
+        """Chips of one host of a `chips`-chip slice (`pagefleet size --chips-per-host` overrides)."""
+        return chips if chips <= self.max_chips_per_host else self.multi_host_chips
 
 
 # Google Cloud TPU documentation, system architecture pages (cloud.google.com/tpu/docs/<chip>):
@@ -57,11 +65,18 @@ class Chip:
 #        (32 GB is 29.8 GiB; we take the documented GB figure, the conservative reading).
 #   v5e: "HBM2 capacity and bandwidth 16 GB, 819 GBps", 197 bf16 TFLOPs.
 #   v4:  "HBM2 capacity and bandwidth 32 GiB, 1200 GBps", 275 bf16 TFLOPs.
+#   Hosts: a v5p or v4 host has 4 chips; v5e and v6e slices of up to 8 chips are one host, bigger ones hosts of 4.
+# NVIDIA datasheets (SXM): H100 "GPU Memory 80GB", "GPU Memory Bandwidth 3.35TB/s", H200 "141GB", "4.8TB/s";
+#   BF16 Tensor Core 1,979 TFLOPS with sparsity for both, 989 dense (taken here). 8 GPUs a node (HGX).
 CHIPS: dict[str, Chip] = {
     "v5p": Chip("v5p", hbm_gib=95.0, hbm_gb_per_s=2765.0, peak_bf16_tflops=459.0),
-    "v6e": Chip("v6e", hbm_gib=32e9 / GiB, hbm_gb_per_s=1638.0, peak_bf16_tflops=918.0),
-    "v5e": Chip("v5e", hbm_gib=16e9 / GiB, hbm_gb_per_s=819.0, peak_bf16_tflops=197.0),
+    "v6e": Chip("v6e", hbm_gib=32e9 / GiB, hbm_gb_per_s=1638.0, peak_bf16_tflops=918.0, max_chips_per_host=8),
+    "v5e": Chip("v5e", hbm_gib=16e9 / GiB, hbm_gb_per_s=819.0, peak_bf16_tflops=197.0, max_chips_per_host=8),
     "v4": Chip("v4", hbm_gib=32.0, hbm_gb_per_s=1200.0, peak_bf16_tflops=275.0),
+    "h100": Chip("h100", hbm_gib=80e9 / GiB, hbm_gb_per_s=3350.0, peak_bf16_tflops=989.0, max_chips_per_host=8,
+                 multi_host_chips=8),
+    "h200": Chip("h200", hbm_gib=141e9 / GiB, hbm_gb_per_s=4800.0, peak_bf16_tflops=989.0, max_chips_per_host=8,
+                 multi_host_chips=8),
 }
 
 
@@ -203,7 +218,7 @@ def size(cfg: ModelConfig, *, hbm_gib: float, hbm_gb_per_s: float, tp: int = 1, 
         if value < 1:
             raise SizingError(f"{flag} must be at least 1, got {value}")
     if hbm_gib <= 0 or hbm_gb_per_s <= 0:
-        raise SizingError("--hbm-gib and --hbm-gb-per-s must be positive (or pass --chip v5p|v6e|v5e|v4)")
+        raise SizingError("--hbm-gib and --hbm-gb-per-s must be positive (or pass --chip, one of v5p, v6e, v5e, v4, h100, h200)")
     seq_len = prompt_tokens + new_tokens
     if cfg.max_position_embeddings is not None and seq_len > cfg.max_position_embeddings:
         raise SizingError(f"{prompt_tokens} + {new_tokens} tokens exceed the model's context of "

@@ -149,3 +149,68 @@ def test_configs_hold_what_their_size_command_prints(path, capsys, monkeypatch):
         (report["page_size"], report["tp"], report["dtype"])
     assert cfg.sampling.max_new_tokens == report["new_tokens"]
     assert cfg.cluster.hosts_per_slice * cfg.cluster.devices_per_host == report["chips_per_slice"]
+
+
+@pytest.mark.parametrize("path", [p for p in sorted((ROOT / "configs").glob("**/*.yaml")) if _size_command(p)],
+                         ids=lambda p: p.name)
+def test_configs_use_the_split_their_size_command_marks_best(path, capsys, monkeypatch):
+    """The same command without --tp lists every split of the slice; the config's mesh is the one marked best."""
+    from orchestrator.config import load_run_config
+
+    monkeypatch.chdir(ROOT)
+    command = _size_command(path)
+    without_tp = [a for i, a in enumerate(command) if a != "--tp" and (i == 0 or command[i - 1] != "--tp")]
+    assert main(["size", *without_tp, "--json"]) == 0
+    (best,) = [r for r in json.loads(capsys.readouterr().out) if r["best"]]
+    mesh = load_run_config(path).cluster.mesh
+    assert (mesh.get("data", 1), mesh["model"]) == (best["data"], best["model"])
+
+
+def split_rows(chip: str, chips: int) -> list:
+    from orchestrator.size_split import split_table
+
+    c = CHIPS[chip]
+    return split_table(LLAMA, chips=chips, chips_per_host=c.chips_per_host(chips), hbm_gib=c.hbm_gib,
+                       hbm_gb_per_s=c.hbm_gb_per_s, prompt_tokens=2048, new_tokens=1024)
+
+
+def test_split_tables_for_llama31_8b():
+    """Every (data, model) with model in the widths 8 KV heads allow (1, 2, 4, 8; 16 and 32 would need more chips),
+    each sized as `size` sizes one engine; the best is the highest decode bound among the splits that run."""
+    v5p, v6e, h100 = split_rows("v5p", 8), split_rows("v6e", 8), split_rows("h100", 8)
+    for rows in (v5p, v6e, h100):
+        assert [(r.data, r.model) for r in rows] == [(8, 1), (4, 2), (2, 4), (1, 8)]
+        for r in rows:
+            expected = size(LLAMA, hbm_gib=rows[0].report.hbm_bytes_per_chip / GiB,
+                            hbm_gb_per_s=r.report.hbm_gb_per_s, tp=r.model, chips_per_slice=8,
+                            prompt_tokens=2048, new_tokens=1024)
+            assert r.report.max_pages == expected.max_pages and r.report.max_seqs == expected.max_seqs
+    # v5p-16: 2 hosts of 4 chips; data > 1 over both hosts is not built, so only {1, 8} runs (and is best).
+    assert [r.why_not is None for r in v5p] == [False, False, False, True]
+    assert [(r.data, r.model) for r in v5p if r.best] == [(1, 8)]
+    assert max(v5p, key=lambda r: r.report.decode_tokens_per_s_per_slice).model == 2  # once host-level DP runs
+    # v6e-8, one host: every split runs; one engine over the 8 chips bounds highest.
+    assert all(r.why_not is None for r in v6e) and [(r.data, r.model) for r in v6e if r.best] == [(1, 8)]
+    assert [round(r.report.decode_tokens_per_s_per_slice) for r in v6e] == [9784, 21158, 25680, 28752]
+    # 8 x H100 (one node): 80 GB each; four engines of two GPUs bound highest.
+    assert [(r.data, r.model) for r in h100 if r.best] == [(4, 2)]
+    assert h100[0].report.hbm_bytes_per_chip == pytest.approx(80e9, abs=1) and h100[0].report.hbm_gb_per_s == 3350
+
+
+def test_split_table_cli_and_its_errors(tmp_path, capsys):
+    model = write_llama31_8b_config(tmp_path / "llama")
+    args = ["size", "--model", str(model), "--chip", "h200", "--chips", "8", "--prompt-tokens", "2048",
+            "--new-tokens", "1024"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "splits of 8 h200 chips (8 a host)" in out and out.count("{data: ") == 5  # 4 rows and the best line
+    assert "* best: cluster.mesh {data: " in out
+    assert main(args + ["--chips-per-host", "3"]) == 2
+    assert "--chips-per-host 3" in capsys.readouterr().err
+    mqa = ModelConfig.from_hf({**json.loads((model / "config.json").read_text()), "num_key_value_heads": 1})
+    from orchestrator.size_split import split_table
+
+    rows = split_table(mqa, chips=8, chips_per_host=8, hbm_gib=95, hbm_gb_per_s=2765, prompt_tokens=2048,
+                       new_tokens=1024)
+    assert [r.model for r in rows] == [1, 2, 4, 8]  # one KV head: replicated at 2, 4 and 8
+    assert rows[-1].report.kv_bytes_per_token_per_chip == rows[0].report.kv_bytes_per_token_per_chip
