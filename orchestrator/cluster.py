@@ -22,9 +22,10 @@ class ClusterConfig:
     mesh: dict[str, int] = field(default_factory=lambda: {"model": 1})
     """Named mesh axes inside a slice: `model` is each engine's tensor-parallel width T (a divisor of the model's KV
     heads, or a multiple of them that divides its attention heads: each KV head is then replicated T / kv_heads
-    times); `data` is D, the independent engines of a single-host slice, each on T of its devices with its own
-    scheduler, KV pool and copy of the weights (D x T must equal the slice's devices). Checked at the head
-    against the devices and the model's config.json before any slice starts."""
+    times); `data` is D, the slice's independent engines, each on T devices of one host with its own scheduler,
+    KV pool and copy of the weights (D x T must equal the slice's devices; on a multi-host slice every host runs
+    D / hosts_per_slice of them, with no collective across hosts). Checked at the head against the devices and
+    the model's config.json before any slice starts."""
     resources_per_host: dict[str, float] = field(default_factory=lambda: {"CPU": 1})
     """Ray resources each host actor of a slice requests, e.g. {"TPU": 4} for one v5p host's chips;
     a slice's host 0 also requests the slice's head resource when `slice_head_resource` is set."""
@@ -63,9 +64,21 @@ class ClusterConfig:
 
 
 def engines_per_slice(mesh: dict[str, int], num_hosts: int) -> int:
-    """Data-parallel engines a slice runs: `cluster.mesh.data` on a single-host slice (each on `model` of its
-    devices, with its own scheduler, KV pool and weights); one SPMD engine over a multi-host slice."""
-    return mesh.get("data", 1) if num_hosts == 1 else 1
+    """Data-parallel engines a slice runs: `cluster.mesh.data` (each on `model` devices of one host, with its own
+    scheduler, KV pool and weights); 1 when it is not given (one engine, an SPMD program over a multi-host slice)."""
+    return mesh.get("data", 1)
+
+
+def host_level(mesh: dict[str, int], num_hosts: int) -> bool:
+    """A multi-host slice of data-parallel engines: every host runs its own engines on its own devices, as
+    independent JAX processes (no jax.distributed, no collective across hosts)."""
+    return num_hosts > 1 and mesh.get("data", 1) > 1
+
+
+def engines_per_host(mesh: dict[str, int], num_hosts: int) -> int:
+    """Engines in one host process of the slice."""
+    engines = engines_per_slice(mesh, num_hosts)
+    return engines // num_hosts if host_level(mesh, num_hosts) else engines
 
 
 def existing_cluster() -> str | None:

@@ -268,6 +268,8 @@ class Driver:
             where = f", pod_slice {info['pod_slice']}" if info.get("pod_slice") else ""
             read = f", {info['model_bytes_read']:,} bytes read from the bucket" if info.get("model_bytes_read") else ""
             where += f", {info['engines']} data-parallel engines" if info.get("engines", 1) > 1 else ""
+            processes = info.get("processes", [])
+            where += ", each host its own JAX process" if len(processes) > 1 and max(processes) == 1 else ""
             self._state.event(f"{slot.name} ready (pids {info['pids']}, {info['devices']} devices{where}, "
                               f"model loaded in {info['load_s']:.1f} s{read})")
         elif event.kind == "results":

@@ -2,10 +2,10 @@
 `orchestrator/size.py` (one engine of T chips, D of them), with the best one marked.
 
 A split is feasible when the engine takes width T (`engine.tensor_parallel`), T divides the slice's chips and one
-engine's weights leave room for a sequence's KV. It can run today when the slice is one host (D engines in one
-process), or when D is 1 (one engine over every host); D > 1 over several hosts needs host-level data
-parallelism, which is not built, so such rows are listed but never chosen. The best runnable split has the
-highest decode bound per slice; ties go to the narrower T (fewer collectives).
+engine's weights leave room for a sequence's KV. It runs when D is 1 (one engine over every host) or when each
+engine fits one host and D divides over the hosts (host-level data parallelism, docs/slices.md); a split of
+several engines that each span hosts is listed but never chosen. The best runnable split has the highest
+decode bound per slice; ties go to the narrower T (fewer collectives).
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ def split_table(cfg: ModelConfig, *, chips: int, chips_per_host: int, **size_arg
             rows.append(Split(data, tp, None, f"does not fit: {str(e).split(';')[0]}"))
             continue
         why = None
-        if data > 1 and chips > chips_per_host:
-            why = "needs host-level data parallelism: not built"
+        hosts = max(1, chips // chips_per_host)
+        if data > 1 and (tp > chips_per_host or data % hosts):
+            why = "several engines that each span hosts: not supported"
         rows.append(Split(data, tp, report, why))
     runnable = [r for r in rows if r.why_not is None]
     if runnable:
@@ -75,7 +76,7 @@ def format_table(rows: list[Split], *, chips: int, chips_per_host: int, chip: st
                      f"{p.max_pages:>16,}  {p.seqs_that_fit:>15,}  {p.max_seqs:>8}  "
                      f"{p.decode_tokens_per_s_per_slice:>27,.0f}" + (f"  ({r.why_not})" if r.why_not else ""))
     best = next((r for r in rows if r.best), None)
-    lines.append(f"* best: cluster.mesh {{data: {best.data}, model: {best.model}}} (the highest decode bound a slice "
-                 f"runs today); `--tp {best.model}` prints its engine capacities" if best else
+    lines.append(f"* best: cluster.mesh {{data: {best.data}, model: {best.model}}} (the highest decode bound of the "
+                 f"splits that run); `--tp {best.model}` prints its engine capacities" if best else
                  "no split of this slice can run the model; use more chips or a chip with more HBM")
     return "\n".join(lines)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from engine import RECORD_FIELDS, EngineConfig, SamplingConfig, transfer_counters
-from orchestrator.cluster import engines_per_slice
+from orchestrator.cluster import engines_per_host, host_level
 from orchestrator.results import SAMPLE_SCHEMA, BatchStats, BatchWork, Completed, Failed, Result, with_stats
 from orchestrator.row_sampling import apply
 
@@ -58,8 +58,14 @@ class SliceSpec:
 
     @property
     def engines(self) -> int:
-        """Independent engines of this slice (orchestrator.cluster.engines_per_slice)."""
-        return engines_per_slice(self.mesh, self.num_hosts)
+        """Independent engines in this host's process (orchestrator.cluster.engines_per_host)."""
+        return engines_per_host(self.mesh, self.num_hosts)
+
+    @property
+    def spmd(self) -> bool:
+        """Several hosts running one engine as one SPMD program (jax.distributed); not so for host-level data
+        parallelism, where every host is an independent JAX process with engines of its own."""
+        return self.num_hosts > 1 and not host_level(self.mesh, self.num_hosts)
 
 
 
@@ -128,7 +134,7 @@ class SliceWorker:
         host holds the same configuration.
         """
         t0 = time.perf_counter()
-        if self.spec.num_hosts > 1:
+        if self.spec.spmd:
             from engine import initialize_distributed
 
             initialize_distributed(coordinator, self.spec.num_hosts, self.spec.host_index, self.spec.devices_per_host)
@@ -147,7 +153,8 @@ class SliceWorker:
 
         return {"slice": self.spec.name, "pid": os.getpid(), "load_s": time.perf_counter() - t0,
                 "model_bytes_read": fetch.bytes_read, "model_fetch_s": fetch.seconds,
-                "devices": [str(d) for d in jax.devices()], "engines": self.spec.engines}
+                "devices": [str(d) for d in jax.devices()], "engines": self.spec.engines,
+                "processes": jax.process_count()}  # 1 on every host of a host-level data-parallel slice
 
     def _start_engine(self, model_path: str, tokenizer) -> None:
         from engine import Engine
@@ -206,7 +213,7 @@ class SliceWorker:
 
     def _mesh(self):
         width, first = self.spec.mesh.get("model", 1), self.spec.device_offset
-        if self.spec.num_hosts > 1:
+        if self.spec.spmd:
             from engine import slice_mesh
 
             return slice_mesh(width)  # every device of every host: one SPMD program
@@ -238,7 +245,7 @@ class SliceWorker:
         receives the same batches in the same order, an idle engine waits for the next one (the same
         on every host), and a busy engine feeds when host 0 says so (one small broadcast a step).
         """
-        if self.spec.num_hosts > 1:
+        if self.spec.spmd:
             self._feed_in_step()
             return
         while self.engine.num_waiting == 0:
@@ -341,7 +348,7 @@ class SliceWorker:
             return
         with self._wake_lock:
             budget, received = self.spec.samples_in_flight, self._inbox.batches_received
-            if budget is None or self._wakes == received or self.spec.host_index != 0:
+            if budget is None or self._wakes == received or (self.spec.spmd and self.spec.host_index != 0):
                 return
             if self._inbox.prompts_received * self.spec.sampling.n - self.total_samples_finished < budget:
                 self._wakes = received
@@ -394,9 +401,11 @@ class SliceWorker:
     def _emit(self, result: Result) -> None:
         self._close_bucket()  # the steps so far travel with this result: a run's last steps are counted too
         timeline, self._timeline = self._timeline, []  # taken on every host, so that none grows it for days
-        if self._parent is not None:  # which engine of a data-parallel slice took these steps
-            timeline = [{**b, "engine": self._lane} for b in timeline]
-        if self.spec.host_index != 0:
+        if self._parent is not None or (self.spec.num_hosts > 1 and not self.spec.spmd):
+            # which engine of a data-parallel slice took these steps (numbered across its hosts)
+            engine = self.spec.host_index * self.spec.engines + (self._lane if self._parent is not None else 0)
+            timeline = [{**b, "engine": engine} for b in timeline]
+        if self.spec.spmd and self.spec.host_index != 0:
             return  # every host computed it; host 0 alone returns it
         self._outbox.put(dataclasses.replace(result, timeline=timeline))
 

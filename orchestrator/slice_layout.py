@@ -34,10 +34,11 @@ def check_mesh(cfg: RunConfig) -> None:
         raise ValueError(f"cluster.mesh has unknown axis {unknown[0]!r}; its axes are data (engines per slice) and "
                          "model (tensor-parallel width of each engine)")
     width, per_host = cluster.mesh.get("model", 1), devices_per_host(cfg)
-    if cluster.mesh.get("data", 1) > 1 and cluster.hosts_per_slice > 1:
-        raise ValueError(f"cluster.mesh.data={cluster.mesh['data']} on a slice of cluster.hosts_per_slice="
-                         f"{cluster.hosts_per_slice} hosts: data-parallel engines run on single-host slices only; "
-                         "leave data out (one engine over the slice) or use hosts_per_slice 1")
+    data, hosts = cluster.mesh.get("data", 1), cluster.hosts_per_slice
+    if data > 1 and hosts > 1 and data % hosts:
+        raise ValueError(f"cluster.mesh.data={data} does not divide over cluster.hosts_per_slice={hosts} hosts: each "
+                         f"host runs data / hosts engines on its own devices; choose a multiple of {hosts}, or leave "
+                         "data out for one engine over the whole slice")
     if per_host is None:
         return
     devices = cluster.hosts_per_slice * per_host

@@ -185,10 +185,13 @@ def test_split_tables_for_llama31_8b():
                             hbm_gb_per_s=r.report.hbm_gb_per_s, tp=r.model, chips_per_slice=8,
                             prompt_tokens=2048, new_tokens=1024)
             assert r.report.max_pages == expected.max_pages and r.report.max_seqs == expected.max_seqs
-    # v5p-16: 2 hosts of 4 chips; data > 1 over both hosts is not built, so only {1, 8} runs (and is best).
-    assert [r.why_not is None for r in v5p] == [False, False, False, True]
-    assert [(r.data, r.model) for r in v5p if r.best] == [(1, 8)]
-    assert max(v5p, key=lambda r: r.report.decode_tokens_per_s_per_slice).model == 2  # once host-level DP runs
+    # v5p-16: 2 hosts of 4 chips; every split runs (engines of up to 4 chips each on one host, host-level data
+    # parallelism; {1, 8}: one engine over both hosts). Four engines of two chips bound highest.
+    assert all(r.why_not is None for r in v5p) and [(r.data, r.model) for r in v5p if r.best] == [(4, 2)]
+    assert [round(r.report.decode_tokens_per_s_per_slice) for r in v5p] == [47981, 54417, 52304, 48535]
+    # 16 v5p chips in 4 hosts: 2 engines of 8 chips would each span 2 hosts, which does not run.
+    v5p32 = split_rows("v5p", 16)
+    assert [(r.data, r.model, r.why_not is None) for r in v5p32][-2:] == [(2, 8, False), (1, 16, True)]
     # v6e-8, one host: every split runs; one engine over the 8 chips bounds highest.
     assert all(r.why_not is None for r in v6e) and [(r.data, r.model) for r in v6e if r.best] == [(1, 8)]
     assert [round(r.report.decode_tokens_per_s_per_slice) for r in v6e] == [9784, 21158, 25680, 28752]

@@ -33,10 +33,12 @@ def cfg(model: str, *extra: str):
                                   "--engine.page_size=8", "--engine.max_pages=96", *extra])
 
 
-@pytest.mark.parametrize("devices,mesh", [(2, "{model: 2}"), (4, "{model: 4}"), (4, "{data: 2, model: 2}"),
-                                          (4, "{data: 4, model: 1}"), (4, "{model: 1}")])
-def test_layouts_that_fit_pass(mqa_model, devices, mesh):
-    model, context = validate(cfg(mqa_model, f"--cluster.devices_per_host={devices}", f"--cluster.mesh={mesh}"))
+@pytest.mark.parametrize("hosts,devices,mesh", [(1, 2, "{model: 2}"), (1, 4, "{model: 4}"), (1, 4, "{data: 2, model: 2}"),
+                                                (1, 4, "{data: 4, model: 1}"), (1, 4, "{model: 1}"),
+                                                (2, 2, "{data: 2, model: 2}"), (2, 2, "{model: 4}")])
+def test_layouts_that_fit_pass(mqa_model, hosts, devices, mesh):
+    model, context = validate(cfg(mqa_model, f"--cluster.hosts_per_slice={hosts}",
+                                  f"--cluster.devices_per_host={devices}", f"--cluster.mesh={mesh}"))
     assert model.num_kv_heads == 1 and context == 128
 
 
@@ -49,8 +51,8 @@ def test_layouts_that_fit_pass(mqa_model, devices, mesh):
      ["cluster.mesh data=1 x model=2 = 2 devices, but the slice's 4 devices", "choose data x model = 4"]),
     (["--cluster.hosts_per_slice=2", "--cluster.devices_per_host=2", "--cluster.mesh={data: 1, model: 2}"],
      ["cluster.mesh data=1 x model=2 = 2 devices", "cluster.hosts_per_slice=2 x 2 devices per host"]),
-    (["--cluster.hosts_per_slice=2", "--cluster.devices_per_host=2", "--cluster.mesh={data: 2, model: 2}"],
-     ["cluster.mesh.data=2 on a slice of cluster.hosts_per_slice=2 hosts", "single-host slices only"]),
+    (["--cluster.hosts_per_slice=2", "--cluster.devices_per_host=3", "--cluster.mesh={data: 3, model: 2}"],
+     ["cluster.mesh.data=3 does not divide over cluster.hosts_per_slice=2 hosts", "choose a multiple of 2"]),
     (["--cluster.resources_per_host={TPU: 4}", "--cluster.mesh={model: 8}"],
      ["cluster.mesh.model=8 does not divide the slice's 4 devices"]),
     (["--cluster.mesh={tensor: 2}"], ["cluster.mesh has unknown axis 'tensor'"]),
