@@ -83,12 +83,18 @@ def run_check(config_path: str, overrides: list[str], target: str | None) -> str
 
     chip = target.removeprefix("tpu-") if target != "cpu" else None
     tp = cfg.cluster.mesh.get("model", 1)
-    # The engine's mesh (orchestrator/slice.py): a multi-host slice's every device, one host's first `tp`.
+    # The engine's mesh (orchestrator/slice.py): an SPMD multi-host slice's every device; else `tp` devices of
+    # one host, for each of the slice's cluster.mesh.data engines.
+    from orchestrator.cluster import engines_per_slice, host_level
+
     cluster = cfg.cluster
-    devices = cluster.hosts_per_slice * (cluster.devices_per_host or tp) if cluster.hosts_per_slice > 1 else tp
+    spmd = cluster.hosts_per_slice > 1 and not host_level(cluster.mesh, cluster.hosts_per_slice)
+    devices = cluster.hosts_per_slice * (cluster.devices_per_host or tp) if spmd else tp
     mesh = abstract_mesh(devices, tp, TPUS[chip] if chip else None)
     platform = "tpu" if chip else "cpu"
+    engines = engines_per_slice(cluster.mesh, cluster.hosts_per_slice)
     lines.append(f"mesh: {devices} devices, data {devices // tp} x model {tp}"
+                 + (f" (each of the slice's {engines} engines)" if engines > 1 else "")
                  + (f", JAX device kind {mesh.abstract_device.device_kind!r}" if chip else ""))
     started = time.perf_counter()
     try:

@@ -68,7 +68,6 @@ class SliceSpec:
         return self.num_hosts > 1 and not host_level(self.mesh, self.num_hosts)
 
 
-
 @dataclass
 class _Live:
     """A batch whose requests are in the engine."""

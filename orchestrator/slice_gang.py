@@ -86,7 +86,8 @@ class SliceGang:
             for host in range(self.num_hosts)]
         self.actors, self._starting, self._polls, self._infos = [], {}, {}, []
         self._since = time.monotonic()
-        self._sent = [0] * self.num_hosts  # batches submitted to each host (BatchWork.seq, in the host's order)
+        self._sent = 0  # batches submitted to these actors (BatchWork.seq)
+        self._host_batches = [0] * self.num_hosts  # host-level: batches submitted to each host (its own seq)
         self._host_sent = [0] * self.num_hosts  # host-level: samples sent to each host, and finished there
         self._host_finished = [0] * self.num_hosts
         self._host_steps = [0] * self.num_hosts
@@ -207,11 +208,11 @@ class SliceGang:
         if self._host_level:  # to the host holding the fewest unfinished samples
             host = min(range(self.num_hosts), key=lambda h: (self._host_sent[h] - self._host_finished[h], h))
             self._host_sent[host] += work.num_prompts * self.cfg.sampling.n
-            self.actors[host].submit.remote(dataclasses.replace(work, seq=self._sent[host]))
-            self._sent[host] += 1
+            self.actors[host].submit.remote(dataclasses.replace(work, seq=self._host_batches[host]))
+            self._host_batches[host] += 1
             return
-        ref = ray.put(dataclasses.replace(work, seq=self._sent[0]))  # one copy in the object store for every host
-        self._sent[0] += 1
+        ref = ray.put(dataclasses.replace(work, seq=self._sent))  # one copy in the object store for every host
+        self._sent += 1
         for actor in self.actors:
             actor.submit.remote(ref)
 

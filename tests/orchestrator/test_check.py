@@ -72,6 +72,13 @@ def test_a_multihost_slice_without_tensor_parallelism_lowers(small_config, capsy
     assert "mesh: 4 devices, data 4 x model 1" in capsys.readouterr().out
 
 
+def test_a_data_parallel_slice_lowers_one_engines_mesh(small_config, capsys):
+    """Two hosts of 2 chips, {data: 4, model: 1}: each host runs 2 engines of 1 chip; the check lowers that engine."""
+    assert main([small_config, "--target", "tpu-v5e", *SMALL_ENGINE, "--cluster.hosts_per_slice=2",
+                 "--cluster.mesh={data: 4, model: 1}"]) == OK
+    assert "mesh: 1 devices, data 1 x model 1 (each of the slice's 4 engines)" in capsys.readouterr().out
+
+
 def test_the_head_rejects_before_lowering(small_config, capsys):
     """The head's own cluster check, through the `pagefleet` command line."""
     assert cli_main(["check", small_config, "--cluster.mesh={model: 3}"]) == FAULT

@@ -27,7 +27,7 @@ def test_data_parallel_slices_export_one_engines_samples(ray_local, run_model, t
     outcome = Driver(cfg, show_progress=False).run()
     assert outcome.exit_code == 0 and outcome.summary["samples_done"] == 48
     engines = int(mesh.split("data: ")[1].split(",")[0])
-    assert f"slice-0 ready (pids" in (events := (run_dir / "events.log").read_text())
+    assert "slice-0 ready (pids" in (events := (run_dir / "events.log").read_text())
     assert f"{engines} data-parallel engines" in events
     assert samples(run_dir) == reference(run_model, run_dir, cfg)  # every sample once, one engine's tokens
     timeline = (run_dir / "timeline.jsonl").read_text()

@@ -97,3 +97,15 @@ def test_a_slice_that_meets_a_mesh_error_is_not_restarted(ray_local, run_model, 
     events = (run_dir / "events.log").read_text()
     assert "slice-0 could not start" in events and "restarting cannot help" in events
     assert "slice-0 restarting" not in events
+
+
+def test_the_heads_budget_scales_with_the_engines_of_a_slice(mqa_model):
+    """Twice every engine's slots by default: D engines, D times the budget (an explicit value is the slice's)."""
+    one = cfg(mqa_model, "--cluster.devices_per_host=4", "--engine.max_seqs=8")
+    four = cfg(mqa_model, "--cluster.devices_per_host=4", "--engine.max_seqs=8", "--cluster.mesh={data: 4, model: 1}")
+    hosts = cfg(mqa_model, "--cluster.hosts_per_slice=2", "--cluster.devices_per_host=2", "--engine.max_seqs=8",
+                "--cluster.mesh={data: 4, model: 1}")
+    assert (one.samples_in_flight_per_slice, four.samples_in_flight_per_slice) == (16, 64)
+    assert hosts.samples_in_flight_per_slice == 64
+    explicit = cfg(mqa_model, "--cluster.mesh={data: 4, model: 1}", "--cluster.samples_in_flight_per_slice=10")
+    assert explicit.samples_in_flight_per_slice == 10
