@@ -14,6 +14,7 @@ from engine.config import EngineConfig, SamplingConfig, SamplingParams
 from engine.model_bytes import DTYPE_BYTES, GiB, ParamCount, count_params, kv_bytes_per_token
 from engine.record import RECORD_FIELDS, RESERVED_COLUMNS, SampleRecord, arrow_fields, output_record
 from engine.sequence import Request
+from engine.tensor_parallel import MeshError, kv_replicas, sharded_config, tensor_parallel_error
 
 _LAZY = {
     "Engine": "engine.engine",
@@ -45,7 +46,7 @@ _LAZY = {
 
 __all__ = ["Engine", "EngineConfig", "SamplingConfig", "SamplingParams", "Request", "SampleRecord", "RECORD_FIELDS", "RESERVED_COLUMNS", "output_record",
            "arrow_fields", "DTYPE_BYTES", "GiB", "ParamCount", "count_params", "kv_bytes_per_token", "check_pool", "length_error", "max_seq_len", "pages_for", "pages_needed",
-           "validate_request", *[name for name in _LAZY if name != "Engine"]]
+           "validate_request", "MeshError", "kv_replicas", "sharded_config", "tensor_parallel_error", *[name for name in _LAZY if name != "Engine"]]
 
 
 def __getattr__(name: str):

@@ -32,6 +32,7 @@ from engine.config import EngineConfig, SamplingConfig
 from engine.model import AttentionSettings, kv_pool_axes
 from engine.model_config import ModelConfig
 from engine.pallas_blocks import KernelBlocks, kernel_blocks
+from engine.tensor_parallel import sharded_config
 from engine.weights import abstract_transformer, partition_spec
 
 
@@ -96,6 +97,7 @@ def lower_step_programs(cfg: ModelConfig, engine: EngineConfig, max_seq_len: int
     """
     jdtype = jnp.dtype(dtype)
     impl = "pallas_tpu" if platform == "tpu" else "reference"
+    cfg = sharded_config(cfg, mesh.shape["model"])  # the KV heads as the engine holds them (replicated past kv_heads)
     model = abstract_transformer(cfg, jdtype, mesh)
     pool_axes = kv_pool_axes(cfg, engine.max_pages, engine.page_size)
     pool = hax.NamedArray(jax.ShapeDtypeStruct(tuple(a.size for a in pool_axes), jdtype,

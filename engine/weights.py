@@ -29,6 +29,7 @@ from engine.axes import TENSOR_PARALLEL, ModelAxes
 from engine.checkpoint_check import CheckpointError, check_checkpoint
 from engine.model import Attention, DecoderLayer, Transformer
 from engine.model_config import ModelConfig
+from engine.tensor_parallel import MeshError, kv_replicas, sharded_config
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64,
            "I64": np.int64, "I32": np.int32, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
@@ -120,8 +121,9 @@ def sharding(axes: tuple[hax.Axis, ...], mesh: Mesh | AbstractMesh | None) -> ja
     named = NamedSharding(mesh, partition_spec(axes, mesh))
     for a, name in zip(axes, named.spec):
         if name is not None and a.size % mesh.shape[name]:
-            raise ValueError(f"axis {a.name} of size {a.size} cannot be split over mesh axis {name!r} of size "
-                             f"{mesh.shape[name]}; choose cluster.mesh.model dividing the model's KV heads and MLP width")
+            raise MeshError(f"axis {a.name} of size {a.size} cannot be split over mesh axis {name!r} of size "
+                             f"{mesh.shape[name]}; choose cluster.mesh.model dividing the model's KV heads and MLP width, "
+                             "or a multiple of the KV heads dividing the attention heads")
     return named
 
 
@@ -138,7 +140,9 @@ def load_transformer(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | No
                      merge_gap: int = ranged_file.MERGE_GAP) -> Transformer:
     """Load a Llama/Mistral/Qwen2 checkpoint (a local directory or a `gs://` URL) into a `Transformer` (parameters
     in `dtype`). `report`, if given, receives `load_s` and `bytes_read` (from an object store; 0 locally);
-    `merge_gap`: see engine/ranged_file.py."""
+    `merge_gap`: see engine/ranged_file.py. On a mesh whose `model` axis exceeds the KV heads, the K and V
+    projections are read with each KV head replicated (`engine.tensor_parallel`): the Transformer's config is
+    then `sharded_config`, with that many KV heads."""
     t0 = time.perf_counter()
     cfg = config or ModelConfig.from_pretrained(path)
     check_checkpoint(path, cfg)  # headers only: a missing, truncated or misshapen tensor is named before any read
@@ -157,7 +161,7 @@ def load_transformer(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | No
 
     if not cfg.tie_word_embeddings and "lm_head.weight" not in ckpt:
         raise ValueError(f"{path}: config.json says tie_word_embeddings=false but the checkpoint has no lm_head.weight")
-    model = _build(cfg, one, stacked)  # every device's shard is read here (make_array_from_callback)
+    model = _build(cfg, one, stacked, _model_width(mesh))  # every device's shard is read here (make_array_from_callback)
     if report is not None:
         report.update(load_s=time.perf_counter() - t0, bytes_read=ckpt.bytes_read)
     return model
@@ -170,25 +174,34 @@ def abstract_transformer(cfg: ModelConfig, dtype, mesh: Mesh | AbstractMesh | No
         shape = tuple(a.size for a in axes)
         return NamedArray(jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding(axes, mesh)), axes)
 
-    return _build(cfg, abstract, abstract)
+    return _build(cfg, abstract, abstract, _model_width(mesh))
 
 
-def _build(cfg: ModelConfig, one: Callable, stacked: Callable) -> Transformer:
+def _model_width(mesh: Mesh | AbstractMesh | None) -> int:
+    return 1 if mesh is None else mesh.shape.get("model", 1)
+
+
+def _build(checkpoint_cfg: ModelConfig, one: Callable, stacked: Callable, tp: int) -> Transformer:
     """The model's parameters by Hugging Face name, axes and layout: `one(name, axes, to_named)` makes a
-    parameter, `stacked(suffix, axes, to_named)` one stacked over layers (axes include `layers`)."""
+    parameter, `stacked(suffix, axes, to_named)` one stacked over layers (axes include `layers`). At a
+    tensor-parallel width `tp` beyond the KV heads, K and V (and their biases) are read with each KV head
+    repeated `kv_replicas` times; Q and O keep their head order, viewed as (replicated KV head, query in it)."""
+    cfg, replicas = sharded_config(checkpoint_cfg, tp), kv_replicas(checkpoint_cfg, tp)
     ax = ModelAxes.of(cfg)
     L, E, V, M, KV, G, D = ax.Layers, ax.Embed, ax.Vocab, ax.Mlp, ax.KVHeads, ax.QPerKV, ax.HeadSize
     t = lambda w: w.T  # torch Linear stores [out, in]; we store [in, out...]
     shape = lambda *dims: (lambda w: w.T.reshape(*dims))
     bias = cfg.qkv_bias
+    kv0 = checkpoint_cfg.num_kv_heads
+    copies = lambda read, axis: (lambda w: np.repeat(read(w), replicas, axis=axis)) if replicas > 1 else read  # noqa: E731
     attn = Attention(
         wq=stacked("self_attn.q_proj.weight", (L, E, KV, G, D), shape(E.size, KV.size, G.size, D.size)),
-        wk=stacked("self_attn.k_proj.weight", (L, E, KV, D), shape(E.size, KV.size, D.size)),
-        wv=stacked("self_attn.v_proj.weight", (L, E, KV, D), shape(E.size, KV.size, D.size)),
+        wk=stacked("self_attn.k_proj.weight", (L, E, KV, D), copies(shape(E.size, kv0, D.size), 1)),
+        wv=stacked("self_attn.v_proj.weight", (L, E, KV, D), copies(shape(E.size, kv0, D.size), 1)),
         wo=stacked("self_attn.o_proj.weight", (L, KV, G, D, E), shape(KV.size, G.size, D.size, E.size)),
         bq=stacked("self_attn.q_proj.bias", (L, KV, G, D), lambda b: b.reshape(KV.size, G.size, D.size)) if bias else None,
-        bk=stacked("self_attn.k_proj.bias", (L, KV, D), lambda b: b.reshape(KV.size, D.size)) if bias else None,
-        bv=stacked("self_attn.v_proj.bias", (L, KV, D), lambda b: b.reshape(KV.size, D.size)) if bias else None,
+        bk=stacked("self_attn.k_proj.bias", (L, KV, D), copies(lambda b: b.reshape(kv0, D.size), 0)) if bias else None,
+        bv=stacked("self_attn.v_proj.bias", (L, KV, D), copies(lambda b: b.reshape(kv0, D.size), 0)) if bias else None,
     )
     layers = DecoderLayer(
         attn_norm=stacked("input_layernorm.weight", (L, E), lambda w: w),

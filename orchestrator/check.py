@@ -2,8 +2,9 @@
 
 Three questions, answered on any machine before a slice is rented, each by the code that owns it:
 
-1. Does the head accept the config? The head's own checks (`load_run_config`, `driver.check_cluster`,
-   `PackingLimits.resolve`, the model's config.json and context length), nothing re-derived.
+1. Does the head accept the config? The head's own checks (`load_run_config`, then `slice_layout.validate`:
+   the mesh against the slice's devices and the model's heads and MLP width, `PackingLimits.resolve`, the
+   context length and the KV pool), nothing re-derived.
 2. Do the engine's step programs compile for the target? Every program at every shape bucket is traced
    and lowered for TPU on an abstract mesh of the slice's devices (`engine/preflight.py`), the Pallas
    kernel included; the kernel's block sizes and VMEM estimate come with each (`engine/pallas_blocks.py`).
@@ -82,12 +83,18 @@ def run_check(config_path: str, overrides: list[str], target: str | None) -> str
 
     chip = target.removeprefix("tpu-") if target != "cpu" else None
     tp = cfg.cluster.mesh.get("model", 1)
-    # The engine's mesh (orchestrator/slice.py): a multi-host slice's every device, one host's first `tp`.
+    # The engine's mesh (orchestrator/slice.py): an SPMD multi-host slice's every device; else `tp` devices of
+    # one host, for each of the slice's cluster.mesh.data engines.
+    from orchestrator.cluster import engines_per_slice, host_level
+
     cluster = cfg.cluster
-    devices = cluster.hosts_per_slice * (cluster.devices_per_host or tp) if cluster.hosts_per_slice > 1 else tp
+    spmd = cluster.hosts_per_slice > 1 and not host_level(cluster.mesh, cluster.hosts_per_slice)
+    devices = cluster.hosts_per_slice * (cluster.devices_per_host or tp) if spmd else tp
     mesh = abstract_mesh(devices, tp, TPUS[chip] if chip else None)
     platform = "tpu" if chip else "cpu"
+    engines = engines_per_slice(cluster.mesh, cluster.hosts_per_slice)
     lines.append(f"mesh: {devices} devices, data {devices // tp} x model {tp}"
+                 + (f" (each of the slice's {engines} engines)" if engines > 1 else "")
                  + (f", JAX device kind {mesh.abstract_device.device_kind!r}" if chip else ""))
     started = time.perf_counter()
     try:
@@ -126,17 +133,12 @@ def run_check(config_path: str, overrides: list[str], target: str | None) -> str
 
 
 def head_validation(cfg):
-    """The head's checks of a loaded config, in the order `pagefleet run` meets them; returns the model's
-    config and the engine's context length. Raises ValueError or FileNotFoundError naming the key."""
-    from engine import ModelConfig
-    from orchestrator.driver import check_cluster
-    from orchestrator.model_source import max_seq_len, model_config
-    from orchestrator.packing import PackingLimits
+    """The head's checks of a loaded config, as `pagefleet run` makes them (`orchestrator/slice_layout.py`);
+    returns the model's config and the engine's context length. Raises ValueError or FileNotFoundError naming
+    the key."""
+    from orchestrator.slice_layout import validate
 
-    check_cluster(cfg)
-    PackingLimits.resolve(cfg.packing, cfg.engine, cfg.sampling)
-    model = ModelConfig.from_hf(model_config(cfg.model))
-    return model, max_seq_len(cfg.model, cfg.engine)
+    return validate(cfg)
 
 
 def memory_fit(cfg, model_cfg, tp: int, chip: str | None, tokens: int, seqs: int) -> Fit:
@@ -144,6 +146,9 @@ def memory_fit(cfg, model_cfg, tp: int, chip: str | None, tokens: int, seqs: int
     from orchestrator.size import CHIPS, DTYPE_BYTES, GiB as SIZE_GIB, activation_bytes_per_chip, count_params
     from orchestrator.size import kv_bytes_per_token
 
+    from engine import sharded_config
+
+    model_cfg = sharded_config(model_cfg, tp)  # as the engine holds it: KV heads replicated when tp exceeds them
     nbytes = DTYPE_BYTES[cfg.model.dtype]
     kv_pool = cfg.engine.max_pages * cfg.engine.page_size * kv_bytes_per_token(model_cfg, nbytes) // tp
     return Fit(weights=count_params(model_cfg).per_chip(tp) * nbytes, kv_pool=kv_pool,

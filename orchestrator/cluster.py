@@ -20,7 +20,12 @@ class ClusterConfig:
     devices_per_host: int | None = None
     """On CPU: how many XLA host devices each host process exposes; None keeps the default."""
     mesh: dict[str, int] = field(default_factory=lambda: {"model": 1})
-    """Named mesh axes inside a slice; `model` is the tensor-parallel width, the rest is data parallel."""
+    """Named mesh axes inside a slice: `model` is each engine's tensor-parallel width T (a divisor of the model's KV
+    heads, or a multiple of them that divides its attention heads: each KV head is then replicated T / kv_heads
+    times); `data` is D, the slice's independent engines, each on T devices of one host with its own scheduler,
+    KV pool and copy of the weights (D x T must equal the slice's devices; on a multi-host slice every host runs
+    D / hosts_per_slice of them, with no collective across hosts). Checked at the head against the devices and
+    the model's config.json before any slice starts."""
     resources_per_host: dict[str, float] = field(default_factory=lambda: {"CPU": 1})
     """Ray resources each host actor of a slice requests, e.g. {"TPU": 4} for one v5p host's chips;
     a slice's host 0 also requests the slice's head resource when `slice_head_resource` is set."""
@@ -29,9 +34,9 @@ class ClusterConfig:
     On a multi-host slice, host 0 takes it and the other hosts go to nodes with the same `ray.io/tpu-slice-name`
     label as host 0's node (Ray labels TPU hosts so), never to another pod slice's hosts."""
     samples_in_flight_per_slice: int | None = None
-    """Unfinished samples a slice holds at once (running plus queued in its engine, counted sample by sample as
-    they finish); defaults to 2 * engine.max_seqs, so the next batches are already queued when slots free up
-    and the engine stays full across batches."""
+    """Unfinished samples a slice holds at once (running plus queued in its engines, counted sample by sample as
+    they finish); defaults to 2 * engine.max_seqs per engine (times cluster.mesh.data), so the next batches are
+    already queued when slots free up and every engine stays full across batches."""
     max_slice_restarts: int = 3
     """Times a slice that died (or failed to start) is replaced before the run gives up on it."""
     placement_strategy: str = "SPREAD"
@@ -56,6 +61,24 @@ class ClusterConfig:
             raise ValueError(f"cluster.samples_in_flight_per_slice must be at least 1, got {self.samples_in_flight_per_slice}")
         if any(width < 1 for width in self.mesh.values()):
             raise ValueError(f"cluster.mesh widths must be at least 1, got {self.mesh}")
+
+
+def engines_per_slice(mesh: dict[str, int], num_hosts: int) -> int:
+    """Data-parallel engines a slice runs: `cluster.mesh.data` (each on `model` devices of one host, with its own
+    scheduler, KV pool and weights); 1 when it is not given (one engine, an SPMD program over a multi-host slice)."""
+    return mesh.get("data", 1)
+
+
+def host_level(mesh: dict[str, int], num_hosts: int) -> bool:
+    """A multi-host slice of data-parallel engines: every host runs its own engines on its own devices, as
+    independent JAX processes (no jax.distributed, no collective across hosts)."""
+    return num_hosts > 1 and mesh.get("data", 1) > 1
+
+
+def engines_per_host(mesh: dict[str, int], num_hosts: int) -> int:
+    """Engines in one host process of the slice."""
+    engines = engines_per_slice(mesh, num_hosts)
+    return engines // num_hosts if host_level(mesh, num_hosts) else engines
 
 
 def existing_cluster() -> str | None:

@@ -73,8 +73,11 @@ class RunConfig:
     @property
     def samples_in_flight_per_slice(self) -> int:
         """Unfinished samples the head keeps at each slice (cluster.samples_in_flight_per_slice, else twice the
-        engine's slots: the next batches wait in the engine's queue when slots free up)."""
-        return self.cluster.samples_in_flight_per_slice or 2 * self.engine.max_seqs
+        slots of its engines: the next batches wait in the engines' queues when slots free up)."""
+        from orchestrator.cluster import engines_per_slice
+
+        engines = engines_per_slice(self.cluster.mesh, self.cluster.hosts_per_slice)
+        return self.cluster.samples_in_flight_per_slice or 2 * self.engine.max_seqs * engines
 
     def sample_affecting(self) -> dict[str, Any]:
         """The keys a plan is tied to, as plain data (corpus, model source, sampling, the context and page size)."""

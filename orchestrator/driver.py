@@ -2,7 +2,7 @@
 
 The head owns all durable state (batches.jsonl, outputs/, events.log) and the tracker; slices get
 batches and return `Completed | Failed` as data. Each slice holds about
-`cluster.samples_in_flight_per_slice` unfinished samples (default 2 x engine.max_seqs; the slice
+`cluster.samples_in_flight_per_slice` unfinished samples (default 2 x engine.max_seqs per engine; the slice
 reports how many of those sent to it have finished): the next batches are already queued in its
 engine when slots free up, so it never drains between batches, even while a batch waits on one long
 sample; a slice that frees up pulls the next pending batch, so faster slices do more. A batch's outputs are written
@@ -40,6 +40,7 @@ from orchestrator.retune import retune
 from orchestrator.run_state import RunState
 from orchestrator.rundir import RunDir
 from orchestrator.slice_gang import POLL_S, SliceGang
+from orchestrator.slice_layout import check_mesh, validate
 from orchestrator.waiting import WaitingReport
 
 
@@ -94,19 +95,9 @@ def disk_full(e: OSError, where: Path) -> DiskFull | None:
                     "rerun the same command: the run resumes where it stopped, losing nothing written")
 
 
-def check_cluster(cfg: RunConfig) -> None:
-    """The head's check of the slice layout, before any slice starts (`pagefleet check` runs it too)."""
-    cluster = cfg.cluster
-    width = cluster.mesh.get("model", 1)
-    if cluster.devices_per_host and (cluster.hosts_per_slice * cluster.devices_per_host) % width:
-        raise ValueError(f"cluster.mesh.model={width} does not divide the slice's "
-                         f"{cluster.hosts_per_slice * cluster.devices_per_host} devices (cluster.hosts_per_slice="
-                         f"{cluster.hosts_per_slice} x cluster.devices_per_host={cluster.devices_per_host})")
-
-
 class Driver:
     def __init__(self, cfg: RunConfig, show_progress: bool = True, stop: threading.Event | None = None) -> None:
-        check_cluster(cfg)
+        check_mesh(cfg)  # no model needed: a config error before the run directory is touched
         self.cfg = cfg
         self.run_dir = RunDir(location.location(cfg.resolved_run_dir))  # local, or gs:// (docs/storage.md)
         self.show_progress = show_progress
@@ -130,6 +121,7 @@ class Driver:
         from engine import check_checkpoint
 
         check_checkpoint(model)  # headers only (ranged reads on gs://), before planning: a bad one stops the run once
+        validate(self.cfg)  # the mesh against the devices and the model, the capacities: before any slice starts
         with run_lock(self.run_dir.root, self.cfg.lock_stale_s) as lock:
             self._lock = lock  # checked every turn of the loop: a head that lost it stops (object_lock.py)
             try:
@@ -294,6 +286,9 @@ class Driver:
             info = event.info
             where = f", pod_slice {info['pod_slice']}" if info.get("pod_slice") else ""
             read = f", {info['model_bytes_read']:,} bytes read from the bucket" if info.get("model_bytes_read") else ""
+            where += f", {info['engines']} data-parallel engines" if info.get("engines", 1) > 1 else ""
+            processes = info.get("processes", [])
+            where += ", each host its own JAX process" if len(processes) > 1 and max(processes) == 1 else ""
             self._state.event(f"{slot.name} ready (pids {info['pids']}, {info['devices']} devices{where}, "
                               f"model loaded in {info['load_s']:.1f} s{read})")
         elif event.kind == "results":

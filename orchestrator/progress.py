@@ -71,8 +71,9 @@ class RunProgress:
                                  f"{self.tokens_per_s:,.0f} tok/s, failed {num_failed}", refresh=False)
 
     def add_timeline(self, slice_name: str, buckets: list[dict]) -> None:
-        for b in buckets:
-            self._timeline.write(dumps({**b, "slice": slice_name, "session": self.started}) + "\n")
+        for b in buckets:  # an engine of a data-parallel slice is a line of its own: "slice-0/1"
+            name = slice_name if "engine" not in b else f"{slice_name}/{b['engine']}"
+            self._timeline.write(dumps({**b, "slice": name, "session": self.started}) + "\n")
         if buckets:
             self._timeline.flush()
 

@@ -10,7 +10,9 @@ The rules, per chip of one tensor-parallel group (one engine):
   axis and replicates the rest (token embeddings, an untied lm_head, RMSNorm weights; see
   `engine/axes.py` TENSOR_PARALLEL), so a chip holds `replicated + sharded / tp` parameters.
 - **KV.** One token's K and V in every layer take `2 * layers * kv_heads * head_dim * dtype_bytes`
-  bytes (the pool layout of `engine/kv_cache.py`), split over `tp` chips by KV head.
+  bytes (the pool layout of `engine/kv_cache.py`), split over `tp` chips by KV head. When `tp` exceeds the
+  KV heads, each is replicated `tp / kv_heads` times (`engine/tensor_parallel.py`): `kv_heads` is then `tp`
+  here, and the K and V projections count that many times in the weights per chip.
 - **Pages.** `max_pages = floor((hbm - weights - reserve) / (page_size * kv_bytes_per_token / tp))`,
   where `reserve = reserve_fraction * hbm` is left for activations, logits and XLA's compile
   workspace.
@@ -32,7 +34,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import DTYPE_BYTES, GiB, ModelConfig, ParamCount, count_params, kv_bytes_per_token
+from engine import (DTYPE_BYTES, GiB, ModelConfig, ParamCount, count_params, kv_bytes_per_token, sharded_config,
+                    tensor_parallel_error)
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,14 @@ class Chip:
     """HBM bandwidth per chip in GB/s (1e9 bytes per second)."""
     peak_bf16_tflops: float
     """Peak bf16 matmul throughput per chip in TFLOP/s (for the compute figure only)."""
+    max_chips_per_host: int = 4
+    """Chips one host holds at most: a slice of up to this many chips is one host; a bigger one is hosts of
+    `multi_host_chips` chips each."""
+    multi_host_chips: int = 4
+
+    def chips_per_host(self, chips: int) -> int:
+        """Chips of one host of a `chips`-chip slice (`pagefleet size --chips-per-host` overrides)."""
+        return chips if chips <= self.max_chips_per_host else self.multi_host_chips
 
 
 # Google Cloud TPU documentation, system architecture pages (cloud.google.com/tpu/docs/<chip>):
@@ -54,11 +65,18 @@ class Chip:
 #        (32 GB is 29.8 GiB; we take the documented GB figure, the conservative reading).
 #   v5e: "HBM2 capacity and bandwidth 16 GB, 819 GBps", 197 bf16 TFLOPs.
 #   v4:  "HBM2 capacity and bandwidth 32 GiB, 1200 GBps", 275 bf16 TFLOPs.
+#   Hosts: a v5p or v4 host has 4 chips; v5e and v6e slices of up to 8 chips are one host, bigger ones hosts of 4.
+# NVIDIA datasheets (SXM): H100 "GPU Memory 80GB", "GPU Memory Bandwidth 3.35TB/s", H200 "141GB", "4.8TB/s";
+#   BF16 Tensor Core 1,979 TFLOPS with sparsity for both, 989 dense (taken here). 8 GPUs a node (HGX).
 CHIPS: dict[str, Chip] = {
     "v5p": Chip("v5p", hbm_gib=95.0, hbm_gb_per_s=2765.0, peak_bf16_tflops=459.0),
-    "v6e": Chip("v6e", hbm_gib=32e9 / GiB, hbm_gb_per_s=1638.0, peak_bf16_tflops=918.0),
-    "v5e": Chip("v5e", hbm_gib=16e9 / GiB, hbm_gb_per_s=819.0, peak_bf16_tflops=197.0),
+    "v6e": Chip("v6e", hbm_gib=32e9 / GiB, hbm_gb_per_s=1638.0, peak_bf16_tflops=918.0, max_chips_per_host=8),
+    "v5e": Chip("v5e", hbm_gib=16e9 / GiB, hbm_gb_per_s=819.0, peak_bf16_tflops=197.0, max_chips_per_host=8),
     "v4": Chip("v4", hbm_gib=32.0, hbm_gb_per_s=1200.0, peak_bf16_tflops=275.0),
+    "h100": Chip("h100", hbm_gib=80e9 / GiB, hbm_gb_per_s=3350.0, peak_bf16_tflops=989.0, max_chips_per_host=8,
+                 multi_host_chips=8),
+    "h200": Chip("h200", hbm_gib=141e9 / GiB, hbm_gb_per_s=4800.0, peak_bf16_tflops=989.0, max_chips_per_host=8,
+                 multi_host_chips=8),
 }
 
 
@@ -78,16 +96,10 @@ def activation_bytes_per_chip(cfg: ModelConfig, tokens: int, seqs: int, tp: int)
 
 
 def check_tp(cfg: ModelConfig, tp: int) -> None:
-    """The engine shards KV heads and the MLP width over `tp` chips: both must divide evenly."""
-    if tp < 1:
-        raise SizingError(f"--tp must be at least 1, got {tp}")
-    if cfg.num_kv_heads % tp:
-        divisors = [d for d in range(1, cfg.num_kv_heads + 1) if cfg.num_kv_heads % d == 0]
-        raise SizingError(f"the model has {cfg.num_kv_heads} KV heads, which {tp} chips cannot share evenly; "
-                          f"choose --tp (cluster.mesh.model) from {divisors}")
-    if cfg.intermediate_size % tp:
-        raise SizingError(f"the MLP width {cfg.intermediate_size} does not divide over --tp {tp}; "
-                          "choose a tensor-parallel width that divides it")
+    """The engine's rule for a tensor-parallel width (`engine.tensor_parallel`), as a SizingError naming --tp."""
+    error = tensor_parallel_error(cfg, tp)
+    if error is not None:
+        raise SizingError(f"{error}; choose --tp (cluster.mesh.model) accordingly")
 
 
 def largest_pow2_at_most(n: int) -> int:
@@ -206,7 +218,7 @@ def size(cfg: ModelConfig, *, hbm_gib: float, hbm_gb_per_s: float, tp: int = 1, 
         if value < 1:
             raise SizingError(f"{flag} must be at least 1, got {value}")
     if hbm_gib <= 0 or hbm_gb_per_s <= 0:
-        raise SizingError("--hbm-gib and --hbm-gb-per-s must be positive (or pass --chip v5p|v6e|v5e|v4)")
+        raise SizingError("--hbm-gib and --hbm-gb-per-s must be positive (or pass --chip, one of v5p, v6e, v5e, v4, h100, h200)")
     seq_len = prompt_tokens + new_tokens
     if cfg.max_position_embeddings is not None and seq_len > cfg.max_position_embeddings:
         raise SizingError(f"{prompt_tokens} + {new_tokens} tokens exceed the model's context of "
@@ -214,11 +226,12 @@ def size(cfg: ModelConfig, *, hbm_gib: float, hbm_gb_per_s: float, tp: int = 1, 
 
     nbytes = DTYPE_BYTES[dtype]
     params = count_params(cfg)
+    held = sharded_config(cfg, tp)  # as the engine holds it: KV heads replicated when tp exceeds them
     hbm = int(hbm_gib * GiB)
     reserve = int(hbm * reserve_fraction)
-    weights = params.per_chip(tp) * nbytes
+    weights = count_params(held).per_chip(tp) * nbytes
     budget = hbm - reserve - weights
-    kv_token = kv_bytes_per_token(cfg, nbytes)
+    kv_token = kv_bytes_per_token(held, nbytes)
     kv_token_chip = kv_token // tp
     page_bytes = page_size * kv_token_chip
     pages_per_seq = math.ceil(seq_len / page_size)
@@ -242,7 +255,7 @@ def size(cfg: ModelConfig, *, hbm_gib: float, hbm_gb_per_s: float, tp: int = 1, 
     per_engine = max_seqs / step_s
     compute_s = None
     if peak_tflops:
-        compute_s = 2 * params.per_chip(tp) * max_seqs / (peak_tflops * 1e12)
+        compute_s = 2 * count_params(held).per_chip(tp) * max_seqs / (peak_tflops * 1e12)
     return SizeReport(
         model=model_name, chip=chip, dtype=dtype, tp=tp, chips_per_slice=chips_per_slice,
         engines_per_slice=chips_per_slice // tp, hbm_bytes_per_chip=hbm, hbm_gb_per_s=hbm_gb_per_s,

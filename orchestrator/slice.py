@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from engine import RECORD_FIELDS, EngineConfig, SamplingConfig, transfer_counters
+from orchestrator.cluster import engines_per_host, host_level
 from orchestrator.results import SAMPLE_SCHEMA, BatchStats, BatchWork, Completed, Failed, Result, with_stats
 from orchestrator.row_sampling import apply
 
@@ -52,6 +53,19 @@ class SliceSpec:
     samples_in_flight: int | None = None
     """The head's budget of unfinished samples here (RunConfig.samples_in_flight_per_slice): once the slice
     holds fewer, it returns the head's poll early so that the head sends the next batch. None: it never does."""
+    device_offset: int = 0
+    """An engine of a data-parallel slice: its first device on this host (it runs on [offset, offset + model))."""
+
+    @property
+    def engines(self) -> int:
+        """Independent engines in this host's process (orchestrator.cluster.engines_per_host)."""
+        return engines_per_host(self.mesh, self.num_hosts)
+
+    @property
+    def spmd(self) -> bool:
+        """Several hosts running one engine as one SPMD program (jax.distributed); not so for host-level data
+        parallelism, where every host is an independent JAX process with engines of its own."""
+        return self.num_hosts > 1 and not host_level(self.mesh, self.num_hosts)
 
 
 @dataclass
@@ -68,13 +82,21 @@ class _Live:
 
 
 class SliceWorker:
-    """Wrapped with `ray.remote(max_concurrency=...)` by the driver; usable directly in one process too."""
+    """Wrapped with `ray.remote(max_concurrency=...)` by the driver; usable directly in one process too.
 
-    def __init__(self, spec: SliceSpec) -> None:
+    A data-parallel slice (`cluster.mesh.data` D > 1 on one host) runs D engines, each a lane of this worker on
+    its own devices, thread and scheduler. The lanes share the slice's inbox and outbox: a lane whose engine has
+    admitted every request it holds takes the next batch in the head's order, so every engine stays full; the
+    head's budget and the finished-sample count are the slice's, summed over its lanes."""
+
+    def __init__(self, spec: SliceSpec, parent: SliceWorker | None = None) -> None:
         self.spec = spec
-        self._inbox = _Inbox()
-        self._outbox: queue.Queue[Result] = queue.Queue()
-        self._stop = threading.Event()
+        self._parent = parent
+        self._inbox = parent._inbox if parent else _Inbox()
+        self._outbox: queue.Queue[Result] = parent._outbox if parent else queue.Queue()
+        self._stop = parent._stop if parent else threading.Event()
+        self._wake_lock = parent._wake_lock if parent else threading.Lock()
+        self._lanes: list[SliceWorker] = []  # the slice's engines when data parallel (this worker then runs none)
         self._fatal: str | None = None
         self._thread: threading.Thread | None = None
         self.engine = None
@@ -111,11 +133,10 @@ class SliceWorker:
         host holds the same configuration.
         """
         t0 = time.perf_counter()
-        if self.spec.num_hosts > 1:
+        if self.spec.spmd:
             from engine import initialize_distributed
 
             initialize_distributed(coordinator, self.spec.num_hosts, self.spec.host_index, self.spec.devices_per_host)
-        from engine import Engine
         from orchestrator.model_cache import local_copy
         from orchestrator.model_source import ModelSourceConfig, load_tokenizer
 
@@ -124,16 +145,32 @@ class SliceWorker:
         # gs://: each host reads only its devices' shards by ranged reads, or, with model.cache_dir, copies the
         # checkpoint there once and loads it from there (docs/storage.md)
         fetch = local_copy(self.spec.model_path, self.spec.model_cache_dir) if self.spec.model_cache_dir else None
-        self.engine = Engine(fetch.local_path if fetch else self.spec.model_path, self.spec.engine,
-                             dtype=self.spec.dtype, mesh=self._mesh(), tokenizer=tokenizer)
-        self._thread = threading.Thread(target=self._run, name=f"{self.spec.name}-engine", daemon=True)
-        self._thread.start()
+        width = self.spec.mesh.get("model", 1)
+        self._lanes = [SliceWorker(dataclasses.replace(self.spec, device_offset=i * width), parent=self)
+                       for i in range(self.spec.engines)] if self.spec.engines > 1 else []
+        for lane in self._lanes or [self]:
+            lane._start_engine(fetch.local_path if fetch else self.spec.model_path, tokenizer)
+        engines = [lane.engine for lane in self._lanes or [self]]
         import jax
 
         return {"slice": self.spec.name, "pid": os.getpid(), "load_s": time.perf_counter() - t0,
-                "model_bytes_read": fetch.bytes_read if fetch else self.engine.load_report["bytes_read"],
-                "model_fetch_s": fetch.seconds if fetch else self.engine.load_report["load_s"],
-                "devices": [str(d) for d in jax.devices()]}
+                "model_bytes_read": fetch.bytes_read if fetch else sum(e.load_report["bytes_read"] for e in engines),
+                "model_fetch_s": fetch.seconds if fetch else sum(e.load_report["load_s"] for e in engines),
+                "devices": [str(d) for d in jax.devices()], "engines": self.spec.engines,
+                "processes": jax.process_count()}  # 1 on every host of a host-level data-parallel slice
+
+    def _start_engine(self, model_path: str, tokenizer) -> None:
+        from engine import Engine
+
+        self.engine = Engine(model_path, self.spec.engine, dtype=self.spec.dtype, mesh=self._mesh(), tokenizer=tokenizer)
+        name = f"{self.spec.name}-engine" + (f"-{self._lane}" if self._parent else "")
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def _lane(self) -> int:
+        """This engine's index in a data-parallel slice."""
+        return self.spec.device_offset // self.spec.mesh.get("model", 1)
 
     def submit(self, work: BatchWork) -> None:
         self._inbox.put(work)
@@ -150,9 +187,20 @@ class SliceWorker:
         except queue.Empty:
             pass
         results = [r for r in out if r is not None]  # None: the slice fell below its budget (_wake_head)
-        if not out and self._fatal is not None:
-            raise RuntimeError(f"slice {self.spec.name}'s engine thread died: {self._fatal}")
-        return results, self.steps, self.samples_finished  # read last: it counts every result returned
+        fatal = next((w._fatal for w in self._lanes or [self] if w._fatal is not None), None)
+        if not out and fatal is not None:
+            raise RuntimeError(f"slice {self.spec.name}'s engine thread died: {fatal}")
+        return results, self.total_steps, self.total_samples_finished  # read last: it counts every result returned
+
+    @property
+    def total_steps(self) -> int:
+        """Engine steps taken by every engine of the slice."""
+        return sum(w.steps for w in self._lanes) if self._lanes else self.steps
+
+    @property
+    def total_samples_finished(self) -> int:
+        """`samples_finished` summed over the slice's engines."""
+        return sum(w.samples_finished for w in self._lanes) if self._lanes else self.samples_finished
 
     def pid(self) -> int:
         return os.getpid()
@@ -167,22 +215,22 @@ class SliceWorker:
     # -- the engine thread -----------------------------------------------------------------------
 
     def _mesh(self):
-        width = self.spec.mesh.get("model", 1)
-        if self.spec.num_hosts > 1:
+        width, first = self.spec.mesh.get("model", 1), self.spec.device_offset
+        if self.spec.spmd:
             from engine import slice_mesh
 
             return slice_mesh(width)  # every device of every host: one SPMD program
-        if width == 1:
+        if width == 1 and self._parent is None:
             return None
         import jax
         import numpy as np
         from jax.sharding import Mesh
 
         devices = jax.devices()
-        if len(devices) < width:
-            raise ValueError(f"cluster.mesh.model={width} but this host has {len(devices)} devices; lower the mesh "
-                             "width or set cluster.devices_per_host")
-        return Mesh(np.asarray(devices[:width]).reshape(1, width), ("data", "model"))
+        if len(devices) < first + width:
+            raise ValueError(f"cluster.mesh data={self.spec.engines} x model={width} needs {self.spec.engines * width} "
+                             f"devices but this host has {len(devices)}; lower the mesh or set cluster.devices_per_host")
+        return Mesh(np.asarray(devices[first:first + width]).reshape(1, width), ("data", "model"))
 
     def _run(self) -> None:
         try:
@@ -200,7 +248,7 @@ class SliceWorker:
         receives the same batches in the same order, an idle engine waits for the next one (the same
         on every host), and a busy engine feeds when host 0 says so (one small broadcast a step).
         """
-        if self.spec.num_hosts > 1:
+        if self.spec.spmd:
             self._feed_in_step()
             return
         while self.engine.num_waiting == 0:
@@ -298,12 +346,16 @@ class SliceWorker:
         the head learns how many finished and sends the next batch now, not at the next batch's end (many
         steps later when one long sample holds a batch open). At most once per batch received, so a slice
         never wakes the head more often than it takes batches."""
-        budget, received = self.spec.samples_in_flight, self._inbox.batches_received
-        if budget is None or self._wakes == received or self.spec.host_index != 0:
+        if self._parent is not None:
+            self._parent._wake_head()  # the budget is the slice's, over all its engines
             return
-        if self._inbox.prompts_received * self.spec.sampling.n - self.samples_finished < budget:
-            self._wakes = received
-            self._outbox.put(None)
+        with self._wake_lock:
+            budget, received = self.spec.samples_in_flight, self._inbox.batches_received
+            if budget is None or self._wakes == received or (self.spec.spmd and self.spec.host_index != 0):
+                return
+            if self._inbox.prompts_received * self.spec.sampling.n - self.total_samples_finished < budget:
+                self._wakes = received
+                self._outbox.put(None)
 
     def _completed(self, live: _Live) -> Completed:
         n = self.spec.sampling.n
@@ -352,7 +404,11 @@ class SliceWorker:
     def _emit(self, result: Result) -> None:
         self._close_bucket()  # the steps so far travel with this result: a run's last steps are counted too
         timeline, self._timeline = self._timeline, []  # taken on every host, so that none grows it for days
-        if self.spec.host_index != 0:
+        if self._parent is not None or (self.spec.num_hosts > 1 and not self.spec.spmd):
+            # which engine of a data-parallel slice took these steps (numbered across its hosts)
+            engine = self.spec.host_index * self.spec.engines + (self._lane if self._parent is not None else 0)
+            timeline = [{**b, "engine": engine} for b in timeline]
+        if self.spec.spmd and self.spec.host_index != 0:
             return  # every host computed it; host 0 alone returns it
         self._outbox.put(dataclasses.replace(result, timeline=timeline))
 

@@ -2,7 +2,10 @@
 
 A single-host slice is a gang of one. On a multi-host slice the host actors are placed together (a
 Ray placement group), host 0 names the jax.distributed coordinator, every host gets every batch, and
-host 0 alone returns results; the others' polls are heartbeats. Liveness: a host actor that dies
+host 0 alone returns results; the others' polls are heartbeats. A multi-host slice of data-parallel engines
+(`cluster.mesh.data` > 1, host-level) has no coordinator: every host is an independent JAX process running
+data / hosts engines on its own devices, each batch goes to the one host holding the fewest unfinished
+samples, and every host returns its own results. Liveness: a host actor that dies
 fails the slice at once; a slice that holds batches but takes no engine step for
 `cluster.host_timeout_s` (a hung host blocks the others inside a collective), or that does not
 start within it, is reported as failed too.
@@ -15,6 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from orchestrator.cluster import host_level
 from orchestrator.config import RunConfig
 from orchestrator.results import BatchWork, Result
 from orchestrator.slice import SliceSpec, SliceWorker
@@ -31,8 +35,8 @@ class GangEvent:
     info: dict | None = None
     reason: str | None = None
     fatal: bool = False
-    """With "failed": the slice failed on a deterministic fault (a checkpoint it cannot load): every slice would,
-    so restarting cannot help."""
+    """With "failed": the slice failed on a deterministic fault (a checkpoint it cannot load, a mesh the model cannot
+    be sharded over): every slice would, so restarting cannot help."""
 
 
 class SliceGang:
@@ -72,6 +76,9 @@ class SliceGang:
         env = {}
         if cfg.cluster.devices_per_host:
             env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={cfg.cluster.devices_per_host}"
+        self._host_level = host_level(cfg.cluster.mesh, self.num_hosts)
+        if self._host_level and num_gpus == 0 and resources.get("TPU"):
+            env.update(single_host_tpu_env(int(resources["TPU"])))
         head = {cfg.cluster.slice_head_resource: 1} if cfg.cluster.slice_head_resource else {}
         self._host_options = [
             dict(num_cpus=num_cpus, num_gpus=num_gpus, resources={**resources, **(head if host == 0 else {})} or None,
@@ -80,6 +87,10 @@ class SliceGang:
         self.actors, self._starting, self._polls, self._infos = [], {}, {}, []
         self._since = time.monotonic()
         self._sent = 0  # batches submitted to these actors (BatchWork.seq)
+        self._host_batches = [0] * self.num_hosts  # host-level: batches submitted to each host (its own seq)
+        self._host_sent = [0] * self.num_hosts  # host-level: samples sent to each host, and finished there
+        self._host_finished = [0] * self.num_hosts
+        self._host_steps = [0] * self.num_hosts
         self._slice_name = None
         if self.num_hosts > 1:
             # An actor in a placement group draws only on its bundle: host 0's bundle carries the head resource.
@@ -102,10 +113,12 @@ class SliceGang:
 
         cfg = self.cfg
         for host, options in enumerate(self._host_options):
+            budget = cfg.samples_in_flight_per_slice  # host-level: each host wakes the head below its share
             spec = SliceSpec(self.name, cfg.model.require_path(), cfg.model.tokenizer_path, cfg.model.dtype,
                              cfg.engine, cfg.sampling, dict(cfg.cluster.mesh), num_hosts=self.num_hosts,
                              host_index=host, devices_per_host=cfg.cluster.devices_per_host,
-                             samples_in_flight=cfg.samples_in_flight_per_slice, model_cache_dir=cfg.model.cache_dir)
+                             samples_in_flight=max(1, budget // self.num_hosts) if self._host_level else budget,
+                             model_cache_dir=cfg.model.cache_dir)
             if self._head_group is not None:  # host 0 in the head's group, the others in the slice's
                 group, index = (self._head_group, 0) if host == 0 else (self.placement_group, host - 1)
             else:
@@ -114,7 +127,8 @@ class SliceGang:
                 options = {**options, "scheduling_strategy": PlacementGroupSchedulingStrategy(group, index)}
             self.actors.append(ray.remote(SliceWorker).options(**options).remote(spec))
         # Host 0's coordinator address goes to every host as an ObjectRef: no blocking call in the head.
-        coordinator = self.actors[0].coordinator_address.remote() if self.num_hosts > 1 else None
+        spmd = self.num_hosts > 1 and not self._host_level
+        coordinator = self.actors[0].coordinator_address.remote() if spmd else None
         self._starting = {a.start.remote(coordinator): host for host, a in enumerate(self.actors)}
         self._since = time.monotonic()
         self._steps = -1
@@ -148,10 +162,13 @@ class SliceGang:
             try:
                 self._infos.append(ray.get(ref))
             except ray.exceptions.RayError as e:
-                from engine import CheckpointError
+                from engine import CheckpointError, MeshError
+                from engine.model_config import UnsupportedModelError
 
                 cause = getattr(e, "cause", None)
-                fatal = isinstance(cause, CheckpointError)
+                # Deterministic faults (a checkpoint it cannot load, a mesh or model it cannot run): every slice
+                # and every restart would fail the same way.
+                fatal = isinstance(cause, (CheckpointError, MeshError, UnsupportedModelError))
                 return GangEvent("failed", reason=f"could not start: {cause if fatal else _error_text(e)}", fatal=fatal)
             if self._starting:
                 return GangEvent("waiting")
@@ -165,6 +182,11 @@ class SliceGang:
             where = f" (host {host})" if self.num_hosts > 1 else ""
             return GangEvent("failed", reason=f"died{where}: {_error_text(e)}")
         self._polls[self.actors[host].poll.remote(POLL_S)] = host
+        if self._host_level:  # independent hosts: each returns its own results and counts its own samples
+            self._host_finished[host] = samples_finished
+            if steps != self._host_steps[host]:
+                self._host_steps[host], self._since = steps, time.monotonic()
+            return GangEvent("results", results=results, samples_finished=sum(self._host_finished))
         if host == 0 and steps != self._steps:
             self._steps, self._since = steps, time.monotonic()
         return GangEvent("results", results=results, samples_finished=samples_finished) if host == 0 \
@@ -183,6 +205,12 @@ class SliceGang:
     def submit(self, work: BatchWork) -> None:
         import ray
 
+        if self._host_level:  # to the host holding the fewest unfinished samples
+            host = min(range(self.num_hosts), key=lambda h: (self._host_sent[h] - self._host_finished[h], h))
+            self._host_sent[host] += work.num_prompts * self.cfg.sampling.n
+            self.actors[host].submit.remote(dataclasses.replace(work, seq=self._host_batches[host]))
+            self._host_batches[host] += 1
+            return
         ref = ray.put(dataclasses.replace(work, seq=self._sent))  # one copy in the object store for every host
         self._sent += 1
         for actor in self.actors:
@@ -207,7 +235,11 @@ class SliceGang:
 
     def _summary(self) -> dict:
         first = self._infos[0] if self._infos else {}
-        return {"pids": [i.get("pid") for i in self._infos], "devices": len(first.get("devices", [])),
+        return {"pids": [i.get("pid") for i in self._infos],
+                "devices": sum(len(i.get("devices", [])) for i in self._infos) if self._host_level
+                else len(first.get("devices", [])),
+                "engines": sum(i.get("engines", 1) for i in self._infos) if self._host_level else first.get("engines", 1),
+                "processes": [i.get("processes", 1) for i in self._infos],
                 "load_s": max((i.get("load_s", 0.0) for i in self._infos), default=0.0),
                 "model_bytes_read": sum(i.get("model_bytes_read", 0) for i in self._infos),
                 **({"pod_slice": self._slice_name} if self._slice_name else {})}
@@ -227,3 +259,24 @@ def _slice_name() -> str | None:
 def _error_text(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[-1] if text else type(e).__name__
+
+
+TPU_CHIPS_PER_HOST_BOUNDS = {1: "1,1,1", 2: "1,2,1", 4: "2,2,1", 8: "2,4,1"}
+"""A host's chip grid by its chip count (as Ray lays out sub-slices: ray-project/ray#66029, util/tpu.py)."""
+
+
+def single_host_tpu_env(chips: int) -> dict[str, str]:
+    """Environment that makes a TPU host of a multi-host pod slice run alone on its own chips.
+
+    By default libtpu on a pod-slice host forms the whole slice and waits for every host to join. Host bounds
+    of 1,1,1 with this host's chip grid make it a slice of one host (pytorch/xla#7714: `TPU_HOST_BOUNDS=1,1,1`
+    runs one host of a pod; jax-ml/jax#14977 and Ray's accelerators/tpu.py set the same variables, with
+    TPU_VISIBLE_CHIPS, for sub-host allocations). The `PROCESS` names are newer libtpu's for the same bounds
+    (set on v4 pod hosts next to the `HOST` ones). Ray leaves a task that holds all of a node's chips to the
+    pod defaults and would drop TPU_VISIBLE_CHIPS, so RAY_EXPERIMENTAL_NOSET_TPU_VISIBLE_CHIPS keeps ours.
+    Checked on CPU only (no TPU here): see infra/README.md.
+    """
+    grid = TPU_CHIPS_PER_HOST_BOUNDS.get(chips, f"{chips},1,1")
+    return {"TPU_HOST_BOUNDS": "1,1,1", "TPU_PROCESS_BOUNDS": "1,1,1", "TPU_CHIPS_PER_HOST_BOUNDS": grid,
+            "TPU_CHIPS_PER_PROCESS_BOUNDS": grid, "TPU_VISIBLE_CHIPS": ",".join(str(c) for c in range(chips)),
+            "RAY_EXPERIMENTAL_NOSET_TPU_VISIBLE_CHIPS": "1"}

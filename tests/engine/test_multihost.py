@@ -102,6 +102,23 @@ def test_two_hosts_equal_each_other_and_one_device(tmp_path, models):
         assert any(seeded[i] != seeded[i + 1] for i in range(0, len(seeded), 2)), f"{spec}: samples of a prompt all equal"
 
 
+@pytest.mark.slow
+def test_one_kv_head_over_two_hosts_equals_one_device(tmp_path):
+    """tiny-mistral has one KV head: at model 2 (data 2 x model 2) and model 4 (across both hosts) each KV head is
+    replicated on every device of its model group (engine/tensor_parallel.py), and the tokens are one device's."""
+    model = presets.write_model("tiny-mistral", tmp_path / "tiny-mistral")
+    specs = [f"{model}:2", f"{model}:4"]
+    args = [a for s in specs for a in ("--model", s)]
+    (reference,) = launch(tmp_path, args, num_processes=1, local_devices=1, tag="single")
+    host0, host1 = launch(tmp_path, args, num_processes=2, local_devices=2, tag="slice")
+    for spec in specs:
+        a, b, ref = host0[spec], host1[spec], reference[spec]
+        assert a == b, f"{spec}: the two hosts differ"
+        assert a["token_ids"] == ref["token_ids"], f"{spec}: the slice differs from one device"
+        for got, want in zip(a["logprobs"], ref["logprobs"]):
+            np.testing.assert_allclose(got, want, atol=LOGPROB_ATOL, rtol=0)
+
+
 def test_hosts_that_disagree_fail_everywhere_naming_what_differs(tmp_path, models):
     host0, host1 = launch(tmp_path, ["--mode", "agree", "--model", f"{models['tiny-llama']}:1"],
                           num_processes=2, local_devices=2, tag="agree")

@@ -50,9 +50,18 @@ def test_a_head_size_the_kernel_cannot_take_is_named():
 
 
 def test_kv_heads_that_do_not_divide_the_mesh_are_refused():
-    with pytest.raises(ValueError, match="cluster.mesh.model"):
-        lower_step_programs(small_model(kv_heads=1), ENGINE, 256, "bfloat16", "greedy", 1,
-                            abstract_mesh(2, 2, TARGETS["v5e"]), "tpu")
+    """3 devices neither divide the 2 KV heads nor are a multiple of them (engine/tensor_parallel.py)."""
+    with pytest.raises(ValueError, match="cluster.mesh.model=3"):
+        lower_step_programs(small_model(kv_heads=2), ENGINE, 256, "bfloat16", "greedy", 1,
+                            abstract_mesh(3, 3, TARGETS["v5e"]), "tpu")
+
+
+def test_a_mesh_wider_than_the_kv_heads_lowers_with_the_kv_heads_replicated():
+    """One KV head over 2 devices: each device holds a copy of it (K and V, 2 combined heads) and 2 query heads."""
+    programs = lower_step_programs(small_model(kv_heads=1), ENGINE, 256, "bfloat16", "greedy", 1,
+                                   abstract_mesh(2, 2, TARGETS["v5e"]), "tpu")
+    step = programs[0]
+    assert step.mosaic_calls >= 1 and step.kernel.vmem_bytes < TARGETS["v5e"].vmem_bytes_per_core
 
 
 def test_sampling_mode_follows_the_config():

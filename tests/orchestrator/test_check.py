@@ -55,8 +55,9 @@ def test_a_pool_larger_than_hbm_is_refused_with_the_numbers(small_config, capsys
 def test_kernel_blocks_larger_than_vmem_are_refused_with_the_numbers(small_config, capsys):
     # Pages of 256 tokens, 128 of them per sequence: the kernel's double-buffered KV block alone is
     # 2 x 128 pages x 256 tokens x 4 (K, V of 2 heads) x 128 x 2 bytes = 64 MiB, a v5p core's whole VMEM.
+    # (128 pages: the pool must hold one whole sequence, which the head checks first.)
     code = main([small_config, "--target", "tpu-v5p", *SMALL_ENGINE, "--engine.page_size=256",
-                 "--engine.max_seq_len=32768", "--cluster.mesh={model: 1}"])
+                 "--engine.max_seq_len=32768", "--engine.max_pages=128", "--cluster.mesh={model: 1}"])
     err = capsys.readouterr().err
     assert code == FAULT
     assert "128 pages of 256 tokens x 16 queries per block" in err
@@ -69,6 +70,13 @@ def test_a_multihost_slice_without_tensor_parallelism_lowers(small_config, capsy
     assert main([small_config, "--target", "tpu-v5e", *SMALL_ENGINE, "--cluster.hosts_per_slice=2",
                  "--cluster.mesh={model: 1}"]) == OK
     assert "mesh: 4 devices, data 4 x model 1" in capsys.readouterr().out
+
+
+def test_a_data_parallel_slice_lowers_one_engines_mesh(small_config, capsys):
+    """Two hosts of 2 chips, {data: 4, model: 1}: each host runs 2 engines of 1 chip; the check lowers that engine."""
+    assert main([small_config, "--target", "tpu-v5e", *SMALL_ENGINE, "--cluster.hosts_per_slice=2",
+                 "--cluster.mesh={data: 4, model: 1}"]) == OK
+    assert "mesh: 1 devices, data 1 x model 1 (each of the slice's 4 engines)" in capsys.readouterr().out
 
 
 def test_the_head_rejects_before_lowering(small_config, capsys):

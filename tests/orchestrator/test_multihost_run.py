@@ -150,3 +150,20 @@ def test_hung_host_times_out_and_the_slice_comes_back(ray_local, run_model, tmp_
     events = (run_dir / "events.log").read_text()
     assert "took no engine step" in events and "slice-0 restarting" in events
     assert samples(run_dir) == reference(run_model, run_dir, cfg)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_axis", [2, 4])
+def test_one_kv_head_over_a_two_host_slice_equals_one_process(ray_local, tmp_path, model_axis):
+    """tiny-mistral has one KV head: at model 2 (data 2 x model 2 over the 4 devices) and model 4 (across both
+    hosts) each device holds a copy of it; seeded samples, n = 2, every one once, one device's tokens."""
+    from engine.presets import write_model
+
+    model = str(write_model("tiny-mistral", tmp_path / "tiny-mistral"))
+    corpus = write_run_corpus(tmp_path / "corpus.jsonl", 12, seed=13)
+    run_dir = tmp_path / "run"
+    cfg = load_run_config(None, run_args(model, corpus, run_dir, *gang_args(2, 2, model_axis),
+                                         "--sampling.temperature=0.8", "--sampling.top_p=0.9", "--sampling.n=2"))
+    outcome = Driver(cfg, show_progress=False).run()
+    assert outcome.exit_code == 0, outcome.summary
+    assert samples(run_dir) == reference(model, run_dir, cfg)
