@@ -81,11 +81,14 @@ class Transformer(eqx.Module):
         x = self.embed.take(ax.Vocab, hax.named(inputs.token_ids, Token))
         cos, sin = rope_tables(cfg, inputs.positions)
         tile = settings.row_tile
+        num_tokens = inputs.cu_q_lens[-1]  # the step's real tokens; the rest pad it to its bucket
+
+        def by_token_rows(f, *xs: NamedArray):
+            return by_named_rows(f, tile, TOKEN, *xs, num_rows=num_tokens)
 
         def layer_step(carry, layer: DecoderLayer, layer_index: NamedArray):
             x, pool = carry
-            q, k, v = by_named_rows(lambda x: _qkv(layer.attn, rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), ax),
-                                    tile, TOKEN, x)
+            q, k, v = by_token_rows(lambda x: _qkv(layer.attn, rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), ax), x)
             attn, pool = _attention(q, k, v, pool, layer_index.array, cos, sin, inputs, cfg, ax, settings)
 
             def out_and_mlp(x: NamedArray, attn: NamedArray) -> NamedArray:
@@ -95,7 +98,7 @@ class Transformer(eqx.Module):
                 up = hax.dot(h, layer.w_up, axis=ax.Embed)
                 return x + hax.dot(hax.nn.silu(gate) * up, layer.w_down, axis=ax.Mlp)
 
-            return (by_named_rows(out_and_mlp, tile, TOKEN, x, attn), pool), None
+            return (by_token_rows(out_and_mlp, x, attn), pool), None
 
         (x, kv_pool), _ = hax.scan(layer_step, ax.Layers)((x, kv_pool), self.layers, hax.arange(ax.Layers))
         Seq = hax.Axis("seq", inputs.logits_indices.shape[0])

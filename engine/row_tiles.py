@@ -17,10 +17,13 @@ import jax.numpy as jnp
 from haliax import NamedArray
 
 
-def by_row_tiles(f: Callable, tile: int, *xs):
+def by_row_tiles(f: Callable, tile: int, *xs, num_rows: jax.Array | None = None):
     """`f(*xs)` for a row-wise `f` over pytrees of arrays whose leading axis is the row (row i of every output
     depends only on row i of every input), computed on tiles of exactly `tile` rows one after another:
-    rows are padded with zeros to whole tiles and the padding is dropped from the outputs. `tile` 0: at once."""
+    rows are padded with zeros to whole tiles and the padding is dropped from the outputs. `tile` 0: at once.
+
+    `num_rows` (a traced int, optional): only the rows below it matter. The tiles past it are not computed
+    (a step's padding up to its shape bucket costs nothing) and their output rows are zeros."""
     if not tile:
         return f(*xs)
     n = jax.tree.leaves(xs)[0].shape[0]
@@ -29,11 +32,21 @@ def by_row_tiles(f: Callable, tile: int, *xs):
     def split(a: jax.Array) -> jax.Array:
         return jnp.pad(a, [(0, k * tile - n)] + [(0, 0)] * (a.ndim - 1)).reshape(k, tile, *a.shape[1:])
 
-    out = jax.lax.map(lambda tiles: f(*tiles), jax.tree.map(split, xs))
+    tiled = jax.tree.map(split, xs)
+    if num_rows is None:
+        out = jax.lax.map(lambda tiles: f(*tiles), tiled)
+    else:
+        def one(i, out):
+            y = f(*jax.tree.map(lambda a: a[i], tiled))
+            return jax.tree.map(lambda o, t: o.at[i].set(t), out, y)
+
+        shapes = jax.eval_shape(lambda tiles: f(*tiles), jax.tree.map(lambda a: a[0], tiled))
+        out = jax.tree.map(lambda s: jnp.zeros((k, *s.shape), s.dtype), shapes)
+        out = jax.lax.fori_loop(0, jnp.minimum((num_rows + tile - 1) // tile, k), one, out)
     return jax.tree.map(lambda y: y.reshape(k * tile, *y.shape[2:])[:n], out)
 
 
-def by_named_rows(f: Callable, tile: int, row_axis: str, *xs: NamedArray):
+def by_named_rows(f: Callable, tile: int, row_axis: str, *xs: NamedArray, num_rows: jax.Array | None = None):
     """`by_row_tiles` for named arrays: the rows are axis `row_axis` of each x (and of each output of `f`,
     a pytree of named arrays); `f` sees that axis with `tile` rows."""
     if not tile:
@@ -50,6 +63,6 @@ def by_named_rows(f: Callable, tile: int, row_axis: str, *xs: NamedArray):
         structure[:] = [tree, [y.axes[1:] for y in leaves]]
         return [y.array for y in leaves]
 
-    arrays = by_row_tiles(on_arrays, tile, *(x.array for x in xs))
+    arrays = by_row_tiles(on_arrays, tile, *(x.array for x in xs), num_rows=num_rows)
     tree, axes = structure
     return jax.tree.unflatten(tree, [hax.named(a, (Rows,) + rest) for a, rest in zip(arrays, axes)])

@@ -38,7 +38,7 @@ MIN_TOKEN_BUCKET = 16
 MIN_SEQ_BUCKET = 4
 # Rows per matmul tile on the CPU (AttentionSettings.row_tile): XLA's CPU matmuls choose kernels by row count,
 # so fixed tiles keep each row's bits independent of the step around it. Elsewhere 0 (one matmul a step).
-CPU_ROW_TILE = 16
+CPU_ROW_TILE = 32
 CPU_SAMPLE_ROW_TILE = 8  # rows per tile of sampling (AttentionSettings.sample_row_tile), on the CPU
 
 

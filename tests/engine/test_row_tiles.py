@@ -59,3 +59,18 @@ def test_pytrees_and_named_axes_come_back_in_their_shapes():
     assert (b.array == (x * 2).rearrange((Rows, Embed)).array).all()
     none, y = by_row_tiles(lambda p, y: (p, y + 1), 4, None, jnp.arange(10))
     assert none is None and (np.asarray(y) == np.arange(1, 11)).all()
+
+
+def test_tiles_past_num_rows_are_not_computed_and_the_rows_before_are_the_same_bits():
+    """A step padded to its bucket: with `num_rows`, the rows below it are those of the whole computation,
+    bit for bit, and the tiles past it are skipped (their rows are zeros, not f's value)."""
+    rng = np.random.default_rng(2)
+    w = jnp.asarray(rng.standard_normal((64, 32), np.float32))
+    x = rng.standard_normal((100, 64)).astype(np.float32)
+    f = jax.jit(lambda a, n: by_row_tiles(lambda t: t @ w + 1.0, 16, a, num_rows=n))
+    whole = np.asarray(jax.jit(lambda a: by_row_tiles(lambda t: t @ w + 1.0, 16, a))(x))
+    for n in (0, 1, 16, 17, 100):
+        got = np.asarray(f(x, jnp.int32(n)))
+        computed = -(-n // 16) * 16  # whole tiles
+        assert (got[:computed] == whole[:computed]).all()
+        assert (got[computed:] == 0).all(), n
