@@ -20,7 +20,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from engine.attention import ragged_paged_attention, write_kv
 from engine.axes import EMBED, HEAD_SIZE, KV_COMBINED, PAGE, PAGE_SLOT, TOKEN, ModelAxes
 from engine.model_config import ModelConfig
-from engine.row_tiles import by_named_rows
+from engine.row_tiles import by_named_rows, row_tile
 from engine.step_inputs import StepInputs
 
 
@@ -35,12 +35,12 @@ class AttentionSettings:
     mesh: Mesh | None = None  # when it has several devices, attention runs per device (per KV-head shard over `model`)
     tiles_per_group: int = 8  # query tiles the reference attention moves through the KV blocks together
     decode_pages_per_block: int | None = None  # block size for one-query tiles (default: pages_per_block)
-    # Token rows per matmul: every row-wise layer (projections, MLP, LM head) runs on tiles of exactly this
-    # many rows, one tile at a time, so a row's bits never depend on how many rows share the step. XLA's CPU
-    # matmuls pick their kernel by row count (a 16-row and a 512-row call round differently), which made
-    # logprobs move with batching, caching and preemption. 0: the whole step in one matmul.
-    row_tile: int = 0
-    sample_row_tile: int = 0  # the same for sampling's row reductions (softmax, top-p), over sequences
+    # Fewest rows per matmul (0: no rule). XLA's CPU matmuls pick their kernel by row count: calls of 2-32 rows
+    # round a row differently from calls of 64 or more, which agree with each other. Row-wise layers
+    # (projections, MLP, LM head) therefore run on tiles of at least this many rows (and at most
+    # `row_tiles.MAX_TILE`), so a row's bits never depend on how many rows share the step.
+    min_matmul_rows: int = 0
+    sample_row_tile: int = 0  # rows of each tile of sampling (softmax, top-p over the vocab), exactly; 0: no tiles
 
 
 class Attention(eqx.Module):
@@ -80,7 +80,7 @@ class Transformer(eqx.Module):
         Token = hax.Axis(TOKEN, inputs.token_ids.shape[0])
         x = self.embed.take(ax.Vocab, hax.named(inputs.token_ids, Token))
         cos, sin = rope_tables(cfg, inputs.positions)
-        tile = settings.row_tile
+        tile = row_tile(Token.size, settings.min_matmul_rows)
         num_tokens = inputs.cu_q_lens[-1]  # the step's real tokens; the rest pad it to its bucket
 
         def by_token_rows(f, *xs: NamedArray):
@@ -109,7 +109,8 @@ class Transformer(eqx.Module):
             last = rms_norm(last, self.final_norm, cfg.rms_norm_eps)
             return hax.dot(last, head, axis=ax.Embed, preferred_element_type=jnp.float32).astype(jnp.float32)
 
-        return kv_pool, by_named_rows(lm_head, tile, "seq", last).rearrange((Seq, ax.Vocab))
+        return kv_pool, by_named_rows(lm_head, row_tile(Seq.size, settings.min_matmul_rows), "seq",
+                                      last).rearrange((Seq, ax.Vocab))
 
 
 def rms_norm(x: NamedArray, weight: NamedArray, eps: float) -> NamedArray:

@@ -1,10 +1,11 @@
-"""Row-wise device work in fixed-size row tiles, so that a row's bits never depend on the rows beside it.
+"""Row-wise device work in row tiles of a kernel class, so that a row's bits never depend on the rows beside it.
 
-XLA's CPU backend picks a matmul kernel by the number of rows (a 16-row and a 512-row product round
-differently) and vectorizes a row reduction (softmax, RMSNorm) across rows once there are enough of them.
-A token computed in a 4,096-token prompt step, in a 40-token chunk after cached prefix pages, or in an
-8-row decode step would then differ in the last bits, and so would its logprobs. Run on tiles of exactly
-`tile` rows, one tile after another, every row goes through the same compiled kernels in every step.
+XLA's CPU backend picks a matmul kernel by the number of rows (calls of 2-32 rows round a row differently
+from calls of 64 or more) and vectorizes a row reduction (softmax) across rows once there are enough of
+them. A token computed in a 4,096-token prompt step, in a 40-token chunk after cached prefix pages, or in an
+8-row decode step would then differ in the last bits, and so would its logprobs. Run on tiles that always
+fall in one kernel class (at least 64 rows for matmuls, exactly 8 rows for sampling), every row goes through
+the same arithmetic in every step. Tiles past a step's real rows are skipped (`num_rows`).
 """
 
 from __future__ import annotations
@@ -17,13 +18,25 @@ import jax.numpy as jnp
 from haliax import NamedArray
 
 
+MAX_TILE = 512
+"""Most rows per tile: large enough that a tile's matmuls run near the machine's peak, small enough that the
+tiles past a step's real tokens (its padding up to the shape bucket) are skipped in useful pieces."""
+
+
+def row_tile(rows: int, min_rows: int) -> int:
+    """The tile for `rows` rows when every matmul needs at least `min_rows` (0: no tiles): `rows` itself within
+    [min_rows, MAX_TILE] (one tile, padded up to `min_rows`), else MAX_TILE."""
+    return min(max(rows, min_rows), max(MAX_TILE, min_rows)) if min_rows else 0
+
+
 def by_row_tiles(f: Callable, tile: int, *xs, num_rows: jax.Array | None = None):
     """`f(*xs)` for a row-wise `f` over pytrees of arrays whose leading axis is the row (row i of every output
     depends only on row i of every input), computed on tiles of exactly `tile` rows one after another:
     rows are padded with zeros to whole tiles and the padding is dropped from the outputs. `tile` 0: at once.
 
-    `num_rows` (a traced int, optional): only the rows below it matter. The tiles past it are not computed
-    (a step's padding up to its shape bucket costs nothing) and their output rows are zeros."""
+    `num_rows` (a traced int, optional): only the rows below it matter. When there are several tiles, those
+    wholly past it are not computed (a step's padding up to its shape bucket costs nothing) and their output
+    rows are zeros."""
     if not tile:
         return f(*xs)
     n = jax.tree.leaves(xs)[0].shape[0]
@@ -33,7 +46,7 @@ def by_row_tiles(f: Callable, tile: int, *xs, num_rows: jax.Array | None = None)
         return jnp.pad(a, [(0, k * tile - n)] + [(0, 0)] * (a.ndim - 1)).reshape(k, tile, *a.shape[1:])
 
     tiled = jax.tree.map(split, xs)
-    if num_rows is None:
+    if num_rows is None or k == 1:
         out = jax.lax.map(lambda tiles: f(*tiles), tiled)
     else:
         def one(i, out):

@@ -36,10 +36,11 @@ from engine.transfers import TransferLedger
 
 MIN_TOKEN_BUCKET = 16
 MIN_SEQ_BUCKET = 4
-# Rows per matmul tile on the CPU (AttentionSettings.row_tile): XLA's CPU matmuls choose kernels by row count,
-# so fixed tiles keep each row's bits independent of the step around it. Elsewhere 0 (one matmul a step).
-CPU_ROW_TILE = 32
-CPU_SAMPLE_ROW_TILE = 8  # rows per tile of sampling (AttentionSettings.sample_row_tile), on the CPU
+# On the CPU, every matmul takes at least this many rows (AttentionSettings.min_matmul_rows) and sampling runs
+# in tiles of exactly CPU_SAMPLE_ROW_TILE rows: XLA's CPU kernels round a row by the call's row count, and these
+# keep each row's bits independent of the step around it (engine/row_tiles.py). Elsewhere 0: no rule.
+CPU_MIN_MATMUL_ROWS = 64
+CPU_SAMPLE_ROW_TILE = 8
 
 
 @dataclass(frozen=True)
@@ -221,7 +222,7 @@ def step_settings(config: EngineConfig, impl: str, mesh, platform: str) -> dict[
     cpu = platform == "cpu"
     return {bq: AttentionSettings(impl, config.attn_pages_per_block, bq, config.max_pages, mesh,
                                   config.attn_tiles_per_group, config.attn_decode_pages_per_block,
-                                  CPU_ROW_TILE if cpu else 0, CPU_SAMPLE_ROW_TILE if cpu else 0)
+                                  CPU_MIN_MATMUL_ROWS if cpu else 0, CPU_SAMPLE_ROW_TILE if cpu else 0)
             for bq in (1, config.attn_queries_per_block)}
 
 
