@@ -117,3 +117,18 @@ def upload(local: str, url: str) -> str:
     else:
         fs.put_file(local, root)
     return url
+
+
+def assert_loaded_alike(remote, local) -> None:
+    """Two loads of one checkpoint (from the bucket and from a local folder) hold the same parameters with the
+    same shardings: every device holds the same shard of every array, bit for bit."""
+    import jax
+    import numpy as np
+
+    a, b = jax.tree_util.tree_leaves(remote), jax.tree_util.tree_leaves(local)
+    assert len(a) == len(b) > 0
+    for x, y in zip(a, b):
+        assert x.sharding == y.sharding
+        for sx, sy in zip(x.addressable_shards, y.addressable_shards):
+            assert sx.device == sy.device and sx.index == sy.index
+            np.testing.assert_array_equal(np.asarray(sx.data), np.asarray(sy.data))

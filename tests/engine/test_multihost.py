@@ -82,8 +82,9 @@ def launch(tmp_path: Path, args: list[str], num_processes: int, local_devices: i
     return [json.loads(o.read_text()) for o in outs]
 
 
-def test_two_hosts_equal_each_other_and_one_device(tmp_path, models):
-    specs = [f"{models['tiny-llama']}:2", f"{models['tiny-llama-kv4']}:4"]  # (data 2, model 2) and (data 1, model 4)
+def two_hosts_and_one_device(tmp_path, specs: list[str]) -> list[tuple[str, dict, dict]]:
+    """Each `model:width` spec on one device and on a 2-host x 2-device slice: asserts that the hosts agree and
+    give one device's tokens (logprobs within LOGPROB_ATOL); (spec, host 0's result, the device's) for more."""
     args = [a for s in specs for a in ("--model", s)]
     (reference,) = launch(tmp_path, args, num_processes=1, local_devices=1, tag="single")
     host0, host1 = launch(tmp_path, args, num_processes=2, local_devices=2, tag="slice")
@@ -94,6 +95,12 @@ def test_two_hosts_equal_each_other_and_one_device(tmp_path, models):
         assert a["token_ids"] == ref["token_ids"], f"{spec}: the slice differs from one device"
         for got, want in zip(a["logprobs"], ref["logprobs"]):
             np.testing.assert_allclose(got, want, atol=LOGPROB_ATOL, rtol=0)
+    return [(spec, host0[spec], reference[spec]) for spec in specs]
+
+
+def test_two_hosts_equal_each_other_and_one_device(tmp_path, models):
+    specs = [f"{models['tiny-llama']}:2", f"{models['tiny-llama-kv4']}:4"]  # (data 2, model 2) and (data 1, model 4)
+    for spec, a, ref in two_hosts_and_one_device(tmp_path, specs):
         assert a["stats"] == ref["stats"] and a["snapshot"] == ref["snapshot"]
         assert a["snapshot"]["pages_in_use"] == 0  # cleanup_mode incremental: everything freed at the end
         assert a["snapshot_after_reset"]["free_pages"] == 96
@@ -107,16 +114,7 @@ def test_one_kv_head_over_two_hosts_equals_one_device(tmp_path):
     """tiny-mistral has one KV head: at model 2 (data 2 x model 2) and model 4 (across both hosts) each KV head is
     replicated on every device of its model group (engine/tensor_parallel.py), and the tokens are one device's."""
     model = presets.write_model("tiny-mistral", tmp_path / "tiny-mistral")
-    specs = [f"{model}:2", f"{model}:4"]
-    args = [a for s in specs for a in ("--model", s)]
-    (reference,) = launch(tmp_path, args, num_processes=1, local_devices=1, tag="single")
-    host0, host1 = launch(tmp_path, args, num_processes=2, local_devices=2, tag="slice")
-    for spec in specs:
-        a, b, ref = host0[spec], host1[spec], reference[spec]
-        assert a == b, f"{spec}: the two hosts differ"
-        assert a["token_ids"] == ref["token_ids"], f"{spec}: the slice differs from one device"
-        for got, want in zip(a["logprobs"], ref["logprobs"]):
-            np.testing.assert_allclose(got, want, atol=LOGPROB_ATOL, rtol=0)
+    assert len(two_hosts_and_one_device(tmp_path, [f"{model}:2", f"{model}:4"])) == 2
 
 
 def test_hosts_that_disagree_fail_everywhere_naming_what_differs(tmp_path, models):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from orchestrator.model_cache import local_copy
-from tests.gcs_emulator import upload
+from tests.gcs_emulator import assert_loaded_alike, upload
 
 
 def test_local_path_is_used_as_is(tmp_path):
@@ -61,13 +61,7 @@ def test_sharded_load_from_the_bucket_equals_the_local_load(gcs_bucket, run_mode
     mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "model"))
     remote = load_transformer(local_copy(url, str(tmp_path / "cache")).local_path, mesh=mesh)
     local = load_transformer(run_model, mesh=mesh)
-    a, b = jax.tree_util.tree_leaves(remote), jax.tree_util.tree_leaves(local)
-    assert len(a) == len(b) > 0
-    for x, y in zip(a, b):
-        assert x.sharding == y.sharding
-        for sx, sy in zip(x.addressable_shards, y.addressable_shards):
-            assert sx.device == sy.device and sx.index == sy.index
-            np.testing.assert_array_equal(np.asarray(sx.data), np.asarray(sy.data))
+    assert_loaded_alike(remote, local)
 
 
 def test_the_cache_directory_does_not_tie_the_plan():
