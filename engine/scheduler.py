@@ -47,6 +47,7 @@ class Scheduler:
         self.num_pipelined_calls = 0  # multi-step calls dispatched ahead
         self._cache_query_tokens = 0  # prompt tokens of sequences admitted with a cache lookup, this step
         self._cache_hit_tokens = 0  # of those, tokens whose KV the cache held
+        self._recompute_tokens = 0  # computed tokens dropped by preemptions that did not swap, this step
 
     # -- sequences ---------------------------------------------------------------------------------
 
@@ -124,11 +125,11 @@ class Scheduler:
         if self._ahead is not None:
             seqs = self._ahead
             return SchedulerOutput(decode=DecodeCall(seqs, resume=True, chain_pages=self._chain(seqs)))
-        self._cache_query_tokens = self._cache_hit_tokens = 0
+        self._cache_query_tokens = self._cache_hit_tokens = self._recompute_tokens = 0
         self.swapper.begin_step()
         chunks = self._schedule_chunks()
         counters = dict(cache_query_tokens=self._cache_query_tokens, cache_hit_tokens=self._cache_hit_tokens,
-                        **self.swapper.step_ops())
+                        recompute_tokens=self._recompute_tokens, **self.swapper.step_ops())
         limits = self._reserve_multi_step(chunks)
         if limits is not None:  # a sequence admitted with all but its last prompt token cached decodes at once
             seqs = [c.seq for c in chunks]
@@ -245,6 +246,7 @@ class Scheduler:
         (prompt and generated) later."""
         self.running.remove(seq)
         if not self.swapper.swap_out(seq):
+            self._recompute_tokens += seq.num_computed
             self.allocator.free(seq.pages)
             seq.pages = []
             seq.num_computed = seq.num_cached_pages = 0

@@ -63,6 +63,7 @@ class SchedulerOutput:
     swap_out: tuple[list[int], list[int]] = ((), ())  # (device pages, host pages) to copy out before the step
     swap_in: tuple[list[int], list[int]] = ((), ())  # (host pages, device pages) to copy in after the swap-outs
     swap_avoided_tokens: int = 0  # computed tokens of the sequences swapped in now, not recomputed
+    recompute_tokens: int = 0  # computed tokens of the sequences preempted now without a swap (recomputed later)
 
     @property
     def is_empty(self) -> bool:
