@@ -66,8 +66,9 @@ class EngineConfig:
     preemption: Literal["recompute", "swap", "auto"] = "auto"
     """What a sequence preempted for lack of pages keeps: `recompute` drops its pages and recomputes its tokens
     later; `swap` copies its pages to the host pool and back before its next step (nothing recomputed, the same
-    samples), recomputing only when the host pool is full; `auto` swaps when the host pool has room and a
-    recompute would take at least one step's token budget (engine.max_prefill_size tokens), else recomputes.
+    samples), recomputing only when the host pool is full; `auto` swaps when the host pool has room unless a
+    recompute is cheap: less than a page of the sequence's computed tokens is outside its prompt pages the
+    prefix cache holds.
     Without a host pool (engine.host_kv_pages=0) every mode recomputes; `swap` is then an error."""
     debug_invariants: bool = False
     """Check page-allocator and sequence invariants after every step (slow; for debugging)."""

@@ -125,11 +125,11 @@ class Scheduler:
         if self._ahead is not None:
             seqs = self._ahead
             return SchedulerOutput(decode=DecodeCall(seqs, resume=True, chain_pages=self._chain(seqs)))
-        self._cache_query_tokens = self._cache_hit_tokens = self._recompute_tokens = 0
-        self.swapper.begin_step()
+        self._cache_query_tokens = self._cache_hit_tokens = 0
         chunks = self._schedule_chunks()
         counters = dict(cache_query_tokens=self._cache_query_tokens, cache_hit_tokens=self._cache_hit_tokens,
-                        recompute_tokens=self._recompute_tokens, **self.swapper.step_ops())
+                        recompute_tokens=self._recompute_tokens, **self.swapper.take_ops())
+        self._recompute_tokens = 0
         limits = self._reserve_multi_step(chunks)
         if limits is not None:  # a sequence admitted with all but its last prompt token cached decodes at once
             seqs = [c.seq for c in chunks]

@@ -30,36 +30,39 @@ class Swapper:
         self.pages_out = self.pages_in = 0  # pages copied each way, since the engine started
         self.avoided_tokens = 0  # computed tokens of sequences swapped back in (not recomputed)
         self.num_swaps = self.num_fallbacks = 0  # preemptions that swapped; those that found the host pool full
-        self.begin_step()
+        self._clear_ops()
 
-    def begin_step(self) -> None:
+    def _clear_ops(self) -> None:
         self._out: tuple[list[int], list[int]] = ([], [])
         self._in: tuple[list[int], list[int]] = ([], [])
         self._avoided = 0
 
-    def step_ops(self) -> dict:
-        """This step's copies and counts, as SchedulerOutput fields."""
-        return dict(swap_out=self._out, swap_in=self._in, swap_avoided_tokens=self._avoided)
+    def take_ops(self) -> dict:
+        """The copies decided since the last call, and their count of tokens not recomputed, as SchedulerOutput
+        fields: they go with the next device call, before it (its pages may be the ones a swap-out freed)."""
+        ops = dict(swap_out=self._out, swap_in=self._in, swap_avoided_tokens=self._avoided)
+        self._clear_ops()
+        return ops
 
     def reset(self) -> None:
         self.host.reset()
-        self.begin_step()
+        self._clear_ops()
 
     def swap_out(self, seq: Sequence) -> bool:
         """Swap a sequence being preempted (it has left the running set) out, or answer False (it recomputes):
-        preemption `recompute`, nothing computed, `auto` and a recompute shorter than one step's token budget,
-        or a host pool without room (a fallback)."""
+        preemption `recompute`, nothing computed, `auto` and a cheap recompute (`recompute_is_cheap`), or a host
+        pool without room (a fallback)."""
         mode = self.config.preemption
         if self.host.num_pages == 0 or mode == "recompute" or seq.num_computed == 0:
             return False
-        if mode == "auto" and seq.num_computed < self.config.max_prefill_size:
+        if mode == "auto" and self.recompute_is_cheap(seq):
             return False
         kept = pages_for(seq.num_computed, self.config.page_size)
         host = self.host.allocate(kept)
         if host is None:
             self.num_fallbacks += 1
             return False
-        assert not self._in[0], "a swap-out decided after a swap-in of the same step"
+        assert not self._in[0], "a swap-out decided after a swap-in of the same device call"
         self._out[0].extend(seq.pages[:kept])
         self._out[1].extend(host)
         self.allocator.free(seq.pages)
@@ -68,6 +71,13 @@ class Swapper:
         self.pages_out += kept
         self.num_swaps += 1
         return True
+
+    def recompute_is_cheap(self, seq: Sequence) -> bool:
+        """`auto`'s rule: a recompute computes again only what the prefix cache cannot serve (its cached prompt
+        pages stay findable on the device), so it is cheap when that is less than one page of tokens: a copy
+        would then move more than a recompute computes."""
+        served = seq.num_cached_pages * self.config.page_size if self.config.prefix_caching else 0
+        return seq.num_computed - served < self.config.page_size
 
     def swap_in(self, seq: Sequence, num_tokens: int) -> bool:
         """Map a swapped-out sequence's pages again, with pages for `num_tokens` more tokens; False (nothing

@@ -98,14 +98,30 @@ def test_a_full_host_pool_falls_back_to_recompute_with_the_same_samples():
         assert (s.num_swaps > 0) == (host_pages == 6)
 
 
-def test_auto_recomputes_short_sequences_and_swaps_long_ones():
+def test_auto_recomputes_what_the_prefix_cache_serves_and_swaps_the_rest():
+    """`auto` recomputes a sequence with less than a page computed outside its cached prompt pages."""
+    config = dataclasses.replace(SMALL, host_kv_pages=64, preemption="auto", prefix_caching=True, decode_steps=1,
+                                 pipeline_decode=False)
+    engine = make_engine(config)
+    for i, prompt in enumerate([tuple(range(1, 10)), tuple(range(2, 11))]):  # 9 tokens: 2 full pages, then 1
+        engine.add_request(Request(f"a{i}", prompt, SamplingConfig(max_new_tokens=30)))
+    sched = engine.scheduler
+    engine.step()  # both prompts computed, their full pages cached; one token drawn
+    first, second = sched.running
+    assert first.num_computed == 9 and first.num_cached_pages == 2
+    sched._preempt(second)  # 1 token past its 8 cached ones: recompute
+    assert second.swapped is None and second.num_computed == 0 and sched.swapper.num_swaps == 0
+    for _ in range(4):
+        engine.step()
+    assert first.num_computed - 8 >= config.page_size
+    sched._preempt(first)  # a page and more past its cached ones: swap
+    assert first.swapped is not None and sched.swapper.num_swaps == 1
+    while engine.has_unfinished:
+        engine.step()
+    assert sched.swapper.pages_in > 0
     requests = _long_generations()
-    short = dataclasses.replace(SMALL, host_kv_pages=64, preemption="auto", max_prefill_size=64)
-    engine, got = _run(short, requests)  # no sequence computes 64 tokens before it is preempted
-    assert engine.scheduler.num_preemptions > 0 and engine.scheduler.swapper.num_swaps == 0
-    engine, got_long = _run(dataclasses.replace(short, max_prefill_size=16), requests)
-    assert engine.scheduler.swapper.num_swaps > 0
-    assert got == got_long
+    engine, got = _run(config, requests)
+    assert engine.scheduler.swapper.num_swaps > 0 and got == {(r.prompt_id, 0): reference(r, 64) for r in requests}
 
 
 def test_cached_prompt_pages_still_on_the_device_are_mapped_again_not_paged_in():
