@@ -79,7 +79,7 @@ class KVCache:
         src = _padded(device_pages, 0)
         with self._transfers.sending(swap=src):
             block = _gather_pages(self.pool.array, src, self.num_pages, self.num_layers)
-        block.copy_to_host_async()
+        self._transfers.prefetch(block)
         self._pending_out.append((block, np.asarray(host_pages, np.int64), len(device_pages)))
 
     def finish_page_outs(self) -> None:

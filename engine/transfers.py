@@ -67,6 +67,15 @@ class TransferLedger:
             _add(self._d2h, DEVICE_TO_HOST, category, h.nbytes)
         return host
 
+    def prefetch(self, array: jax.Array) -> None:
+        """Start copying a device array to the host without waiting (a KV page-out), allowed under the guard as
+        `read` is; its bytes are counted when `read` takes it."""
+        if self._config.jax_transfer_guard_device_to_host in (None, "allow"):
+            array.copy_to_host_async()
+        else:
+            with self._allow_reads("allow"):
+                array.copy_to_host_async()
+
     def sending(self, **arrays: np.ndarray | Sequence[np.ndarray]) -> AbstractContextManager:
         """Around a device call (`with ledger.sending(...): call(...)`): counts the host arrays it copies to the
         device (each keyword a category, its value an array or a sequence of arrays) and allows that call's
