@@ -61,15 +61,15 @@ class EngineConfig:
     Samples are the same either way."""
     host_kv_pages: int = 0
     """Pages of a host-memory KV pool (the device pool's page layout, in host RAM) that preempted sequences'
-    pages are swapped to (engine.preemption); 0 turns it off: preemption then recomputes, as without it. Each
-    page takes as many bytes as a device page (engine.max_pages' pages)."""
-    preemption: Literal["recompute", "swap", "auto"] = "auto"
+    pages are swapped to under engine.preemption `swap` or `auto`; 0 turns it off (preemption recomputes, as
+    without it). Each page takes as many bytes as a device page."""
+    preemption: Literal["recompute", "swap", "auto"] = "recompute"
     """What a sequence preempted for lack of pages keeps: `recompute` drops its pages and recomputes its tokens
     later; `swap` copies its pages to the host pool and back before its next step (nothing recomputed, the same
     samples), recomputing only when the host pool is full; `auto` swaps when the host pool has room unless a
     recompute is cheap: less than a page of the sequence's computed tokens is outside its prompt pages the
     prefix cache holds.
-    Without a host pool (engine.host_kv_pages=0) every mode recomputes; `swap` is then an error."""
+    Without a host pool (engine.host_kv_pages=0) `auto` recomputes and `swap` is an error."""
     debug_invariants: bool = False
     """Check page-allocator and sequence invariants after every step (slow; for debugging)."""
 
