@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test bench bench-plan bench-export bench-host bench-generate bench-peer
+.PHONY: demo test bench bench-plan bench-export bench-host bench-generate bench-peer bench-swap
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -36,6 +36,10 @@ bench-host: $(STAMP)
 
 bench-generate: $(STAMP)
 	JAX_PLATFORMS=cpu $(VENV)/bin/python benchmarks/generate_bench.py --repeats 3
+
+# swap preemption against recompute on long generations, whole process (engine.preemption, engine.host_kv_pages)
+bench-swap: $(STAMP)
+	JAX_PLATFORMS=cpu $(VENV)/bin/python benchmarks/swap_bench.py --repeats 3
 
 # pagefleet against vLLM's CPU build on the same token ids (installs vLLM once into .peer/vllm-venv).
 bench-peer: $(STAMP)

@@ -59,6 +59,17 @@ class EngineConfig:
     calls and batches): a new sequence maps the cached pages of its prompt's leading full pages and computes
     only the rest. Cached pages nobody maps are reclaimed, least recently used first, only when pages run out.
     Samples are the same either way."""
+    host_kv_pages: int = 0
+    """Pages of a host-memory KV pool (the device pool's page layout, in host RAM) that preempted sequences'
+    pages are swapped to under engine.preemption `swap` or `auto`; 0 turns it off (preemption recomputes, as
+    without it). Each page takes as many bytes as a device page."""
+    preemption: Literal["recompute", "swap", "auto"] = "recompute"
+    """What a sequence preempted for lack of pages keeps: `recompute` drops its pages and recomputes its tokens
+    later; `swap` copies its pages to the host pool and back before its next step (nothing recomputed, the same
+    samples), recomputing only when the host pool is full; `auto` swaps when the host pool has room unless a
+    recompute is cheap: less than a page of the sequence's computed tokens is outside its prompt pages the
+    prefix cache holds.
+    Without a host pool (engine.host_kv_pages=0) `auto` recomputes and `swap` is an error."""
     debug_invariants: bool = False
     """Check page-allocator and sequence invariants after every step (slow; for debugging)."""
 
@@ -73,6 +84,12 @@ class EngineConfig:
                 raise ValueError(f"engine.{name} must be at least 1, got {getattr(self, name)}")
         if self.kv_memory_gib is not None and not self.kv_memory_gib > 0:
             raise ValueError(f"engine.kv_memory_gib must be positive, got {self.kv_memory_gib}")
+        if self.host_kv_pages < 0:
+            raise ValueError(f"engine.host_kv_pages must be at least 0, got {self.host_kv_pages}")
+        if self.preemption not in ("recompute", "swap", "auto"):
+            raise ValueError(f"engine.preemption must be recompute, swap or auto, got {self.preemption!r}")
+        if self.preemption == "swap" and self.host_kv_pages == 0:
+            raise ValueError("engine.preemption=swap needs a host pool: set engine.host_kv_pages > 0")
         if self.max_seqs_in_prefill > self.max_seqs:
             raise ValueError(
                 f"engine.max_seqs_in_prefill ({self.max_seqs_in_prefill}) exceeds engine.max_seqs ({self.max_seqs})"

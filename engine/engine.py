@@ -152,6 +152,11 @@ class Engine:
             raise RuntimeError(self.scheduler.stuck_message())
         self.stats.prefix_cache_query_tokens += out.cache_query_tokens
         self.stats.prefix_cache_hit_tokens += out.cache_hit_tokens
+        self.stats.kv_pages_out += len(out.swap_out[0])
+        self.stats.kv_pages_in += len(out.swap_in[0])
+        self.stats.recompute_avoided_tokens += out.swap_avoided_tokens
+        self.stats.recompute_tokens += out.recompute_tokens
+        self.stats.host_kv_pages_peak = max(self.stats.host_kv_pages_peak, self.scheduler.swapper.host.num_used)
         with StepTimer(self.stats, self.runner.clock, self.runner.transfers) as timer:
             result = self.runner.run(out)
             _count(timer, out, result)
@@ -283,7 +288,9 @@ class Engine:
         return {"active_seqs": len(sched.running), "waiting_seqs": len(sched.waiting),
                 "pages_in_use": alloc.num_used, "free_pages": alloc.num_free, "max_refcount": alloc.max_refcount,
                 "num_preemptions": sched.num_preemptions, "num_multi_step_fallbacks": sched.num_multi_step_fallbacks,
-                "num_pipelined_calls": sched.num_pipelined_calls, "cached_pages": alloc.num_cached}
+                "num_pipelined_calls": sched.num_pipelined_calls, "cached_pages": alloc.num_cached,
+                "host_kv_pages_in_use": sched.swapper.host.num_used, "num_swaps": sched.swapper.num_swaps,
+                "num_swap_fallbacks": sched.swapper.num_fallbacks}
 
 
 def _count(timer: StepTimer, out: SchedulerOutput, result: RunnerOutput) -> None:

@@ -1,5 +1,6 @@
-"""The paged KV cache: one device pool for every layer, and its sharding. Device only: which page belongs to
-which sequence is the scheduler's (its PageAllocator)."""
+"""The paged KV cache: one device pool for every layer, its sharding, and the host pool that swapped-out pages
+go to (`engine.host_kv_pages`). Data only: which page belongs to which sequence, on the device or the host, is
+the scheduler's (its PageAllocator and HostPageAllocator)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,12 @@ class KVCache:
     """
 
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, transfers: TransferLedger,
-                 dtype=jnp.float32, mesh: Mesh | None = None) -> None:
-        """`transfers`: the runner's ledger, which counts the page indices a page copy sends."""
+                 dtype=jnp.float32, mesh: Mesh | None = None, host_pages: int = 0) -> None:
+        """`transfers`: the runner's ledger, which counts the page indices a page copy sends and the pages a
+        swap moves. `host_pages`: pages of the host pool (0: none)."""
+        if host_pages and mesh is not None and len({d.process_index for d in mesh.devices.flat}) > 1:
+            raise ValueError("engine.host_kv_pages is not supported on a multi-host slice yet; set "
+                             "engine.host_kv_pages=0 (engine.preemption then recomputes)")
         self.num_pages = num_pages
         self._transfers = transfers
         self.page_size = page_size
@@ -37,6 +42,12 @@ class KVCache:
         self._sharding = (SingleDeviceSharding(jax.local_devices()[0]) if mesh is None
                           else NamedSharding(mesh, partition_spec(self._axes, mesh)))
         self.pool: NamedArray = self._zeros()
+        self.num_host_pages = host_pages
+        # The host pool in the device pool's layout: host page h of layer i at i * host_pages + h. np.zeros
+        # maps untouched pages lazily, so an unused host pool costs no memory.
+        shape = (cfg.num_layers * host_pages, *(a.size for a in self._axes[1:]))
+        self.host_pool = np.zeros(shape, np.dtype(dtype))
+        self._pending_out: list[tuple[jax.Array, np.ndarray, int]] = []  # page-outs not yet read to the host
 
     def _zeros(self) -> NamedArray:
         shape = tuple(a.size for a in self._axes)
@@ -55,9 +66,82 @@ class KVCache:
         with self._transfers.sending(page_copies=(s, d)):
             self.pool = hax.named(_copy_pages(self.pool.array, s, d, self.num_pages, layers), self.pool.axes)
 
+    @property
+    def num_layers(self) -> int:
+        return self.pool.array.shape[0] // self.num_pages
+
+    def page_out(self, device_pages: list[int], host_pages: list[int]) -> None:
+        """Copy device pages to host pages (every layer), bit for bit. Asynchronous: the copy is dispatched
+        now and lands in the host pool at `finish_page_outs` (the pages may be reused by the next step: the
+        copy reads the pool as it is now)."""
+        if not device_pages:
+            return
+        src = _padded(device_pages, 0)
+        with self._transfers.sending(swap=src):
+            block = _gather_pages(self.pool.array, src, self.num_pages, self.num_layers)
+        self._transfers.prefetch(block)
+        self._pending_out.append((block, np.asarray(host_pages, np.int64), len(device_pages)))
+
+    def finish_page_outs(self) -> None:
+        """Write the dispatched page-outs into the host pool (reading them through the transfer ledger)."""
+        for block, dst, n in self._pending_out:
+            host = self._transfers.read(swap=block)[0]
+            host = host.reshape(self.num_layers, -1, *host.shape[1:])[:, :n]
+            self.host_pool[self._host_rows(dst)] = host.reshape(-1, *host.shape[2:])
+        self._pending_out = []
+
+    def page_in(self, host_pages: list[int], device_pages: list[int]) -> None:
+        """Copy host pages back to device pages (every layer), bit for bit; page-outs dispatched before land first."""
+        if not host_pages:
+            return
+        self.finish_page_outs()
+        n = len(host_pages)
+        src = np.zeros(_pad_size(n), np.int64)
+        src[:n] = host_pages
+        block = self.host_pool[self._host_rows(src)]  # [layers * padded, ...]; padding rows are dropped
+        dst = _padded(device_pages, np.iinfo(np.int32).max)
+        with self._transfers.sending(swap=(block, dst)):
+            self.pool = hax.named(_scatter_pages(self.pool.array, block, dst, self.num_pages, self.num_layers),
+                                  self.pool.axes)
+
+    def discard_page_outs(self) -> None:
+        """Forget dispatched page-outs (a reset: no sequence refers to their host pages any more)."""
+        self._pending_out = []
+
+    def _host_rows(self, host_pages: np.ndarray) -> np.ndarray:
+        """Rows of the host pool holding `host_pages` in every layer, layer-major (the gather's order)."""
+        return (np.arange(self.num_layers)[:, None] * self.num_host_pages + host_pages[None, :]).reshape(-1)
+
     def zero(self) -> None:
-        """A fresh zeroed pool (a physical reset, or after a failed step donated the pool away)."""
+        """A fresh zeroed pool (a physical reset, or after a failed step donated the pool away); dispatched
+        page-outs are forgotten (nothing refers to their host pages after a reset)."""
         self.pool = self._zeros()
+        self.discard_page_outs()
+
+
+def _pad_size(n: int) -> int:
+    return 1 << (n - 1).bit_length()  # a power of two: few compiled shapes
+
+
+def _padded(pages: list[int], fill: int) -> np.ndarray:
+    out = np.full(_pad_size(len(pages)), fill, np.int32)
+    out[:len(pages)] = pages
+    return out
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _gather_pages(pool: jax.Array, src: jax.Array, num_pages: int, num_layers: int) -> jax.Array:
+    """Pages `src` of every layer, layer-major: [layers * len(src), page_size, 2 * kv_heads, head_dim]."""
+    offsets = jnp.arange(num_layers, dtype=jnp.int32)[:, None] * num_pages
+    return pool[(offsets + src[None, :]).reshape(-1)]
+
+
+@functools.partial(jax.jit, donate_argnums=(0,), static_argnums=(3, 4))
+def _scatter_pages(pool: jax.Array, block: jax.Array, dst: jax.Array, num_pages: int, num_layers: int) -> jax.Array:
+    """Write `block` (as `_gather_pages` returns it) to pages `dst` of every layer; out-of-range pages are dropped."""
+    offsets = jnp.arange(num_layers, dtype=jnp.int32)[:, None] * num_pages
+    dst_all = jnp.where(dst[None, :] < num_pages, offsets + dst[None, :], jnp.iinfo(jnp.int32).max).reshape(-1)
+    return pool.at[dst_all].set(block.astype(pool.dtype), mode="drop")
 
 
 @functools.partial(jax.jit, donate_argnums=(0,), static_argnums=(3, 4))

@@ -1,5 +1,5 @@
-"""Host-side page allocator: the only owner of which KV page belongs to which sequence, and of the prefix
-cache's pages. No JAX here.
+"""Host-side page allocators: the only owner of which KV page belongs to which sequence, of the prefix cache's
+pages (PageAllocator) and of which host pool page holds a swapped-out page (HostPageAllocator). No JAX here.
 
 A page is in exactly one of three states:
 - in use: reference count >= 1 (mapped by that many sequences);
@@ -25,6 +25,11 @@ from collections.abc import Iterable
 
 PageKey = tuple[int, tuple[int, ...]]
 """A cached page's identity: (parent page or -1, the page's token ids)."""
+
+
+def page_key(pages: list[int], token_ids: list[int], i: int, page_size: int) -> PageKey:
+    """The key of a sequence's page i: the page before it (or -1) and the page's token ids."""
+    return (pages[i - 1] if i else -1, tuple(token_ids[i * page_size:(i + 1) * page_size]))
 
 
 class PageAllocationError(RuntimeError):
@@ -170,3 +175,49 @@ class PageAllocator:
                 assert parent < 0 or self._key[parent] is not None, f"cached page {p}'s parent {parent} is not cached"
                 assert parent < 0 or p in self._children[parent], f"cached page {p} is not among its parent's children"
         assert len(self._page_of) == sum(k is not None for k in self._key), "a key maps to an uncached page"
+
+
+class HostPageAllocator:
+    """The host KV pool's bookkeeping (`engine.host_kv_pages`): which host page holds a swapped-out page. Each
+    host page is free or held by exactly one swapped-out sequence; the data sits in the runner's KVCache.
+    Bounded: `allocate` answers None (nothing taken) past `num_pages`, and the scheduler then recomputes."""
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages < 0:
+            raise ValueError(f"host num_pages must be at least 0, got {num_pages}")
+        self.num_pages = num_pages
+        self.reset()
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def allocate(self, num: int) -> list[int] | None:
+        if num < 0:
+            raise ValueError(f"cannot allocate {num} host pages")
+        if num > len(self._free):
+            return None
+        pages = [self._free.pop() for _ in range(num)]
+        for p in pages:
+            self._used[p] = True
+        self.peak_used = max(self.peak_used, self.num_used)
+        return pages
+
+    def free(self, pages: Iterable[int]) -> None:
+        for p in pages:
+            if not self._used[p]:
+                raise PageAllocationError(f"double free of host page {p}")
+            self._used[p] = False
+            self._free.append(p)
+
+    def reset(self) -> None:
+        self._free = list(range(self.num_pages - 1, -1, -1))  # host page 0 first, as on the device
+        self._used = [False] * self.num_pages
+        self.peak_used = 0
+
+    def check(self, held: Iterable[Iterable[int]] = ()) -> None:
+        """Raise AssertionError unless the pages `held` (each swapped-out sequence's) are exactly the used ones."""
+        held = [p for pages in held for p in pages]
+        assert len(held) == len(set(held)), "a host page is held by two sequences"
+        assert set(held) == {p for p, u in enumerate(self._used) if u}, "host pages held and used differ"
+        assert len(self._free) == len(set(self._free)) == self.num_pages - len(held), "host free list is off"

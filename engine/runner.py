@@ -236,14 +236,27 @@ class ModelRunner:
         self.stop_ids = sorted(stop_ids)
         self.pages_per_seq = pages_for(max_seq_len, config.page_size)  # page-table width
         self.transfers = TransferLedger()  # every read of a device output and every host input below goes through it
-        self.kv = KVCache(model.config, config.max_pages, config.page_size, self.transfers, kv_dtype, mesh)
+        self.kv = KVCache(model.config, config.max_pages, config.page_size, self.transfers, kv_dtype, mesh,
+                          host_pages=config.host_kv_pages)
         self.clock = DeviceClock()  # every dispatch and every wait for outputs below is timed on it
         impl = resolve_attention_impl(config.attention_impl, kv_dtype)
         self._settings = step_settings(config, impl, mesh, jax.default_backend())
         self._ahead: PendingSteps | None = None  # the multi-step call dispatched ahead of the host's read
 
     def run(self, out: SchedulerOutput) -> RunnerOutput:
-        """Run the device call the scheduler decided (see SchedulerOutput and DecodeCall)."""
+        """Run the device call the scheduler decided (see SchedulerOutput and DecodeCall): its swaps first (the
+        page-outs read the pages before the step reuses them, and land in the host pool after it), then the call."""
+        if out.swap_out[0] or out.swap_in[0]:
+            with self.clock.timing():
+                self.kv.page_out(*out.swap_out)
+                self.kv.page_in(*out.swap_in)
+        result = self._run(out)
+        if out.swap_out[0]:
+            with self.clock.timing():
+                self.kv.finish_page_outs()
+        return result
+
+    def _run(self, out: SchedulerOutput) -> RunnerOutput:
         call = out.decode
         if call is None:
             self._ahead = None
@@ -266,6 +279,7 @@ class ModelRunner:
         """Forget a call dispatched ahead; zero the pool when `physical`, or when a step that failed after
         donating the pool left it deleted (an abort)."""
         self._ahead = None
+        self.kv.discard_page_outs()
         if physical or self.kv.pool.array.is_deleted():
             self.kv.zero()
 

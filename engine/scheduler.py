@@ -6,8 +6,9 @@ pages) and the samples of one prompt that will fork from it, and decides each st
 `max_prefill_size`) or a multi-step decode call. There is no prefill phase: each sequence's computed-token
 count catches up with its token count, which gives chunked prefill and mixed steps. Decoding sequences go
 first, then prompt chunks; a slot freed by a finished sequence goes to the next waiting one in the same
-step. Running out of pages is an answer, not a crash: the newest running sequence is preempted (its pages
-freed, its tokens recomputed later).
+step. Running out of pages is an answer, not a crash: the newest running sequence is preempted: its pages are
+freed and its tokens recomputed later, or (engine.preemption, engine/swap.py) its pages go to the host pool and
+come back when it is admitted again.
 
 Prefix caching (`engine.prefix_caching`): a sequence being admitted maps the cached pages of its prompt's
 leading full pages and computes only the rest; a full prompt page is cached as soon as the step that computes
@@ -23,9 +24,10 @@ from collections import deque
 
 from engine.capacity import pages_for
 from engine.config import EngineConfig
-from engine.page_allocator import PageAllocator, PageKey
+from engine.page_allocator import PageAllocator, PageKey, page_key
 from engine.scheduler_output import DecodeCall, ScheduledChunk, SchedulerOutput
 from engine.sequence import Sequence
+from engine.swap import Swapper
 
 
 class Scheduler:
@@ -33,6 +35,7 @@ class Scheduler:
         self.config = config
         self.max_seq_len = max_seq_len
         self.allocator = PageAllocator(config.max_pages)
+        self.swapper = Swapper(config, self.allocator)  # swap preemption; owns the host pool's pages
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in arrival order
         self.retained: list[Sequence] = []  # finished, pages kept (cleanup_mode end / none)
@@ -44,6 +47,7 @@ class Scheduler:
         self.num_pipelined_calls = 0  # multi-step calls dispatched ahead
         self._cache_query_tokens = 0  # prompt tokens of sequences admitted with a cache lookup, this step
         self._cache_hit_tokens = 0  # of those, tokens whose KV the cache held
+        self._recompute_tokens = 0  # computed tokens dropped by preemptions that did not swap, this step
 
     # -- sequences ---------------------------------------------------------------------------------
 
@@ -110,6 +114,7 @@ class Scheduler:
         self._ahead = None
         if not keep_cache:
             self.allocator.reset()
+        self.swapper.reset()
 
     # -- one step ----------------------------------------------------------------------------------
 
@@ -122,7 +127,9 @@ class Scheduler:
             return SchedulerOutput(decode=DecodeCall(seqs, resume=True, chain_pages=self._chain(seqs)))
         self._cache_query_tokens = self._cache_hit_tokens = 0
         chunks = self._schedule_chunks()
-        counters = dict(cache_query_tokens=self._cache_query_tokens, cache_hit_tokens=self._cache_hit_tokens)
+        counters = dict(cache_query_tokens=self._cache_query_tokens, cache_hit_tokens=self._cache_hit_tokens,
+                        recompute_tokens=self._recompute_tokens, **self.swapper.take_ops())
+        self._recompute_tokens = 0
         limits = self._reserve_multi_step(chunks)
         if limits is not None:  # a sequence admitted with all but its last prompt token cached decodes at once
             seqs = [c.seq for c in chunks]
@@ -161,27 +168,32 @@ class Scheduler:
         # 2. Admit waiting sequences while slots, budget and pages allow (FIFO: stop at the first that does not fit).
         while self.head_has_slots and budget > 0 and num_prefill < self.config.max_seqs_in_prefill:
             seq = self.waiting[0]
-            hit = self._map_cached(seq)
-            n = min(seq.num_pending, budget)
-            if not self._grow(seq, n):
-                self._unmap(seq)
-                break
+            swapped = seq.swapped is not None
+            if swapped:  # its pages come back (from the host or the prefix cache): nothing is recomputed
+                n = min(seq.num_pending, budget)
+                if not self.swapper.swap_in(seq, n):
+                    break
+            else:
+                hit = self._map_cached(seq)
+                n = min(seq.num_pending, budget)
+                if not self._grow(seq, n):
+                    self._unmap(seq)
+                    break
             self.waiting.popleft()
             self.running.append(seq)
             chunks.append(ScheduledChunk.of(seq, n))
             self._cache_pages(seq, n)
-            if self.config.prefix_caching:
+            if self.config.prefix_caching and not swapped:
                 self._cache_query_tokens += seq.num_prompt_tokens
                 self._cache_hit_tokens += hit
             budget -= n
-            num_prefill += 1
+            num_prefill += 1 if not swapped else seq.num_pending > 1
         return chunks
 
     # -- the prefix cache --------------------------------------------------------------------------
 
     def _page_key(self, seq: Sequence, i: int) -> PageKey:
-        ps = self.config.page_size
-        return (seq.pages[i - 1] if i else -1, tuple(seq.token_ids[i * ps:(i + 1) * ps]))
+        return page_key(seq.pages, seq.token_ids, i, self.config.page_size)
 
     def _map_cached(self, seq: Sequence) -> int:
         """Map the cached pages of a sequence's leading full prompt pages (it computes nothing yet); the
@@ -230,12 +242,15 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
-        """Free the sequence's pages; it will recompute its tokens (prompt and generated) later."""
+        """Swap the sequence's pages out (engine.preemption), or free them: it will recompute its tokens
+        (prompt and generated) later."""
         self.running.remove(seq)
-        self.allocator.free(seq.pages)
-        seq.pages = []
-        seq.num_computed = seq.num_cached_pages = 0
-        seq.caching = True
+        if not self.swapper.swap_out(seq):
+            self._recompute_tokens += seq.num_computed
+            self.allocator.free(seq.pages)
+            seq.pages = []
+            seq.num_computed = seq.num_cached_pages = 0
+            seq.caching = True
         seq.num_preemptions += 1
         self.num_preemptions += 1
         # Back to the head of the queue, in arrival order among the preempted.
@@ -329,6 +344,7 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         self.allocator.check([s.pages for s in self.running + self.retained])
+        self.swapper.host.check([s.swapped.host for s in self.waiting if s.swapped is not None])
         assert self.slots_in_use <= self.config.max_seqs, "more live sequences than engine.max_seqs"
         for s in self.running:
             assert 0 <= s.num_computed <= len(s.token_ids) <= self.max_seq_len, f"sequence {s.request.prompt_id}"

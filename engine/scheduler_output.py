@@ -49,7 +49,8 @@ class SchedulerOutput:
 
     In a ragged step, output row r samples from the last token of chunk `row_chunk[r]` for sequence `rows[r]`
     (siblings of a prompt read its chunk); `copies` (src, dst) are pages to copy after the step, the forked
-    siblings' partial last prompt pages.
+    siblings' partial last prompt pages. Before either kind of call, `swap_out` pages go to the host pool, then
+    `swap_in` pages come back (engine.preemption swap); a swap-out reads the pages before the step reuses them.
     """
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
@@ -59,6 +60,10 @@ class SchedulerOutput:
     decode: DecodeCall | None = None
     cache_query_tokens: int = 0  # prompt tokens of the sequences admitted in this step with a prefix cache lookup
     cache_hit_tokens: int = 0  # of those, tokens whose KV came from cached pages (not computed)
+    swap_out: tuple[list[int], list[int]] = ((), ())  # (device pages, host pages) to copy out before the step
+    swap_in: tuple[list[int], list[int]] = ((), ())  # (host pages, device pages) to copy in after the swap-outs
+    swap_avoided_tokens: int = 0  # computed tokens of the sequences swapped in now, not recomputed
+    recompute_tokens: int = 0  # computed tokens of the sequences preempted now without a swap (recomputed later)
 
     @property
     def is_empty(self) -> bool:

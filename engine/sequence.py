@@ -20,6 +20,14 @@ class Request:
     generation_index: int = 0
 
 
+@dataclass
+class SwappedPages:
+    """Where a swapped-out sequence's pages are (engine.preemption swap): its page i in host page `host[i]`."""
+
+    host: list[int]
+    num_cached_pages: int  # the sequence's num_cached_pages when it was swapped out
+
+
 @dataclass(eq=False)  # a sequence is a mutable state: the scheduler's `in` and `remove` compare identity
 class Sequence:
     """Invariants: `num_computed <= len(token_ids)`; `pages` cover at least `num_computed` tokens; the
@@ -40,6 +48,9 @@ class Sequence:
     num_cached_pages: int = 0
     """Leading pages the prefix cache holds for this sequence's prompt (mapped from it or cached by it); pages
     from there on are cached as their tokens are scheduled, until one's key is already held elsewhere."""
+    swapped: SwappedPages | None = None
+    """Set while the sequence waits swapped out: its pages are in the host pool, `pages` is empty, and
+    `num_computed` still counts the tokens whose KV they hold."""
     caching: bool = True
     """False once a page of this sequence could not be cached (another page holds its key): later pages would
     chain from an uncached parent, so they are not cached either."""

@@ -46,6 +46,11 @@ class EngineStats:
     model_steps: list[int] = field(default_factory=list)  # forward passes per step: > 1 for a multi-step decode call
     prefix_cache_query_tokens: int = 0  # prompt tokens of admitted sequences looked up in the prefix cache
     prefix_cache_hit_tokens: int = 0  # of those, tokens whose KV came from cached pages (not computed)
+    kv_pages_out: int = 0  # KV pages swapped to the host pool (engine.preemption)
+    kv_pages_in: int = 0  # KV pages paged back in from it
+    recompute_avoided_tokens: int = 0  # computed tokens of swapped-in sequences: KV that came back, not recomputed
+    recompute_tokens: int = 0  # computed tokens preemptions dropped (to be recomputed)
+    host_kv_pages_peak: int = 0  # most host pool pages in use after a step's scheduling
     device_to_host_bytes: dict[str, int] = field(default_factory=dict)  # by category (engine.transfers), over the steps
     host_to_device_bytes: dict[str, int] = field(default_factory=dict)  # by category, over the steps
     first_start: float | None = None  # perf_counter at the first step's start
@@ -57,12 +62,19 @@ class EngineStats:
             values.clear()
         self.first_start, self.last_end = None, 0.0
         self.prefix_cache_query_tokens = self.prefix_cache_hit_tokens = 0
+        self.kv_pages_out = self.kv_pages_in = self.recompute_avoided_tokens = self.recompute_tokens = 0
+        self.host_kv_pages_peak = 0
         self.device_to_host_bytes.clear()
         self.host_to_device_bytes.clear()
 
     def prefix_cache(self) -> dict[str, float]:
         """Prompt tokens looked up in the prefix cache, those served from it, and their ratio (0 with no query)."""
         return prefix_cache_summary(self.prefix_cache_query_tokens, self.prefix_cache_hit_tokens)
+
+    def host_kv(self) -> dict[str, int]:
+        """Preemption's figures: pages swapped out and in, tokens whose recompute a swap avoided, tokens dropped
+        for recompute, the host pool's peak use."""
+        return {name: getattr(self, name) for name in HOST_KV_SUMS + (HOST_KV_PEAK,)}
 
     def transfers(self) -> dict[str, float]:
         """Bytes the steps moved each way, total and by category, and per generated token (engine.transfers)."""
@@ -75,7 +87,7 @@ class EngineStats:
         call); the prefix cache's query and hit tokens and hit rate; the bytes moved between host and device
         (`transfers`)."""
         if not self.step_s:
-            return {"steps": 0, **self.prefix_cache(), **self.transfers()}
+            return {"steps": 0, **self.prefix_cache(), **self.host_kv(), **self.transfers()}
         t = np.asarray(self.step_s)
         total = float(t.sum())
         wall = self.last_end - self.first_start
@@ -94,6 +106,7 @@ class EngineStats:
             "max_slot_occupancy": max(self.active_seqs) / max_seqs,
             "mean_model_steps": float(np.mean(self.model_steps)),
             **self.prefix_cache(),
+            **self.host_kv(),
             **self.transfers(),
         }
 
@@ -102,6 +115,24 @@ def prefix_cache_summary(query_tokens: int, hit_tokens: int) -> dict[str, float]
     """The prefix cache's figures under the names every report uses (generate's summary, timeline, status, W&B)."""
     return {"prefix_cache_query_tokens": query_tokens, "prefix_cache_hit_tokens": hit_tokens,
             "prefix_cache_hit_rate": hit_tokens / query_tokens if query_tokens else 0.0}
+
+
+HOST_KV_SUMS = ("kv_pages_out", "kv_pages_in", "recompute_avoided_tokens", "recompute_tokens")
+"""Preemption's counts under the names every report uses (generate's summary and --stats_output, timeline.jsonl,
+the run's summary and W&B, `pagefleet status`): summed over steps, buckets and slices."""
+HOST_KV_PEAK = "host_kv_pages_peak"
+"""The host pool's peak use (pages) in every report: the largest over steps, buckets and slices (one slice's pool)."""
+
+
+def host_kv_counters(summary: dict) -> dict[str, int]:
+    """Preemption's figures out of an `EngineStats.summary` (a timeline bucket's)."""
+    return {k: summary[k] for k in HOST_KV_SUMS + (HOST_KV_PEAK,)}
+
+
+def host_kv_summary(figures: list[dict]) -> dict[str, int]:
+    """Preemption's figures over several reports (timeline buckets): the counts summed, the peak the largest."""
+    return {**{k: sum(f.get(k, 0) for f in figures) for k in HOST_KV_SUMS},
+            HOST_KV_PEAK: max((f.get(HOST_KV_PEAK, 0) for f in figures), default=0)}
 
 
 class StepTimer:

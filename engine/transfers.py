@@ -25,11 +25,12 @@ if TYPE_CHECKING:
 
 DEVICE_TO_HOST = ("tokens", "logprobs", "steps", "logits", "stats", "swap")
 """Categories of device-to-host reads: sampled tokens, their logprobs, multi-step calls' per-row step counts,
-full logits (checks against a reference, not the engine's path); `stats` and `swap` are reserved (device-side
-counters, KV pages swapped to host memory) and stay 0 until something reads them."""
+full logits (checks against a reference, not the engine's path); KV pages swapped out to the host pool (`swap`);
+`stats` is reserved (device-side counters) and stays 0 until something reads it."""
 HOST_TO_DEVICE = ("step_inputs", "page_tables", "sampling", "page_copies", "swap")
 """Categories of host-to-device copies: a step's token ids, positions, slots and lengths; its page tables;
-sampling settings, keys and stop ids; the page indices of a fork's page copy; `swap` is reserved."""
+sampling settings, keys and stop ids; the page indices of a fork's page copy; KV pages paged back in from the host
+pool and the page indices of both swap directions (`swap`)."""
 DIRECTIONS = {"device_to_host": DEVICE_TO_HOST, "host_to_device": HOST_TO_DEVICE}
 _UNGUARDED = nullcontext()
 
@@ -65,6 +66,15 @@ class TransferLedger:
         for category, h in zip(arrays, host):
             _add(self._d2h, DEVICE_TO_HOST, category, h.nbytes)
         return host
+
+    def prefetch(self, array: jax.Array) -> None:
+        """Start copying a device array to the host without waiting (a KV page-out), allowed under the guard as
+        `read` is; its bytes are counted when `read` takes it."""
+        if self._config.jax_transfer_guard_device_to_host in (None, "allow"):
+            array.copy_to_host_async()
+        else:
+            with self._allow_reads("allow"):
+                array.copy_to_host_async()
 
     def sending(self, **arrays: np.ndarray | Sequence[np.ndarray]) -> AbstractContextManager:
         """Around a device call (`with ledger.sending(...): call(...)`): counts the host arrays it copies to the

@@ -33,8 +33,8 @@ from orchestrator.config import RunConfig
 from orchestrator.faults import crash_point
 from orchestrator.lock import RunDirLocked, run_lock
 from orchestrator.output_plan import plan_fingerprint, stamp
-from orchestrator.progress import (RunProgress, engine_time, format_engine_time, format_prefix_cache, format_transfers,
-                                   mean_occupancy, prefix_cache, read_timeline, transfers)
+from orchestrator.progress import (RunProgress, engine_time, format_engine_time, format_host_kv, format_prefix_cache,
+                                   format_transfers, host_kv, mean_occupancy, prefix_cache, read_timeline, transfers)
 from orchestrator.results import BatchWork, Completed, Failed
 from orchestrator.retune import retune
 from orchestrator.run_state import RunState
@@ -415,6 +415,9 @@ class Driver:
         cache = prefix_cache(timeline)
         if cache is not None:
             summary.update(cache)  # prefix_cache_query_tokens, prefix_cache_hit_tokens, prefix_cache_hit_rate
+        swaps = host_kv(timeline)
+        if swaps is not None:
+            summary.update(swaps)  # kv_pages_out, kv_pages_in, recompute_avoided_tokens, recompute_tokens, ...
         moved = transfers(timeline)
         if moved is not None:
             summary.update(moved)  # device_to_host_bytes (total, by category, per token), host_to_device_bytes (same)
@@ -452,6 +455,8 @@ def _format_summary(s: dict) -> str:
         lines.append(f"engine time      {format_engine_time((s['engine_device_s'], s['engine_host_s']))}")
     if "prefix_cache_query_tokens" in s:
         lines.append(f"prefix cache     {format_prefix_cache(s)}")
+    if "kv_pages_out" in s:
+        lines.append(f"preemption       {format_host_kv(s)}")
     if "device_to_host_bytes" in s:
         lines.append(f"transfers        {format_transfers(s)}")
     for batch_id, error in s["failed"].items():

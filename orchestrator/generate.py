@@ -24,7 +24,7 @@ from orchestrator.corpus import CorpusConfig, RawRow, Rejection, extract_prompt,
 from orchestrator.json_out import dumps
 from orchestrator.model_source import resolve_model
 from orchestrator.prompt_checks import out_of_vocabulary, render_chat
-from orchestrator.progress import format_prefix_cache, format_transfers
+from orchestrator.progress import format_host_kv, format_prefix_cache, format_transfers
 from orchestrator.row_sampling import apply, row_overrides
 
 
@@ -227,9 +227,10 @@ def run_generate(cfg: GenerateConfig, explicit: frozenset[str] = frozenset()) ->
               f"{cfg.output} says why)", file=sys.stderr)
     summary = engine.stats.summary(engine_cfg.max_seqs)
     counters = {k: v for k, v in engine.snapshot().items()
-                if k in ("num_preemptions", "num_multi_step_fallbacks", "num_pipelined_calls")}
+                if k in ("num_preemptions", "num_multi_step_fallbacks", "num_pipelined_calls", "num_swaps",
+                         "num_swap_fallbacks")}
     counters.update({f"engine_{k}": getattr(engine_cfg, k) for k in ("max_pages", "max_seqs", "max_prefill_size",
-                                                                      "max_seqs_in_prefill")})
+                                                                      "max_seqs_in_prefill", "host_kv_pages")})
     print(f"wrote {len(lines)} samples to {cfg.output} ({errors} with errors)", file=sys.stderr)
     if summary["steps"]:
         print(f"{summary['steps']} steps in {summary['wall_s']:.2f} s (device calls {summary['device_s']:.2f} s, "
@@ -239,6 +240,7 @@ def run_generate(cfg: GenerateConfig, explicit: frozenset[str] = frozenset()) ->
               f"slot occupancy mean {summary['mean_slot_occupancy']:.2f}, max {summary['max_slot_occupancy']:.2f}; "
               f"{counters['num_preemptions']} preemptions", file=sys.stderr)
     print(f"prefix cache: {format_prefix_cache(summary)}", file=sys.stderr)
+    print(f"preemption: {format_host_kv(summary)}", file=sys.stderr)
     print(f"transfers: {format_transfers(summary)}", file=sys.stderr)
     if cfg.stats_output:
         _write_atomically(Path(cfg.stats_output), [dumps({**summary, **counters}, indent=1) + "\n"])

@@ -8,8 +8,8 @@ import socket
 import sys
 import time
 
-from engine import (TRANSFER_DIRECTIONS, prefix_cache_summary, sum_transfer_counters, transfer_counter_key,
-                    transfer_summary)
+from engine import (HOST_KV_PEAK, TRANSFER_DIRECTIONS, host_kv_summary, prefix_cache_summary, sum_transfer_counters,
+                    transfer_counter_key, transfer_summary)
 from orchestrator import object_append, storage
 from orchestrator.atomic import atomic_write_text
 from orchestrator.json_out import dumps
@@ -161,6 +161,20 @@ def prefix_cache(timeline: list[dict]) -> dict[str, float] | None:
         return None
     return prefix_cache_summary(sum(b["prefix_cache_query_tokens"] for b in counted),
                                 sum(b["prefix_cache_hit_tokens"] for b in counted))
+
+
+def host_kv(timeline: list[dict]) -> dict[str, int] | None:
+    """Preemption over the whole run, every slice summed: KV pages swapped out and in, tokens whose recompute a
+    swap avoided, tokens preemptions dropped for recompute, the host pool's peak use; None before any bucket
+    has them."""
+    counted = [b for b in timeline if HOST_KV_PEAK in b]
+    return host_kv_summary(counted) if counted else None
+
+
+def format_host_kv(figures: dict[str, float]) -> str:
+    return (f"{figures['kv_pages_out']:,} KV pages swapped out, {figures['kv_pages_in']:,} in; recompute of "
+            f"{figures['recompute_avoided_tokens']:,} tokens avoided, {figures['recompute_tokens']:,} tokens "
+            f"dropped for recompute; host pool peak {figures['host_kv_pages_peak']:,} pages")
 
 
 def transfers(timeline: list[dict]) -> dict[str, float] | None:

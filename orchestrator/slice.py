@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from engine import RECORD_FIELDS, EngineConfig, SamplingConfig, transfer_counters
+from engine import RECORD_FIELDS, EngineConfig, SamplingConfig, host_kv_counters, transfer_counters
 from orchestrator.cluster import engines_per_host, host_level
 from orchestrator.results import SAMPLE_SCHEMA, BatchStats, BatchWork, Completed, Failed, Result, with_stats
 from orchestrator.row_sampling import apply
@@ -395,6 +395,7 @@ class SliceWorker:
                                    "device_s": perf.get("device_s", 0.0), "host_s": perf.get("host_s", 0.0),
                                    "prefix_cache_query_tokens": perf["prefix_cache_query_tokens"],
                                    "prefix_cache_hit_tokens": perf["prefix_cache_hit_tokens"],
+                                   **host_kv_counters(perf),
                                    "decode_tokens": b[2],  # with the transfer counters: their bytes per token
                                    **transfer_counters(self.engine.stats.device_to_host_bytes,
                                                        self.engine.stats.host_to_device_bytes)})

@@ -10,8 +10,8 @@ from collections import Counter
 from pathlib import Path
 
 from orchestrator.manifest import read_manifest
-from orchestrator.progress import (engine_time, format_engine_time, format_prefix_cache, format_transfers,
-                                   mean_occupancy, prefix_cache, read_timeline, transfers)
+from orchestrator.progress import (engine_time, format_engine_time, format_host_kv, format_prefix_cache, format_transfers,
+                                   host_kv, mean_occupancy, prefix_cache, read_timeline, transfers)
 from orchestrator.rundir import RunDir
 from orchestrator.location import Location, location
 
@@ -70,6 +70,7 @@ def status(run_dir_path: str | Path) -> dict:
         "mean_occupancy": mean_occupancy(timeline),
         "engine_time": dict(zip(("device_s", "host_s"), split)) if (split := engine_time(timeline)) else None,
         "prefix_cache": prefix_cache(timeline),
+        "preemption": host_kv(timeline),
         "transfers": transfers(timeline),
         "failed": [{"batch_id": r.batch_id, "attempts": r.attempts, "error": r.error}
                    for r in records if r.status == "failed"],
@@ -100,6 +101,8 @@ def format_status(s: dict) -> str:
         lines.append(f"engine time    {format_engine_time((s['engine_time']['device_s'], s['engine_time']['host_s']))}")
     if s["prefix_cache"] is not None:
         lines.append(f"prefix cache   {format_prefix_cache(s['prefix_cache'])}")
+    if s["preemption"] is not None:
+        lines.append(f"preemption     {format_host_kv(s['preemption'])}")
     if s["transfers"] is not None:
         lines.append(f"transfers      {format_transfers(s['transfers'])}")
     for f in s["failed"]:

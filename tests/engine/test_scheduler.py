@@ -38,6 +38,8 @@ class DummyRunner:
         self.clock = DeviceClock()
         self.transfers = TransferLedger()  # a dummy moves nothing: every call's bytes are 0
         self.kv: dict[int, int] = {}
+        self.host: dict[int, int] = {}  # the host pool: host slot -> token id
+        self.written = 0  # KV entries written by steps (a swapped sequence writes none of its old ones again)
         self._ahead = None
         self.first_scheduled: list = []  # sequences in the order their first prompt chunk ran
 
@@ -52,6 +54,14 @@ class DummyRunner:
         return next_token(context, seq.base_key, seq.request.sampling.temperature > 0)
 
     def run(self, out: SchedulerOutput) -> RunnerOutput:
+        ps = self.config.page_size
+        out_copies = {h * ps + o: self.kv.get(d * ps + o) for d, h in zip(*out.swap_out) for o in range(ps)}
+        self.host.update({k: v for k, v in out_copies.items() if v is not None})
+        for h, d in zip(*out.swap_in):  # the page's old contents are gone: only a right copy gives the samples
+            for o in range(ps):
+                self.kv.pop(d * ps + o, None)
+                if h * ps + o in self.host:
+                    self.kv[d * ps + o] = self.host.pop(h * ps + o)
         if out.decode is None:
             self._ahead = None
             contexts = []
@@ -60,6 +70,7 @@ class DummyRunner:
                     self.first_scheduled.append(c.seq)
                 for p in range(c.start, c.start + c.num_tokens):
                     self.kv[self._slot(c.seq.pages, p)] = c.seq.token_ids[p]
+                    self.written += 1
                 contexts.append(self._context(c.seq.pages, c.start + c.num_tokens))
                 assert contexts[-1] == tuple(c.seq.token_ids[:c.start + c.num_tokens]), "the KV lost a token"
             tokens = [self._draw(contexts[i], q) for q, i in zip(out.rows, out.row_chunk)]
@@ -87,6 +98,7 @@ class DummyRunner:
             context = list(self._context(pages, start))
             for i in range(limit):
                 self.kv[self._slot(pages, start + i)] = token
+                self.written += 1
                 context.append(token)
                 token = self._draw(tuple(context), seq)
                 tokens[i, r], steps[r] = token, i + 1
@@ -132,12 +144,13 @@ def make_engine(config: EngineConfig, max_seq_len: int = 64) -> Engine:
 
 
 configs = st.builds(
-    lambda ps, pages, seqs, prefill_seqs, prefill, k, pipe: EngineConfig(
+    lambda ps, pages, seqs, prefill_seqs, prefill, k, pipe, host, preemption: EngineConfig(
         page_size=ps, max_pages=max(pages, 64 // ps), max_seqs=seqs, max_seqs_in_prefill=min(prefill_seqs, seqs),
-        max_prefill_size=prefill, decode_steps=k, pipeline_decode=pipe, max_seq_len=64, debug_invariants=True),
+        max_prefill_size=prefill, decode_steps=k, pipeline_decode=pipe, max_seq_len=64, debug_invariants=True,
+        host_kv_pages=host, preemption=preemption if host else "recompute"),
     # cleanup_mode stays incremental: with `end` a call larger than the pool stops by design (the last test)
     st.sampled_from([2, 4, 8]), st.integers(8, 48), st.integers(1, 8), st.integers(1, 4), st.integers(1, 64),
-    st.integers(1, 4), st.booleans())
+    st.integers(1, 4), st.booleans(), st.sampled_from([0, 2, 8, 64]), st.sampled_from(["recompute", "swap", "auto"]))
 
 workloads = st.lists(st.tuples(st.integers(1, 30), st.integers(1, 20), st.integers(1, 3), st.booleans()),
                      min_size=1, max_size=10)
@@ -182,6 +195,8 @@ def test_samples_equal_the_dummy_model_alone_and_pages_balance(config, workload,
     assert firsts == sorted(firsts)
     engine.release_finished()
     assert engine.scheduler.allocator.num_used == 0 and engine.scheduler.allocator.max_refcount == 0
+    assert engine.scheduler.swapper.host.num_used == 0
+    assert engine.scheduler.swapper.host.peak_used <= config.host_kv_pages
     engine.reset()
     engine.scheduler.allocator.check()
 

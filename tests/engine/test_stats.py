@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from engine.stats import DeviceClock, EngineStats, StepTimer
+from engine.stats import DeviceClock, EngineStats, StepTimer, host_kv_counters, host_kv_summary
 from engine.transfers import TransferLedger, transfer_summary
 
 
@@ -34,7 +34,8 @@ def test_device_time_outside_a_step_is_not_counted():
     assert stats.summary(max_seqs=4)["device_s"] < 0.01
     stats.clear()
     assert stats.summary(max_seqs=4) == {"steps": 0, "prefix_cache_query_tokens": 0, "prefix_cache_hit_tokens": 0,
-                                         "prefix_cache_hit_rate": 0.0, **transfer_summary({}, {}, 0)}
+                                         "prefix_cache_hit_rate": 0.0, **host_kv_summary([]),
+                                         **transfer_summary({}, {}, 0)}
     assert stats.first_start is None
 
 
@@ -79,3 +80,22 @@ def test_a_category_the_ledger_does_not_know_is_refused():
 
     with pytest.raises(ValueError, match="'kv' is not a transfer category; valid: tokens, logprobs"):
         TransferLedger().read(kv=np.zeros(2))
+
+
+def test_the_preemption_counters_reach_the_summary_sum_over_buckets_and_clear():
+    stats = EngineStats()
+    with StepTimer(stats, DeviceClock(), TransferLedger()):
+        stats.kv_pages_out += 5  # what Engine.step records from the scheduler's output
+        stats.kv_pages_in += 3
+        stats.recompute_avoided_tokens += 40
+        stats.recompute_tokens += 7
+        stats.host_kv_pages_peak = 5
+    s = stats.summary(max_seqs=4)
+    assert host_kv_counters(s) == {"kv_pages_out": 5, "kv_pages_in": 3, "recompute_avoided_tokens": 40,
+                                   "recompute_tokens": 7, "host_kv_pages_peak": 5}
+    other = {**host_kv_counters(s), "host_kv_pages_peak": 2}
+    assert host_kv_summary([host_kv_counters(s), other, {}]) == {  # a bucket from before the counters: none
+        "kv_pages_out": 10, "kv_pages_in": 6, "recompute_avoided_tokens": 80, "recompute_tokens": 14,
+        "host_kv_pages_peak": 5}
+    stats.clear()
+    assert host_kv_counters(stats.summary(max_seqs=4)) == host_kv_summary([])

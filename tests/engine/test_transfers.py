@@ -11,6 +11,8 @@ where every output the host reads is replicated over both devices and has no suc
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from contextlib import contextmanager
 
@@ -90,6 +92,23 @@ def test_the_engine_loop_runs_with_only_the_ledgers_transfers(tiny_llama, mesh):
         assert s["device_to_host_bytes_logits"] == s["device_to_host_bytes_swap"] == 0
         sent = ("step_inputs", "page_tables", "sampling", "page_copies")
         assert min(s[f"host_to_device_bytes_{c}"] for c in sent) > 0
+
+
+@pytest.mark.parametrize("mesh", [None, "two devices"])
+def test_swap_preemption_moves_pages_only_through_the_ledger(tiny_llama, mesh):
+    """A pool that preempts, engine.preemption=swap: under the guard the samples are those it gives without it
+    (the pool sharded over the mesh's two devices too), and the pages moved are the ledger's `swap` bytes."""
+    config = dataclasses.replace(CONFIG, max_pages=32, max_seqs=6, max_seqs_in_prefill=6, host_kv_pages=64,
+                                 preemption="swap")
+    engine = Engine(tiny_llama, config, mesh=None if mesh is None else two_device_mesh())
+    sampling = SamplingConfig(max_new_tokens=40, temperature=0.9, seed=4, n=2, logprobs=True)
+    free = engine.generate(requests(sampling), reset=True)  # the second call then schedules as the first did
+    with only_ledger_transfers():
+        guarded = engine.generate(requests(sampling))
+    assert [(r.token_ids, r.logprobs) for r in guarded] == [(r.token_ids, r.logprobs) for r in free]
+    s = engine.stats.summary(config.max_seqs)
+    assert s["kv_pages_out"] > 0 and s["recompute_tokens"] == 0
+    assert s["device_to_host_bytes_swap"] > 0 and s["host_to_device_bytes_swap"] > 0
 
 
 def _read_implicitly(runner: ModelRunner, pending) -> None:

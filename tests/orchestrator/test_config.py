@@ -32,6 +32,9 @@ def test_design_keys_exist_and_overrides_apply(tmp_path):
     ("name: x\n", ["--sampling.n=0"], "sampling.n"),
     ("tracker: {type: tensorboard}\n", [], "tracker"),
     ("name: x\n", ["--engine.kv_memory_gib=4"], "identical on every host: set engine.max_pages"),
+    ("name: x\n", ["--engine.preemption=swap"], "engine.preemption=swap needs a host pool: set engine.host_kv_pages > 0"),
+    ("name: x\n", ["--engine.host_kv_pages=8", "--cluster.hosts_per_slice=2"],
+     r"not supported on a multi-host slice yet \(cluster.hosts_per_slice=2\); set engine.host_kv_pages=0"),
 ])
 def test_bad_configs_name_the_key(tmp_path, text, args, message):
     yaml = tmp_path / "run.yaml"

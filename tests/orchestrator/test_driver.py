@@ -260,8 +260,8 @@ def test_the_transfer_counters_reach_the_summary_status_and_wandb(ray_local, run
 
 
 def test_the_prefix_cache_counters_reach_the_summary_status_and_wandb(ray_local, run_model, tmp_path, monkeypatch):
-    """The timeline's prefix-cache counters (here an earlier session's buckets, written by hand) are summed over
-    the run into the head's summary, the tracker's final summary (W&B) and `pagefleet status`."""
+    """The timeline's prefix-cache and preemption counters (here an earlier session's buckets, written by hand)
+    are summed over the run into the head's summary, the tracker's final summary (W&B) and `pagefleet status`."""
     import orchestrator.tracking as tracking
 
     corpus = write_run_corpus(tmp_path / "corpus.jsonl", 8)
@@ -269,9 +269,13 @@ def test_the_prefix_cache_counters_reach_the_summary_status_and_wandb(ray_local,
     cfg = load_run_config(None, run_args(run_model, corpus, run_dir, "--cluster.num_slices=1"))
     plan(cfg)
     earlier = [{"t": 1.0, "steps": 3, "tokens_per_s": 1.0, "occupancy": 0.5, "device_s": 0.1, "host_s": 0.1,
-                "prefix_cache_query_tokens": 300, "prefix_cache_hit_tokens": 200, "slice": "slice-0"},
+                "prefix_cache_query_tokens": 300, "prefix_cache_hit_tokens": 200, "slice": "slice-0",
+                "kv_pages_out": 6, "kv_pages_in": 4, "recompute_avoided_tokens": 90, "recompute_tokens": 5,
+                "host_kv_pages_peak": 6},
                {"t": 2.0, "steps": 1, "tokens_per_s": 1.0, "occupancy": 0.5, "device_s": 0.1, "host_s": 0.1,
-                "prefix_cache_query_tokens": 100, "prefix_cache_hit_tokens": 100, "slice": "slice-0"}]
+                "prefix_cache_query_tokens": 100, "prefix_cache_hit_tokens": 100, "slice": "slice-0",
+                "kv_pages_out": 2, "kv_pages_in": 4, "recompute_avoided_tokens": 30, "recompute_tokens": 0,
+                "host_kv_pages_peak": 3}]
     (run_dir / "timeline.jsonl").write_text("".join(json.dumps(b) + "\n" for b in earlier))
     finished = []
     make = tracking.make_tracker
@@ -293,6 +297,14 @@ def test_the_prefix_cache_counters_reach_the_summary_status_and_wandb(ray_local,
     assert {k: finished[0][k] for k in expected} == expected
     assert status(run_dir)["prefix_cache"] == expected
     assert (f"{hits:,} of {query:,} prompt tokens served from cached pages ({hits / query:.1%} hit rate)"
+            in format_status(status(run_dir)))
+    assert all("host_kv_pages_peak" in b for b in session)  # this session's slices write the counters (all 0 here)
+    swaps = {"kv_pages_out": 8, "kv_pages_in": 8, "recompute_avoided_tokens": 120, "recompute_tokens": 5,
+             "host_kv_pages_peak": 6}
+    swaps["recompute_tokens"] += sum(b["recompute_tokens"] for b in session)
+    assert {k: outcome.summary[k] for k in swaps} == {k: finished[0][k] for k in swaps} == swaps
+    assert status(run_dir)["preemption"] == swaps
+    assert ("preemption     8 KV pages swapped out, 8 in; recompute of 120 tokens avoided"
             in format_status(status(run_dir)))
 
 

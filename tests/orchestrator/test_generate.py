@@ -94,6 +94,28 @@ def test_generate_reports_the_bytes_moved_between_host_and_device(tmp_path, mode
     assert f"{stats['device_to_host_bytes_per_token']:,.1f} B per generated token; host to device" in err
 
 
+def test_generate_reports_swap_preemption(tmp_path, model_dir, capsys):
+    """A pool too small for six 40-token generations, engine.preemption=swap: pages go out and in, nothing is
+    recomputed, the host pool's bytes are in the ledger's `swap` category, and the summary has a `preemption:` line."""
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": str(i), "prompt_token_ids": [5 + i, 6, 7, 8, 9]}) + "\n"
+                                               for i in range(6)))
+    stats_file = tmp_path / "stats.json"
+    assert generate_main(["--model", str(model_dir), "--input", str(tmp_path / "in.jsonl"), "--output",
+                          str(tmp_path / "out.jsonl"), "--stats_output", str(stats_file), "--progress=false",
+                          "--sampling.max_new_tokens=40", "--engine.max_seq_len=64",
+                          "--engine.page_size=4", "--engine.max_pages=24", "--engine.max_seqs=6", "--engine.host_kv_pages=64",
+                          "--engine.preemption=swap"]) == 0
+    stats = json.loads(stats_file.read_text())
+    assert stats["num_preemptions"] == stats["num_swaps"] > 0 and stats["num_swap_fallbacks"] == 0
+    assert stats["kv_pages_out"] >= stats["kv_pages_in"] > 0 and stats["recompute_tokens"] == 0
+    assert 0 < stats["host_kv_pages_peak"] <= 64 == stats["engine_host_kv_pages"]
+    assert stats["recompute_avoided_tokens"] > 0
+    assert stats["device_to_host_bytes_swap"] > 0 and stats["host_to_device_bytes_swap"] > 0
+    assert (f"preemption: {stats['kv_pages_out']:,} KV pages swapped out, {stats['kv_pages_in']:,} in; recompute of "
+            f"{stats['recompute_avoided_tokens']:,} tokens avoided, 0 tokens dropped for recompute"
+            in capsys.readouterr().err)
+
+
 def test_generate_sizes_the_engine_for_the_machine_and_keeps_explicit_keys(tmp_path, model_dir, capsys):
     """No capacity flags: max_pages from engine.kv_memory_gib (tiny-llama: 2 layers * K,V * 2 kv heads * 16 dims *
     4 bytes = 512 bytes a token, 8 KiB a page of 16), max_seqs as many sequences of max_seq_len as fit (CPU cap

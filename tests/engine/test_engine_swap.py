@@ -1,0 +1,95 @@
+"""Swap preemption on a real model (tiny presets, XLA CPU): a pool too small for the workload gives the samples
+of recompute and of an ample pool, greedy and seeded, with n > 1, with a sliding-window model; stats show the
+pages moved and, under swap, no token recomputed."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from engine.config import EngineConfig, SamplingConfig
+from engine.engine import Engine
+from engine.presets import write_model
+from engine.sequence import Request
+
+WINDOW = 12  # the sliding-window model's window: shorter than every sequence here
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", pytest.param("tiny-mistral-window", marks=pytest.mark.slow)])
+def model(request, tmp_path_factory):
+    preset = request.param.removesuffix("-window")
+    path = write_model(preset, tmp_path_factory.mktemp(request.param))
+    if request.param.endswith("-window"):
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, "sliding_window": WINDOW}))
+    return path
+
+
+def _requests(temperature: float, n: int) -> list[Request]:
+    rng = np.random.default_rng(11)
+    sampling = SamplingConfig(max_new_tokens=48, temperature=temperature, top_p=0.9, seed=6, n=n, logprobs=True)
+    return [Request(f"r{i}", tuple(rng.integers(6, 512, int(rng.integers(4, 30))).tolist()), sampling,
+                    generation_index=g) for i in range(6) for g in range(n)]
+
+
+def _run(path, requests, **engine) -> tuple[dict, Engine]:
+    eng = Engine(path, EngineConfig(page_size=8, max_seqs=6, max_seqs_in_prefill=3, max_prefill_size=32,
+                                    max_seq_len=96, debug_invariants=True, **engine))
+    out = eng.generate(requests)
+    assert all(c.error is None for c in out)
+    return {(c.prompt_id, c.generation_index): (c.token_ids, c.logprobs) for c in out}, eng
+
+
+SMALL = dict(max_pages=16)  # six sequences of up to 78 tokens want up to 60 pages
+
+
+def _three_ways(path, temperature: float, n: int):
+    requests = _requests(temperature, n)
+    ample, ample_engine = _run(path, requests, max_pages=200)
+    recompute, recompute_engine = _run(path, requests, preemption="recompute", host_kv_pages=64, **SMALL)
+    swap, swap_engine = _run(path, requests, preemption="swap", host_kv_pages=64, **SMALL)
+    assert ample_engine.scheduler.num_preemptions == 0
+    assert recompute_engine.scheduler.num_preemptions > 0 and swap_engine.scheduler.num_preemptions > 0
+    return ample, recompute, swap, recompute_engine, swap_engine
+
+
+def _tokens(samples: dict) -> dict:
+    return {k: tokens for k, (tokens, _) in samples.items()}
+
+
+@pytest.mark.parametrize("temperature,n", [(0.0, 1), pytest.param(0.8, 2, marks=pytest.mark.slow)])
+def test_swap_recompute_and_an_ample_pool_give_the_same_tokens(model, temperature, n):
+    ample, recompute, swap, recompute_engine, swap_engine = _three_ways(model, temperature, n)
+    assert _tokens(swap) == _tokens(recompute) == _tokens(ample)
+    moved, dropped = swap_engine.stats, recompute_engine.stats
+    assert moved.kv_pages_out > 0 and moved.kv_pages_in > 0 and moved.recompute_avoided_tokens > 0
+    assert moved.recompute_tokens == 0 and swap_engine.scheduler.swapper.num_fallbacks == 0  # nothing recomputed
+    assert dropped.recompute_tokens > 0 and dropped.kv_pages_out == 0
+    assert moved.host_kv_pages_peak <= 64 and swap_engine.scheduler.swapper.host.num_used == 0
+    page_bytes = swap_engine.runner.kv.host_pool[0].nbytes * swap_engine.runner.kv.num_layers
+    assert moved.device_to_host_bytes["swap"] >= moved.kv_pages_out * page_bytes  # padded to powers of two
+    assert moved.host_to_device_bytes["swap"] >= moved.kv_pages_in * page_bytes
+
+
+def test_a_full_host_pool_falls_back_to_recompute_with_the_same_tokens(model):
+    requests = _requests(0.8, 1)
+    ample, _ = _run(model, requests, max_pages=200)
+    got, engine = _run(model, requests, preemption="swap", host_kv_pages=6, **SMALL)
+    swapper = engine.scheduler.swapper
+    assert swapper.num_fallbacks > 0 and engine.stats.recompute_tokens > 0
+    assert engine.stats.host_kv_pages_peak <= 6
+    assert _tokens(got) == _tokens(ample)
+
+
+@pytest.mark.xfail(strict=True, reason="known: XLA CPU matmuls pick their kernel by row count, so a token's logprob "
+                                       "depends on the batch shape of its step (the two pools batch differently); "
+                                       "the lead's batch-invariance work in engine/model.py removes this")
+@pytest.mark.parametrize("temperature,n", [(0.0, 1), pytest.param(0.8, 2, marks=pytest.mark.slow)])
+def test_swap_and_an_ample_pool_give_bit_identical_logprobs(model, temperature, n):
+    """Swapped KV comes back bit for bit (tests/engine/test_kv_swap.py); what differs today is the batching.
+    (Recompute against an ample pool has its own strict xfail in tests/engine/test_engine.py.)"""
+    ample, _, swap, _, _ = _three_ways(model, temperature, n)
+    assert _tokens(swap) == _tokens(ample)
+    assert swap == ample
