@@ -100,8 +100,9 @@ class RunProgress:
         return text + (f"; {self.waiting}" if self.waiting else "")
 
     def write(self, remaining_prompts: int, force: bool = False, running: bool = True) -> None:
-        """Replace progress.json (every PROGRESS_EVERY_S, or now when forced); print a plain line when due."""
-        if self._lines and time.monotonic() >= self._next_line:
+        """Replace progress.json (every PROGRESS_EVERY_S, or now when forced); print a plain line when due, and
+        always for the last write of a session (`running` false), so that a log ends with where the run stands."""
+        if self._lines and (time.monotonic() >= self._next_line or not running):
             self._next_line = time.monotonic() + self._line_every_s
             print(self.line(remaining_prompts), file=self._stream, flush=True)
         if not force and time.monotonic() - self._last_write < PROGRESS_EVERY_S:

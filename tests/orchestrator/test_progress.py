@@ -43,6 +43,18 @@ def test_off_a_terminal_progress_is_plain_lines(tmp_path, monkeypatch):
     assert line.endswith("; 2 of 4 slices wait for resources")
 
 
+def test_a_log_ends_with_where_the_run_stands(tmp_path):
+    """The last write of a session prints its line whenever it comes: a run shorter than the line interval (30 s
+    by default) still leaves one line in `ray job logs`, and a longer one ends at its final state."""
+    stream = io.StringIO()
+    progress = RunProgress(RunDir(tmp_path), records(), show=True, stream=stream)
+    progress.write(30)  # not due: no line
+    assert stream.getvalue() == ""
+    progress.write(0, force=True, running=False)
+    progress.close()
+    assert stream.getvalue().startswith("progress: 40/40 prompts (100.0%)"), stream.getvalue()
+
+
 def test_on_a_terminal_progress_is_a_bar_and_no_lines(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEFLEET_PROGRESS_EVERY_S", "0.1")
     stream = Terminal()

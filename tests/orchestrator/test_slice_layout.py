@@ -64,11 +64,13 @@ def test_layouts_that_cannot_work_are_named(mqa_model, extra, needles):
     assert "\n" not in str(e.value) and all(n in str(e.value) for n in needles), str(e.value)
 
 
-def test_a_mesh_the_model_cannot_use_ends_the_run_before_any_slice(run_model, tmp_path, capsys):
+def test_a_mesh_the_model_cannot_use_ends_the_run_before_any_slice(run_model, tmp_path, capsys, monkeypatch):
     """tiny-llama (2 KV heads, 4 attention heads) at model 3: exit FAULT in one line; Ray never started, the run
     directory never made (before this check, three slice restarts each met the sharding error)."""
-    import ray
+    from orchestrator import cluster
 
+    started = []  # an earlier test of the session may have left Ray running: watch this run's own call
+    monkeypatch.setattr(cluster, "ensure_ray", lambda *a, **k: started.append((a, k)))
     corpus = write_run_corpus(tmp_path / "corpus.jsonl", 4)
     run_dir = tmp_path / "run"
     config = tmp_path / "run.yaml"
@@ -79,7 +81,7 @@ def test_a_mesh_the_model_cannot_use_ends_the_run_before_any_slice(run_model, tm
     err = capsys.readouterr().err.strip()
     assert code == exit_codes.FAULT
     assert err.startswith("pagefleet run: cluster.mesh.model=3: ") and "\n" not in err, err
-    assert not run_dir.exists() and not ray.is_initialized()
+    assert not run_dir.exists() and not started
 
 
 @pytest.mark.ray
