@@ -123,19 +123,56 @@ def _in_vocabulary(line: ParsedLine, ids: list[int], vocab_size: int | None) -> 
     return replace(line, token_ids=ids) if why is None else replace(line, error=f"out_of_vocabulary: {why}")
 
 
-def sample_records(engine, lines: Iterable[tuple[int, bytes | dict]], sampling: SamplingConfig,
-                   on_finish: Callable[[], None] = lambda: None, tokenizer_path: str = "") -> list[dict]:
+def parse_lines(lines: Iterable[tuple[int, bytes | dict]], tokenizer, vocab_size: int | None, sampling: SamplingConfig,
+                tokenizer_path: str = "") -> list[tuple[int, ParsedLine]]:
+    """Numbered input lines (bytes of a JSON line, or a row dict), each judged and tokenized (`_parse_line`)."""
+    return [(line_no, _parse_line(raw, line_no, tokenizer, vocab_size, tokenizer_path, sampling))
+            for line_no, raw in lines]
+
+
+def longest_sequence(parsed: Iterable[tuple[int, ParsedLine]], sampling: SamplingConfig) -> int:
+    """The most tokens a sequence of these lines can reach: its prompt plus its own max_new_tokens (0: no line runs)."""
+    return max((len(line.token_ids) + apply(sampling, line.sampling).max_new_tokens
+                for _, line in parsed if line.token_ids is not None), default=0)
+
+
+def model_tokenizer(model: str):
+    """The tokenizer of a resolved model (a directory or a `gs://` URL), or None when it has none."""
+    if "://" in model:
+        return url_tokenizer(model)
+    from engine import load_tokenizer
+    from engine.tokenizer_cache import has_tokenizer
+
+    return load_tokenizer(model) if has_tokenizer(model) else None
+
+
+def sized_engine(model: str, config: EngineConfig, dtype: str, explicit: frozenset[str],
+                 lines: Iterable[tuple[int, bytes | dict]], sampling: SamplingConfig):
+    """A new engine for a resolved `model`, its capacities not in `explicit` sized for this machine and for these
+    numbered input lines (engine/machine_sizing.py: the pool holds what the input's longest sequence needs in every
+    slot, no more). Returns (engine, the lines parsed with the model's tokenizer, loaded once). Raises ValueError
+    naming the key to set when the budget cannot hold one sequence."""
+    from engine import Engine, ModelConfig, size_for_machine, this_machine
+
+    tokenizer, model_cfg = model_tokenizer(model), ModelConfig.from_pretrained(model)
+    parsed = parse_lines(lines, tokenizer, model_cfg.vocab_size, sampling, model)
+    cfg = size_for_machine(config, model_cfg, dtype, this_machine(), explicit,
+                           longest=longest_sequence(parsed, sampling))
+    return Engine(model, cfg, dtype=dtype, tokenizer=tokenizer), parsed
+
+
+def sample_records(engine, parsed: Iterable[tuple[int, ParsedLine]], sampling: SamplingConfig,
+                   on_finish: Callable[[], None] = lambda: None) -> list[dict]:
     """One sample record (docs/records.md, `batch_id` null) per (line, generation_index), in input order, for
-    numbered input lines (bytes of a JSON line, or a row dict); a line that cannot run gives records with
-    `error` set and no tokens. `on_finish` is called once per sample as it finishes."""
+    numbered parsed lines (`parse_lines`); a line that cannot run gives records with `error` set and no tokens.
+    `on_finish` is called once per sample as it finishes."""
     from engine import Request
 
     requests, failed = [], []
     order: list[tuple[str, int]] = []
     first_line: dict[str, int] = {}
     kept: dict[str, str | None] = {}
-    for line_no, raw in lines:
-        line = _parse_line(raw, line_no, engine.tokenizer, engine.model_config.vocab_size, tokenizer_path, sampling)
+    for line_no, line in parsed:
         pid, ids, err = line.prompt_id or f"line-{line_no}", line.token_ids, line.error
         kept_columns = line.passthrough
         if pid in first_line:  # a repeated id would make two prompts' samples indistinguishable
@@ -191,7 +228,6 @@ def run_generate(cfg: GenerateConfig, explicit: frozenset[str] = frozenset()) ->
     (engine/machine_sizing.py)."""
     from tqdm import tqdm
 
-    from engine import Engine, ModelConfig, size_for_machine, this_machine
     from engine.machine_sizing import SIZED_KEYS
 
     for name in ("model", "input", "output"):
@@ -199,13 +235,14 @@ def run_generate(cfg: GenerateConfig, explicit: frozenset[str] = frozenset()) ->
             print(f"pagefleet generate: --{name} is required", file=sys.stderr)
             return exit_codes.FAULT
     model = resolve_model(cfg.model, "--model")
+    with open(cfg.input, "rb") as f:
+        numbered = [(line_no, line) for line_no, line in enumerate(f, 1) if line.strip()]
     try:
-        engine_cfg = size_for_machine(cfg.engine, ModelConfig.from_pretrained(model), cfg.dtype, this_machine(),
-                                      explicit)
+        engine, parsed = sized_engine(model, cfg.engine, cfg.dtype, explicit, numbered, cfg.sampling)
     except ValueError as e:
         print(f"pagefleet generate: {e}", file=sys.stderr)
         return exit_codes.FAULT
-    engine = Engine(model, engine_cfg, dtype=cfg.dtype, tokenizer=url_tokenizer(model))
+    engine_cfg = engine.config
     if engine.load_report["bytes_read"]:
         print(f"model read from {model} in {engine.load_report['load_s']:.1f} s "
               f"({engine.load_report['bytes_read']:,} bytes, ranged reads)", file=sys.stderr)
@@ -213,11 +250,9 @@ def run_generate(cfg: GenerateConfig, explicit: frozenset[str] = frozenset()) ->
     if sized:
         print("engine sized for this machine: " + ", ".join(f"{k}={getattr(engine_cfg, k):,}" for k in sized) +
               " (engine.kv_memory_gib or an explicit --engine.KEY overrides)", file=sys.stderr)
-    with open(cfg.input, "rb") as f:
-        numbered = [(line_no, line) for line_no, line in enumerate(f, 1) if line.strip()]
-    bar = tqdm(total=len(numbered) * cfg.sampling.n, desc="samples", unit="sample", disable=not cfg.progress,
+    bar = tqdm(total=len(parsed) * cfg.sampling.n, desc="samples", unit="sample", disable=not cfg.progress,
                file=sys.stderr)
-    records = sample_records(engine, numbered, cfg.sampling, on_finish=lambda: bar.update(1), tokenizer_path=model)
+    records = sample_records(engine, parsed, cfg.sampling, on_finish=lambda: bar.update(1))
     bar.close()
     lines = [dumps(record) + "\n" for record in records]
     _write_atomically(Path(cfg.output), lines)

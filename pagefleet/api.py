@@ -47,25 +47,24 @@ def generate(model: str | Engine, prompts: Sequence[Prompt], *, engine: Mapping[
     A prompt that cannot run gives records with `error` set (as `pagefleet generate` writes them); a bad
     key raises ValueError naming it."""
     from engine import Engine, EngineConfig, SamplingConfig
-    from orchestrator.generate import sample_records, url_tokenizer
+    from orchestrator.generate import parse_lines, sample_records, sized_engine
     from orchestrator.model_source import resolve_model
 
     if isinstance(prompts, (str, bytes)):
         raise TypeError("prompts is a list of prompts; wrap a single prompt in a list")
     sampling_cfg = _build(SamplingConfig, sampling, "sampling")
+    lines = [(i + 1, _row(p, i)) for i, p in enumerate(prompts)]
     if isinstance(model, Engine):
         if engine is not None:
             raise ValueError("engine keys configure a new engine; this Engine is already built")
         eng = model
+        parsed = parse_lines(lines, eng.tokenizer, eng.model_config.vocab_size, sampling_cfg)
     else:
-        from engine import ModelConfig, size_for_machine, this_machine
-
         path, given = resolve_model(str(model), "model"), dict(engine or {})
-        # Sized for this machine as `pagefleet generate` sizes its engine; the keys given here are kept.
-        cfg = size_for_machine(_build(EngineConfig, given, "engine"), ModelConfig.from_pretrained(path), dtype,
-                               this_machine(), frozenset(given))
-        eng = Engine(path, cfg, dtype=dtype, tokenizer=url_tokenizer(path))  # gs://: the tokenizer copied once
-    return sample_records(eng, [(i + 1, _row(p, i)) for i, p in enumerate(prompts)], sampling_cfg)
+        # Sized for this machine and these prompts as `pagefleet generate` sizes its engine; the keys given are kept.
+        eng, parsed = sized_engine(path, _build(EngineConfig, given, "engine"), dtype, frozenset(given), lines,
+                                   sampling_cfg)
+    return sample_records(eng, parsed, sampling_cfg)
 
 
 def _build(cls: type, values: Mapping[str, Any], section: str) -> Any:

@@ -116,24 +116,28 @@ def test_generate_reports_swap_preemption(tmp_path, model_dir, capsys):
             in capsys.readouterr().err)
 
 
-def test_generate_sizes_the_engine_for_the_machine_and_keeps_explicit_keys(tmp_path, model_dir, capsys):
-    """No capacity flags: max_pages from engine.kv_memory_gib (tiny-llama: 2 layers * K,V * 2 kv heads * 16 dims *
-    4 bytes = 512 bytes a token, 8 KiB a page of 16), max_seqs as many sequences of max_seq_len as fit (CPU cap
-    64), 4,096-token steps; an explicit --engine.max_seqs is kept."""
-    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": str(i), "prompt_token_ids": [5 + i, 6, 7]}) + "\n"
-                                               for i in range(3)))
+def test_generate_sizes_the_engine_for_the_machine_and_its_input_and_keeps_explicit_keys(tmp_path, model_dir, capsys):
+    """No capacity flags: a budget from engine.kv_memory_gib (tiny-llama: 2 layers * K,V * 2 kv heads * 16 dims *
+    4 bytes = 512 bytes a token, 8 KiB a page of 16) of 131 pages; the input's longest sequence (a 40-token prompt
+    plus 4 new tokens: 3 pages) sets the slots (131 // 3 = 43: 32, a power of two) and the pool is what those slots
+    can use at once (32 * 3 = 96 pages), not the whole budget; 4,096-token steps; an explicit --engine.max_seqs is
+    kept and the pool follows it."""
+    prompts = [[5 + i, 6, 7] for i in range(3)] + [list(range(3, 43))]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": str(i), "prompt_token_ids": p}) + "\n"
+                                               for i, p in enumerate(prompts)))
     stats_file = tmp_path / "stats.json"
     args = ["--model", str(model_dir), "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"),
             "--stats_output", str(stats_file), "--progress=false", "--sampling.max_new_tokens=4",
             "--engine.max_seq_len=128", "--engine.kv_memory_gib=0.001"]
     assert generate_main(args) == 0
     stats = json.loads(stats_file.read_text())
-    pages = 2**30 // 1000 // (16 * 512)
-    assert (stats["engine_max_pages"], stats["engine_max_seqs"], stats["engine_max_prefill_size"]) == (pages, 16, 4096)
-    assert "engine sized for this machine: max_pages=131, max_seqs=16, max_prefill_size=4,096" in capsys.readouterr().err
+    assert 2**30 // 1000 // (16 * 512) == 131
+    assert (stats["engine_max_pages"], stats["engine_max_seqs"], stats["engine_max_prefill_size"]) == (96, 32, 4096)
+    assert stats["num_preemptions"] == 0
+    assert "engine sized for this machine: max_pages=96, max_seqs=32, max_prefill_size=4,096" in capsys.readouterr().err
     assert generate_main([*args, "--engine.max_seqs", "8"]) == 0
     stats = json.loads(stats_file.read_text())
-    assert (stats["engine_max_pages"], stats["engine_max_seqs"], stats["engine_max_prefill_size"]) == (pages, 8, 4096)
+    assert (stats["engine_max_pages"], stats["engine_max_seqs"], stats["engine_max_prefill_size"]) == (24, 8, 4096)
 
 
 def test_generate_judges_bad_lines_as_a_run_judges_corpus_rows(tmp_path, model_dir):
