@@ -18,8 +18,9 @@ the machine, as vLLM does, and this module says how. Every value the caller set 
   prompt chunk's matmuls run near peak, the CPU's at 4,096 tokens as vLLM's CPU build schedules them.
 - **The workload's bound.** When the caller knows its workload (`generate` reads every prompt before it builds
   the engine), `longest` is the most tokens one of its sequences can reach (its prompt plus its
-  `max_new_tokens`). Slots are then counted at that length instead of `max_seq_len`, and the pool is cut to
-  what those slots can use at once, `max_seqs * pages_for(longest)`: a job of short prompts does not zero
+  `max_new_tokens`). Slots are then counted at that length instead of `max_seq_len`, `max_seq_len` itself
+  becomes that length (unless set), and the pool is cut to what those slots can use at once,
+  `max_seqs * pages_for(longest)`: a job of short prompts does not zero
   (and keep) a pool sized for the model's whole context. Zeroing the CPU's quarter of memory took 3-5 s of
   a 75-second job.
 - **Prompts per step.** `max_seqs_in_prefill` is `max_seqs`: the token budget alone bounds a step, as in
@@ -33,7 +34,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from engine.capacity import pages_for
+from engine.capacity import max_seq_len, pages_for
 from engine.config import EngineConfig
 from engine.model_bytes import DTYPE_BYTES, GiB, count_params, kv_bytes_per_token
 from engine.model_config import ModelConfig
@@ -48,7 +49,7 @@ MAX_SEQS = {"cpu": 64, "accelerator": 256}
 STEP_TOKENS = {"cpu": 4096, "accelerator": 8192}
 """Tokens per step (engine.max_prefill_size) per platform."""
 
-SIZED_KEYS = ("max_pages", "max_seqs", "max_prefill_size", "max_seqs_in_prefill")
+SIZED_KEYS = ("max_seq_len", "max_pages", "max_seqs", "max_prefill_size", "max_seqs_in_prefill")
 """The capacities this module sizes; an explicit value of any of them is kept."""
 
 
@@ -101,11 +102,11 @@ def size_for_machine(config: EngineConfig, model: ModelConfig, dtype: str, machi
     (engine keys the caller set). `longest`: the most tokens any sequence of the workload can reach, when the
     caller knows it (see the module docstring); None: any length up to max_seq_len. Raises ValueError, naming
     the key to set, when one sequence of that many tokens does not fit the budget."""
-    max_seq_len = config.max_seq_len or model.max_position_embeddings
-    what = f"engine.max_seq_len={max_seq_len}"
-    if longest is not None and longest < max_seq_len:
-        max_seq_len, what = max(1, longest), f"the input's longest sequence, {max(1, longest)}"
-    seq_pages = pages_for(max_seq_len, config.page_size)
+    limit = max_seq_len(config, model.max_position_embeddings)
+    seq_len, what = limit, f"engine.max_seq_len={limit}"
+    if longest is not None and longest < limit:
+        seq_len, what = max(1, longest), f"the input's longest sequence, {max(1, longest)}"
+    seq_pages = pages_for(seq_len, config.page_size)
     changes: dict[str, int] = {}
     max_pages = config.max_pages
     if "max_pages" not in explicit:
@@ -122,8 +123,12 @@ def size_for_machine(config: EngineConfig, model: ModelConfig, dtype: str, machi
         changes["max_seqs"] = max(1, min(MAX_SEQS[machine.platform], 2 ** int(math.log2(max(fit, 1)))))
     if "max_prefill_size" not in explicit:
         changes["max_prefill_size"] = STEP_TOKENS[machine.platform]
-    if longest is not None and "max_pages" not in explicit:  # no more pages than the slots can use at once
-        changes["max_pages"] = min(max_pages, changes.get("max_seqs", config.max_seqs) * seq_pages)
+    if longest is not None:
+        if "max_seq_len" not in explicit:  # no sequence of the input is longer: the page tables shrink to it
+            changes["max_seq_len"] = limit = seq_len
+        if "max_pages" not in explicit:  # no more pages than the slots can use at once (and one whole sequence)
+            slots = changes.get("max_seqs", config.max_seqs) * seq_pages
+            changes["max_pages"] = min(max_pages, max(slots, pages_for(limit, config.page_size)))
     if "max_seqs_in_prefill" not in explicit:
         changes["max_seqs_in_prefill"] = changes.get("max_seqs", config.max_seqs)
     return dataclasses.replace(config, **changes)

@@ -264,8 +264,7 @@ def run_generate(cfg: GenerateConfig, explicit: frozenset[str] = frozenset()) ->
     counters = {k: v for k, v in engine.snapshot().items()
                 if k in ("num_preemptions", "num_multi_step_fallbacks", "num_pipelined_calls", "num_swaps",
                          "num_swap_fallbacks")}
-    counters.update({f"engine_{k}": getattr(engine_cfg, k) for k in ("max_pages", "max_seqs", "max_prefill_size",
-                                                                      "max_seqs_in_prefill", "host_kv_pages")})
+    counters.update({f"engine_{k}": getattr(engine_cfg, k) for k in (*SIZED_KEYS, "host_kv_pages")})
     print(f"wrote {len(lines)} samples to {cfg.output} ({errors} with errors)", file=sys.stderr)
     if summary["steps"]:
         print(f"{summary['steps']} steps in {summary['wall_s']:.2f} s (device calls {summary['device_s']:.2f} s, "

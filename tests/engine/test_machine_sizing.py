@@ -53,7 +53,7 @@ def test_kv_memory_gib_and_explicit_values_win():
 def test_a_known_workload_counts_slots_at_its_longest_sequence_and_cuts_the_pool_to_what_they_use():
     machine = Machine("cpu", 20 * GiB)  # 16384 pages
     cfg = size_for_machine(EngineConfig(), LLAMA_40M, "float32", machine, longest=576)  # 36 pages a sequence
-    assert (cfg.max_seqs, cfg.max_pages) == (64, 64 * 36)
+    assert (cfg.max_seqs, cfg.max_pages, cfg.max_seq_len) == (64, 64 * 36, 576)
     cfg = size_for_machine(EngineConfig(max_seqs=8), LLAMA_40M, "float32", machine, frozenset({"max_seqs"}), longest=576)
     assert (cfg.max_seqs, cfg.max_pages) == (8, 8 * 36)
     small = Machine("cpu", 4 * 36 * PAGE_BYTES * 3)  # a budget of 108 pages: 3 sequences of 576 tokens, 2 slots
@@ -63,7 +63,10 @@ def test_a_known_workload_counts_slots_at_its_longest_sequence_and_cuts_the_pool
                            longest=576)
     assert cfg.max_pages == 500  # an explicit pool is kept
     cfg = size_for_machine(EngineConfig(max_seq_len=256), LLAMA_40M, "float32", machine, longest=10_000)
-    assert cfg.max_pages == 64 * 16  # never past max_seq_len: longer prompts are refused as too long
+    assert (cfg.max_pages, cfg.max_seq_len) == (64 * 16, 256)  # never past max_seq_len: longer ones are too_long
+    cfg = size_for_machine(EngineConfig(max_seq_len=1024, max_seqs=8), LLAMA_40M, "float32", machine,
+                           frozenset({"max_seq_len", "max_seqs"}), longest=16)
+    assert (cfg.max_pages, cfg.max_seq_len) == (64, 1024)  # 8 slots of 1 page, but one whole sequence still fits
     with pytest.raises(ValueError, match="the input's longest sequence, 576 tokens needs"):
         size_for_machine(EngineConfig(), LLAMA_40M, "float32", Machine("cpu", 4 * 30 * PAGE_BYTES), longest=576)
 

@@ -140,6 +140,22 @@ def test_generate_sizes_the_engine_for_the_machine_and_its_input_and_keeps_expli
     assert (stats["engine_max_pages"], stats["engine_max_seqs"], stats["engine_max_prefill_size"]) == (24, 8, 4096)
 
 
+def test_generate_with_no_engine_flags_sizes_its_context_to_the_input(tmp_path, model_dir, capsys):
+    """tiny-llama's context is 2,048 tokens (128 pages); three 3-token prompts with 4 new tokens need 1 page each,
+    so the 64 slots use 64 pages: max_seq_len follows the input (7 tokens), or the pool would not hold one
+    sequence of the model's whole context."""
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": str(i), "prompt_token_ids": [5 + i, 6, 7]}) + "\n"
+                                               for i in range(3)))
+    stats_file = tmp_path / "stats.json"
+    assert generate_main(["--model", str(model_dir), "--input", str(tmp_path / "in.jsonl"), "--output",
+                          str(tmp_path / "out.jsonl"), "--stats_output", str(stats_file), "--progress=false",
+                          "--sampling.max_new_tokens=4"]) == 0
+    stats = json.loads(stats_file.read_text())
+    assert (stats["engine_max_seq_len"], stats["engine_max_seqs"], stats["engine_max_pages"]) == (7, 64, 64)
+    assert "engine sized for this machine: max_seq_len=7, max_pages=64, max_seqs=64" in capsys.readouterr().err
+    assert all(len(json.loads(line)["token_ids"]) == 4 for line in (tmp_path / "out.jsonl").read_text().splitlines())
+
+
 def test_generate_judges_bad_lines_as_a_run_judges_corpus_rows(tmp_path, model_dir):
     """Each bad line becomes a record naming the reason `pagefleet run` writes to rejected.jsonl; nothing is
     repaired (a line that is not UTF-8 is not decoded with replacement characters) and the good lines run."""
