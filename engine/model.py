@@ -1,6 +1,7 @@
 """Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2) in haliax, over a paged KV pool.
 
-Parameters are named arrays; the layers are stacked on a `layers` axis and scanned. The forward
+Parameters are named arrays; the layers are stacked on a `layers` axis and scanned (on a CPU, unstacked and
+unrolled: `unstack_layers`). The forward
 pass is pure: `(params, kv_pool, StepInputs) -> (kv_pool, logits of each sequence's last new token)`.
 Norms, RoPE and attention run in float32; matmuls in the parameters' dtype (float32 or bfloat16).
 """
@@ -65,7 +66,7 @@ class DecoderLayer(eqx.Module):
 class Transformer(eqx.Module):
     config: ModelConfig = eqx.field(static=True)
     embed: NamedArray  # [vocab, embed]
-    layers: DecoderLayer  # every leaf has a leading `layers` axis
+    layers: DecoderLayer | tuple[DecoderLayer, ...]  # stacked (every leaf with a leading `layers` axis), or one per layer
     final_norm: NamedArray  # [embed]
     lm_head: NamedArray | None  # [vocab, embed]; None when tied to `embed`
 
@@ -100,7 +101,11 @@ class Transformer(eqx.Module):
 
             return (by_token_rows(out_and_mlp, x, attn), pool), None
 
-        (x, kv_pool), _ = hax.scan(layer_step, ax.Layers)((x, kv_pool), self.layers, hax.arange(ax.Layers))
+        if isinstance(self.layers, tuple):  # unrolled (unstack_layers)
+            for i, layer in enumerate(self.layers):
+                (x, kv_pool), _ = layer_step((x, kv_pool), layer, hax.named(jnp.int32(i), ()))
+        else:
+            (x, kv_pool), _ = hax.scan(layer_step, ax.Layers)((x, kv_pool), self.layers, hax.arange(ax.Layers))
         Seq = hax.Axis("seq", inputs.logits_indices.shape[0])
         last = x.take(Token, hax.named(inputs.logits_indices, Seq))
         head = self.embed if self.lm_head is None else self.lm_head
@@ -111,6 +116,21 @@ class Transformer(eqx.Module):
 
         return kv_pool, by_named_rows(lm_head, row_tile(Seq.size, settings.min_matmul_rows), "seq",
                                       last).rearrange((Seq, ax.Vocab))
+
+
+def unstack_layers(model: Transformer) -> Transformer:
+    """`model` with its stacked layers split into one `DecoderLayer` per layer, which the forward pass runs as an
+    unrolled loop. For the CPU: there a scan over stacked layers copies each layer's weights out of the stack
+    before its matmuls (XLA's CPU matmuls cannot read a slice of a buffer in place), so every forward pass copied
+    every weight: a fifth of a 64-row decode step of llama-40m. Unrolled, a program takes about twice as long to
+    compile, and XLA may fuse it differently, so logits can differ from the scanned program's in the last bits
+    (4e-5 on llama-40m); every CPU program is unrolled, so no step mixes the two."""
+    if isinstance(model.layers, tuple):
+        return model
+    is_named = lambda a: isinstance(a, NamedArray)  # noqa: E731
+    layers = tuple(jax.tree.map(lambda a: hax.named(a.array[i], a.axes[1:]), model.layers, is_leaf=is_named)
+                   for i in range(model.config.num_layers))
+    return eqx.tree_at(lambda m: m.layers, model, layers)
 
 
 def rms_norm(x: NamedArray, weight: NamedArray, eps: float) -> NamedArray:

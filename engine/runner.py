@@ -23,7 +23,7 @@ from engine.axes import PAGE_SLOT
 from engine.capacity import pages_for
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache
-from engine.model import AttentionSettings, Transformer
+from engine.model import AttentionSettings, Transformer, unstack_layers
 from engine.row_tiles import by_row_tiles
 # Bound here: tests patch `runner._sampling_mode`, and callers build rows as `runner.RowSampling`.
 from engine.row_sampling import RowSampling, row_sampling as _row_sampling, sampling_arrays as _sampling_arrays
@@ -230,7 +230,8 @@ class ModelRunner:
     def __init__(self, model: Transformer, config: EngineConfig, max_seq_len: int, stop_ids: Sequence[int] = (),
                  mesh: Mesh | None = None, kv_dtype=jnp.float32) -> None:
         """`stop_ids`: the token ids that end a sample (EOS), checked on the device in multi-step calls."""
-        self.model = model
+        platform = jax.default_backend()
+        self.model = unstack_layers(model) if platform == "cpu" else model  # see unstack_layers
         self.config = config
         self.max_seq_len = max_seq_len
         self.stop_ids = sorted(stop_ids)
@@ -240,7 +241,7 @@ class ModelRunner:
                           host_pages=config.host_kv_pages)
         self.clock = DeviceClock()  # every dispatch and every wait for outputs below is timed on it
         impl = resolve_attention_impl(config.attention_impl, kv_dtype)
-        self._settings = step_settings(config, impl, mesh, jax.default_backend())
+        self._settings = step_settings(config, impl, mesh, platform)
         self._ahead: PendingSteps | None = None  # the multi-step call dispatched ahead of the host's read
 
     def run(self, out: SchedulerOutput) -> RunnerOutput:

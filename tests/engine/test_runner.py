@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from engine.axes import LAYERS
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.presets import write_model
@@ -43,3 +44,38 @@ def test_a_decode_token_beyond_its_pages_is_refused(runner):
         runner.build_inputs([SeqChunk([5], 0, [3]), SeqChunk([1], 8, [3])])
     with pytest.raises(ValueError, match="chunk 0: 1 token at position 128"):
         runner.build_inputs([SeqChunk([5], 128, list(range(17)))])
+
+
+def test_a_cpu_runner_runs_the_layers_unrolled_so_no_step_copies_the_weights(runner):
+    """A scan over stacked layers slices each layer's weights out of the stack (a copy of every weight per
+    forward pass on a CPU); the CPU runner holds one DecoderLayer per layer and its step program has no scan."""
+    import jax
+
+    from engine.model import unstack_layers
+    from engine.runner import _logits
+
+    assert isinstance(runner.model.layers, tuple) and len(runner.model.layers) == runner.model.config.num_layers
+    assert unstack_layers(runner.model) is runner.model
+    inputs = jax.tree.map(np.asarray, runner.build_inputs([SeqChunk([5], 3, [1]), SeqChunk([6, 7], 0, [2])]))
+    settings = runner._settings_for([SeqChunk([6, 7], 0, [2])])
+
+    def program(model) -> str:
+        return _logits.lower(model, runner.kv.pool, inputs, settings).compile().as_text()  # op names kept
+
+    stacked = _stacked(runner.model)
+    assert "scan(layers)" in program(stacked)  # the stacked form does slice the weights in a loop
+    assert "scan(layers)" not in program(runner.model)
+
+
+def _stacked(model):
+    """`model` with its per-layer weights stacked back on a leading `layers` axis (the loaded form)."""
+    import equinox as eqx
+    import haliax as hax
+    import jax
+    import jax.numpy as jnp
+
+    def stack(*xs):
+        return hax.named(jnp.stack([x.array for x in xs]), (hax.Axis(LAYERS, len(xs)), *xs[0].axes))
+
+    layers = jax.tree.map(stack, *model.layers, is_leaf=lambda x: isinstance(x, hax.NamedArray))
+    return eqx.tree_at(lambda m: m.layers, model, layers)
