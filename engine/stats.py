@@ -48,7 +48,7 @@ class EngineStats:
     prefix_cache_hit_tokens: int = 0  # of those, tokens whose KV came from cached pages (not computed)
     kv_pages_out: int = 0  # KV pages swapped to the host pool (engine.preemption)
     kv_pages_in: int = 0  # KV pages paged back in from it
-    recompute_avoided_tokens: int = 0  # computed tokens of swapped-in sequences: KV that came back, not recomputed
+    recompute_avoided_tokens: int = 0  # computed tokens whose KV came back from the host pool (swapped-in sequences, cached prefixes), not recomputed
     recompute_tokens: int = 0  # computed tokens preemptions dropped (to be recomputed)
     host_kv_pages_peak: int = 0  # most host pool pages in use after a step's scheduling
     device_to_host_bytes: dict[str, int] = field(default_factory=dict)  # by category (engine.transfers), over the steps
