@@ -90,16 +90,18 @@ class KVCache:
         copy reads the pool as it is now)."""
         if not device_pages:
             return
-        src = _padded(device_pages, 0)
-        with self._transfers.sending(swap=src):
-            block = _gather_pages(self.pool.array, src, self.num_pages, self.num_layers)
-        if self._host_sharding is None:
-            self._transfers.prefetch(block)  # start the copy to the host now
-            on_host = block
-        else:  # a DMA to pinned host memory, dispatched now, running behind the step
-            on_host = jax.device_put(block, self._host_sharding)
-        # The device block stays until the page-out lands, for a page-in of the same step.
-        self._pending_out.append((block, on_host, np.asarray(host_pages, np.int64), len(device_pages)))
+        # In power-of-two pieces, largest first: few compiled shapes, and no padding bytes cross to the host.
+        for lo, hi in _pieces(len(device_pages)):
+            src = np.asarray(device_pages[lo:hi], np.int32)
+            with self._transfers.sending(swap=src):
+                block = _gather_pages(self.pool.array, src, self.num_pages, self.num_layers)
+            if self._host_sharding is None:
+                self._transfers.prefetch(block)  # start the copy to the host now
+                on_host = block
+            else:  # a DMA to pinned host memory, dispatched now, running behind the step
+                on_host = jax.device_put(block, self._host_sharding)
+            # The device block stays until the page-out lands, for a page-in of the same step.
+            self._pending_out.append((block, on_host, np.asarray(host_pages[lo:hi], np.int64), hi - lo))
 
     def finish_page_outs(self) -> None:
         """Write the dispatched page-outs into the host pool (reading them through the transfer ledger)."""
@@ -135,12 +137,9 @@ class KVCache:
             with self._transfers.sending(swap=(src, dst)):
                 self.pool = hax.named(_scatter_from_block(self.pool.array, block, src, dst, self.num_pages,
                                                           self.num_layers), self.pool.axes)
-        if settled[0]:
-            n = len(settled[0])
-            src = np.zeros(_pad_size(n), np.int64)
-            src[:n] = settled[0]
-            host = self.host_pool[self._host_rows(src)]  # [layers * padded, ...]; padding rows are dropped
-            dst = _padded(settled[1], np.iinfo(np.int32).max)
+        for lo, hi in _pieces(len(settled[0])):  # as page-outs: power-of-two pieces, no padding bytes
+            host = self.host_pool[self._host_rows(np.asarray(settled[0][lo:hi], np.int64))]  # [layers * n, ...]
+            dst = np.asarray(settled[1][lo:hi], np.int32)
             with self._transfers.sending(swap=(host, dst)):
                 if self._host_sharding is not None:  # staged in pinned host memory, then a DMA to the device
                     host = jax.device_put(host, self._host_sharding)
@@ -174,6 +173,16 @@ def host_memory_kind(devices) -> str | None:
         if "pinned_host" not in kinds:
             return None
     return "pinned_host"
+
+
+def _pieces(n: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges of n items in power-of-two sizes, largest first (n's binary digits)."""
+    out, lo = [], 0
+    for bit in range(n.bit_length() - 1, -1, -1):
+        if n >> bit & 1:
+            out.append((lo, lo + (1 << bit)))
+            lo += 1 << bit
+    return out
 
 
 def _pad_size(n: int) -> int:

@@ -179,7 +179,7 @@ class PageAllocator:
         # Pop from the end: page 0 is handed out first after a reset, which keeps runs reproducible.
         self._free = list(range(self.num_pages - 1, -1, -1))
         self._key: list[PageKey | None] = [None] * self.num_pages
-        self._uid = [-1] * self.num_pages  # uids are never reused, not even after a reset (the host tier may keep its pages)
+        self._uid = [-1] * self.num_pages  # a cached page's uid; the counter survives resets: never reused
         self._page_of: dict[PageKey, int] = {}
         self._children: dict[int, list[int]] = {}  # cached page -> cached pages whose key names it as parent
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, count 0; least recently freed first
