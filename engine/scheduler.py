@@ -14,7 +14,9 @@ Prefix caching (`engine.prefix_caching`): a sequence being admitted maps the cac
 leading full pages and computes only the rest; a full prompt page is cached as soon as the step that computes
 it is scheduled. A later sequence of the same step may map it: each layer writes the step's new K/V into the
 pool before any attention reads it. Cached pages outlive their sequences (the allocator reclaims them when
-pages run out), so a prompt preempted or sent again later finds its prefix too. Which pages are cached
+pages run out), so a prompt preempted or sent again later finds its prefix too. With a host pool, reclaimed
+cached pages spill to the host tier (engine/swap.py, engine/host_cache.py): a prompt whose prefix continues
+there pages those pages back in before its step instead of computing them. Which pages are cached
 depends only on the requests and their order, so every host of a slice decides the same.
 """
 
@@ -371,7 +373,7 @@ class Scheduler:
         self.allocator.check([s.pages for s in self.running + self.retained])
         swapper, alloc = self.swapper, self.allocator
         swapper.host.check([s.swapped.host for s in self.waiting if s.swapped is not None]
-                           + [swapper.cache.host_pages(), swapper._releasing])
+                           + [swapper.cache.host_pages(), swapper.releasing])
         swapper.cache.check()
         on_device = {alloc.uid(p) for p in range(alloc.num_pages)} - {-1}
         assert not any(uid in swapper.cache for uid in on_device), "a cached page is in both tiers"

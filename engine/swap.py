@@ -44,6 +44,11 @@ class Swapper:
         self._releasing: list[int] = []  # host pages read by this step's page-ins: freed at `take_ops`
         self._clear_ops()
 
+    @property
+    def releasing(self) -> list[int]:
+        """Host pages this step's page-ins read: still taken until `take_ops` hands the copies over."""
+        return list(self._releasing)
+
     def _clear_ops(self) -> None:
         self._out: tuple[list[int], list[int]] = ([], [])
         self._in: tuple[list[int], list[int]] = ([], [])
