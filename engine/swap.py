@@ -82,7 +82,8 @@ class Swapper:
 
     def _host_pages(self, num: int, protect: set[int] = frozenset()) -> list[int] | None:
         """`num` free host pages, evicting the host tier's least recently used entries for them (never those in
-        `protect`); None (nothing taken, nothing evicted) when even that does not free enough."""
+        `protect`); None (nothing taken) when even that does not free enough: nothing is evicted then, unless the
+        least recently used entry is protected, which stops the evictions where they are."""
         if num > self.host.num_pages - self.host.num_used + self.cache.num_evictable:
             return None
         while self.host.num_pages - self.host.num_used < num:
