@@ -61,8 +61,10 @@ class EngineConfig:
     Samples are the same either way."""
     host_kv_pages: int = 0
     """Pages of a host-memory KV pool (the device pool's page layout, in host RAM) that preempted sequences'
-    pages are swapped to under engine.preemption `swap` or `auto`; 0 turns it off (preemption recomputes, as
-    without it). Each page takes as many bytes as a device page."""
+    pages are swapped to under engine.preemption `swap` or `auto`, and, with engine.prefix_caching, that cached
+    prefix pages the device reclaims spill to (a later prompt with that prefix pages them back in instead of
+    recomputing them; swapped pages take precedence over spilled ones); 0 turns it off (preemption recomputes
+    and reclaimed prefix pages are dropped, as without it). Each page takes as many bytes as a device page."""
     preemption: Literal["recompute", "swap", "auto"] = "recompute"
     """What a sequence preempted for lack of pages keeps: `recompute` drops its pages and recomputes its tokens
     later; `swap` copies its pages to the host pool and back before its next step (nothing recomputed, the same

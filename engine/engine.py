@@ -290,7 +290,7 @@ class Engine:
                 "num_preemptions": sched.num_preemptions, "num_multi_step_fallbacks": sched.num_multi_step_fallbacks,
                 "num_pipelined_calls": sched.num_pipelined_calls, "cached_pages": alloc.num_cached,
                 "host_kv_pages_in_use": sched.swapper.host.num_used, "num_swaps": sched.swapper.num_swaps,
-                "num_swap_fallbacks": sched.swapper.num_fallbacks}
+                "num_swap_fallbacks": sched.swapper.num_fallbacks, "host_cached_pages": len(sched.swapper.cache)}
 
 
 def _count(timer: StepTimer, out: SchedulerOutput, result: RunnerOutput) -> None:

@@ -1,6 +1,13 @@
-"""The paged KV cache: one device pool for every layer, its sharding, and the host pool that swapped-out pages
-go to (`engine.host_kv_pages`). Data only: which page belongs to which sequence, on the device or the host, is
-the scheduler's (its PageAllocator and HostPageAllocator)."""
+"""The paged KV cache: one device pool for every layer, its sharding, and the host pool that swapped-out and
+spilled pages go to (`engine.host_kv_pages`). Data only: which page belongs to which sequence, on the device or
+the host, is the scheduler's (its PageAllocator and HostPageAllocator, engine/swap.py).
+
+Host memory kinds: where the backend has a `pinned_host` memory (TPU and GPU; this JAX's CPU backend too), the
+page copies travel through it: a page-out's block is `device_put` to pinned host memory (an asynchronous DMA
+the runtime starts at once) and a page-in's block is staged there before its `device_put` to the device.
+Elsewhere a page-out starts with `copy_to_host_async` and a page-in sends the numpy block. `host_memory_kind`
+is the one place that chooses. The host pool itself is a numpy array either way (written when a page-out is
+read back, after the step that follows it: see the runner)."""
 
 from __future__ import annotations
 
@@ -26,9 +33,11 @@ class KVCache:
     """
 
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, transfers: TransferLedger,
-                 dtype=jnp.float32, mesh: Mesh | None = None, host_pages: int = 0) -> None:
+                 dtype=jnp.float32, mesh: Mesh | None = None, host_pages: int = 0,
+                 memory_kind: str | None | bool = True) -> None:
         """`transfers`: the runner's ledger, which counts the page indices a page copy sends and the pages a
-        swap moves. `host_pages`: pages of the host pool (0: none)."""
+        swap moves. `host_pages`: pages of the host pool (0: none). `memory_kind`: the host memory kind page
+        copies travel through, True to choose it (`host_memory_kind`), None for none (tests)."""
         if host_pages and mesh is not None and len({d.process_index for d in mesh.devices.flat}) > 1:
             raise ValueError("engine.host_kv_pages is not supported on a multi-host slice yet; set "
                              "engine.host_kv_pages=0 (engine.preemption then recomputes)")
@@ -42,12 +51,17 @@ class KVCache:
         self._sharding = (SingleDeviceSharding(jax.local_devices()[0]) if mesh is None
                           else NamedSharding(mesh, partition_spec(self._axes, mesh)))
         self.pool: NamedArray = self._zeros()
+        devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
+        self.memory_kind = host_memory_kind(devices) if memory_kind is True else memory_kind
+        self._host_sharding = (None if self.memory_kind is None
+                               else self._sharding.with_memory_kind(self.memory_kind))
         self.num_host_pages = host_pages
         # The host pool in the device pool's layout: host page h of layer i at i * host_pages + h. np.zeros
         # maps untouched pages lazily, so an unused host pool costs no memory.
         shape = (cfg.num_layers * host_pages, *(a.size for a in self._axes[1:]))
         self.host_pool = np.zeros(shape, np.dtype(dtype))
-        self._pending_out: list[tuple[jax.Array, np.ndarray, int]] = []  # page-outs not yet read to the host
+        # Page-outs not yet read to the host: (device block, its host-bound copy, host pages, real page count).
+        self._pending_out: list[tuple[jax.Array, jax.Array, np.ndarray, int]] = []
 
     def _zeros(self) -> NamedArray:
         shape = tuple(a.size for a in self._axes)
@@ -76,33 +90,62 @@ class KVCache:
         copy reads the pool as it is now)."""
         if not device_pages:
             return
-        src = _padded(device_pages, 0)
-        with self._transfers.sending(swap=src):
-            block = _gather_pages(self.pool.array, src, self.num_pages, self.num_layers)
-        self._transfers.prefetch(block)
-        self._pending_out.append((block, np.asarray(host_pages, np.int64), len(device_pages)))
+        # In power-of-two pieces, largest first: few compiled shapes, and no padding bytes cross to the host.
+        for lo, hi in _pieces(len(device_pages)):
+            src = np.asarray(device_pages[lo:hi], np.int32)
+            with self._transfers.sending(swap=src):
+                block = _gather_pages(self.pool.array, src, self.num_pages, self.num_layers)
+            if self._host_sharding is None:
+                self._transfers.prefetch(block)  # start the copy to the host now
+                on_host = block
+            else:  # a DMA to pinned host memory, dispatched now, running behind the step
+                on_host = jax.device_put(block, self._host_sharding)
+            # The device block stays until the page-out lands, for a page-in of the same step.
+            self._pending_out.append((block, on_host, np.asarray(host_pages[lo:hi], np.int64), hi - lo))
 
     def finish_page_outs(self) -> None:
         """Write the dispatched page-outs into the host pool (reading them through the transfer ledger)."""
-        for block, dst, n in self._pending_out:
-            host = self._transfers.read(swap=block)[0]
+        for _, on_host, dst, n in self._pending_out:
+            host = self._transfers.read(swap=on_host)[0]
             host = host.reshape(self.num_layers, -1, *host.shape[1:])[:, :n]
             self.host_pool[self._host_rows(dst)] = host.reshape(-1, *host.shape[2:])
         self._pending_out = []
 
     def page_in(self, host_pages: list[int], device_pages: list[int]) -> None:
-        """Copy host pages back to device pages (every layer), bit for bit; page-outs dispatched before land first."""
+        """Copy host pages back to device pages (every layer), bit for bit, without waiting for anything: a
+        host page whose page-out is still in flight (dispatched this step) is copied from that page-out's device
+        block, the others are sent from the host pool with an asynchronous `device_put`; the scatters are
+        dispatched and the runtime orders them before the step that reads the pages."""
         if not host_pages:
             return
-        self.finish_page_outs()
-        n = len(host_pages)
-        src = np.zeros(_pad_size(n), np.int64)
-        src[:n] = host_pages
-        block = self.host_pool[self._host_rows(src)]  # [layers * padded, ...]; padding rows are dropped
-        dst = _padded(device_pages, np.iinfo(np.int32).max)
-        with self._transfers.sending(swap=(block, dst)):
-            self.pool = hax.named(_scatter_pages(self.pool.array, block, dst, self.num_pages, self.num_layers),
-                                  self.pool.axes)
+        in_flight = {}  # host page -> (pending block, its row): a later page-out of a host page wins
+        for b, (_, _, dst, _) in enumerate(self._pending_out):
+            in_flight.update({int(h): (b, j) for j, h in enumerate(dst)})
+        by_block: dict[int, tuple[list[int], list[int]]] = {}
+        settled: tuple[list[int], list[int]] = ([], [])
+        for h, d in zip(host_pages, device_pages):
+            if h in in_flight:
+                b, j = in_flight[h]
+                by_block.setdefault(b, ([], []))[0].append(j)
+                by_block[b][1].append(d)
+            else:
+                settled[0].append(h)
+                settled[1].append(d)
+        for b, (rows, dst) in by_block.items():
+            block = self._pending_out[b][0]
+            src, dst = _padded(rows, 0), _padded(dst, np.iinfo(np.int32).max)
+            with self._transfers.sending(swap=(src, dst)):
+                self.pool = hax.named(_scatter_from_block(self.pool.array, block, src, dst, self.num_pages,
+                                                          self.num_layers), self.pool.axes)
+        for lo, hi in _pieces(len(settled[0])):  # as page-outs: power-of-two pieces, no padding bytes
+            host = self.host_pool[self._host_rows(np.asarray(settled[0][lo:hi], np.int64))]  # [layers * n, ...]
+            dst = np.asarray(settled[1][lo:hi], np.int32)
+            with self._transfers.sending(swap=(host, dst)):
+                if self._host_sharding is not None:  # staged in pinned host memory, then a DMA to the device
+                    host = jax.device_put(host, self._host_sharding)
+                block = jax.device_put(host, self._sharding)  # asynchronous: the scatter waits on it, the host not
+                self.pool = hax.named(_scatter_pages(self.pool.array, block, dst, self.num_pages, self.num_layers),
+                                      self.pool.axes)
 
     def discard_page_outs(self) -> None:
         """Forget dispatched page-outs (a reset: no sequence refers to their host pages any more)."""
@@ -117,6 +160,29 @@ class KVCache:
         page-outs are forgotten (nothing refers to their host pages after a reset)."""
         self.pool = self._zeros()
         self.discard_page_outs()
+
+
+def host_memory_kind(devices) -> str | None:
+    """The memory kind page copies to and from the host pool travel through: `pinned_host` when every device
+    has it (TPU, GPU and this JAX's CPU backend), else None (numpy transfers)."""
+    for device in devices:
+        try:
+            kinds = {m.kind for m in device.addressable_memories()}
+        except (AttributeError, NotImplementedError, jax.errors.JaxRuntimeError):
+            return None
+        if "pinned_host" not in kinds:
+            return None
+    return "pinned_host"
+
+
+def _pieces(n: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges of n items in power-of-two sizes, largest first (n's binary digits)."""
+    out, lo = [], 0
+    for bit in range(n.bit_length() - 1, -1, -1):
+        if n >> bit & 1:
+            out.append((lo, lo + (1 << bit)))
+            lo += 1 << bit
+    return out
 
 
 def _pad_size(n: int) -> int:
@@ -134,6 +200,14 @@ def _gather_pages(pool: jax.Array, src: jax.Array, num_pages: int, num_layers: i
     """Pages `src` of every layer, layer-major: [layers * len(src), page_size, 2 * kv_heads, head_dim]."""
     offsets = jnp.arange(num_layers, dtype=jnp.int32)[:, None] * num_pages
     return pool[(offsets + src[None, :]).reshape(-1)]
+
+
+@functools.partial(jax.jit, donate_argnums=(0,), static_argnums=(4, 5))
+def _scatter_from_block(pool: jax.Array, block: jax.Array, rows: jax.Array, dst: jax.Array, num_pages: int,
+                        num_layers: int) -> jax.Array:
+    """Write rows `rows` of a page-out's block (as `_gather_pages` returns it) to pages `dst` of every layer."""
+    per_layer = block.reshape(num_layers, -1, *block.shape[1:])[:, rows]
+    return _scatter_pages.__wrapped__(pool, per_layer.reshape(-1, *block.shape[1:]), dst, num_pages, num_layers)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,), static_argnums=(3, 4))

@@ -14,6 +14,11 @@ stays cached while its count is 0 and is only reclaimed (least recently freed fi
 out of free pages; reclaiming a page uncaches its descendants too (their keys name it), and they are never in
 use then, since a sequence maps a prompt's pages from the first one on.
 
+Each cached page also carries a uid, its identity across tiers: the host tier (engine/host_cache.py) keys a
+spilled page by its parent's uid, since a device page number is reused once the page is reclaimed. When
+`allocate` reclaims cached pages it hands them to `on_evict` (parent first), which may copy them to the host
+tier before they are reused; a page paged back in is cached again under its old uid.
+
 Invariants (see `check`): counts never go negative; freeing a page whose count is 0 is an error, not a
 silent no-op; a cached page's parent is cached; after `reset` every page is free and nothing is cached.
 """
@@ -21,7 +26,7 @@ silent no-op; a cached page's parent is cached; after `reset` every page is free
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 PageKey = tuple[int, tuple[int, ...]]
 """A cached page's identity: (parent page or -1, the page's token ids)."""
@@ -36,11 +41,19 @@ class PageAllocationError(RuntimeError):
     """A caller broke the allocator's contract (double free, unknown page). Running out is not an error."""
 
 
+EvictedPage = tuple[int, int, tuple[int, ...], int]
+"""A reclaimed cached page as `on_evict` gets it: (device page, parent's uid or -1, token ids, uid)."""
+
+
 class PageAllocator:
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int, on_evict: Callable[[list[EvictedPage]], None] | None = None) -> None:
+        """`on_evict`: called with the cached pages `allocate` reclaims (parents before children), before any
+        of them is handed out."""
         if num_pages < 1:
             raise ValueError(f"num_pages must be at least 1, got {num_pages}")
         self.num_pages = num_pages
+        self.on_evict = on_evict
+        self._next_uid = 0
         self.reset()
 
     @property
@@ -56,6 +69,10 @@ class PageAllocator:
     def num_cached(self) -> int:
         """Pages the prefix cache can serve (in use or evictable)."""
         return len(self._page_of)
+
+    def uid(self, page: int) -> int:
+        """A cached page's uid (its identity in every tier), -1 for an uncached one."""
+        return self._uid[page]
 
     def refcount(self, page: int) -> int:
         return self._refcount[page]
@@ -113,9 +130,10 @@ class PageAllocator:
         """The cached page under `key`, or None."""
         return self._page_of.get(key)
 
-    def cache(self, page: int, key: PageKey) -> bool:
+    def cache(self, page: int, key: PageKey, uid: int | None = None) -> bool:
         """Make an in-use page findable under `key` (its KV is, or is being, computed for those tokens); False
-        when another page already holds the key (the page stays uncached)."""
+        when another page already holds the key (the page stays uncached). `uid`: the identity the page had
+        before (paged back in from the host tier); a new one otherwise."""
         if self._refcount[page] < 1 or self._key[page] is not None:
             raise PageAllocationError(f"cannot cache page {page}: it is free or cached already")
         parent = key[0]
@@ -125,24 +143,35 @@ class PageAllocator:
             return False
         self._page_of[key] = page
         self._key[page] = key
+        if uid is None:
+            uid, self._next_uid = self._next_uid, self._next_uid + 1
+        self._uid[page] = uid
         if parent >= 0:
             self._children.setdefault(parent, []).append(page)
         return True
 
     def _uncache(self, page: int) -> None:
-        """Forget `page` and every page whose key descends from it; those not in use become free."""
+        """Forget `page` and every page whose key descends from it (they are never in use: see the module
+        docstring); they become free, and `on_evict` gets them, parents first."""
         stack = [page]
         parent = self._key[page][0]
         if parent >= 0:
             self._children[parent].remove(page)
+        evicted: list[EvictedPage] = []
         while stack:
             p = stack.pop()
+            parent, tokens = self._key[p]
+            evicted.append((p, self._uid[parent] if parent >= 0 else -1, tokens, self._uid[p]))
             del self._page_of[self._key[p]]
-            self._key[p] = None
             stack.extend(self._children.pop(p, ()))
             if p in self._evictable:
                 del self._evictable[p]
                 self._free.append(p)
+        for p, *_ in evicted:  # after the walk: a child reads its parent's uid
+            self._key[p] = None
+            self._uid[p] = -1
+        if self.on_evict is not None:
+            self.on_evict(evicted)
 
     def reset(self) -> None:
         """Forget every allocation and the cache (logical reset)."""
@@ -150,6 +179,7 @@ class PageAllocator:
         # Pop from the end: page 0 is handed out first after a reset, which keeps runs reproducible.
         self._free = list(range(self.num_pages - 1, -1, -1))
         self._key: list[PageKey | None] = [None] * self.num_pages
+        self._uid = [-1] * self.num_pages  # a cached page's uid; the counter survives resets: never reused
         self._page_of: dict[PageKey, int] = {}
         self._children: dict[int, list[int]] = {}  # cached page -> cached pages whose key names it as parent
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, count 0; least recently freed first
@@ -168,6 +198,7 @@ class PageAllocator:
             cached = self._key[p] is not None
             assert (c == 0 and not cached) == (p in free_set), f"page {p}: count {c}, cached {cached}, free {p in free_set}"
             assert (c == 0 and cached) == (p in self._evictable), f"page {p}: count {c}, cached {cached}, evictable"
+            assert cached == (self._uid[p] >= 0), f"page {p}: cached {cached} but uid {self._uid[p]}"
             assert counts[p] <= c, f"page {p} is mapped by {counts[p]} live sequences but has count {c}"
             if cached:
                 assert self._page_of[self._key[p]] == p, f"page {p}'s key maps to another page"
@@ -178,8 +209,9 @@ class PageAllocator:
 
 
 class HostPageAllocator:
-    """The host KV pool's bookkeeping (`engine.host_kv_pages`): which host page holds a swapped-out page. Each
-    host page is free or held by exactly one swapped-out sequence; the data sits in the runner's KVCache.
+    """The host KV pool's bookkeeping (`engine.host_kv_pages`): which host pages are taken. Each host page is
+    free or held by exactly one owner: a swapped-out sequence, an entry of the prefix cache's host tier, or a
+    page-in of the step being decided (freed when it is handed over); the data sits in the runner's KVCache.
     Bounded: `allocate` answers None (nothing taken) past `num_pages`, and the scheduler then recomputes."""
 
     def __init__(self, num_pages: int) -> None:
@@ -191,6 +223,9 @@ class HostPageAllocator:
     @property
     def num_used(self) -> int:
         return self.num_pages - len(self._free)
+
+    def is_used(self, page: int) -> bool:
+        return self._used[page]
 
     def allocate(self, num: int) -> list[int] | None:
         if num < 0:
@@ -216,8 +251,9 @@ class HostPageAllocator:
         self.peak_used = 0
 
     def check(self, held: Iterable[Iterable[int]] = ()) -> None:
-        """Raise AssertionError unless the pages `held` (each swapped-out sequence's) are exactly the used ones."""
+        """Raise AssertionError unless the pages `held` (by each owner) are exactly the used ones."""
         held = [p for pages in held for p in pages]
-        assert len(held) == len(set(held)), "a host page is held by two sequences"
+        assert len(held) == len(set(held)), "a host page has two owners"
+        assert len(held) <= self.num_pages, "the host pool is over its bound"
         assert set(held) == {p for p, u in enumerate(self._used) if u}, "host pages held and used differ"
         assert len(self._free) == len(set(self._free)) == self.num_pages - len(held), "host free list is off"

@@ -280,9 +280,10 @@ class ModelRunner:
         """Forget a call dispatched ahead; zero the pool when `physical`, or when a step that failed after
         donating the pool left it deleted (an abort)."""
         self._ahead = None
-        self.kv.discard_page_outs()
         if physical or self.kv.pool.array.is_deleted():
-            self.kv.zero()
+            self.kv.zero()  # dispatched page-outs are forgotten too
+        else:
+            self.kv.finish_page_outs()  # the prefix cache's host tier may outlive a settle
 
     def decode_bucket(self, n: int) -> int:
         """Rows of a decode-only step or a multi-step call for n sequences: a power of four, at most the

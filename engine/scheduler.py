@@ -14,7 +14,9 @@ Prefix caching (`engine.prefix_caching`): a sequence being admitted maps the cac
 leading full pages and computes only the rest; a full prompt page is cached as soon as the step that computes
 it is scheduled. A later sequence of the same step may map it: each layer writes the step's new K/V into the
 pool before any attention reads it. Cached pages outlive their sequences (the allocator reclaims them when
-pages run out), so a prompt preempted or sent again later finds its prefix too. Which pages are cached
+pages run out), so a prompt preempted or sent again later finds its prefix too. With a host pool, reclaimed
+cached pages spill to the host tier (engine/swap.py, engine/host_cache.py): a prompt whose prefix continues
+there pages those pages back in before its step instead of computing them. Which pages are cached
 depends only on the requests and their order, so every host of a slice decides the same.
 """
 
@@ -114,7 +116,7 @@ class Scheduler:
         self._ahead = None
         if not keep_cache:
             self.allocator.reset()
-        self.swapper.reset()
+        self.swapper.reset(keep_cache)
 
     # -- one step ----------------------------------------------------------------------------------
 
@@ -124,20 +126,26 @@ class Scheduler:
             self._ahead = None  # every row of the call dispatched ahead has finished: nothing in it is wanted
         if self._ahead is not None:
             seqs = self._ahead
-            return SchedulerOutput(decode=DecodeCall(seqs, resume=True, chain_pages=self._chain(seqs)))
+            decode = DecodeCall(seqs, resume=True, chain_pages=self._chain(seqs))
+            return SchedulerOutput(decode=decode, **self.swapper.take_ops())
         self._cache_query_tokens = self._cache_hit_tokens = 0
         chunks = self._schedule_chunks()
-        counters = dict(cache_query_tokens=self._cache_query_tokens, cache_hit_tokens=self._cache_hit_tokens,
-                        recompute_tokens=self._recompute_tokens, **self.swapper.take_ops())
-        self._recompute_tokens = 0
         limits = self._reserve_multi_step(chunks)
         if limits is not None:  # a sequence admitted with all but its last prompt token cached decodes at once
             seqs = [c.seq for c in chunks]
             budgets = [q.tokens_left(self.max_seq_len) for q in seqs]
-            return SchedulerOutput(chunks, decode=DecodeCall(seqs, False, limits, budgets, self._chain(seqs)),
-                                   **counters)
+            decode = DecodeCall(seqs, False, limits, budgets, self._chain(seqs))
+            return SchedulerOutput(chunks, decode=decode, **self._take_counters())
         rows, row_chunk, copies = self._fork(chunks)
-        return SchedulerOutput(chunks, rows, row_chunk, copies, **counters)
+        return SchedulerOutput(chunks, rows, row_chunk, copies, **self._take_counters())
+
+    def _take_counters(self) -> dict:
+        """The step's counters and its page copies (taken once every allocation of the step is decided: one
+        may reclaim cached pages, whose spill to the host tier runs before the step reuses them)."""
+        counters = dict(cache_query_tokens=self._cache_query_tokens, cache_hit_tokens=self._cache_hit_tokens,
+                        recompute_tokens=self._recompute_tokens, **self.swapper.take_ops())
+        self._recompute_tokens = 0
+        return counters
 
     def _schedule_chunks(self) -> list[ScheduledChunk]:
         budget = self.config.max_prefill_size
@@ -174,11 +182,12 @@ class Scheduler:
                 if not self.swapper.swap_in(seq, n):
                     break
             else:
-                hit = self._map_cached(seq)
+                hit, hits = self._map_cached(seq)
                 n = min(seq.num_pending, budget)
                 if not self._grow(seq, n):
-                    self._unmap(seq)
+                    self._unmap(seq, hits)
                     break
+                self._page_in(seq, hits)
             self.waiting.popleft()
             self.running.append(seq)
             chunks.append(ScheduledChunk.of(seq, n))
@@ -195,24 +204,42 @@ class Scheduler:
     def _page_key(self, seq: Sequence, i: int) -> PageKey:
         return page_key(seq.pages, seq.token_ids, i, self.config.page_size)
 
-    def _map_cached(self, seq: Sequence) -> int:
-        """Map the cached pages of a sequence's leading full prompt pages (it computes nothing yet); the
-        tokens they hold. The last token is always computed: its logits pick the next token."""
+    def _map_cached(self, seq: Sequence) -> tuple[int, list[int]]:
+        """Map the cached pages of a sequence's leading full prompt pages (it computes nothing yet), then find
+        the pages after them in the host tier (pinned; `_page_in` maps them once the sequence has its pages);
+        the tokens both hold, and the host tier's uids. The last token is always computed: its logits pick the
+        next token."""
         if not self.config.prefix_caching or seq.pages:
-            return 0
+            return 0, []
         ps = self.config.page_size
-        for i in range(min(seq.num_prompt_tokens, len(seq.token_ids) - 1) // ps):
+        end = min(seq.num_prompt_tokens, len(seq.token_ids) - 1) // ps
+        for i in range(end):
             page = self.allocator.lookup(self._page_key(seq, i))
             if page is None:
                 break
             self.allocator.share([page])
             seq.pages.append(page)
+        parent = self.allocator.uid(seq.pages[-1]) if seq.pages else -1
+        hits = self.swapper.host_hits(parent, seq.token_ids, len(seq.pages), end)
         seq.num_cached_pages = len(seq.pages)
-        seq.num_computed = len(seq.pages) * ps
-        return seq.num_computed
+        seq.num_computed = (len(seq.pages) + len(hits)) * ps
+        return seq.num_computed, hits
 
-    def _unmap(self, seq: Sequence) -> None:
+    def _page_in(self, seq: Sequence, hits: list[int]) -> None:
+        """Page the host tier's pages `_map_cached` found into the sequence's pages after its device hits (its
+        computed tokens count them already), and cache them there again under their uids."""
+        start = seq.num_cached_pages
+        self.swapper.page_in_hits(hits, seq.pages[start:start + len(hits)])
+        for i, uid in enumerate(hits, start):
+            if seq.caching and self.allocator.cache(seq.pages[i], self._page_key(seq, i), uid):
+                seq.num_cached_pages += 1
+            else:  # not cached again (a forked sample that could not fork): the entries after it are unreachable
+                seq.caching = False
+                self.swapper.host.free(self.swapper.cache.drop_descendants(uid))
+
+    def _unmap(self, seq: Sequence, hits: list[int]) -> None:
         """Undo `_map_cached` for a sequence that cannot be admitted now."""
+        self.swapper.release_hits(hits)
         self.allocator.free(seq.pages)
         seq.pages = []
         seq.num_computed = seq.num_cached_pages = 0
@@ -344,7 +371,12 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         self.allocator.check([s.pages for s in self.running + self.retained])
-        self.swapper.host.check([s.swapped.host for s in self.waiting if s.swapped is not None])
+        swapper, alloc = self.swapper, self.allocator
+        swapper.host.check([s.swapped.host for s in self.waiting if s.swapped is not None]
+                           + [swapper.cache.host_pages(), swapper.releasing])
+        swapper.cache.check()
+        on_device = {alloc.uid(p) for p in range(alloc.num_pages)} - {-1}
+        assert not any(uid in swapper.cache for uid in on_device), "a cached page is in both tiers"
         assert self.slots_in_use <= self.config.max_seqs, "more live sequences than engine.max_seqs"
         for s in self.running:
             assert 0 <= s.num_computed <= len(s.token_ids) <= self.max_seq_len, f"sequence {s.request.prompt_id}"

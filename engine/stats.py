@@ -46,9 +46,9 @@ class EngineStats:
     model_steps: list[int] = field(default_factory=list)  # forward passes per step: > 1 for a multi-step decode call
     prefix_cache_query_tokens: int = 0  # prompt tokens of admitted sequences looked up in the prefix cache
     prefix_cache_hit_tokens: int = 0  # of those, tokens whose KV came from cached pages (not computed)
-    kv_pages_out: int = 0  # KV pages swapped to the host pool (engine.preemption)
-    kv_pages_in: int = 0  # KV pages paged back in from it
-    recompute_avoided_tokens: int = 0  # computed tokens of swapped-in sequences: KV that came back, not recomputed
+    kv_pages_out: int = 0  # KV pages copied to the host pool (swap preemption, prefix pages spilled to the host tier)
+    kv_pages_in: int = 0  # KV pages paged back in from it (swapped sequences, prefix hits in the host tier)
+    recompute_avoided_tokens: int = 0  # computed tokens whose KV came back from the host pool, not recomputed
     recompute_tokens: int = 0  # computed tokens preemptions dropped (to be recomputed)
     host_kv_pages_peak: int = 0  # most host pool pages in use after a step's scheduling
     device_to_host_bytes: dict[str, int] = field(default_factory=dict)  # by category (engine.transfers), over the steps

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, host_memory_kind
 from engine.transfers import TransferLedger
 
 CFG = SimpleNamespace(num_layers=3, num_kv_heads=2, head_dim=8)
@@ -30,12 +30,13 @@ def _random_pool(kv: KVCache, rng: np.random.Generator) -> np.ndarray:
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(page_size=st.sampled_from([1, 2, 4, 16]), num_pages=st.integers(2, 12), host_pages=st.integers(1, 12),
-       dtype=st.sampled_from(["float32", "bfloat16"]), data=st.data())
-def test_page_out_then_page_in_is_bit_exact(page_size, num_pages, host_pages, dtype, data):
+       dtype=st.sampled_from(["float32", "bfloat16"]), memory_kind=st.sampled_from([True, None]), data=st.data())
+def test_page_out_then_page_in_is_bit_exact(page_size, num_pages, host_pages, dtype, memory_kind, data):
     """Random device pages go to random host pages; the device pages are then overwritten (the step that
     reuses them), and the host pages come back into other random device pages: every layer's bits equal."""
     ledger = TransferLedger()
-    kv = KVCache(CFG, num_pages, page_size, ledger, getattr(jnp, dtype), host_pages=host_pages)
+    kv = KVCache(CFG, num_pages, page_size, ledger, getattr(jnp, dtype), host_pages=host_pages,
+                 memory_kind=memory_kind)  # through pinned host memory (this CPU has it) or numpy
     rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
     before = _random_pool(kv, rng)
     n = data.draw(st.integers(1, min(num_pages, host_pages)))
@@ -54,20 +55,19 @@ def test_page_out_then_page_in_is_bit_exact(page_size, num_pages, host_pages, dt
         for p in set(range(num_pages)) - set(dst):  # every other page is untouched by the page-in
             np.testing.assert_array_equal(_bits(got[layer * num_pages + p]), _bits(after_step[layer * num_pages + p]))
     d2h, h2d = ledger.end_call()
-    page_bytes = before[0].nbytes
-    padded = 1 << (n - 1).bit_length()
-    assert d2h == {"swap": L * padded * page_bytes}
-    assert h2d["swap"] == L * padded * page_bytes + 2 * padded * 4  # the pages, and each call's page indices
+    page_bytes = before[0].nbytes  # copies go in power-of-two pieces: no padding page crosses
+    assert d2h == {"swap": L * n * page_bytes}
+    assert h2d["swap"] == L * n * page_bytes + 2 * n * 4  # the pages, and each direction's page indices
 
 
 def test_pending_page_outs_land_before_a_page_in_reads_them():
-    """Two page-outs pending at once land in their own host pages; a page-in waits for them."""
+    """Two page-outs pending at once: a page-in of their host pages gets the pages they copied."""
     ledger = TransferLedger()
     kv = KVCache(CFG, 6, 4, ledger, jnp.float32, host_pages=4)
     before = _random_pool(kv, np.random.default_rng(0))
     kv.page_out([5, 0], [3, 1])
     kv.page_out([2], [0])
-    kv.page_in([0, 3, 1], [1, 2, 3])  # no finish_page_outs: the page-in lands them first
+    kv.page_in([0, 3, 1], [1, 2, 3])  # no finish_page_outs: the page-in copies from the blocks in flight
     got = np.asarray(kv.pool.array)
     for layer in range(CFG.num_layers):
         for s, d in ((2, 1), (5, 2), (0, 3)):
@@ -89,3 +89,48 @@ def test_a_host_pool_on_a_multi_host_mesh_is_refused():
     mesh = SimpleNamespace(devices=np.array([SimpleNamespace(process_index=0), SimpleNamespace(process_index=1)]))
     with pytest.raises(ValueError, match="engine.host_kv_pages is not supported on a multi-host slice"):
         KVCache(CFG, 4, 2, TransferLedger(), jnp.float32, mesh=mesh, host_pages=2)
+
+
+def test_host_memory_kind_is_pinned_host_where_every_device_has_it():
+    """The one choice of how page copies travel (engine/kv_cache.py): this JAX's CPU backend has `pinned_host`,
+    so the tests run the TPU's path; a device without it (or without memories at all) gets numpy transfers."""
+    assert host_memory_kind(jax.local_devices()) == "pinned_host"
+    assert KVCache(CFG, 4, 2, TransferLedger(), jnp.float32, host_pages=2).memory_kind == "pinned_host"
+
+    def device(*kinds):
+        return SimpleNamespace(addressable_memories=lambda: [SimpleNamespace(kind=k) for k in kinds])
+
+    assert host_memory_kind([device("device", "pinned_host"), device("device", "pinned_host")]) == "pinned_host"
+    assert host_memory_kind([device("device", "pinned_host"), device("device", "unpinned_host")]) is None
+    assert host_memory_kind([device("device")]) is None
+    assert host_memory_kind([SimpleNamespace()]) is None
+
+
+@pytest.mark.parametrize("memory_kind", [True, None])
+def test_a_page_in_of_pages_in_flight_reads_nothing_back(memory_kind, monkeypatch):
+    """Overlap: a page-in never waits for a page-out. Pages whose page-out is in flight come from its device
+    block, the others from the host pool; no device-to-host read happens until `finish_page_outs`, and the
+    pages are bit-exact, through pinned host memory or numpy."""
+    ledger = TransferLedger()
+    kv = KVCache(CFG, 6, 4, ledger, jnp.float32, host_pages=5, memory_kind=memory_kind)
+    assert kv.memory_kind == (None if memory_kind is None else "pinned_host")
+    rng = np.random.default_rng(2)
+    first = _random_pool(kv, rng)
+    kv.page_out([4], [4])
+    kv.finish_page_outs()  # host page 4 holds page 4 of `first`
+    before = _random_pool(kv, rng)
+    kv.page_out([5, 0], [3, 1])
+    kv.page_out([2], [3])  # host page 3 written twice in flight: the later page-out wins
+    reads = []
+    monkeypatch.setattr(ledger, "read", lambda **a: reads.append(a) or pytest.fail("a page-in read a page back"))
+    with jax.transfer_guard("disallow"):
+        kv.page_in([3, 1, 4], [1, 2, 3])
+    got = np.asarray(kv.pool.array)
+    assert reads == []
+    for layer in range(CFG.num_layers):
+        for s, d, pool in ((2, 1, before), (0, 2, before), (4, 3, first)):
+            np.testing.assert_array_equal(_bits(got[layer * 6 + d]), _bits(pool[layer * 6 + s]))
+    monkeypatch.undo()
+    kv.finish_page_outs()
+    np.testing.assert_array_equal(_bits(kv.host_pool[kv._host_rows(np.array([3]))]),
+                                  _bits(before[np.arange(CFG.num_layers) * 6 + 2]))
