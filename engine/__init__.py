@@ -9,25 +9,29 @@ from __future__ import annotations
 
 import importlib
 
-from engine.capacity import check_pool, length_error, max_seq_len, pages_for, pages_needed, validate_request
+from engine.capacity import check_pool, length_error, max_seq_len, pages_for, pages_needed, stop_ids_error, validate_request
 from engine.config import EngineConfig, SamplingConfig, SamplingParams
 from engine.model_bytes import DTYPE_BYTES, GiB, ParamCount, count_params, kv_bytes_per_token
 from engine.record import RECORD_FIELDS, RESERVED_COLUMNS, SampleRecord, arrow_fields, output_record
 from engine.sequence import Request
-from engine.tensor_parallel import MeshError, kv_replicas, sharded_config, tensor_parallel_error
+from engine.tensor_parallel import MeshError, kv_replicas, sharded_config, tensor_parallel_error, valid_widths
 
 _LAZY = {
     "Engine": "engine.engine",
     "ModelConfig": "engine.model_config",
+    "UnsupportedModelError": "engine.model_config",
     "PRESETS": "engine.presets",
     "write_model": "engine.presets",
     "load_tokenizer": "engine.tokenizer_cache",
+    "has_tokenizer": "engine.tokenizer_cache",
+    "traces": "engine.trace",
     "initialize_distributed": ("engine.distributed", "initialize"),
     "slice_mesh": "engine.distributed",
     "backend_is_cpu_only": "engine.kernel_build",
     "start_kernel_build": ("engine.kernel_build", "start"),
     "size_for_machine": "engine.machine_sizing",
     "this_machine": "engine.machine_sizing",
+    "SIZED_KEYS": "engine.machine_sizing",
     "check_checkpoint": "engine.checkpoint_check",
     "CheckpointError": "engine.checkpoint_check",
     "NON_FINITE_ERROR": "engine.engine",
@@ -50,7 +54,7 @@ _LAZY = {
 
 __all__ = ["Engine", "EngineConfig", "SamplingConfig", "SamplingParams", "Request", "SampleRecord", "RECORD_FIELDS", "RESERVED_COLUMNS", "output_record",
            "arrow_fields", "DTYPE_BYTES", "GiB", "ParamCount", "count_params", "kv_bytes_per_token", "check_pool", "length_error", "max_seq_len", "pages_for", "pages_needed",
-           "validate_request", "MeshError", "kv_replicas", "sharded_config", "tensor_parallel_error", *[name for name in _LAZY if name != "Engine"]]
+           "stop_ids_error", "validate_request", "MeshError", "kv_replicas", "sharded_config", "tensor_parallel_error", "valid_widths", *[name for name in _LAZY if name != "Engine"]]
 
 
 def __getattr__(name: str):

@@ -7,7 +7,7 @@ import errno
 import os
 import sys
 
-from engine.trace import traces
+from engine import traces
 from orchestrator.exit_codes import BATCHES_FAILED, FAULT, INTERRUPTED, OK
 
 

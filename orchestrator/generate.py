@@ -140,8 +140,7 @@ def model_tokenizer(model: str):
     """The tokenizer of a resolved model (a directory or a `gs://` URL), or None when it has none."""
     if "://" in model:
         return url_tokenizer(model)
-    from engine import load_tokenizer
-    from engine.tokenizer_cache import has_tokenizer
+    from engine import has_tokenizer, load_tokenizer
 
     return load_tokenizer(model) if has_tokenizer(model) else None
 
@@ -214,8 +213,7 @@ def url_tokenizer(model: str):
     or a bucket with no tokenizer files."""
     if "://" not in model:
         return None
-    from engine import load_tokenizer
-    from engine.tokenizer_cache import has_tokenizer
+    from engine import has_tokenizer, load_tokenizer
     from orchestrator.model_cache import local_copy
     from orchestrator.model_source import TOKENIZER_FILES
 
@@ -228,7 +226,7 @@ def run_generate(cfg: GenerateConfig, explicit: frozenset[str] = frozenset()) ->
     (engine/machine_sizing.py)."""
     from tqdm import tqdm
 
-    from engine.machine_sizing import SIZED_KEYS
+    from engine import SIZED_KEYS
 
     for name in ("model", "input", "output"):
         if not getattr(cfg, name):

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine import ModelConfig
-from engine.tensor_parallel import valid_widths
+from engine import valid_widths
 from orchestrator.size import GiB, SizeReport, SizingError, size
 
 

@@ -163,7 +163,7 @@ class SliceGang:
                 self._infos.append(ray.get(ref))
             except ray.exceptions.RayError as e:
                 from engine import CheckpointError, MeshError
-                from engine.model_config import UnsupportedModelError
+                from engine import UnsupportedModelError
 
                 cause = getattr(e, "cause", None)
                 # Deterministic faults (a checkpoint it cannot load, a mesh or model it cannot run): every slice

@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from engine import SamplingConfig, length_error
-from engine.capacity import stop_ids_error
+from engine import stop_ids_error
 from orchestrator.corpus import (CorpusConfig, Prompt, RawRow, Rejection, Shard, extract_prompt, passthrough,
                                  read_rows, row_id)
 from orchestrator.model_source import ModelSourceConfig, load_tokenizer
