@@ -26,8 +26,9 @@ from engine.step_inputs import StepInputs
 
 
 @dataclass(frozen=True)
-class AttentionSettings:
-    """Static (compile-time) choices of a forward pass: attention, and the row tiles of its matmuls."""
+class StepSettings:
+    """Static (compile-time) choices of a step program's forward pass and sampling: the attention kernel and its
+    blocks, the mesh, and the row tiles of its matmuls and of its sampler."""
 
     impl: str  # "reference" | "pallas_tpu"
     pages_per_block: int
@@ -74,7 +75,7 @@ class Transformer(eqx.Module):
     def axes(self) -> ModelAxes:
         return ModelAxes.of(self.config)
 
-    def __call__(self, kv_pool: NamedArray, inputs: StepInputs, settings: AttentionSettings
+    def __call__(self, kv_pool: NamedArray, inputs: StepInputs, settings: StepSettings
                  ) -> tuple[NamedArray, NamedArray]:
         """Returns the updated pool and logits [seq, vocab] (float32) of each sequence's last new token."""
         cfg, ax = self.config, self.axes
@@ -168,7 +169,7 @@ def _qkv(attn: Attention, h: NamedArray, ax: ModelAxes) -> tuple[NamedArray, Nam
 
 
 def _attention(q: NamedArray, k: NamedArray, v: NamedArray, pool: NamedArray, layer: jax.Array, cos, sin,
-               inputs: StepInputs, cfg: ModelConfig, ax: ModelAxes, settings: AttentionSettings
+               inputs: StepInputs, cfg: ModelConfig, ax: ModelAxes, settings: StepSettings
                ) -> tuple[NamedArray, NamedArray]:
     """Attention outputs [token, kv_heads, q_per_kv, head_size] (before `wo`) and the pool with this step's KV."""
     Token = q.resolve_axis(TOKEN)

@@ -29,7 +29,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding, PartitionS
 
 from engine.capacity import pages_for
 from engine.config import EngineConfig, SamplingConfig
-from engine.model import AttentionSettings, kv_pool_axes
+from engine.model import StepSettings, kv_pool_axes
 from engine.model_config import ModelConfig
 from engine.pallas_blocks import KernelBlocks, kernel_blocks
 from engine.tensor_parallel import sharded_config
@@ -154,7 +154,7 @@ def sampling_mode(sampling: SamplingConfig, vocab_size: int) -> str:
 
 
 def _runner_programs(engine: EngineConfig, max_seq_len: int, mode: str, num_stop_ids: int, model, pool,
-                     settings: dict[int, AttentionSettings], arg) -> Iterator[tuple]:
+                     settings: dict[int, StepSettings], arg) -> Iterator[tuple]:
     """(name, T, S, jitted program, abstract args) of every program the runner compiles for this engine.
 
     The one place that knows the runner's programs, their argument lists and its bucket rules (`bucket`,

@@ -23,7 +23,7 @@ from engine.axes import PAGE_SLOT
 from engine.capacity import pages_for
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache
-from engine.model import AttentionSettings, Transformer, unstack_layers
+from engine.model import StepSettings, Transformer, unstack_layers
 from engine.row_tiles import by_row_tiles
 # Bound here: tests patch `runner._sampling_mode`, and callers build rows as `runner.RowSampling`.
 from engine.row_sampling import RowSampling, row_sampling as _row_sampling, sampling_arrays as _sampling_arrays
@@ -36,7 +36,7 @@ from engine.transfers import TransferLedger
 
 MIN_TOKEN_BUCKET = 16
 MIN_SEQ_BUCKET = 4
-# On the CPU, every matmul takes at least this many rows (AttentionSettings.min_matmul_rows) and sampling runs
+# On the CPU, every matmul takes at least this many rows (StepSettings.min_matmul_rows) and sampling runs
 # in tiles of exactly CPU_SAMPLE_ROW_TILE rows: XLA's CPU kernels round a row by the call's row count, and these
 # keep each row's bits independent of the step around it (engine/row_tiles.py). Elsewhere 0: no rule.
 CPU_MIN_MATMUL_ROWS = 64
@@ -79,12 +79,12 @@ def _replicated(x: jax.Array, mesh: Mesh | None) -> jax.Array:
     return x if mesh is None else jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P()))
 
 
-def _forward(model: Transformer, pool, inputs: StepInputs, settings: AttentionSettings):
+def _forward(model: Transformer, pool, inputs: StepInputs, settings: StepSettings):
     pool, logits = model(pool, inputs, settings)
     return pool, hax.named(_replicated(logits.array, settings.mesh), logits.axes)
 
 
-def _forward_sample(model: Transformer, pool, inputs: StepInputs, settings: AttentionSettings, mode: str,
+def _forward_sample(model: Transformer, pool, inputs: StepInputs, settings: StepSettings, mode: str,
                     temperature, top_k, top_p, min_p, base_keys, positions, penalties=None):
     """Forward and sample on the device: only tokens i32[S] and logprobs f32[S] come back to the host.
     `mode` (static, `_sampling_mode`) leaves out of the program what no row of the step needs; `penalties`
@@ -95,7 +95,7 @@ def _forward_sample(model: Transformer, pool, inputs: StepInputs, settings: Atte
     return pool, _replicated(tokens, settings.mesh), _replicated(logprobs, settings.mesh)
 
 
-def _forward_sample_steps(model: Transformer, pool, settings: AttentionSettings, num_steps: int, mode: str,
+def _forward_sample_steps(model: Transformer, pool, settings: StepSettings, num_steps: int, mode: str,
                           token_ids, starts, limits, page_indices, num_seqs, temperature, top_k, top_p, min_p, base_keys,
                           stop_ids, penalties=None):
     """Up to `num_steps` decode steps in one call; each row stops on the device at a stop id or its limit.
@@ -192,7 +192,7 @@ class PendingSteps:
     penalties: tuple | None = None  # the call's `penalties`, counts as they were after it
 
 
-def _pick_rows(settings: AttentionSettings, logits: jax.Array, mode: str, *rows):
+def _pick_rows(settings: StepSettings, logits: jax.Array, mode: str, *rows):
     """`_pick` on tiles of `settings.sample_row_tile` rows (`row_tiles`): a row's logprob does not depend on
     how many rows the step samples."""
     return by_row_tiles(lambda logits, *rows: _pick(logits, mode, *rows), settings.sample_row_tile, logits, *rows)
@@ -217,10 +217,10 @@ def _pick(logits: jax.Array, mode: str, temperature, top_k, top_p, min_p, base_k
                   min_p=min_p if "+min_p" in mode else None, raw_logits=None if penalties is None else raw)
 
 
-def step_settings(config: EngineConfig, impl: str, mesh, platform: str) -> dict[int, AttentionSettings]:
+def step_settings(config: EngineConfig, impl: str, mesh, platform: str) -> dict[int, StepSettings]:
     """The forward pass's static settings by query tile (1 for decode-only steps), for `platform`."""
     cpu = platform == "cpu"
-    return {bq: AttentionSettings(impl, config.attn_pages_per_block, bq, config.max_pages, mesh,
+    return {bq: StepSettings(impl, config.attn_pages_per_block, bq, config.max_pages, mesh,
                                   config.attn_tiles_per_group, config.attn_decode_pages_per_block,
                                   CPU_MIN_MATMUL_ROWS if cpu else 0, CPU_SAMPLE_ROW_TILE if cpu else 0)
             for bq in (1, config.attn_queries_per_block)}
@@ -357,7 +357,7 @@ class ModelRunner:
         cu[:n] = last_of_chunk[:] = range(n)
         kv_lens[:n] = [start + 1 for start in starts]
 
-    def _settings_for(self, chunks: Sequence[SeqChunk]) -> AttentionSettings:
+    def _settings_for(self, chunks: Sequence[SeqChunk]) -> StepSettings:
         return self._settings[1 if is_decode_only(chunks) else self.config.attn_queries_per_block]
 
     def logits(self, chunks: Sequence[SeqChunk]) -> np.ndarray:
