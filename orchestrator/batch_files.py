@@ -36,15 +36,21 @@ def read_batch(path, columns: list[str] | None = None):
                              "(outputs already written are adopted)") from None
 
 
-def read_on_hosts(path: str, batch_id: str, spmd: bool):
-    """`read_batch` on a slice host. On a multi-host SPMD slice every host reads the file and the hosts agree on
-    the outcome (one small collective) before any request enters an engine, so a host that could not read it
-    cannot leave the others waiting in a step; what they read is compared with the requests (Engine)."""
-    table, error = None, None
+def prefetch(path: str):
+    """`read_batch`'s table, or the BatchFileError it raised (to be raised where the batch enters the engine): a
+    slice reads a batch as it arrives, off the engine's thread, while the engine runs the batches before it."""
     try:
-        table = read_batch(path)
+        return read_batch(path)
     except BatchFileError as e:
-        error = e
+        return e
+
+
+def on_hosts(loaded, path: str, batch_id: str, spmd: bool):
+    """The prefetched table (raising the prefetch's error). On a multi-host SPMD slice every host read the file
+    and the hosts first agree on the outcome (one small collective, on the engine's thread), so a host that
+    could not read it cannot leave the others waiting in a step; what they read is compared with the requests
+    (Engine)."""
+    error = loaded if isinstance(loaded, BatchFileError) else None
     if spmd:
         from engine.distributed import HostsDisagree, agree
 
@@ -54,7 +60,7 @@ def read_on_hosts(path: str, batch_id: str, spmd: bool):
             raise BatchFileError(f"{path}: {e}", deterministic=False) from None
     if error is not None:
         raise error
-    return table
+    return loaded
 
 
 def check_reachable(batches_dir: str, slice_name: str) -> None:

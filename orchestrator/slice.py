@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from engine import RECORD_FIELDS, EngineConfig, SamplingConfig, host_kv_counters, transfer_counters
-from orchestrator.batch_files import BatchFileError, check_reachable, read_on_hosts
+from orchestrator.batch_files import BatchFileError, check_reachable, on_hosts, prefetch
 from orchestrator.cluster import engines_per_host, host_level
 from orchestrator.faults import crash_point
 from orchestrator.results import SAMPLE_SCHEMA, BatchStats, BatchWork, Completed, Failed, Result, with_stats
@@ -180,7 +180,7 @@ class SliceWorker:
         return self.spec.device_offset // self.spec.mesh.get("model", 1)
 
     def submit(self, work: BatchWork) -> None:
-        self._inbox.put(work)
+        self._inbox.put(work, prefetch(work.path))  # read here, on the actor's thread, not the engine's
 
     def poll(self, timeout_s: float) -> tuple[list[Result], int, int]:
         """(results ready now, engine steps so far, samples finished so far), waiting up to `timeout_s` for a
@@ -277,20 +277,21 @@ class SliceWorker:
             if work is not None:
                 self._start(work)
 
-    def _next_work(self) -> BatchWork | None:
-        """The next batch from the head, waiting for it (None when stopping)."""
+    def _next_work(self) -> tuple[BatchWork, object] | None:
+        """The next batch from the head and its prompts, waiting for it (None when stopping)."""
         while not self._stop.is_set():
             work = self._inbox.get(timeout_s=0.05)
             if work is not None:
                 return work
         return None
 
-    def _start(self, work: BatchWork) -> None:
+    def _start(self, item: tuple[BatchWork, object]) -> None:
         from engine import Request
 
+        work, loaded = item  # the batch and its prompts as read when it arrived (or the read's error)
         sampling = self.spec.sampling
         try:
-            prompts = read_on_hosts(work.path, work.batch_id, self.spec.spmd)
+            prompts = on_hosts(loaded, work.path, work.batch_id, self.spec.spmd)
         except BatchFileError as e:
             self.samples_finished += work.num_prompts * sampling.n
             self._emit(Failed(work.batch_id, work.attempt, self.spec.name, str(e), deterministic=e.deterministic))

@@ -1,4 +1,5 @@
-"""A slice's inbox: the batches the head sent, in the head's order, and the head's latest flow-control mark."""
+"""A slice's inbox: the batches the head sent (each with its file as read on arrival), in the head's order, and the
+head's latest flow-control mark."""
 
 from __future__ import annotations
 
@@ -15,16 +16,16 @@ class Inbox:
     """
 
     def __init__(self) -> None:
-        self._items: dict[int, BatchWork] = {}
+        self._items: dict[int, tuple[BatchWork, object]] = {}  # seq -> (work, its prompts or the read error)
         self._next = 0
         self._changed = threading.Condition()
         self._last = -1
         self.wake_at: int | None = None
         """`BatchWork.wake_at` of the last batch the head sent (the highest seq received)."""
 
-    def put(self, work: BatchWork) -> None:
+    def put(self, work: BatchWork, prompts: object) -> None:
         with self._changed:
-            self._items[work.seq] = work
+            self._items[work.seq] = (work, prompts)
             if work.seq > self._last:
                 self._last, self.wake_at = work.seq, work.wake_at
             self._changed.notify_all()
@@ -33,8 +34,8 @@ class Inbox:
         with self._changed:
             return self._next in self._items
 
-    def get(self, timeout_s: float) -> BatchWork | None:
-        """The next batch in order, waiting up to `timeout_s`; None if it has not arrived."""
+    def get(self, timeout_s: float) -> tuple[BatchWork, object] | None:
+        """The next (batch, prompts) in order, waiting up to `timeout_s`; None if it has not arrived."""
         with self._changed:
             if not self._changed.wait_for(lambda: self._next in self._items, timeout=timeout_s):
                 return None
