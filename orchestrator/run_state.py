@@ -95,6 +95,7 @@ class RunState:
             elif r.status == "failed":
                 state.update(r.batch_id, status="pending")
                 state.event(f"{r.batch_id} failed in a previous run ({r.attempts} attempts); retrying")
+        state._pending = {r.batch_id: None for r in state.records.values() if r.status == "pending"}  # plan order
         state.flush(force=True)
         return state
 

@@ -118,7 +118,7 @@ class SliceGang:
             spec = SliceSpec(self.name, cfg.model.require_path(), cfg.model.tokenizer_path, cfg.model.dtype,
                              cfg.engine, cfg.sampling, dict(cfg.cluster.mesh), num_hosts=self.num_hosts,
                              host_index=host, devices_per_host=cfg.cluster.devices_per_host,
-                             model_cache_dir=cfg.model.cache_dir, batches_dir=self.batches_dir)
+                             model_cache_dir=cfg.model.cache_dir, batches_dir=str(self.run_dir.batches))
             if self._head_group is not None:  # host 0 in the head's group, the others in the slice's
                 group, index = (self._head_group, 0) if host == 0 else (self.placement_group, host - 1)
             else:
@@ -205,12 +205,13 @@ class SliceGang:
         return None
 
     @property
-    def batches_dir(self) -> str:
+    def run_dir(self):
+        """The run directory as a slice names it (absolute: a slice's working directory is not the head's)."""
         from orchestrator import location
         from orchestrator.rundir import RunDir
 
-        root = location.location(self.cfg.resolved_run_dir)  # absolute: a slice's working directory is not the head's
-        return str(RunDir(root if isinstance(root, location.Location) else root.absolute()).batches)
+        root = location.location(self.cfg.resolved_run_dir)
+        return RunDir(root if isinstance(root, location.Location) else root.absolute())
 
     @property
     def pids(self) -> list[int]:
@@ -224,22 +225,16 @@ class SliceGang:
 
     def submit(self, batch_id: str, attempt: int, num_prompts: int) -> None:
         """Send the slice a reference to the batch's file; the slice reads the prompts itself."""
-        import ray
-
         budget = self.cfg.samples_in_flight_per_slice
         host = min(range(self.num_hosts), key=lambda h: (self._host_sent[h] - self._host_finished[h], h)) \
             if self._host_level else 0  # host-level: to the host holding the fewest unfinished samples
         share = max(1, budget // self.num_hosts) if self._host_level else budget
         self._host_sent[host] += num_prompts * self.cfg.sampling.n
-        work = BatchWork(batch_id, attempt, f"{self.batches_dir}/{batch_id}.parquet", num_prompts,
+        work = BatchWork(batch_id, attempt, str(self.run_dir.batch_file(batch_id)), num_prompts,
                          seq=self._host_batches[host], wake_at=self._host_sent[host] - share + 1)
         self._host_batches[host] += 1
-        if self._host_level:
-            self.actors[host].submit.remote(work)
-            return
-        ref = ray.put(work)  # one copy in the object store for every host
-        for actor in self.actors:
-            actor.submit.remote(ref)
+        for actor in [self.actors[host]] if self._host_level else self.actors:  # SPMD: every host the same batch
+            actor.submit.remote(work)
 
     def kill(self) -> None:
         import ray

@@ -94,15 +94,12 @@ def test_host_given_another_batch_fails_that_batch_only(ray_local, run_model, tm
     def submit(self, batch_id, attempt, num_prompts):
         if batch_id != "b000000":
             return real_submit(self, batch_id, attempt, num_prompts)
-        import ray
-
         host_1 = self.actors[1]
 
         class Host1:  # is sent a reference to another file than host 0's
             class submit:
                 @staticmethod
-                def remote(ref):
-                    work = ray.get(ref)
+                def remote(work):
                     return host_1.submit.remote(dataclasses.replace(work, path=changed(work.path)))
 
         self.actors[1] = Host1
