@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 
 from engine.capacity import check_pool, length_error, max_seq_len, pages_for, pages_needed, stop_ids_error, validate_request
-from engine.config import EngineConfig, SamplingConfig, SamplingParams
+from engine.config import DTYPES, EngineConfig, SamplingConfig, SamplingParams
 from engine.model_bytes import DTYPE_BYTES, GiB, ParamCount, count_params, kv_bytes_per_token
 from engine.record import RECORD_FIELDS, RESERVED_COLUMNS, SampleRecord, arrow_fields, output_record
 from engine.sequence import Request
@@ -52,7 +52,7 @@ _LAZY = {
     "sampling_mode": "engine.preflight",
 }
 
-__all__ = ["Engine", "EngineConfig", "SamplingConfig", "SamplingParams", "Request", "SampleRecord", "RECORD_FIELDS", "RESERVED_COLUMNS", "output_record",
+__all__ = ["Engine", "DTYPES", "EngineConfig", "SamplingConfig", "SamplingParams", "Request", "SampleRecord", "RECORD_FIELDS", "RESERVED_COLUMNS", "output_record",
            "arrow_fields", "DTYPE_BYTES", "GiB", "ParamCount", "count_params", "kv_bytes_per_token", "check_pool", "length_error", "max_seq_len", "pages_for", "pages_needed",
            "stop_ids_error", "validate_request", "MeshError", "kv_replicas", "sharded_config", "tensor_parallel_error", "valid_widths", *[name for name in _LAZY if name != "Engine"]]
 

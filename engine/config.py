@@ -10,6 +10,10 @@ DEFAULT_MAX_SEQS_IN_PREFILL = 8
 """engine.max_seqs_in_prefill when it is not set (capped at engine.max_seqs)."""
 
 
+DTYPES = ("bfloat16", "float32")
+"""The parameter and activation dtypes the engine runs (`Engine(dtype=...)`, `model.dtype`)."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     page_size: int = 16

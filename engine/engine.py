@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from engine import compile_cache
 from engine.attention import prepare_attention_impl
 from engine.capacity import check_pool, max_seq_len, validate_request
-from engine.config import EngineConfig
+from engine.config import DTYPES, EngineConfig
 from engine.distributed import agree
 from engine.model_config import ModelConfig
 from engine.record import SampleRecord
@@ -47,9 +47,9 @@ class Engine:
         self.model_config = ModelConfig.from_pretrained(model_path)
         self.max_seq_len = max_seq_len(config, self.model_config.max_position_embeddings, str(model_path))
         check_pool(config, self.max_seq_len)
-        jdtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}.get(dtype)
-        if jdtype is None:
-            raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        jdtype = getattr(jnp, dtype)  # jnp.float32, jnp.bfloat16
         prepare_attention_impl(config.attention_impl, jdtype)  # the CPU kernel compiles while the tokenizer loads
         if tokenizer is None and has_tokenizer(model_path):
             tokenizer = load_tokenizer(model_path)

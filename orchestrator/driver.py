@@ -1,7 +1,8 @@
 """`pagefleet run`: the head. Plans if needed, then runs every batch that is not done on slice actors.
 
-The head owns all durable state (batches.jsonl, outputs/, events.log) and the tracker; slices get
-batches and return `Completed | Failed` as data. Each slice holds about
+The head owns all durable state (batches.jsonl, outputs/, events.log) and the tracker; RunState alone knows which
+batches are pending, running where and tried how often. Slices get a reference to each batch's file, read the
+prompts themselves, and return `Completed | Failed` as data. Each slice holds about
 `cluster.samples_in_flight_per_slice` unfinished samples (default 2 x engine.max_seqs per engine; the slice
 reports how many of those sent to it have finished): the next batches are already queued in its
 engine when slots free up, so it never drains between batches, even while a batch waits on one long
@@ -21,22 +22,22 @@ import json
 import signal
 import threading
 import time
-from collections import Counter, deque
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
-import pyarrow.parquet as pq
-
-from orchestrator import exit_codes, location, object_append, parquet_io
+from orchestrator import exit_codes, location, object_append
 from orchestrator.atomic import atomic_write_parquet
+from orchestrator.batch_files import BatchFileError, read_batch
 from orchestrator.config import RunConfig
 from orchestrator.faults import crash_point
 from orchestrator.lock import RunDirLocked, run_lock
 from orchestrator.output_plan import plan_fingerprint, stamp
 from orchestrator.progress import (RunProgress, engine_time, format_engine_time, format_host_kv, format_prefix_cache,
                                    format_transfers, host_kv, mean_occupancy, prefix_cache, read_timeline, transfers)
-from orchestrator.results import BatchWork, Completed, Failed
+from orchestrator.results import Completed, Failed
 from orchestrator.retune import retune
+from orchestrator.run_events import EventStream, ReadySlice, SlicesReady, SliceStarted
 from orchestrator.run_state import RunState
 from orchestrator.rundir import RunDir
 from orchestrator.slice_gang import POLL_S, SliceGang
@@ -46,12 +47,9 @@ from orchestrator.waiting import WaitingReport
 
 @dataclass
 class _Slot:
-    """One slice: its gang of host actors (replaced when it fails) and the batches it holds."""
+    """One slice: its gang of host actors (replaced when it fails); the batches it holds are RunState's."""
 
     gang: SliceGang
-    inflight: dict[str, tuple[int, list[str]]] = field(default_factory=dict)  # batch -> (attempt, prompt ids)
-    samples_sent: int = 0  # to the slice's current actors
-    samples_finished: int = 0  # of those, as the slice last reported (never more than have finished)
     restarts: int = 0
     dead: str | None = None  # why it was given up on
 
@@ -62,16 +60,6 @@ class _Slot:
     @property
     def ready(self) -> bool:
         return self.gang.ready
-
-    @property
-    def samples_held(self) -> int:
-        """Samples sent to the slice and not known to have finished (an upper bound on its queue)."""
-        return self.samples_sent - self.samples_finished
-
-    @property
-    def actor(self):
-        """Host 0's actor (None when not running)."""
-        return self.gang.actors[0] if self.gang.actors else None
 
 
 @dataclass(frozen=True)
@@ -103,8 +91,7 @@ class Driver:
         self.show_progress = show_progress
         self.stop = stop or threading.Event()
         self.slots: list[_Slot] = []
-        self.on_actors_ready = None  # tests: called with the slots once every live slice has started
-        self.on_slices_done = None  # tests: called with the slots before the actors are stopped
+        self.events = EventStream()  # what the run loop reports as it happens (run_events.py); events.log is fed here
         self._samples_in_flight = cfg.samples_in_flight_per_slice
         self._fault: str | None = None  # why the run stopped early on a fault (exit_codes.FAULT)
         self._lock_lost = False  # another head took the run directory over: this one writes nothing more there
@@ -171,10 +158,9 @@ class Driver:
                                json.loads(json.dumps(dataclasses.asdict(self.cfg))))
         progress = RunProgress(self.run_dir, list(state.records.values()), self.show_progress)
         self._state, self._tracker, self._progress = state, tracker, progress
-        self._pending: deque[str] = deque(todo)
-        self._retry_at: dict[str, float] = {}
-        self._attempts: Counter[str] = Counter()  # this run's attempts per batch
         self._samples_tracked = 0
+        self._loop_started = time.monotonic()
+        self.events.subscribe(lambda event: state.event(event.line()))
         state.event(f"run started: {len(todo)} of {len(state.records)} batches to do, "
                     f"{self.cfg.cluster.num_slices} slices")
         previous = _on_signals(self.stop)
@@ -208,11 +194,9 @@ class Driver:
     def _wind_down(self, state: RunState, progress: RunProgress, tracker) -> tuple[dict, bool]:
         """Stop the slices, put their batches back to pending, write the final state; (summary, stopped)."""
         stopped = self.stop.is_set()
-        if self.on_slices_done is not None:
-            self.on_slices_done(self.slots)
         requeued = []
         for slot in self.slots:
-            for batch_id in slot.inflight:  # stopped mid-batch: resumable, nothing half-done stays "running"
+            for batch_id in state.running_on(slot.name):  # stopped mid-batch: resumable, nothing half-done stays running
                 state.update(batch_id, status="pending")
                 requeued.append(batch_id)
             slot.gang.kill()
@@ -238,7 +222,7 @@ class Driver:
         import ray
 
         announced = False
-        while self._pending or any(s.inflight for s in self.slots):
+        while self._state.counts["pending"] or self._state.counts["running"]:
             self._lock.check()  # a head that lost its run directory stops within POLL_S of knowing it
             if self._fault is not None:
                 return
@@ -252,22 +236,24 @@ class Driver:
                 self._fault = f"every slice failed, so the remaining batches stay pending ({reasons})"
                 return
             for slot in live:
-                while slot.ready and (not slot.inflight or slot.samples_held < self._samples_in_flight):
+                while slot.ready and (not self._state.running_on(slot.name)
+                                      or slot.gang.samples_held < self._samples_in_flight):
                     batch_id = self._next_batch()
                     if batch_id is None:
                         break
                     self._dispatch(slot, batch_id)
             if not announced and all(s.ready for s in live):
                 announced = True
-                if self.on_actors_ready is not None:
-                    self.on_actors_ready(self.slots)
+                self.events.emit(SlicesReady(tuple(
+                    ReadySlice(s.name, tuple(s.gang.pids), tuple(self._state.running_on(s.name))) for s in live),
+                    time.monotonic() - self._loop_started))
             self._waiting.check(sum(not s.ready for s in live), len(live), self._progress, self._state)
             refs = {ref: s for s in live for ref in s.gang.refs()}
             ready, _ = ray.wait(list(refs), num_returns=1, timeout=POLL_S)
             for ref in ready:
                 self._handle(refs[ref], ref)
             for slot in live:
-                hung = slot.dead is None and slot.gang.timed_out(bool(slot.inflight))
+                hung = slot.dead is None and slot.gang.timed_out(bool(self._state.running_on(slot.name)))
                 if hung:
                     self._slice_failed(slot, hung)
             self._state.flush()
@@ -283,36 +269,26 @@ class Driver:
         elif event.kind == "failed":
             self._slice_failed(slot, event.reason)
         elif event.kind == "started":
-            info = event.info
-            where = f", pod_slice {info['pod_slice']}" if info.get("pod_slice") else ""
-            read = f", {info['model_bytes_read']:,} bytes read from the bucket" if info.get("model_bytes_read") else ""
-            where += f", {info['engines']} data-parallel engines" if info.get("engines", 1) > 1 else ""
-            processes = info.get("processes", [])
-            where += ", each host its own JAX process" if len(processes) > 1 and max(processes) == 1 else ""
-            self._state.event(f"{slot.name} ready (pids {info['pids']}, {info['devices']} devices{where}, "
-                              f"model loaded in {info['load_s']:.1f} s{read})")
+            self.events.emit(SliceStarted.from_info(slot.name, event.info))
         elif event.kind == "results":
-            slot.samples_finished = event.samples_finished
             for result in event.results:
                 self._result(slot, result)
 
     def _result(self, slot: _Slot, result) -> None:
         self._progress.add_timeline(slot.name, result.timeline)
-        held = slot.inflight.get(result.batch_id)
-        if held is None or held[0] != result.attempt:
+        record = self._state.records[result.batch_id]
+        if (record.status, record.slice, record.attempts) != ("running", slot.name, result.attempt):
             self._state.event(f"{slot.name}: ignored a stale result for {result.batch_id}")
             return
-        slot.inflight.pop(result.batch_id)
         if isinstance(result, Failed):
             self._attempt_failed(result.batch_id, f"on {slot.name}: {result.error}", final=result.deterministic)
         else:
-            self._completed(slot, result, held[1])
+            self._completed(slot, result)
 
     def _slice_failed(self, slot: _Slot, reason: str) -> None:
         """Requeue the slice's batches and replace it (up to cluster.max_slice_restarts times)."""
         self._state.event(f"{slot.name} {reason}")
-        for batch_id in list(slot.inflight):
-            slot.inflight.pop(batch_id)
+        for batch_id in self._state.running_on(slot.name):
             self._attempt_failed(batch_id, f"{slot.name} {reason}")
         slot.gang.kill()
         if slot.restarts >= self.cfg.cluster.max_slice_restarts:
@@ -321,45 +297,31 @@ class Driver:
             return
         slot.restarts += 1
         self._state.event(f"{slot.name} restarting ({slot.restarts} of {self.cfg.cluster.max_slice_restarts})")
-        slot.samples_sent = slot.samples_finished = 0  # counted afresh by the new actors
         slot.gang.spawn()
 
     # -- batches ---------------------------------------------------------------------------------
 
     def _next_batch(self) -> str | None:
-        now = time.time()
-        for i, batch_id in enumerate(self._pending):
-            if self._retry_at.get(batch_id, 0.0) <= now:
-                del self._pending[i]
-                return batch_id
-        return None
+        """The first pending batch whose retry backoff is over (RunState keeps the order and the attempts)."""
+        return self._state.next_due(time.time(), self.cfg.retry.wait_s)
 
     def _dispatch(self, slot: _Slot, batch_id: str) -> None:
         record = self._state.mark_running(batch_id, slot.name)
-        self._attempts[batch_id] += 1
-        path = self.run_dir.batch_file(batch_id)
-        try:
-            prompts = parquet_io.read_parquet(path)
-        except Exception as e:  # noqa: BLE001 - a bad batch file fails this batch, not the run; retrying cannot help
-            what = "is missing" if isinstance(e, FileNotFoundError) else f"cannot be read ({e})"
-            self._attempt_failed(batch_id, f"{path} {what}; the plan is damaged: remove {self.run_dir.manifest} and "
-                                 "rerun to re-plan (outputs already written are adopted)", final=True)
-            return
-        slot.inflight[batch_id] = (record.attempts, prompts.column("prompt_id").to_pylist())
-        slot.samples_sent += prompts.num_rows * self.cfg.sampling.n
-        slot.gang.submit(BatchWork(batch_id, record.attempts, prompts))
+        slot.gang.submit(batch_id, record.attempts, record.num_prompts)  # a reference: the slice reads the file
         crash_point("dispatched")
 
     def _attempt_failed(self, batch_id: str, error: str, final: bool = False) -> None:
-        """Retry the batch after a backoff, or mark it failed: when `final` (a deterministic fault) or out of attempts."""
-        final = final or self._attempts[batch_id] >= self.cfg.retry.max_attempts
+        """Back to pending (retried after a backoff), or failed: when `final` (a deterministic fault) or out of attempts."""
+        final = final or self._state.attempts(batch_id) >= self.cfg.retry.max_attempts
         self._state.mark_failed(batch_id, error, final)
-        if not final:
-            self._retry_at[batch_id] = time.time() + self.cfg.retry.wait_s(self._attempts[batch_id])
-            self._pending.append(batch_id)
 
-    def _completed(self, slot: _Slot, result: Completed, prompt_ids: list[str]) -> None:
+    def _completed(self, slot: _Slot, result: Completed) -> None:
         n = self.cfg.sampling.n
+        try:  # the batch's prompt ids (never its token ids): what the samples must be, and their stamp
+            prompt_ids = read_batch(self.run_dir.batch_file(result.batch_id), ["prompt_id"])["prompt_id"].to_pylist()
+        except BatchFileError as e:
+            self._attempt_failed(result.batch_id, str(e), final=True)
+            return
         samples = result.samples
         expected_ids = [pid for pid in prompt_ids for _ in range(n)]
         if (samples.column("prompt_id").to_pylist() != expected_ids

@@ -2,7 +2,8 @@
 (default first) it reaches `name`. Unset (always, outside tests), a crash point is one dictionary lookup.
 
 Points: planned, dispatched, output_tmp (a batch's outputs written to the temporary file, not yet renamed),
-output_written, manifest_tmp (the new batches.jsonl written, not yet renamed), manifest_written.
+output_written, manifest_tmp (the new batches.jsonl written, not yet renamed), manifest_written; and in a slice's
+process, slice_start (as it starts: the slice dies before loading anything; the head passes the variable on).
 
 `PAGEFLEET_DISK_FULL_AT=name[:k]` instead raises the OSError(ENOSPC) a full disk gives, there.
 """
@@ -21,6 +22,16 @@ def crash_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if _reached("PAGEFLEET_DISK_FULL_AT", name):
         raise OSError(errno.ENOSPC, f"No space left on device (PAGEFLEET_DISK_FULL_AT={name})")
+
+
+SLICE_POINTS = ("slice_start",)
+
+
+def slice_environment() -> dict[str, str]:
+    """The crash variable for a slice's processes when it names a slice's point (empty otherwise: always, outside
+    tests)."""
+    spec = os.environ.get("PAGEFLEET_CRASH_AT", "")
+    return {"PAGEFLEET_CRASH_AT": spec} if spec.partition(":")[0] in SLICE_POINTS else {}
 
 
 def _reached(variable: str, name: str) -> bool:

@@ -27,8 +27,9 @@ class ModelSourceConfig:
     Hub id (`org/name`) already in the local Hub cache (never downloaded; see docs/models.md)."""
     tokenizer: str | None = None
     """Tokenizer directory (or Hub id in the local cache); defaults to model.path."""
-    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
-    """Parameter and activation dtype; float32 on CPU for exactness."""
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Parameter and activation dtype; float32 on CPU for exactness. The engine's dtypes (engine.DTYPES): any
+    other is refused when the config loads, before any slice starts."""
     cache_dir: str | None = None
     """Unset: each host reads a gs:// checkpoint straight from the bucket, only its own devices' shards (ranged
     reads), at every load. Set: each host copies the gs:// checkpoint here once and loads the copy (a later load

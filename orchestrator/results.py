@@ -29,17 +29,19 @@ STATS_KEY = b"pagefleet.batch_stats"  # parquet metadata: the batch's BatchStats
 
 @dataclass(frozen=True)
 class BatchWork:
-    """One batch for a slice: batches/<id>.parquet as read by the head (prompt_id, row, token_ids), batch order."""
+    """One batch for a slice: a reference to batches/<id>.parquet, which the slice reads itself (the head never
+    holds token ids), and the head's flow control."""
 
     batch_id: str
     attempt: int
-    prompts: pa.Table
+    path: str
+    """batches/<id>.parquet: a local path every host of the slice sees, or a gs:// URL."""
+    num_prompts: int
     seq: int = 0
     """Position in the order the head sent batches to this slice (hosts feed them in this order)."""
-
-    @property
-    def num_prompts(self) -> int:
-        return self.prompts.num_rows
+    wake_at: int | None = None
+    """The head's flow control: return its pending poll once this many of the samples sent to this slice (or
+    host) have finished, since it then has room to send the next batch. None: never early."""
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The head's copy of `batches.jsonl`: the only writer of the manifest and of events.log.
+"""The head's copy of `batches.jsonl`: the only writer of the manifest and of events.log, and the only owner of
+which batches are pending (in the order they are taken), which run where, and how often each was tried.
 
 State changes happen in memory and reach disk through `flush`, which replaces the manifest
 atomically. The durable truth of "done" is the output file: outputs/<id>.parquet is written
@@ -37,6 +38,11 @@ class RunState:
         self.counts: Counter[str] = Counter(r.status for r in records)
         """Batches per status, kept up to date by `update` (the head's loop reads it, never scans)."""
         self.prompts_not_done = sum(r.num_prompts for r in records if r.status != "done")
+        self._pending: dict[str, None] = {}  # pending batch ids in the order they are taken (an ordered set)
+        self._running: dict[str, dict[str, None]] = {}  # slice -> the batches running there, in dispatch order
+        self._attempts_before: dict[str, int] = {}  # attempts made before this head started (RunState.attempts)
+        for r in records:
+            self._index(r)
         self._dirty = False
         self._next_flush = 0.0
         self._events = object_append.open_append(run_dir.events)  # local file, or rewritten whole on gs://
@@ -89,6 +95,7 @@ class RunState:
             elif r.status == "failed":
                 state.update(r.batch_id, status="pending")
                 state.event(f"{r.batch_id} failed in a previous run ({r.attempts} attempts); retrying")
+        state._pending = {r.batch_id: None for r in state.records.values() if r.status == "pending"}  # plan order
         state.flush(force=True)
         return state
 
@@ -98,6 +105,9 @@ class RunState:
         old = self.records[batch_id]
         record = dataclasses.replace(old, **changes)
         self.records[batch_id] = record
+        if (record.status, record.slice) != (old.status, old.slice):
+            self._unindex(old)
+            self._index(record)
         if record.status != old.status:
             self.counts[old.status] -= 1
             self.counts[record.status] += 1
@@ -132,11 +142,14 @@ class RunState:
     def replace_pending(self, records: list[BatchRecord]) -> None:
         """Drop every pending batch and add `records` (pending) in their place: a re-pack (see retune)."""
         for r in [r for r in self.records.values() if r.status == "pending"]:
+            self._unindex(r)
             del self.records[r.batch_id]
             self.counts["pending"] -= 1
             self.prompts_not_done -= r.num_prompts
         for r in records:
             self.records[r.batch_id] = r
+            self._attempts_before.pop(r.batch_id, None)
+            self._index(r)
             self.counts[r.status] += 1
             self.prompts_not_done += r.num_prompts * (r.status != "done")
         self._dirty = True
@@ -170,6 +183,35 @@ class RunState:
 
     def with_status(self, *statuses: str) -> list[BatchRecord]:
         return [r for r in self.records.values() if r.status in statuses]
+
+    def attempts(self, batch_id: str) -> int:
+        """Attempts at the batch by this head (the manifest's `attempts` counts every head's)."""
+        return self.records[batch_id].attempts - self._attempts_before[batch_id]
+
+    def next_due(self, now: float, wait_s) -> str | None:
+        """The first pending batch whose retry backoff (`wait_s(attempts)` after its last failure) is over."""
+        for batch_id in self._pending:
+            tried = self.attempts(batch_id)
+            if not tried or self.records[batch_id].finished_at + wait_s(tried) <= now:
+                return batch_id
+        return None
+
+    def running_on(self, slice: str) -> list[str]:
+        """The batches running on `slice`, in the order they were sent there."""
+        return list(self._running.get(slice, ()))
+
+    def _index(self, r: BatchRecord) -> None:
+        self._attempts_before.setdefault(r.batch_id, r.attempts)
+        if r.status == "pending":
+            self._pending[r.batch_id] = None  # (re)joins at the end: a retried batch waits behind the others
+        elif r.status == "running":
+            self._running.setdefault(r.slice, {})[r.batch_id] = None
+
+    def _unindex(self, r: BatchRecord) -> None:
+        if r.status == "pending":
+            del self._pending[r.batch_id]
+        elif r.status == "running":
+            del self._running[r.slice][r.batch_id]
 
 
 def _complete(output: Path, expected_samples: int) -> tuple[pq.FileMetaData | None, BatchStats | None, str]:

@@ -7,10 +7,12 @@ import json
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.atomic import atomic_write_text
-from orchestrator.config import RunConfig, plan_changes
+
+if TYPE_CHECKING:  # the layout alone imports no config: a slice reads its batch files through it
+    from orchestrator.config import RunConfig
 
 
 class PlanMismatch(RuntimeError):
@@ -105,6 +107,8 @@ def versions() -> dict[str, str]:
 
 def check_same_plan(run_dir: RunDir, cfg: RunConfig, fingerprints: dict[str, str]) -> None:
     """Refuse to reuse a planned run directory for different samples (capacities may differ: see retune)."""
+    from orchestrator.config import plan_changes
+
     old = run_dir.read_run_json()
     problems = plan_changes(old["sample_affecting"], cfg)
     for name in ("corpus", "tokenizer", "model"):

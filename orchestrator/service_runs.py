@@ -26,6 +26,7 @@ from orchestrator.driver import Driver, RunOutcome
 from orchestrator.rundir import RunDir
 from orchestrator.service_body import BodyTooLargeWhenExpanded, load_body
 from orchestrator.service_paths import DataPolicy
+from orchestrator.slice_layout import validate
 
 log = logging.getLogger(__name__)
 
@@ -128,9 +129,9 @@ class RunRegistry:
         name = check_name(cfg.name)
         run_dir = self.run_dir(name)
         self.policy.check(cfg)  # before anything opens the corpus or model (PathRefused: HTTP 400)
-        try:
-            Driver(cfg, show_progress=False)  # the head's own config checks, before anything starts
-        except ValueError as e:
+        try:  # the head's own checks (slice_layout.validate: the mesh against the devices and the model's heads,
+            validate(cfg)  # the capacities), here rather than in the run's thread: a config error is a 400
+        except (ValueError, FileNotFoundError) as e:
             raise ConfigError(str(e)) from None
         with self._lock:
             current = self._runs.get(name)

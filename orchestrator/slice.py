@@ -1,9 +1,9 @@
 """A slice: one process that owns an engine and runs the batches the head sends it.
 
-The head calls `submit(work)` (queues a batch, returns at once) and `poll(timeout_s)` (the results
-that are ready, and how many of the samples sent here have finished: the head keeps the slice's
-unfinished samples, not its unfinished batches, at its budget, so that the samples of a batch that
-already stopped never hold back the next batch while one long sample runs on). A background thread
+The head calls `submit(work)` (queues a reference to a batch, returns at once; the slice reads the batch file
+itself) and `poll(timeout_s)` (the results that are ready, and how many of the samples sent here have finished).
+Flow control is the head's: each batch says at how many finished samples the head wants its poll back
+(`BatchWork.wake_at`), and the slice only counts. A background thread
 runs the engine and feeds it: the next queued batch enters the engine as soon as the current one's
 requests have all been admitted, so the engine stays full across batch boundaries. A slice never
 writes the run directory and never talks to the tracker; what it measured travels back with its
@@ -24,9 +24,12 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from engine import RECORD_FIELDS, EngineConfig, SamplingConfig, host_kv_counters, transfer_counters
+from orchestrator.batch_files import BatchFileError, check_reachable, on_hosts, prefetch
 from orchestrator.cluster import engines_per_host, host_level
+from orchestrator.faults import crash_point
 from orchestrator.results import SAMPLE_SCHEMA, BatchStats, BatchWork, Completed, Failed, Result, with_stats
 from orchestrator.row_sampling import apply
+from orchestrator.slice_inbox import Inbox
 
 TIMELINE_BUCKET_S = 1.0
 
@@ -50,9 +53,8 @@ class SliceSpec:
     """CPU slices: XLA host devices this process exposes."""
     model_cache_dir: str | None = None
     """model.cache_dir: where a gs:// checkpoint is copied on this host before loading."""
-    samples_in_flight: int | None = None
-    """The head's budget of unfinished samples here (RunConfig.samples_in_flight_per_slice): once the slice
-    holds fewer, it returns the head's poll early so that the head sends the next batch. None: it never does."""
+    batches_dir: str | None = None
+    """The run directory's batches/, checked at start: a host that cannot see it fails the slice's start."""
     device_offset: int = 0
     """An engine of a data-parallel slice: its first device on this host (it runs on [offset, offset + model))."""
 
@@ -73,6 +75,7 @@ class _Live:
     """A batch whose requests are in the engine."""
 
     work: BatchWork
+    prompts: pa.Table  # the batch file: prompt_id, row, token_ids (and passthrough, sampling)
     expected: int
     started: float
     done: dict[tuple[str, int], object] = field(default_factory=dict)
@@ -92,7 +95,7 @@ class SliceWorker:
     def __init__(self, spec: SliceSpec, parent: SliceWorker | None = None) -> None:
         self.spec = spec
         self._parent = parent
-        self._inbox = parent._inbox if parent else _Inbox()
+        self._inbox = parent._inbox if parent else Inbox()
         self._outbox: queue.Queue[Result] = parent._outbox if parent else queue.Queue()
         self._stop = parent._stop if parent else threading.Event()
         self._wake_lock = parent._wake_lock if parent else threading.Lock()
@@ -107,7 +110,7 @@ class SliceWorker:
         self.samples_finished = 0
         """Samples sent here that left the slice's work: finished by the engine, or in a batch that failed.
         Only grows (written by the engine thread alone)."""
-        self._wakes = 0  # the head was woken for the batches received up to this count
+        self._woken_at: int | None = None  # the head's last `wake_at` that woke it
         # The timeline bucket being filled: start (the first step's), steps, tokens, live sequences summed over
         # steps. Closed after TIMELINE_BUCKET_S, and whenever a result leaves: every step is in one bucket.
         self._bucket = [0.0, 0, 0, 0]
@@ -133,6 +136,9 @@ class SliceWorker:
         host holds the same configuration.
         """
         t0 = time.perf_counter()
+        crash_point("slice_start")
+        if self.spec.batches_dir is not None:
+            check_reachable(self.spec.batches_dir, self.spec.name)
         if self.spec.spmd:
             from engine import initialize_distributed
 
@@ -157,7 +163,8 @@ class SliceWorker:
                 "model_bytes_read": fetch.bytes_read if fetch else sum(e.load_report["bytes_read"] for e in engines),
                 "model_fetch_s": fetch.seconds if fetch else sum(e.load_report["load_s"] for e in engines),
                 "devices": [str(d) for d in jax.devices()], "engines": self.spec.engines,
-                "processes": jax.process_count()}  # 1 on every host of a host-level data-parallel slice
+                "processes": jax.process_count(),  # 1 on every host of a host-level data-parallel slice
+                "modules": sorted(sys.modules)}  # what this process imported to run its engines (run_events)
 
     def _start_engine(self, model_path: str, tokenizer) -> None:
         from engine import Engine
@@ -173,7 +180,7 @@ class SliceWorker:
         return self.spec.device_offset // self.spec.mesh.get("model", 1)
 
     def submit(self, work: BatchWork) -> None:
-        self._inbox.put(work)
+        self._inbox.put(work, prefetch(work.path))  # read here, on the actor's thread, not the engine's
 
     def poll(self, timeout_s: float) -> tuple[list[Result], int, int]:
         """(results ready now, engine steps so far, samples finished so far), waiting up to `timeout_s` for a
@@ -204,10 +211,6 @@ class SliceWorker:
 
     def pid(self) -> int:
         return os.getpid()
-
-    def loaded_modules(self) -> list[str]:
-        """Names in this process's sys.modules (lets tests prove what a slice never imported)."""
-        return sorted(sys.modules)
 
     def stop(self) -> None:
         self._stop.set()
@@ -274,23 +277,30 @@ class SliceWorker:
             if work is not None:
                 self._start(work)
 
-    def _next_work(self) -> BatchWork | None:
-        """The next batch from the head, waiting for it (None when stopping)."""
+    def _next_work(self) -> tuple[BatchWork, object] | None:
+        """The next batch from the head and its prompts, waiting for it (None when stopping)."""
         while not self._stop.is_set():
             work = self._inbox.get(timeout_s=0.05)
             if work is not None:
                 return work
         return None
 
-    def _start(self, work: BatchWork) -> None:
+    def _start(self, item: tuple[BatchWork, object]) -> None:
         from engine import Request
 
+        work, loaded = item  # the batch and its prompts as read when it arrived (or the read's error)
         sampling = self.spec.sampling
-        ids = work.prompts.column("prompt_id").to_pylist()
-        own = (work.prompts.column("sampling").to_pylist() if "sampling" in work.prompts.column_names
+        try:
+            prompts = on_hosts(loaded, work.path, work.batch_id, self.spec.spmd)
+        except BatchFileError as e:
+            self.samples_finished += work.num_prompts * sampling.n
+            self._emit(Failed(work.batch_id, work.attempt, self.spec.name, str(e), deterministic=e.deterministic))
+            return
+        ids = prompts.column("prompt_id").to_pylist()
+        own = (prompts.column("sampling").to_pylist() if "sampling" in prompts.column_names
                else [None] * len(ids))  # each row's own sampling overrides (validated when planned)
         requests = [Request(pid, tuple(tokens), apply(sampling, overrides), generation_index=g)
-                    for pid, tokens, overrides in zip(ids, work.prompts.column("token_ids").to_pylist(), own)
+                    for pid, tokens, overrides in zip(ids, prompts.column("token_ids").to_pylist(), own)
                     for g in range(sampling.n)]
         for r in requests[::sampling.n]:
             error = self.engine.validate(r)
@@ -299,7 +309,7 @@ class SliceWorker:
                 self._emit(Failed(work.batch_id, work.attempt, self.spec.name, f"prompt {r.prompt_id!r}: {error}",
                                   deterministic=True))
                 return
-        self._live[work.batch_id] = _Live(work, len(requests), time.time())
+        self._live[work.batch_id] = _Live(work, prompts, len(requests), time.time())
         for r in requests:
             self._owner[(r.prompt_id, r.generation_index)] = work.batch_id
             self.engine.add_request(r)
@@ -342,31 +352,30 @@ class SliceWorker:
         self._wake_head()
 
     def _wake_head(self) -> None:
-        """Return the head's pending poll once the slice holds fewer unfinished samples than the head's budget:
-        the head learns how many finished and sends the next batch now, not at the next batch's end (many
-        steps later when one long sample holds a batch open). At most once per batch received, so a slice
-        never wakes the head more often than it takes batches."""
+        """Return the head's pending poll once as many samples have finished as the head's last batch asked
+        (`BatchWork.wake_at`): the head then sends the next batch now, not at this one's end (many steps later
+        when one long sample holds a batch open). At most once per `wake_at`, so at most once per batch."""
         if self._parent is not None:
-            self._parent._wake_head()  # the budget is the slice's, over all its engines
+            self._parent._wake_head()  # the count is the slice's, over all its engines
             return
         with self._wake_lock:
-            budget, received = self.spec.samples_in_flight, self._inbox.batches_received
-            if budget is None or self._wakes == received or (self.spec.spmd and self.spec.host_index != 0):
+            wake_at = self._inbox.wake_at
+            if wake_at is None or wake_at == self._woken_at or (self.spec.spmd and self.spec.host_index != 0):
                 return
-            if self._inbox.prompts_received * self.spec.sampling.n - self.total_samples_finished < budget:
-                self._wakes = received
+            if self.total_samples_finished >= wake_at:
+                self._woken_at = wake_at
                 self._outbox.put(None)
 
     def _completed(self, live: _Live) -> Completed:
         n = self.spec.sampling.n
-        work = live.work
-        ids, rows = work.prompts.column("prompt_id").to_pylist(), work.prompts.column("row").to_pylist()
+        work, prompts = live.work, live.prompts
+        ids, rows = prompts.column("prompt_id").to_pylist(), prompts.column("row").to_pylist()
         samples = [live.done[(pid, g)] for pid in ids for g in range(n)]
         columns = {name: [getattr(c, name) for c in samples] for name in RECORD_FIELDS}
         columns["batch_id"] = [work.batch_id] * len(samples)  # the engine's records carry none
         columns["row"] = [r for r in rows for _ in range(n)]
-        if "passthrough" in work.prompts.column_names:  # the row's other columns and typed id (a plan's batch file)
-            columns["passthrough"] = [k for k in work.prompts.column("passthrough").to_pylist() for _ in range(n)]
+        if "passthrough" in prompts.column_names:  # the row's other columns and typed id (a plan's batch file)
+            columns["passthrough"] = [k for k in prompts.column("passthrough").to_pylist() for _ in range(n)]
         stats = BatchStats(
             num_samples=len(samples), num_output_tokens=sum(len(c.token_ids) for c in samples),
             duration_s=time.time() - live.started, num_steps=live.steps,
@@ -413,36 +422,3 @@ class SliceWorker:
             return  # every host computed it; host 0 alone returns it
         self._outbox.put(dataclasses.replace(result, timeline=timeline))
 
-
-class _Inbox:
-    """Batches in the head's order (`BatchWork.seq`), whatever order the actor's threads deliver them in.
-
-    `submit` calls run on a threaded actor, so two of them may run out of order; a multi-host slice must
-    still feed every host the same batches in the same order.
-    """
-
-    def __init__(self) -> None:
-        self._items: dict[int, BatchWork] = {}
-        self._next = 0
-        self._changed = threading.Condition()
-        self.batches_received = 0
-        self.prompts_received = 0
-
-    def put(self, work: BatchWork) -> None:
-        with self._changed:
-            self._items[work.seq] = work
-            self.batches_received += 1
-            self.prompts_received += work.num_prompts
-            self._changed.notify_all()
-
-    def ready(self) -> bool:
-        with self._changed:
-            return self._next in self._items
-
-    def get(self, timeout_s: float) -> BatchWork | None:
-        """The next batch in order, waiting up to `timeout_s`; None if it has not arrived."""
-        with self._changed:
-            if not self._changed.wait_for(lambda: self._next in self._items, timeout=timeout_s):
-                return None
-            self._next += 1
-            return self._items.pop(self._next - 1)

@@ -2,7 +2,10 @@
 
 A single-host slice is a gang of one. On a multi-host slice the host actors are placed together (a
 Ray placement group), host 0 names the jax.distributed coordinator, every host gets every batch, and
-host 0 alone returns results; the others' polls are heartbeats. A multi-host slice of data-parallel engines
+host 0 alone returns results; the others' polls are heartbeats. The gang keeps the head's flow control: it
+counts the samples sent to each host and, with each batch, tells the host at how many finished samples the head
+wants its poll back (the slice's budget, `cluster.samples_in_flight_per_slice`, split evenly over independent
+hosts). A multi-host slice of data-parallel engines
 (`cluster.mesh.data` > 1, host-level) has no coordinator: every host is an independent JAX process running
 data / hosts engines on its own devices, each batch goes to the one host holding the fewest unfinished
 samples, and every host returns its own results. Liveness: a host actor that dies
@@ -20,6 +23,7 @@ from typing import Any
 
 from orchestrator.cluster import host_level
 from orchestrator.config import RunConfig
+from orchestrator.faults import slice_environment
 from orchestrator.results import BatchWork, Result
 from orchestrator.slice import SliceSpec, SliceWorker
 
@@ -30,8 +34,6 @@ POLL_S = 1.0
 class GangEvent:
     kind: str  # "waiting" | "started" | "results" | "failed"
     results: list[Result] | None = None
-    samples_finished: int | None = None
-    """With "results": samples the slice has finished since it started (SliceWorker.samples_finished)."""
     info: dict | None = None
     reason: str | None = None
     fatal: bool = False
@@ -50,7 +52,7 @@ class SliceGang:
         self._slice_name: str | None = None
         self._starting: dict[Any, int] = {}  # start ref -> host
         self._polls: dict[Any, int] = {}  # poll ref -> host
-        self._infos: list[dict] = []
+        self._infos: dict[int, dict] = {}  # host -> what its start returned
         self._since = time.monotonic()  # spawn, or host 0's last engine step
         self._steps = -1
 
@@ -73,7 +75,7 @@ class SliceGang:
         cfg = self.cfg
         resources = dict(cfg.cluster.resources_per_host)
         num_cpus, num_gpus = resources.pop("CPU", 0), resources.pop("GPU", 0)
-        env = {}
+        env = slice_environment()  # a test's crash point in the slice's process, if any (faults.py)
         if cfg.cluster.devices_per_host:
             env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={cfg.cluster.devices_per_host}"
         self._host_level = host_level(cfg.cluster.mesh, self.num_hosts)
@@ -84,12 +86,12 @@ class SliceGang:
             dict(num_cpus=num_cpus, num_gpus=num_gpus, resources={**resources, **(head if host == 0 else {})} or None,
                  max_concurrency=4, max_restarts=0, runtime_env={"env_vars": env} if env else None)
             for host in range(self.num_hosts)]
-        self.actors, self._starting, self._polls, self._infos = [], {}, {}, []
+        self.actors, self._starting, self._polls, self._infos = [], {}, {}, {}
         self._since = time.monotonic()
-        self._sent = 0  # batches submitted to these actors (BatchWork.seq)
-        self._host_batches = [0] * self.num_hosts  # host-level: batches submitted to each host (its own seq)
-        self._host_sent = [0] * self.num_hosts  # host-level: samples sent to each host, and finished there
-        self._host_finished = [0] * self.num_hosts
+        self._host_batches = [0] * self.num_hosts  # batches submitted to each host (BatchWork.seq; host 0 alone
+        # when the hosts run one SPMD program)
+        self._host_sent = [0] * self.num_hosts  # samples sent to each host, and finished there (host 0 alone when
+        self._host_finished = [0] * self.num_hosts  # the hosts run one SPMD program: every host gets every batch)
         self._host_steps = [0] * self.num_hosts
         self._slice_name = None
         if self.num_hosts > 1:
@@ -113,12 +115,10 @@ class SliceGang:
 
         cfg = self.cfg
         for host, options in enumerate(self._host_options):
-            budget = cfg.samples_in_flight_per_slice  # host-level: each host wakes the head below its share
             spec = SliceSpec(self.name, cfg.model.require_path(), cfg.model.tokenizer_path, cfg.model.dtype,
                              cfg.engine, cfg.sampling, dict(cfg.cluster.mesh), num_hosts=self.num_hosts,
                              host_index=host, devices_per_host=cfg.cluster.devices_per_host,
-                             samples_in_flight=max(1, budget // self.num_hosts) if self._host_level else budget,
-                             model_cache_dir=cfg.model.cache_dir)
+                             model_cache_dir=cfg.model.cache_dir, batches_dir=str(self.run_dir.batches))
             if self._head_group is not None:  # host 0 in the head's group, the others in the slice's
                 group, index = (self._head_group, 0) if host == 0 else (self.placement_group, host - 1)
             else:
@@ -158,17 +158,18 @@ class SliceGang:
             self._start_hosts()
             return GangEvent("waiting")
         if ref in self._starting:
-            self._starting.pop(ref)
+            host = self._starting.pop(ref)
             try:
-                self._infos.append(ray.get(ref))
+                self._infos[host] = ray.get(ref)
             except ray.exceptions.RayError as e:
                 from engine import CheckpointError, MeshError
                 from engine import UnsupportedModelError
+                from orchestrator.batch_files import RunDirUnreachable
 
                 cause = getattr(e, "cause", None)
-                # Deterministic faults (a checkpoint it cannot load, a mesh or model it cannot run): every slice
-                # and every restart would fail the same way.
-                fatal = isinstance(cause, (CheckpointError, MeshError, UnsupportedModelError))
+                # Deterministic faults (a checkpoint it cannot load, a mesh or model it cannot run, a run directory
+                # it cannot see): every slice and every restart would fail the same way.
+                fatal = isinstance(cause, (CheckpointError, MeshError, UnsupportedModelError, RunDirUnreachable))
                 return GangEvent("failed", reason=f"could not start: {cause if fatal else _error_text(e)}", fatal=fatal)
             if self._starting:
                 return GangEvent("waiting")
@@ -186,11 +187,12 @@ class SliceGang:
             self._host_finished[host] = samples_finished
             if steps != self._host_steps[host]:
                 self._host_steps[host], self._since = steps, time.monotonic()
-            return GangEvent("results", results=results, samples_finished=sum(self._host_finished))
-        if host == 0 and steps != self._steps:
-            self._steps, self._since = steps, time.monotonic()
-        return GangEvent("results", results=results, samples_finished=samples_finished) if host == 0 \
-            else GangEvent("waiting")
+            return GangEvent("results", results=results)
+        if host == 0:
+            self._host_finished[0] = samples_finished
+            if steps != self._steps:
+                self._steps, self._since = steps, time.monotonic()
+        return GangEvent("results", results=results) if host == 0 else GangEvent("waiting")
 
     def timed_out(self, holding_batches: bool) -> str | None:
         """Why the slice counts as hung, or None."""
@@ -202,19 +204,37 @@ class SliceGang:
             return f"took no engine step for {idle:.0f} s while holding batches (cluster.host_timeout_s)"
         return None
 
-    def submit(self, work: BatchWork) -> None:
-        import ray
+    @property
+    def run_dir(self):
+        """The run directory as a slice names it (absolute: a slice's working directory is not the head's)."""
+        from orchestrator import location
+        from orchestrator.rundir import RunDir
 
-        if self._host_level:  # to the host holding the fewest unfinished samples
-            host = min(range(self.num_hosts), key=lambda h: (self._host_sent[h] - self._host_finished[h], h))
-            self._host_sent[host] += work.num_prompts * self.cfg.sampling.n
-            self.actors[host].submit.remote(dataclasses.replace(work, seq=self._host_batches[host]))
-            self._host_batches[host] += 1
-            return
-        ref = ray.put(dataclasses.replace(work, seq=self._sent))  # one copy in the object store for every host
-        self._sent += 1
-        for actor in self.actors:
-            actor.submit.remote(ref)
+        root = location.location(self.cfg.resolved_run_dir)
+        return RunDir(root if isinstance(root, location.Location) else root.absolute())
+
+    @property
+    def pids(self) -> list[int]:
+        """The started hosts' process ids, in host order."""
+        return [self._infos[h]["pid"] for h in sorted(self._infos)]
+
+    @property
+    def samples_held(self) -> int:
+        """Samples sent to the slice's current actors and not known to have finished (an upper bound on its queue)."""
+        return sum(self._host_sent) - sum(self._host_finished)
+
+    def submit(self, batch_id: str, attempt: int, num_prompts: int) -> None:
+        """Send the slice a reference to the batch's file; the slice reads the prompts itself."""
+        budget = self.cfg.samples_in_flight_per_slice
+        host = min(range(self.num_hosts), key=lambda h: (self._host_sent[h] - self._host_finished[h], h)) \
+            if self._host_level else 0  # host-level: to the host holding the fewest unfinished samples
+        share = max(1, budget // self.num_hosts) if self._host_level else budget
+        self._host_sent[host] += num_prompts * self.cfg.sampling.n
+        work = BatchWork(batch_id, attempt, str(self.run_dir.batch_file(batch_id)), num_prompts,
+                         seq=self._host_batches[host], wake_at=self._host_sent[host] - share + 1)
+        self._host_batches[host] += 1
+        for actor in [self.actors[host]] if self._host_level else self.actors:  # SPMD: every host the same batch
+            actor.submit.remote(work)
 
     def kill(self) -> None:
         import ray
@@ -234,14 +254,16 @@ class SliceGang:
         self._locating = None
 
     def _summary(self) -> dict:
-        first = self._infos[0] if self._infos else {}
-        return {"pids": [i.get("pid") for i in self._infos],
-                "devices": sum(len(i.get("devices", [])) for i in self._infos) if self._host_level
+        infos = [self._infos[h] for h in sorted(self._infos)]
+        first = infos[0] if infos else {}
+        return {"pids": [i.get("pid") for i in infos],
+                "devices": sum(len(i.get("devices", [])) for i in infos) if self._host_level
                 else len(first.get("devices", [])),
-                "engines": sum(i.get("engines", 1) for i in self._infos) if self._host_level else first.get("engines", 1),
-                "processes": [i.get("processes", 1) for i in self._infos],
-                "load_s": max((i.get("load_s", 0.0) for i in self._infos), default=0.0),
-                "model_bytes_read": sum(i.get("model_bytes_read", 0) for i in self._infos),
+                "engines": sum(i.get("engines", 1) for i in infos) if self._host_level else first.get("engines", 1),
+                "processes": [i.get("processes", 1) for i in infos],
+                "load_s": max((i.get("load_s", 0.0) for i in infos), default=0.0),
+                "model_bytes_read": sum(i.get("model_bytes_read", 0) for i in infos),
+                "modules": sorted({m for i in infos for m in i.get("modules", [])}),
                 **({"pod_slice": self._slice_name} if self._slice_name else {})}
 
 

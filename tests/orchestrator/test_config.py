@@ -55,6 +55,7 @@ def test_diff_keys_names_changes():
     ("name: x\ncluster:\n  mesh: 1\n", [], r"run.yaml: cluster.mesh must be a mapping, got an integer \(1\) \(keys in docs/config.md\)"),
     ("name: x\n", ["--sampling.max_new_tokens"], r"^argument --sampling.max_new_tokens: expected one argument"),
     ("tracker: {type: tensorboard}\n", [], r"tracker.type must be one of 'wandb', 'noop', got a string \('tensorboard'\)"),
+    ("name: x\nmodel: {dtype: float16}\n", [], r"model.dtype must be one of 'bfloat16', 'float32'"),
     ("name: x\n", ["--corpus.nope=1"], r"unrecognized arguments: --corpus.nope=1; .*docs/config.md"),
 ])
 def test_config_errors_are_one_line_naming_the_file_or_key(tmp_path, text, args, message):
@@ -71,3 +72,15 @@ def test_max_seqs_in_prefill_follows_a_smaller_max_seqs_unless_set(tmp_path):
     assert load_run_config(None, ["--engine.max_seqs=64", "--engine.max_seqs_in_prefill=2"]).engine.max_seqs_in_prefill == 2
     with pytest.raises(ConfigError, match=r"engine.max_seqs_in_prefill \(8\) exceeds engine.max_seqs \(4\)"):
         load_run_config(None, ["--engine.max_seqs=4", "--engine.max_seqs_in_prefill=8"])
+
+
+def test_the_model_dtypes_are_the_engines():
+    """model.dtype accepts exactly the dtypes the engine runs: any other is refused as the config loads."""
+    import typing
+
+    from engine import DTYPES
+    from orchestrator.model_source import ModelSourceConfig
+
+    assert typing.get_args(typing.get_type_hints(ModelSourceConfig)["dtype"]) == DTYPES
+    with pytest.raises(ConfigError, match="model.dtype"):
+        load_run_config(None, ["--model.dtype=float16"])

@@ -12,10 +12,11 @@ from orchestrator.manifest import read_manifest
 
 from .conftest import run_args, write_run_corpus
 from .test_crash import pagefleet_run
-from .test_driver import reference, samples
+from .test_driver import assert_logprobs, reference, samples
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 SEEDED = ["--sampling.temperature=0.8", "--sampling.top_p=0.9", "--sampling.n=2", "--sampling.seed=3",
+          "--sampling.logprobs=true",
           "--cluster.num_slices=1", "--cluster.devices_per_host=4"]
 
 
@@ -30,6 +31,7 @@ def test_data_parallel_slices_export_one_engines_samples(ray_local, run_model, t
     assert "slice-0 ready (pids" in (events := (run_dir / "events.log").read_text())
     assert f"{engines} data-parallel engines" in events
     assert samples(run_dir) == reference(run_model, run_dir, cfg)  # every sample once, one engine's tokens
+    assert_logprobs(run_dir, run_model, cfg)  # model 1: bit-identical; model 2: within 1e-4
     timeline = (run_dir / "timeline.jsonl").read_text()
     assert all(f'"slice-0/{i}"' in timeline for i in range(engines)), "an engine took no step"
 
@@ -48,3 +50,4 @@ def test_a_killed_head_with_data_parallel_slices_resumes_to_the_same_export(ray_
     assert pagefleet_run(config, args, None) == 0
     cfg = load_run_config(config, args)
     assert samples(run_dir) == reference(run_model, run_dir, cfg)
+    assert_logprobs(run_dir, run_model, cfg)

@@ -18,6 +18,7 @@ from orchestrator.export import collect
 from orchestrator.lock import RunLock
 from orchestrator.manifest import read_manifest
 from orchestrator.planner import plan
+from orchestrator.run_events import SlicesReady, SliceStarted
 from orchestrator.status import format_status, status
 
 from .conftest import run_args, write_run_corpus
@@ -47,6 +48,40 @@ def samples(run_dir: Path) -> dict[tuple[str, int], list[int]]:
     return dict(zip(keys, table["token_ids"].to_pylist()))
 
 
+def logprobs(run_dir: Path) -> dict[tuple[str, int], list[float]]:
+    """Every sample's logprobs (the run samples with sampling.logprobs)."""
+    table = collect(run_dir)
+    return dict(zip(zip(table["prompt_id"].to_pylist(), table["generation_index"].to_pylist()),
+                    table["logprobs"].to_pylist()))
+
+
+def reference_logprobs(model: str, run_dir: Path, cfg) -> dict[tuple[str, int], list[float]]:
+    """Every sample's logprobs computed by one single-device engine in this process, with the run's capacities."""
+    from engine.engine import Engine
+    from engine.sequence import Request
+
+    requests = []
+    for path in sorted((run_dir / "batches").glob("*.parquet")):
+        for row in pq.read_table(path).to_pylist():
+            requests += [Request(row["prompt_id"], tuple(row["token_ids"]), cfg.sampling, generation_index=g)
+                         for g in range(cfg.sampling.n)]
+    engine = Engine(model, cfg.engine, dtype=cfg.model.dtype)
+    return {(c.prompt_id, c.generation_index): c.logprobs for c in engine.generate(requests)}
+
+
+def assert_logprobs(run_dir: Path, model: str, cfg) -> None:
+    """Bit-identical to one engine's when each engine has one device (engine/row_tiles.py: a row's bits never
+    depend on the rows beside it); within 1e-4 under tensor parallelism (sharded contractions sum in another
+    order)."""
+    got, want = logprobs(run_dir), reference_logprobs(model, run_dir, cfg)
+    assert got.keys() == want.keys() and all(v for v in want.values())
+    for key, expected in want.items():
+        if cfg.cluster.mesh.get("model", 1) == 1:
+            assert got[key] == expected, key
+        else:
+            assert got[key] == pytest.approx(expected, abs=1e-4, rel=0), key
+
+
 def start_together(monkeypatch) -> None:
     """Hold the first dispatch until every slice is up, so that each gets work. (Otherwise which slice runs
     what is timing: with a warm compilation cache the first one up can finish every batch before the
@@ -64,8 +99,7 @@ def test_run_end_to_end_and_rerun(ray_local, run_model, tmp_path, capsys, monkey
                                          "--tracker.type=wandb", "--tracker.mode=offline"))
     driver = Driver(cfg, show_progress=False)
     modules = {}
-    driver.on_slices_done = lambda slots: modules.update(
-        {s.name: ray_local.get(s.actor.loaded_modules.remote()) for s in slots if s.actor is not None})
+    driver.events.subscribe(lambda e: modules.update({e.slice: e.modules}) if isinstance(e, SliceStarted) else None)
     outcome = driver.run()
     assert outcome.exit_code == 0
     records = read_manifest(run_dir / "batches.jsonl")
@@ -114,12 +148,12 @@ def test_slice_killed_mid_batch_is_requeued(ray_local, run_model, tmp_path):
     driver = Driver(cfg, show_progress=False)
     killed = {}
 
-    def kill_slice_0(slots):
-        slot = slots[0]
-        killed["batches"] = list(slot.inflight)
-        os.kill(ray_local.get(slot.actor.pid.remote()), signal.SIGKILL)
+    def kill_slice_0(event):
+        if isinstance(event, SlicesReady):
+            killed["batches"] = event.slices[0].batches
+            os.kill(event.slices[0].pids[0], signal.SIGKILL)
 
-    driver.on_actors_ready = kill_slice_0
+    driver.events.subscribe(kill_slice_0)
     assert driver.run().exit_code == 0
     assert killed["batches"], "slice-0 held no batch when it was killed"
     records = {r.batch_id: r for r in read_manifest(run_dir / "batches.jsonl")}
@@ -201,20 +235,36 @@ def test_occupancy_with_early_stops(ray_local, run_model, tmp_path):
     assert "% of the engine loop on the host" in format_status(status(run_dir))
 
 
-def test_slices_that_cannot_start_end_the_run_with_the_reason(ray_local, run_model, tmp_path, capsys):
-    """A model dtype the engine refuses (float16; a checkpoint fault the head finds itself, see
-    test_faults_rows_and_files): planning works, every slice fails to load, is restarted up to
-    cluster.max_slice_restarts times, and the run stops on that fault with the reason, resumable."""
+def test_slices_that_cannot_start_end_the_run_with_the_reason(ray_local, run_model, tmp_path, monkeypatch):
+    """A slice whose process dies as it starts (not a configuration error: a host can come back) is restarted up
+    to cluster.max_slice_restarts times; once every slice is given up the run stops on that fault with the
+    reason, resumable."""
+    monkeypatch.setenv("PAGEFLEET_CRASH_AT", "slice_start")  # every slice process, every start
     corpus = write_run_corpus(tmp_path / "corpus.jsonl", 8)
     run_dir = tmp_path / "run"
     cfg = load_run_config(None, run_args(run_model, corpus, run_dir, "--cluster.num_slices=1",
-                                         "--cluster.max_slice_restarts=1", "--model.dtype=float16"))
+                                         "--cluster.max_slice_restarts=1"))
     outcome = Driver(cfg, show_progress=False).run()
     assert outcome.exit_code == exit_codes.FAULT and outcome.summary["batches_pending"] == outcome.summary["batches"]
-    assert "every slice failed" in outcome.fault and "float16" in outcome.fault
+    assert "every slice failed" in outcome.fault and "could not start" in outcome.fault
     events = (run_dir / "events.log").read_text()
     assert events.count("slice-0 could not start") == 2 and "slice-0 given up after 1 restarts" in events
     assert all(r.status == "pending" for r in read_manifest(run_dir / "batches.jsonl"))
+
+
+def test_a_dtype_the_engine_refuses_is_a_config_error_before_any_slice(run_model, tmp_path, capsys):
+    """model.dtype=float16 (the engine runs bfloat16 and float32): a configuration error, so it is found at the
+    head before anything is planned or any slice starts, in one line naming the key, and never retried. (It was
+    found by every slice at start and retried with restarts until every slice failed.)"""
+    corpus = write_run_corpus(tmp_path / "corpus.jsonl", 8)
+    run_dir = tmp_path / "run"
+    config = tmp_path / "run.yaml"
+    config.write_text("name: test\n")
+    code = main(["run", str(config), *run_args(run_model, corpus, run_dir, "--cluster.num_slices=1",
+                                               "--model.dtype=float16")])
+    err = capsys.readouterr().err.strip()
+    assert code != exit_codes.OK and "model.dtype" in err and "float16" in err and "\n" not in err, err
+    assert not (run_dir / "events.log").exists()  # no plan, no slice, nothing to retry
 
 
 def test_the_transfer_counters_reach_the_summary_status_and_wandb(ray_local, run_model, tmp_path, monkeypatch):

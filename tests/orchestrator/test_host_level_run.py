@@ -11,9 +11,10 @@ from orchestrator.manifest import read_manifest
 from orchestrator.slice_gang import single_host_tpu_env
 
 from .conftest import run_args, write_run_corpus
-from .test_driver import reference, samples
+from .test_driver import assert_logprobs, reference, samples
 
-SEEDED = ["--sampling.temperature=0.8", "--sampling.top_p=0.9", "--sampling.n=2", "--sampling.seed=3"]
+SEEDED = ["--sampling.temperature=0.8", "--sampling.top_p=0.9", "--sampling.n=2", "--sampling.seed=3",
+          "--sampling.logprobs=true"]
 
 
 def host_level_args(mesh: str) -> list[str]:
@@ -35,6 +36,7 @@ def test_each_host_runs_its_own_engines_and_nothing_crosses_hosts(ray_local, run
     # Both hosts' devices, the slice's engines, and each host a JAX process of its own (process_count 1 there).
     assert f", 4 devices, {engines} data-parallel engines, each host its own JAX process," in events, events
     assert samples(run_dir) == reference(run_model, run_dir, cfg)  # every sample once, one engine's tokens
+    assert_logprobs(run_dir, run_model, cfg)  # model 1: bit-identical; model 2: within 1e-4
     assert len(read_manifest(run_dir / "batches.jsonl")) > 2
     timeline = (run_dir / "timeline.jsonl").read_text()  # engines numbered across hosts: both hosts took batches
     assert all(f'"slice-0/{i}"' in timeline for i in (0, engines - 1)), timeline[-2000:]

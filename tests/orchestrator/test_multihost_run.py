@@ -9,6 +9,7 @@ import os
 import signal
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 import orchestrator.slice_gang as slice_gang
@@ -16,6 +17,7 @@ from orchestrator import exit_codes
 from orchestrator.config import load_run_config
 from orchestrator.driver import Driver
 from orchestrator.manifest import read_manifest
+from orchestrator.run_events import SlicesReady
 
 from .conftest import run_args, write_run_corpus
 from .test_driver import reference, samples, start_together
@@ -80,19 +82,31 @@ def test_host_with_another_config_is_caught_before_any_step(ray_local, run_model
 def test_host_given_another_batch_fails_that_batch_only(ray_local, run_model, tmp_path, monkeypatch):
     real_submit = slice_gang.SliceGang.submit
 
-    def submit(self, work):
-        if work.batch_id != "b000000":
-            return real_submit(self, work)
-        import ray
-
-        work = dataclasses.replace(work, seq=self._sent)
-        self._sent += 1
-        ids = work.prompts["token_ids"].to_pylist()
+    def changed(path: str) -> str:
+        """A copy of the batch file with one token of its first prompt changed."""
+        table = pq.read_table(path)
+        ids = table["token_ids"].to_pylist()
         ids[0] = ids[0][:-1] + [(ids[0][-1] + 1) % 500]
-        other = dataclasses.replace(work, prompts=work.prompts.set_column(
-            2, "token_ids", pa.array(ids, work.prompts.schema.field("token_ids").type)))
-        self.actors[0].submit.remote(ray.put(work))
-        self.actors[1].submit.remote(ray.put(other))
+        other = tmp_path / "other.parquet"
+        pq.write_table(table.set_column(2, "token_ids", pa.array(ids, table.schema.field("token_ids").type)), other)
+        return str(other)
+
+    def submit(self, batch_id, attempt, num_prompts):
+        if batch_id != "b000000":
+            return real_submit(self, batch_id, attempt, num_prompts)
+        host_1 = self.actors[1]
+
+        class Host1:  # is sent a reference to another file than host 0's
+            class submit:
+                @staticmethod
+                def remote(work):
+                    return host_1.submit.remote(dataclasses.replace(work, path=changed(work.path)))
+
+        self.actors[1] = Host1
+        try:
+            real_submit(self, batch_id, attempt, num_prompts)
+        finally:
+            self.actors[1] = host_1
 
     monkeypatch.setattr(slice_gang.SliceGang, "submit", submit)
     corpus = write_run_corpus(tmp_path / "corpus.jsonl", 12, seed=14)
@@ -113,11 +127,12 @@ def test_host_killed_mid_batch_restarts_the_slice(ray_local, run_model, tmp_path
     driver = Driver(cfg, show_progress=False)
     killed = {}
 
-    def kill_host_1(slots):
-        killed["batches"] = list(slots[0].inflight)
-        os.kill(ray_local.get(slots[0].gang.actors[1].pid.remote()), signal.SIGKILL)
+    def kill_host_1(event):
+        if isinstance(event, SlicesReady):
+            killed["batches"] = event.slices[0].batches
+            os.kill(event.slices[0].pids[1], signal.SIGKILL)
 
-    driver.on_actors_ready = kill_host_1
+    driver.events.subscribe(kill_host_1)
     assert driver.run().exit_code == 0
     assert killed["batches"]
     records = {r.batch_id: r for r in read_manifest(run_dir / "batches.jsonl")}
@@ -135,11 +150,12 @@ def test_hung_host_times_out_and_the_slice_comes_back(ray_local, run_model, tmp_
     driver = Driver(cfg, show_progress=False)
     stopped = {}
 
-    def stop_host_1(slots):
-        stopped["pid"] = ray_local.get(slots[0].gang.actors[1].pid.remote())
-        os.kill(stopped["pid"], signal.SIGSTOP)  # alive but silent: host 0 waits in a collective
+    def stop_host_1(event):
+        if isinstance(event, SlicesReady):
+            stopped["pid"] = event.slices[0].pids[1]
+            os.kill(stopped["pid"], signal.SIGSTOP)  # alive but silent: host 0 waits in a collective
 
-    driver.on_actors_ready = stop_host_1
+    driver.events.subscribe(stop_host_1)
     try:
         assert driver.run().exit_code == 0
     finally:

@@ -108,3 +108,27 @@ def test_counts_follow_every_update(tmp_path):
     assert state.prompts_not_done == 2 + 3 + 4
     state.close()
     assert [r.status for r in read_manifest(run_dir.manifest)] == ["done", "failed", "pending", "pending"]
+
+
+def test_run_state_alone_knows_what_is_pending_running_and_tried(tmp_path):
+    """The head's queues derive from RunState: pending batches in the order they are taken (a retried batch
+    behind the others, and only once its backoff is over), the batches running on each slice, and the attempts
+    this head made (the manifest's count includes a previous head's)."""
+    run_dir = RunDir(tmp_path)
+    write_manifest(run_dir.manifest, [BatchRecord("b0", "failed", num_prompts=1, attempts=3, error="old"),
+                                      BatchRecord("b1", num_prompts=1), BatchRecord("b2", num_prompts=1)])
+    state = RunState.recover(run_dir, 1, PLAN)
+    wait = lambda attempts: 10.0 * attempts  # noqa: E731 - seconds after the attempts-th failure
+    assert state.next_due(0.0, wait) == "b0" and state.attempts("b0") == 0  # tried by a previous head only
+    state.mark_running("b0", "slice-0")
+    state.mark_running("b1", "slice-1")
+    state.mark_running("b2", "slice-0")
+    assert state.running_on("slice-0") == ["b0", "b2"] and state.running_on("slice-1") == ["b1"]
+    assert state.next_due(0.0, wait) is None and state.attempts("b0") == 1 and state.records["b0"].attempts == 4
+    failed_at = state.mark_failed("b0", "boom", final=False).finished_at
+    assert state.running_on("slice-0") == ["b2"] and state.counts["pending"] == 1
+    assert state.next_due(failed_at + 9.9, wait) is None and state.next_due(failed_at + 10.0, wait) == "b0"
+    state.mark_failed("b1", "boom", final=False)
+    assert [state.next_due(failed_at + 1e6, wait)] == ["b0"]  # b1 waits behind b0, which failed first
+    state.mark_done("b2", BatchStats(1, 1, 0.1, 1, 1.0, 1), "slice-0")
+    assert state.running_on("slice-0") == [] and state.counts["running"] == 0

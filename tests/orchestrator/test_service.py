@@ -176,6 +176,8 @@ def test_bad_input_answers_4xx_naming_the_problem(service, run_model, tmp_path):
     assert r.status_code == 400 and r.json()["detail"].startswith("model.path '/no/such/model' does not exist")
     r = submit(url, {**good, "cluster": {"num_slices": 0}})
     assert r.status_code == 400 and "num_slices" in r.json()["detail"]
+    r = submit(url, {**good, "cluster": {"num_slices": 1, "devices_per_host": 3, "mesh": {"model": 3}}})
+    assert r.status_code == 400 and r.json()["detail"].startswith("cluster.mesh.model=3: "), r.text  # the model's heads
     for raw in (b"[1, 2]", b"just text", b"\xff\xfe\x00", b"{", b"[" * 5000, b"a: &a [*a]", b"",
                 b'{"name": "x\\ud800", "\\udb67": 1}'):  # lone surrogates: echoed back as valid UTF-8
         r = requests.post(f"{url}/runs", data=raw, headers=AUTH, timeout=30)

@@ -111,3 +111,25 @@ def test_the_heads_budget_scales_with_the_engines_of_a_slice(mqa_model):
     assert hosts.samples_in_flight_per_slice == 64
     explicit = cfg(mqa_model, "--cluster.mesh={data: 4, model: 1}", "--cluster.samples_in_flight_per_slice=10")
     assert explicit.samples_in_flight_per_slice == 10
+
+
+def test_the_service_refuses_a_mesh_the_model_cannot_use_at_submit(run_model, tmp_path, monkeypatch):
+    """POST /runs runs the head's own validation (slice_layout.validate, the same code as `pagefleet run`): a mesh
+    that fits the devices but not the model's heads is a ConfigError (HTTP 400) naming the key, and no run starts.
+    (It passed the service's mesh-vs-devices check and failed later in the run's background thread.)"""
+    from pathlib import Path
+
+    from orchestrator.config import ConfigError
+    from orchestrator.service_paths import DataPolicy
+    from orchestrator.service_runs import RunRegistry
+
+    monkeypatch.setattr(RunRegistry, "_execute", lambda self, name: pytest.fail("a run started"))
+    corpus = write_run_corpus(tmp_path / "corpus.jsonl", 4)
+    registry = RunRegistry(tmp_path / "runs", DataPolicy.build([str(tmp_path), str(Path(run_model).parent)], [],
+                                                               str(tmp_path)))
+    cfg = load_run_config(None, run_args(run_model, corpus, tmp_path / "runs" / "test", "--cluster.num_slices=1",
+                                         "--cluster.devices_per_host=3", "--cluster.mesh={model: 3}"))
+    with pytest.raises(ConfigError) as e:
+        registry.submit(cfg)
+    assert str(e.value).startswith("cluster.mesh.model=3: ") and "\n" not in str(e.value), str(e.value)
+    assert registry.names() == [] and not (tmp_path / "runs" / "test").exists()
