@@ -27,6 +27,8 @@ _LAZY = {
     "traces": "engine.trace",
     "initialize_distributed": ("engine.distributed", "initialize"),
     "slice_mesh": "engine.distributed",
+    "HostsDisagree": "engine.distributed",
+    "hosts_agree": ("engine.distributed", "agree"),
     "backend_is_cpu_only": "engine.kernel_build",
     "start_kernel_build": ("engine.kernel_build", "start"),
     "size_for_machine": "engine.machine_sizing",

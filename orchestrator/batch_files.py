@@ -52,10 +52,10 @@ def on_hosts(loaded, path: str, batch_id: str, spmd: bool):
     (Engine)."""
     error = loaded if isinstance(loaded, BatchFileError) else None
     if spmd:
-        from engine.distributed import HostsDisagree, agree
+        from engine import HostsDisagree, hosts_agree
 
         try:
-            agree({"batch_file": f"{batch_id}: {'unreadable' if error else 'read'}"})
+            hosts_agree({"batch_file": f"{batch_id}: {'unreadable' if error else 'read'}"})
         except HostsDisagree as e:
             raise BatchFileError(f"{path}: {e}", deterministic=False) from None
     if error is not None:
