@@ -123,9 +123,9 @@ def main() -> int:
     import ray
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    logging.getLogger("orchestrator.planner").setLevel(logging.INFO)  # phase timings
+    logging.getLogger("orchestrator.plan.planner").setLevel(logging.INFO)  # phase timings
     from orchestrator.config import load_run_config
-    from orchestrator.planner import plan
+    from orchestrator.plan.planner import plan
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)

@@ -6,7 +6,7 @@ abstract device names the TPU generation, and lowered with `lowering_platforms=(
 the Pallas ragged paged attention kernel (through Mosaic), and the sampler, at every shape bucket the
 runner pads steps to. Lowering is what fails for a shape the kernel or a sharding cannot take; XLA's
 TPU compile (which needs the chip) is not run, so memory comes from estimates (`engine.pallas_blocks`
-for VMEM, `orchestrator/size.py` for HBM).
+for VMEM, `orchestrator/plan/size.py` for HBM).
 
 The runner's programs and bucket rules are read in one place, `_runner_programs`, so a change of the
 runner's interface changes this function only.

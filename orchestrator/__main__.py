@@ -1,3 +1,3 @@
-from orchestrator.cli import entry
+from orchestrator.commands.cli import entry
 
 raise SystemExit(entry())

@@ -18,12 +18,12 @@ from typing import Any
 import draccus
 
 from engine import EngineConfig, SamplingConfig
-from orchestrator.cluster import ClusterConfig
-from orchestrator.corpus import CorpusConfig
-from orchestrator.model_source import ModelSourceConfig
-from orchestrator.packing import PackingConfig
-from orchestrator.retry import RetryConfig
-from orchestrator.tracking import TrackerConfig
+from orchestrator.slices.cluster import ClusterConfig
+from orchestrator.plan.corpus import CorpusConfig
+from orchestrator.plan.model_source import ModelSourceConfig
+from orchestrator.plan.packing import PackingConfig
+from orchestrator.run.retry import RetryConfig
+from orchestrator.observe.tracking import TrackerConfig
 
 # Engine keys a plan is tied to: which prompts fit the context, and the KV page accounting.
 PLAN_ENGINE_KEYS = ("page_size", "max_seq_len")
@@ -77,7 +77,7 @@ class RunConfig:
     def samples_in_flight_per_slice(self) -> int:
         """Unfinished samples the head keeps at each slice (cluster.samples_in_flight_per_slice, else twice the
         slots of its engines: the next batches wait in the engines' queues when slots free up)."""
-        from orchestrator.cluster import engines_per_slice
+        from orchestrator.slices.cluster import engines_per_slice
 
         engines = engines_per_slice(self.cluster.mesh, self.cluster.hosts_per_slice)
         return self.cluster.samples_in_flight_per_slice or 2 * self.engine.max_seqs * engines

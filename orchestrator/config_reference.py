@@ -107,7 +107,7 @@ def _cell(text: str) -> str:
 def markdown() -> str:
     """docs/config.md: the run config's keys, then `pagefleet generate`'s own."""
     from orchestrator.config import RunConfig
-    from orchestrator.generate import GenerateConfig
+    from orchestrator.commands.generate import GenerateConfig
 
     lines = [
         "# Configuration keys",

@@ -27,14 +27,14 @@ __all__ = ["Engine", "EngineConfig", "RunConfig", "SamplingConfig", "generate", 
 if TYPE_CHECKING:
     from engine import Engine, EngineConfig, SamplingConfig
     from orchestrator.config import RunConfig
-    from orchestrator.model_source import resolve_model
+    from orchestrator.plan.model_source import resolve_model
     from pagefleet.api import generate, load_config, run
 
 _LAZY = {"Engine": ("engine", "Engine"), "EngineConfig": ("engine", "EngineConfig"),
          "SamplingConfig": ("engine", "SamplingConfig"), "RunConfig": ("orchestrator.config", "RunConfig"),
          "generate": ("pagefleet.api", "generate"),
          "load_config": ("pagefleet.api", "load_config"), "run": ("pagefleet.api", "run"),
-         "resolve_model": ("orchestrator.model_source", "resolve_model")}
+         "resolve_model": ("orchestrator.plan.model_source", "resolve_model")}
 
 
 def __getattr__(name: str) -> Any:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from engine import Engine
     from orchestrator.config import RunConfig
-    from orchestrator.driver import RunOutcome
+    from orchestrator.run.driver import RunOutcome
 
 Prompt = str | Sequence[Mapping[str, str]] | Sequence[int] | Mapping[str, Any]
 """A text prompt, a chat (a list of {role, content}), prompt token ids, or a row as `pagefleet generate` reads
@@ -47,8 +47,8 @@ def generate(model: str | Engine, prompts: Sequence[Prompt], *, engine: Mapping[
     A prompt that cannot run gives records with `error` set (as `pagefleet generate` writes them); a bad
     key raises ValueError naming it."""
     from engine import Engine, EngineConfig, SamplingConfig
-    from orchestrator.generate import parse_lines, sample_records, sized_engine
-    from orchestrator.model_source import resolve_model
+    from orchestrator.commands.generate import parse_lines, sample_records, sized_engine
+    from orchestrator.plan.model_source import resolve_model
 
     if isinstance(prompts, (str, bytes)):
         raise TypeError("prompts is a list of prompts; wrap a single prompt in a list")
@@ -134,6 +134,6 @@ def run(config: str | Path | RunConfig | Mapping[str, Any], *, progress: bool = 
     cluster in RAY_ADDRESS, else a local one started in this process); resumes a stopped run. Returns the
     outcome: `exit_code` (orchestrator/exit_codes.py) and `summary` (the figures `pagefleet run` prints).
     `config` and `overrides` as for `load_config`."""
-    from orchestrator.driver import Driver
+    from orchestrator.run.driver import Driver
 
     return Driver(load_config(config, **overrides), show_progress=progress).run()

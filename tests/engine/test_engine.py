@@ -1,7 +1,7 @@
 """The engine loop: batch invariance, n samples sharing pages, stop strings, reset and cleanup, errors.
 
 Greedy equality with transformers under continuous admission and preemption is tested through
-`pagefleet generate` (tests/orchestrator/test_generate.py), as users run it."""
+`pagefleet generate` (tests/orchestrator/commands/test_generate.py), as users run it."""
 
 from __future__ import annotations
 

@@ -106,7 +106,7 @@ def test_text_decoder_decodes_as_the_tokenizer_does(preset, tmp_path):
 
 _WITHOUT_TORCH = r"""
 import json, sys
-from orchestrator.cli import hide_torch
+from orchestrator.commands.cli import hide_torch
 assert hide_torch()
 from engine.tokenizer_cache import load_tokenizer
 from tests.engine.test_tokenizer_cache import behaviour

@@ -179,7 +179,7 @@ def test_the_transfers_trace_logs_each_device_call_and_nothing_else(tiny_llama, 
 
 
 def test_an_unknown_trace_is_refused_in_one_line_naming_the_valid_ones(tiny_llama, monkeypatch, capsys):
-    from orchestrator.cli import main
+    from orchestrator.commands.cli import main
     from orchestrator.exit_codes import FAULT
 
     assert traces({"PAGEFLEET_TRACE": " transfers, "}) == {"transfers"} and traces({}) == frozenset()

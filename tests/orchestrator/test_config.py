@@ -79,7 +79,7 @@ def test_the_model_dtypes_are_the_engines():
     import typing
 
     from engine import DTYPES
-    from orchestrator.model_source import ModelSourceConfig
+    from orchestrator.plan.model_source import ModelSourceConfig
 
     assert typing.get_args(typing.get_type_hints(ModelSourceConfig)["dtype"]) == DTYPES
     with pytest.raises(ConfigError, match="model.dtype"):

@@ -9,7 +9,7 @@ import pytest
 import pagefleet
 from engine.presets import write_model
 from orchestrator.config import ConfigError, RunConfig
-from orchestrator.generate import main as generate_main
+from orchestrator.commands.generate import main as generate_main
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,7 @@ def model_dir(tmp_path_factory):
 
 def test_generate_returns_the_records_pagefleet_generate_writes(tmp_path, model_dir, monkeypatch):
     """Through a Hub id in a local Hub cache (offline) for the API, the directory for the command."""
-    from tests.orchestrator.test_model_source import hub_cache
+    from tests.orchestrator.plan.test_model_source import hub_cache
 
     hub_cache(tmp_path / "hub", "org/tiny", model_dir)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))

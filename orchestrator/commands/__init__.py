@@ -1,0 +1,1 @@
+"""The command line (`pagefleet ...`) and the commands that are not a run."""

@@ -1,0 +1,95 @@
+"""Resuming a run with other capacities (engine.max_seqs, max_pages, max_seqs_in_prefill, max_prefill_size,
+packing.*): samples do not depend on them, so the plan stays; pending batches that no longer fit are re-packed.
+
+Done batches keep their ids and outputs. When any pending batch exceeds the new budgets, every pending
+prompt is packed afresh into new batches, named `<old-style id>-r<g>` for the g-th re-pack, so that no new
+id can meet an output written for an old one. Crash safety, in write order: the new batch files (not yet
+referenced), then the manifest (atomic: old pending batches out, new ones in), then run.json's capacities,
+then the old batch files are deleted. A crash before the manifest leaves the old plan (the next start
+re-packs again, to the same ids); after it, the new batches fit and only run.json is brought up to date.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from engine import SamplingConfig
+from orchestrator.storage import parquet_io
+from orchestrator.storage.atomic import atomic_write_parquet
+from orchestrator.config import RunConfig, diff_keys
+from orchestrator.run.manifest import BatchRecord, batch_id
+from orchestrator.plan.packing import PackingLimits, pack
+from orchestrator.plan.row_sampling import max_new_tokens
+from orchestrator.run.run_state import RunState
+from orchestrator.run.rundir import PlanMismatch, RunDir
+
+_GENERATION = re.compile(r"-r(\d+)$")
+
+
+def planned_capacities(info: dict) -> dict:
+    """The capacities a run.json's batches were packed for (older plans kept them in `sample_affecting`)."""
+    if "capacities" in info:
+        return info["capacities"]
+    old = info["sample_affecting"]
+    engine = {k: old.get("engine", {}).get(k) for k in ("max_pages", "max_seqs", "max_seqs_in_prefill",
+                                                         "max_prefill_size")}
+    return {"engine": engine, "packing": old.get("packing", {})}
+
+
+def retune(run_dir: RunDir, state: RunState, cfg: RunConfig) -> None:
+    """Bring a recovered run to `cfg`'s capacities; raises PlanMismatch when a pending prompt cannot fit them."""
+    info = run_dir.read_run_json()
+    changes = diff_keys(planned_capacities(info), cfg.capacities())
+    if not changes:
+        return
+    limits = PackingLimits.resolve(cfg.packing, cfg.engine, cfg.sampling)
+    pending = state.with_status("pending")
+    tables = {r.batch_id: parquet_io.read_parquet(run_dir.batch_file(r.batch_id)) for r in pending}
+    lengths = {b: np.array([len(t) for t in table.column("token_ids").to_pylist()], dtype=np.int64)
+               for b, table in tables.items()}
+    new_tokens = {b: max_new_tokens(table, cfg.sampling) for b, table in tables.items()}
+    for b, table in tables.items():
+        for pid, n, new in zip(table.column("prompt_id").to_pylist(), lengths[b].tolist(), new_tokens[b].tolist()):
+            if (why := limits.why_unfit(n, new)) is not None:
+                raise PlanMismatch(f"run directory {run_dir.root}: pending prompt {pid!r} no longer fits a batch with "
+                                   f"{', '.join(changes)}: it {why}; resume with capacities that hold it, or start "
+                                   "a new run with --name=NAME")
+    misfits = [b for b in tables if not _fits(lengths[b], new_tokens[b], limits)]
+    what = "; ".join(changes)
+    if misfits:
+        _repack(run_dir, state, tables, limits, cfg.sampling, what, len(misfits))
+    else:
+        state.event(f"capacities changed ({what}); the {len(pending)} pending batches fit them as they are")
+    info["capacities"] = cfg.capacities()
+    run_dir.write_run_json(info)
+    if misfits:
+        for b in tables:  # the old pending batches: no longer referenced by the manifest
+            run_dir.batch_file(b).unlink(missing_ok=True)
+
+
+def _fits(lengths: np.ndarray, new_tokens: np.ndarray, limits: PackingLimits) -> bool:
+    return (int(limits.page_need(lengths, new_tokens).sum()) <= limits.max_pages and int(lengths.sum()) <= limits.max_prompt_tokens
+            and len(lengths) * limits.n <= limits.max_seqs and len(lengths) <= limits.max_prompts)
+
+
+def _repack(run_dir: RunDir, state: RunState, tables: dict[str, pa.Table], limits: PackingLimits,
+            sampling: SamplingConfig, what: str, num_misfits: int) -> None:
+    prompts = pa.concat_tables(tables.values()).sort_by("row")  # corpus order: the packing's tie-break
+    token_counts = np.array([len(t) for t in prompts.column("token_ids").to_pylist()], dtype=np.int64)
+    packing = pack(token_counts, limits, max_new_tokens=max_new_tokens(prompts, sampling))
+    generation = 1 + max((int(m.group(1)) for b in state.records if (m := _GENERATION.search(b))), default=0)
+    records = []
+    for b in range(packing.num_batches):
+        new_id = f"{batch_id(b, packing.num_batches)}-r{generation}"
+        atomic_write_parquet(run_dir.batch_file(new_id), prompts.take(pa.array(packing.batch(b))))
+        records.append(BatchRecord(new_id, num_prompts=int(packing.offsets[b + 1] - packing.offsets[b]),
+                                   num_prompt_tokens=int(packing.num_prompt_tokens[b]),
+                                   num_pages=int(packing.num_pages[b])))
+    state.replace_pending(records)
+    state.event(f"capacities changed ({what}): {num_misfits} of {len(tables)} pending batches no longer fit, so "
+                f"their {prompts.num_rows} prompts were re-packed into {len(records)} batches (re-pack {generation})")
+    state.flush(force=True)

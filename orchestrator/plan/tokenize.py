@@ -1,0 +1,161 @@
+"""Tokenizing the corpus: a Ray Data stage that reads shards and turns rows into token ids.
+
+Raw prompts (`corpus.text_field`) are encoded as the tokenizer does by default (its own special
+tokens, e.g. BOS). Chats (`corpus.messages_field`) are rendered with the tokenizer's chat template
+(`apply_chat_template(messages, tokenize=False, add_generation_prompt=True)`) and the rendered text
+is encoded with `add_special_tokens=False`, since the template writes its own special tokens; a chat row
+is rejected (`no_chat_template`) when the tokenizer has no template or its template refuses the row. A token
+id the model has no embedding for (a tokenizer larger than the model's `vocab_size`) rejects its row
+(`out_of_vocabulary`). Every row comes out, accepted or with a rejection reason; none is dropped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import asdict
+
+import numpy as np
+import pyarrow as pa
+
+from engine import SamplingConfig, length_error
+from engine import stop_ids_error
+from orchestrator.plan.corpus import (CorpusConfig, Prompt, RawRow, Rejection, Shard, extract_prompt, passthrough,
+                                 read_rows, row_id)
+from orchestrator.plan.model_source import ModelSourceConfig, load_tokenizer
+from orchestrator.plan.packing import PackingLimits, leading_page_keys
+from orchestrator.plan.prompt_checks import out_of_vocabulary, render_chat
+from orchestrator.plan.row_sampling import apply, overrides_json, row_overrides
+
+# Rejection reasons (rejected.jsonl `reason`).
+REASONS = ("malformed_row", "undecodable", "missing_field", "wrong_type", "empty_prompt", "no_chat_template",
+           "out_of_vocabulary", "too_long", "exceeds_budget", "duplicate_id", "reserved_column",
+           "bad_sampling")
+
+SCHEMA = pa.schema([
+    ("row", pa.int64()),  # row number in corpus order
+    ("prompt_id", pa.string()),  # null when the row was rejected before an id was read
+    ("num_tokens", pa.int32()),  # 0 when rejected before tokenizing
+    ("token_ids", pa.list_(pa.int32())),
+    ("reason", pa.string()),  # null when accepted
+    ("detail", pa.string()),
+    ("file_index", pa.int32()),  # the row's file, as a position in the sorted corpus file list
+    ("line", pa.int64()),  # 1-based line of a JSON-lines file, else null
+    ("page_keys", pa.list_(pa.uint64())),  # packing.leading_page_keys of an accepted prompt, else empty
+    ("passthrough", pa.string()),  # corpus.passthrough of an accepted prompt (SampleRecord.passthrough), else null
+    ("sampling", pa.string()),  # row_sampling.overrides_json of an accepted prompt's own settings, else null
+    ("max_new_tokens", pa.int32()),  # the prompt's max_new_tokens (its own, else the run's)
+])
+
+
+def batch_encode(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    """`tokenizer(texts)["input_ids"]`, straight from the Rust backend when there is one (same ids,
+    without building Python encodings; tests check the two agree)."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if getattr(tokenizer, "is_fast", False) and backend is not None:
+        return [e.ids for e in backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
+    return tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
+
+
+def shard_item(shard: Shard) -> dict[str, str]:
+    return {"shard": json.dumps(asdict(shard))}
+
+
+class PromptTokenizer:
+    """Ray Data stage (`map_batches`, one shard per call); the tokenizer is built once per worker."""
+
+    def __init__(self, model: ModelSourceConfig, corpus: CorpusConfig, limits: PackingLimits, max_seq_len: int,
+                 vocab_size: int | None = None, sampling: SamplingConfig | None = None):
+        self.tokenizer = load_tokenizer(model)
+        self.tokenizer_path = model.tokenizer_path
+        self.corpus, self.limits, self.max_seq_len, self.vocab_size = corpus, limits, max_seq_len, vocab_size
+        self.sampling = sampling or SamplingConfig(max_new_tokens=limits.max_new_tokens, n=limits.n)
+
+    def render(self, messages: list[dict]) -> str | Rejection:
+        """A chat as the tokenizer's chat template renders it, or why it cannot be."""
+        return render_chat(self.tokenizer, messages, self.tokenizer_path, self.corpus.messages_field)
+
+    def encode(self, prompts: list[Prompt]) -> list[list[int] | Rejection]:
+        """Token ids of each prompt (text as is, chats through the chat template), or why a chat cannot be rendered."""
+        ids: list[list[int] | Rejection | None] = [None] * len(prompts)
+        texts = [(i, p.text) for i, p in enumerate(prompts) if p.text is not None]
+        chats = []
+        for i, p in enumerate(prompts):
+            if p.messages is not None:
+                rendered = self.render(p.messages)
+                if isinstance(rendered, Rejection):
+                    ids[i] = rendered
+                else:
+                    chats.append((i, rendered))
+        for group, special in ((texts, True), (chats, False)):
+            if group:
+                for (i, _), tokens in zip(group, batch_encode(self.tokenizer, [t for _, t in group], special)):
+                    ids[i] = tokens
+        return ids  # type: ignore[return-value]
+
+    def check(self, tokens: list[int], overrides: dict | None = None) -> tuple[str, str] | None:
+        """Why a tokenized prompt cannot run with its row's sampling `overrides` (row_sampling), or None."""
+        new = (overrides or {}).get("max_new_tokens", self.limits.max_new_tokens)
+        if (why := out_of_vocabulary(tokens, self.vocab_size)) is not None:
+            return "out_of_vocabulary", why
+        if (problem := length_error(len(tokens), new, self.max_seq_len)) is not None:
+            return problem
+        if (why := self.limits.why_unfit(len(tokens), new)) is not None:
+            return "exceeds_budget", f"prompt {why}"
+        if (why := stop_ids_error(apply(self.sampling, overrides).stop_token_ids, self.vocab_size)) is not None:
+            return "out_of_vocabulary", why
+        return None
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> pa.Table:
+        tables = [self.tokenize_shard(Shard(**json.loads(s))) for s in batch["shard"]]
+        return pa.concat_tables(tables) if tables else SCHEMA.empty_table()
+
+    def known_id(self, raw: RawRow) -> str | None:
+        """A rejected row's own id where it has a valid one (so rejected.jsonl names it), else None."""
+        if not isinstance(raw.record, dict):
+            return None
+        pid = row_id(raw.record, self.corpus.id_field, None)
+        return pid if isinstance(pid, str) else None
+
+    def tokenize_shard(self, shard: Shard) -> pa.Table:
+        raw_rows = list(read_rows(shard))
+        parsed = [extract_prompt(raw, self.corpus) for raw in raw_rows]
+        kept_columns = [passthrough(raw.record, self.corpus.id_field) if isinstance(p, Prompt) else None
+                        for raw, p in zip(raw_rows, parsed)]
+        parsed = [k if isinstance(k, Rejection) else p for p, k in zip(parsed, kept_columns)]
+        field = self.corpus.sampling_field
+        overrides = [row_overrides(raw.record.get(field), self.sampling, field) if isinstance(p, Prompt) and field
+                     else {} for raw, p in zip(raw_rows, parsed)]
+        parsed = [o if isinstance(o, Rejection) else p for p, o in zip(parsed, overrides)]
+        overrides = [o if isinstance(o, dict) else {} for o in overrides]
+        ok = [i for i, p in enumerate(parsed) if isinstance(p, Prompt)]
+        encoded = dict(zip(ok, self.encode([parsed[i] for i in ok])))
+        prompt_ids, reasons, details, lengths, kept = [], [], [], [], []
+        for i, p in enumerate(parsed):
+            tokens = encoded.get(i)
+            prompt_ids.append(p.prompt_id if isinstance(p, Prompt) else self.known_id(raw_rows[i]))
+            if isinstance(tokens, Rejection):  # a chat that cannot be rendered: its id is known
+                p, tokens = tokens, None
+            problem = (p.reason, p.detail) if not isinstance(p, Prompt) else self.check(tokens, overrides[i])
+            reasons.append(problem[0] if problem else None)
+            details.append(problem[1] if problem else None)
+            lengths.append(len(tokens) if tokens is not None else 0)
+            kept.append(tokens if tokens is not None and problem is None else ())
+        sizes = np.fromiter((len(t) for t in kept), dtype=np.int64, count=len(kept))
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+        values = np.fromiter(itertools.chain.from_iterable(kept), dtype=np.int32, count=int(sizes.sum()))
+        return pa.Table.from_arrays([
+            pa.array([r.row for r in raw_rows], pa.int64()),
+            pa.array(prompt_ids, pa.string()),
+            pa.array(lengths, pa.int32()),
+            pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, pa.int32())),
+            pa.array(reasons, pa.string()),
+            pa.array(details, pa.string()),
+            pa.array(np.full(len(raw_rows), shard.file_index, dtype=np.int32)),  # an index keeps summaries small
+            pa.array([r.line for r in raw_rows], pa.int64()),
+            pa.array([leading_page_keys(np.asarray(t, dtype=np.int64), self.limits.page_size) for t in kept],
+                     pa.list_(pa.uint64())),
+            pa.array([k if r is None else None for k, r in zip(kept_columns, reasons)], pa.string()),
+            pa.array([overrides_json(o) if r is None else None for o, r in zip(overrides, reasons)], pa.string()),
+            pa.array([o.get("max_new_tokens", self.limits.max_new_tokens) for o in overrides], pa.int32()),
+        ], schema=SCHEMA)

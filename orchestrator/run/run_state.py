@@ -1,0 +1,241 @@
+"""The head's copy of `batches.jsonl`: the only writer of the manifest and of events.log, and the only owner of
+which batches are pending (in the order they are taken), which run where, and how often each was tried.
+
+State changes happen in memory and reach disk through `flush`, which replaces the manifest
+atomically. The durable truth of "done" is the output file: outputs/<id>.parquet is written
+(atomically) before its batch is marked done, and on start an output whose batch is not yet marked
+done is adopted rather than recomputed. So a crash between the two writes loses nothing, and
+`flush` may batch several changes into one write (`flush_interval_s`) without weakening that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from orchestrator.storage import object_append, parquet_io
+from orchestrator.storage.atomic import remove_stale_temporaries
+from orchestrator.run.faults import crash_point
+from orchestrator.run.manifest import BatchRecord, read_manifest_generation, write_manifest
+from orchestrator.plan.output_plan import belongs
+from orchestrator.run.results import BatchStats, stats_of
+from orchestrator.run.rundir import RunDir
+
+
+class RunState:
+    def __init__(self, run_dir: RunDir, records: list[BatchRecord], flush_interval_s: float = 1.0,
+                 manifest_generation: int | None = None) -> None:
+        self.run_dir = run_dir
+        self.manifest_generation = manifest_generation
+        """On an object store: the manifest's generation this head last read or wrote (its writes are conditioned
+        on it, so a head that lost the run fails instead of overwriting); None locally."""
+        self.records: dict[str, BatchRecord] = {r.batch_id: r for r in records}
+        self.flush_interval_s = flush_interval_s
+        self.counts: Counter[str] = Counter(r.status for r in records)
+        """Batches per status, kept up to date by `update` (the head's loop reads it, never scans)."""
+        self.prompts_not_done = sum(r.num_prompts for r in records if r.status != "done")
+        self._pending: dict[str, None] = {}  # pending batch ids in the order they are taken (an ordered set)
+        self._running: dict[str, dict[str, None]] = {}  # slice -> the batches running there, in dispatch order
+        self._attempts_before: dict[str, int] = {}  # attempts made before this head started (RunState.attempts)
+        for r in records:
+            self._index(r)
+        self._dirty = False
+        self._next_flush = 0.0
+        self._events = object_append.open_append(run_dir.events)  # local file, or rewritten whole on gs://
+
+    # -- start-up --------------------------------------------------------------------------------
+
+    @classmethod
+    def recover(cls, run_dir: RunDir, samples_per_prompt: int, plan: str, flush_interval_s: float = 1.0) -> RunState:
+        """Load the manifest and repair what a crashed or stopped head left behind.
+
+        `running` goes back to `pending`; an output written before the crash is adopted (its batch
+        becomes `done`, nothing is recomputed) when it holds every sample and was computed for this
+        plan (fingerprint `plan`) and this batch's prompts (output_plan.belongs), else it is removed and
+        recomputed; a `done` batch whose output is missing, truncated or unreadable (its parquet footer is
+        read, one small read a batch) is redone; `failed` batches become `pending` again, since a new run
+        retries them.
+        """
+        removed = sum(remove_stale_temporaries(d) for d in (run_dir.root, run_dir.outputs))
+        run_dir.outputs.mkdir(exist_ok=True)
+        records, generation = read_manifest_generation(run_dir.manifest)
+        state = cls(run_dir, records, flush_interval_s, manifest_generation=generation)
+        if removed:
+            state.event(f"removed {removed} unfinished temporary files left by a crash")
+        for r in list(state.records.values()):
+            output = run_dir.outputs / f"{r.batch_id}.parquet"
+            if r.status == "done":
+                if not output.exists():
+                    state.update(r.batch_id, status="pending", output=None)
+                    state.event(f"{r.batch_id} was done but {output.name} is missing; it will be recomputed")
+                elif _complete(output, r.num_prompts * samples_per_prompt)[0] is None:
+                    # Written atomically, so only something outside pagefleet cut or damaged it (a copy, a disk).
+                    output.unlink()
+                    state.update(r.batch_id, status="pending", output=None)
+                    state.event(f"{r.batch_id} was done but {output} is corrupt or truncated; removed it, and the "
+                                "batch will be recomputed")
+                continue
+            if output.exists() and not run_dir.batch_file(r.batch_id).exists():
+                state.event(f"{r.batch_id}: kept {output.name} but did not adopt it: its batch file is missing, so "
+                            "nothing shows it holds this batch's prompts")
+            elif output.exists():
+                stats, why = _adoptable(output, samples_per_prompt, r.num_prompts, plan, run_dir.batch_file(r.batch_id))
+                if stats is not None:
+                    state.mark_done(r.batch_id, stats, slice=r.slice, adopted=True)
+                    continue
+                output.unlink()
+                state.event(f"{r.batch_id}: removed {output.name}, which does not hold the batch's samples ({why})")
+            if r.status == "running":
+                state.update(r.batch_id, status="pending")
+                state.event(f"{r.batch_id} was running when the previous head stopped; back to pending")
+            elif r.status == "failed":
+                state.update(r.batch_id, status="pending")
+                state.event(f"{r.batch_id} failed in a previous run ({r.attempts} attempts); retrying")
+        state._pending = {r.batch_id: None for r in state.records.values() if r.status == "pending"}  # plan order
+        state.flush(force=True)
+        return state
+
+    # -- changes ---------------------------------------------------------------------------------
+
+    def update(self, batch_id: str, **changes) -> BatchRecord:
+        old = self.records[batch_id]
+        record = dataclasses.replace(old, **changes)
+        self.records[batch_id] = record
+        if (record.status, record.slice) != (old.status, old.slice):
+            self._unindex(old)
+            self._index(record)
+        if record.status != old.status:
+            self.counts[old.status] -= 1
+            self.counts[record.status] += 1
+            self.prompts_not_done += old.num_prompts * ((record.status != "done") - (old.status != "done"))
+        self._dirty = True
+        return record
+
+    def mark_running(self, batch_id: str, slice: str) -> BatchRecord:
+        r = self.records[batch_id]
+        record = self.update(batch_id, status="running", slice=slice, attempts=r.attempts + 1,
+                             started_at=time.time(), finished_at=None)
+        self.event(f"{batch_id} running on {slice} (attempt {record.attempts})")
+        return record
+
+    def mark_done(self, batch_id: str, stats: BatchStats, slice: str | None, adopted: bool = False) -> BatchRecord:
+        record = self.update(batch_id, status="done", error=None, slice=slice, finished_at=time.time(),
+                             output=f"outputs/{batch_id}.parquet", num_samples=stats.num_samples,
+                             num_output_tokens=stats.num_output_tokens, duration_s=round(stats.duration_s, 3),
+                             occupancy=round(stats.occupancy, 4))
+        how = "adopted the output written before the previous head stopped" if adopted else \
+            f"{stats.num_samples} samples, {stats.num_output_tokens} tokens in {stats.duration_s:.1f} s"
+        self.event(f"{batch_id} done: {how}")
+        return record
+
+    def mark_failed(self, batch_id: str, error: str, final: bool) -> BatchRecord:
+        record = self.update(batch_id, status="failed" if final else "pending", error=error, finished_at=time.time())
+        first_line = error.strip().splitlines()[-1] if error.strip() else "unknown error"
+        self.event(f"{batch_id} attempt {record.attempts} failed ({first_line})"
+                   + ("; no attempts left, marked failed" if final else "; will retry"))
+        return record
+
+    def replace_pending(self, records: list[BatchRecord]) -> None:
+        """Drop every pending batch and add `records` (pending) in their place: a re-pack (see retune)."""
+        for r in [r for r in self.records.values() if r.status == "pending"]:
+            self._unindex(r)
+            del self.records[r.batch_id]
+            self.counts["pending"] -= 1
+            self.prompts_not_done -= r.num_prompts
+        for r in records:
+            self.records[r.batch_id] = r
+            self._attempts_before.pop(r.batch_id, None)
+            self._index(r)
+            self.counts[r.status] += 1
+            self.prompts_not_done += r.num_prompts * (r.status != "done")
+        self._dirty = True
+
+    def event(self, text: str) -> None:
+        self._events.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} {text}\n")
+        self._events.flush()
+
+    def flush(self, force: bool = False) -> None:
+        """Replace batches.jsonl if anything changed.
+
+        Unless forced, at most every flush_interval_s, and never more than a tenth of the time: a manifest
+        of a million batches takes a while to write, and the head's loop must not spend itself on it.
+        """
+        if not self._dirty or (not force and time.monotonic() < self._next_flush):
+            return
+        start = time.monotonic()
+        self.manifest_generation = write_manifest(self.run_dir.manifest, list(self.records.values()),
+                                                  before_replace=lambda: crash_point("manifest_tmp"),
+                                                  generation=self.manifest_generation)
+        crash_point("manifest_written")
+        self._dirty = False
+        now = time.monotonic()
+        self._next_flush = now + max(self.flush_interval_s, 9 * (now - start))
+
+    def close(self) -> None:
+        self.flush(force=True)
+        self._events.close()
+
+    # -- views -----------------------------------------------------------------------------------
+
+    def with_status(self, *statuses: str) -> list[BatchRecord]:
+        return [r for r in self.records.values() if r.status in statuses]
+
+    def attempts(self, batch_id: str) -> int:
+        """Attempts at the batch by this head (the manifest's `attempts` counts every head's)."""
+        return self.records[batch_id].attempts - self._attempts_before[batch_id]
+
+    def next_due(self, now: float, wait_s) -> str | None:
+        """The first pending batch whose retry backoff (`wait_s(attempts)` after its last failure) is over."""
+        for batch_id in self._pending:
+            tried = self.attempts(batch_id)
+            if not tried or self.records[batch_id].finished_at + wait_s(tried) <= now:
+                return batch_id
+        return None
+
+    def running_on(self, slice: str) -> list[str]:
+        """The batches running on `slice`, in the order they were sent there."""
+        return list(self._running.get(slice, ()))
+
+    def _index(self, r: BatchRecord) -> None:
+        self._attempts_before.setdefault(r.batch_id, r.attempts)
+        if r.status == "pending":
+            self._pending[r.batch_id] = None  # (re)joins at the end: a retried batch waits behind the others
+        elif r.status == "running":
+            self._running.setdefault(r.slice, {})[r.batch_id] = None
+
+    def _unindex(self, r: BatchRecord) -> None:
+        if r.status == "pending":
+            del self._pending[r.batch_id]
+        elif r.status == "running":
+            del self._running[r.slice][r.batch_id]
+
+
+def _complete(output: Path, expected_samples: int) -> tuple[pq.FileMetaData | None, BatchStats | None, str]:
+    """(footer, stats, '') of an output file that holds `expected_samples` samples, or (None, None, why not).
+
+    Reads the parquet footer only: one small read a batch, so a restart checks every done batch cheaply.
+    """
+    try:
+        meta = parquet_io.read_parquet_metadata(output)
+    except Exception as e:  # noqa: BLE001 - unreadable means not complete; it is recomputed
+        return None, None, f"unreadable: {type(e).__name__}"
+    stats = stats_of(meta.schema.to_arrow_schema())
+    if stats is None or meta.num_rows != expected_samples:
+        return None, None, f"{meta.num_rows} of {expected_samples} samples"
+    return meta, stats, ""
+
+
+def _adoptable(output: Path, n: int, num_prompts: int, plan: str, batch_file: Path) -> tuple[BatchStats | None, str]:
+    """(the stats of a complete output file of this plan's batch, '') or (None, why it is not one)."""
+    meta, stats, why = _complete(output, num_prompts * n)
+    if meta is None:
+        return None, why
+    try:
+        why = belongs(output, meta, plan, batch_file, n)
+    except Exception as e:  # noqa: BLE001 - unreadable means not adoptable; it is recomputed
+        return None, f"unreadable: {type(e).__name__}"
+    return (None, why) if why else (stats, "")

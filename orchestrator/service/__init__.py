@@ -1,0 +1,1 @@
+"""The authenticated HTTP service that plans, runs and exports on request."""

@@ -1,0 +1,1 @@
+"""Files local and gs://: paths, atomic writes, appends, object generations, Parquet."""

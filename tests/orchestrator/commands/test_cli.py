@@ -1,0 +1,67 @@
+from pathlib import Path
+
+import pytest
+
+from orchestrator.commands.cli import main
+
+DEMO = Path(__file__).resolve().parents[3] / "configs" / "demo.yaml"
+
+
+def test_plan_errors_name_the_fix(tiny_model, tmp_path, capsys):
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text("name: x\ncorpus: {path: nowhere.jsonl}\n")
+    assert main(["plan", str(yaml), "--corpus.bogus=1"]) == 2
+    assert "bogus" in capsys.readouterr().err
+    assert main(["plan", str(yaml)]) == 2
+    assert "--model.path" in capsys.readouterr().err
+    assert main(["plan", str(yaml), f"--model.path={tiny_model}"]) == 2
+    assert "corpus.path" in capsys.readouterr().err
+    assert main(["plan"]) == 2
+
+
+@pytest.mark.ray
+def test_plan_command_prints_the_capacity_report(tiny_model, tmp_path, capsys, ray_local):
+    (tmp_path / "c.jsonl").write_text('{"id": "a", "prompt": "hello world"}\n{"prompt": ""}\n')
+    args = ["plan", str(DEMO), f"--model.path={tiny_model}", f"--corpus.path={tmp_path}/c.jsonl",
+            f"--run_dir={tmp_path}/run"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    for text in ("rows read", "empty_prompt", "packing efficiency: 1 batches / lower bound 1 = 1.000", "prompt length"):
+        assert text in out
+    assert main(args) == 0 and "already planned" in capsys.readouterr().out
+
+
+def test_help_lists_commands_with_descriptions_and_version(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for command, words in [("run", "resumes a stopped run"), ("export", "corpus order"), ("generate", "no Ray"),
+                           ("status", "Progress"), ("size", "capacities")]:
+        assert any(line.split()[:1] == [command] and words in line for line in out.splitlines()), command
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip().startswith("pagefleet ")
+
+
+@pytest.mark.parametrize("command", ["run", "plan"])
+def test_run_and_plan_help_list_every_key(command, capsys):
+    from orchestrator.config import RunConfig
+    from orchestrator.config_reference import keys
+
+    assert main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: pagefleet {command} CONFIG.yaml")
+    for k in keys(RunConfig):
+        assert f"--{k.name} " in out, k.name
+    assert main([command]) == 2 and f"pagefleet {command} --help" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model.path=/no/such/model"], "pagefleet run: model.path '/no/such/model' does not exist"),
+    (["--sampling.max_new_tokens"], "pagefleet run: argument --sampling.max_new_tokens: expected one argument"),
+    (["--cluster.mesh=1"], "cluster.mesh must be a mapping, got an integer (1)"),  # strict types (config_types) speak first
+])
+def test_a_failed_start_is_one_line_and_leaves_no_run_directory(tmp_path, capsys, args, message):
+    run_dir = tmp_path / "runs" / "x"
+    assert main(["run", str(DEMO), f"--run_dir={run_dir}", "--tracker.type=noop", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not run_dir.exists()

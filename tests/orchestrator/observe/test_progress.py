@@ -1,0 +1,91 @@
+"""The head's progress on stderr: a bar on a terminal, plain lines elsewhere (files, `ray job logs`)."""
+
+import io
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator.run.manifest import BatchRecord
+from orchestrator.observe.progress import RunProgress
+from orchestrator.run.rundir import RunDir
+
+from ..conftest import write_run_corpus
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def records() -> list[BatchRecord]:
+    return [BatchRecord(f"b{i}", status="done" if i == 0 else "pending", num_prompts=10) for i in range(4)]
+
+
+def test_off_a_terminal_progress_is_plain_lines(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEFLEET_PROGRESS_EVERY_S", "0.1")
+    stream = io.StringIO()
+    progress = RunProgress(RunDir(tmp_path), records(), show=True, stream=stream)
+    progress.batch_done(BatchRecord("b1", status="done", num_prompts=10, num_output_tokens=100), 2, 0)
+    progress._next_line = 0.0  # due now
+    progress.waiting = "2 of 4 slices wait for resources"
+    progress.write(20)
+    progress.close()
+    out = stream.getvalue()
+    assert "\r" not in out
+    line = out.strip()
+    assert line.startswith("progress: 20/40 prompts (50.0%), batches 2/4 done, 0 failed")
+    assert line.endswith("; 2 of 4 slices wait for resources")
+
+
+def test_a_log_ends_with_where_the_run_stands(tmp_path):
+    """The last write of a session prints its line whenever it comes: a run shorter than the line interval (30 s
+    by default) still leaves one line in `ray job logs`, and a longer one ends at its final state."""
+    stream = io.StringIO()
+    progress = RunProgress(RunDir(tmp_path), records(), show=True, stream=stream)
+    progress.write(30)  # not due: no line
+    assert stream.getvalue() == ""
+    progress.write(0, force=True, running=False)
+    progress.close()
+    assert stream.getvalue().startswith("progress: 40/40 prompts (100.0%)"), stream.getvalue()
+
+
+def test_on_a_terminal_progress_is_a_bar_and_no_lines(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEFLEET_PROGRESS_EVERY_S", "0.1")
+    stream = Terminal()
+    progress = RunProgress(RunDir(tmp_path), records(), show=True, stream=stream)
+    progress._next_line = 0.0
+    progress.write(30)
+    progress.close()
+    assert "progress:" not in stream.getvalue() and "prompts" in stream.getvalue()
+
+
+@pytest.mark.ray
+def test_a_run_into_a_file_prints_progress_lines_and_the_slices_it_waits_for(run_model, tmp_path):
+    """`pagefleet run` with stderr in a file (as under `ray job submit`), PAGEFLEET_PROGRESS=1 as before: plain
+    lines, no carriage-return bars; four slices on a two-CPU Ray: it says two wait, and for what."""
+    from ..conftest import run_args
+
+    corpus = write_run_corpus(tmp_path / "corpus.jsonl", 16)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "RAY_AUTH_MODE": "disabled",
+           "PAGEFLEET_PROGRESS": "1", "PAGEFLEET_PROGRESS_EVERY_S": "2"}
+    env.pop("RAY_ADDRESS", None)
+    config = tmp_path / "run.yaml"
+    config.write_text("name: lines\n")
+    with open(tmp_path / "stderr.txt", "w") as err:
+        done = subprocess.run([sys.executable, "-m", "orchestrator", "run", str(config),
+                               *run_args(run_model, corpus, tmp_path / "run", "--cluster.num_slices=4")],
+                              env=env, stdout=subprocess.DEVNULL, stderr=err, timeout=800, cwd=tmp_path)
+    text = (tmp_path / "stderr.txt").read_text()
+    assert done.returncode == 0, text[-3000:]
+    assert "\r" not in text
+    assert sum(line.startswith("progress: ") for line in text.splitlines()) >= 2, text[-3000:]
+    # How many of the two that fit have started when a line is printed depends on the machine's speed.
+    assert re.search(r"2 of 4 slices wait for resources the cluster does not have \([0-2] started\): a slice needs "
+                     r"CPU 1, the cluster has CPU 2 in all", text), text[-3000:]
+    assert "slices wait for resources the cluster does not have" in (tmp_path / "run" / "events.log").read_text()

@@ -1,0 +1,86 @@
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from orchestrator.plan.corpus import (CorpusConfig, Prompt, Rejection, count_rows, extract_prompt, list_files, number_shards,
+                                 read_rows, split_shards)
+
+
+def rows_of(files, shard_bytes=10**9):
+    shards = split_shards(files, shard_bytes)
+    shards = number_shards(shards, [count_rows(s) for s in shards])
+    return [r for s in shards for r in read_rows(s)]
+
+
+def test_list_files_file_dir_glob(tmp_path):
+    (tmp_path / "sub").mkdir()
+    for name in ("b.jsonl", "a.parquet", "sub/c.json", "notes.txt"):
+        (tmp_path / name).write_text("")
+    assert list_files(str(tmp_path)) == [str(tmp_path / n) for n in ("a.parquet", "b.jsonl", "sub/c.json")]
+    assert list_files(str(tmp_path / "*.jsonl")) == [str(tmp_path / "b.jsonl")]
+    assert list_files(f"file://{tmp_path}/b.jsonl")[0].endswith("b.jsonl")
+    with pytest.raises(FileNotFoundError, match="corpus.path"):
+        list_files(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ValueError, match="unsupported"):
+        list_files(str(tmp_path / "notes.txt"))
+
+
+def test_shards_number_rows_and_lines_like_one_pass(tmp_path):
+    path = tmp_path / "c.jsonl"
+    lines = [json.dumps({"id": i, "prompt": "x" * (i % 13 + 1)}) for i in range(300)]
+    lines[10] = ""  # a blank line is not a row
+    path.write_text("\n".join(lines) + "\n")
+    whole = rows_of([str(path)])
+    pieces = rows_of([str(path)], shard_bytes=200)
+    assert len(split_shards([str(path)], 200)) > 10
+    assert [(r.row, r.line, r.record) for r in pieces] == [(r.row, r.line, r.record) for r in whole]
+    assert [r.row for r in whole] == list(range(299)) and whole[10].line == 12
+
+
+def test_json_and_parquet_files(tmp_path):
+    (tmp_path / "a.json").write_text(json.dumps([{"prompt": "one"}, {"prompt": "two"}, 3]))
+    table = pa.table({"id": ["x", "y"], "messages": [[{"role": "user", "content": "hi"}], None], "prompt": [None, "yo"]})
+    pq.write_table(table, tmp_path / "b.parquet", row_group_size=1)
+    (tmp_path / "c.json").write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    rows = rows_of(list_files(str(tmp_path)), shard_bytes=1)
+    assert [r.row for r in rows] == list(range(7))
+    assert rows[2].reason == "malformed_row"
+    cfg = CorpusConfig()
+    assert extract_prompt(rows[3], cfg) == Prompt("x", messages=[{"role": "user", "content": "hi"}])
+    assert extract_prompt(rows[4], cfg) == Prompt("y", text="yo")
+    assert extract_prompt(rows[6], cfg) == Prompt("6", text="b")
+
+
+@pytest.mark.parametrize("line, reason", [
+    (b"{not json", "malformed_row"),
+    (b"[1, 2]", "malformed_row"),
+    (b'{"prompt": "caf\xe9"}', "undecodable"),
+    (b'{"text": "hi"}', "missing_field"),
+    (b'{"prompt": 5}', "wrong_type"),
+    (b'{"prompt": "x", "id": 1.5}', "wrong_type"),
+    (b'{"messages": "hi"}', "wrong_type"),
+    (b'{"messages": [{"role": "user"}]}', "wrong_type"),
+    (b'{"prompt": "  "}', "empty_prompt"),
+    (b'{"messages": []}', "empty_prompt"),
+    (b'{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}', "malformed_row"),
+])
+def test_bad_rows_have_reasons(tmp_path, line, reason):
+    path = tmp_path / "c.jsonl"
+    path.write_bytes(line + b"\n")
+    (raw,) = rows_of([str(path)])
+    got = extract_prompt(raw, CorpusConfig())
+    assert isinstance(got, Rejection) and got.reason == reason, got
+
+
+@pytest.mark.parametrize("line, detail", [
+    (b'{"prompt": 5}', "field 'prompt' is an int, not a string"),
+    (b'{"prompt": "x", "id": 1.5}', "field 'id' is a float, not a string or integer"),
+    (b'{"messages": "hi"}', "field 'messages' is a str, not a list"),
+])
+def test_type_errors_read_as_english(tmp_path, line, detail):
+    path = tmp_path / "c.jsonl"
+    path.write_bytes(line + b"\n")
+    (raw,) = rows_of([str(path)])
+    assert extract_prompt(raw, CorpusConfig()).detail == detail

@@ -1,0 +1,134 @@
+"""RunState: what a restarted head makes of the run directory a crash left behind."""
+
+from collections import Counter
+
+import pyarrow as pa
+
+from orchestrator.storage.atomic import atomic_write_parquet
+from orchestrator.run.manifest import BatchRecord, read_manifest, write_manifest
+from orchestrator.plan.output_plan import stamp
+from orchestrator.run.results import SAMPLE_SCHEMA, BatchStats, with_stats
+from orchestrator.run.run_state import RunState
+from orchestrator.run.rundir import RunDir
+
+
+PLAN = "plan-fingerprint"
+
+
+def batch_file(run_dir: RunDir, batch_id: str, prompts: int) -> None:
+    run_dir.batches.mkdir(exist_ok=True)
+    atomic_write_parquet(run_dir.batch_file(batch_id), pa.table({
+        "prompt_id": [f"p{i}" for i in range(prompts)], "row": list(range(prompts)), "token_ids": [[1]] * prompts}))
+
+
+def output(run_dir: RunDir, batch_id: str, rows: int, plan: str | None = PLAN, ids: list[str] | None = None) -> None:
+    """An output of `rows` samples (prompts p0, p1, ... once each), stamped with `plan` (None: an older output)."""
+    ids = ids or [f"p{i}" for i in range(rows)]
+    table = pa.Table.from_pydict({
+        "prompt_id": ids, "generation_index": [0] * rows, "completion": ["x"] * rows,
+        "token_ids": [[1, 2]] * rows, "logprobs": [None] * rows, "finish_reason": ["stop"] * rows,
+        "num_prompt_tokens": [3] * rows, "batch_id": [batch_id] * rows, "passthrough": [None] * rows,
+        "row": list(range(rows))}, schema=SAMPLE_SCHEMA)
+    table = with_stats(table, BatchStats(rows, 2 * rows, 1.5, 4, 0.5, 7))
+    atomic_write_parquet(run_dir.output_file(batch_id), table if plan is None else stamp(table, plan, ids))
+
+
+def test_recover_repairs_what_a_crash_left(tmp_path):
+    run_dir = RunDir(tmp_path)
+    run_dir.outputs.mkdir()
+    records = [
+        BatchRecord("b0", "done", num_prompts=2, attempts=1, output="outputs/b0.parquet"),
+        BatchRecord("b1", "running", num_prompts=2, attempts=1),  # its output was written, not yet marked
+        BatchRecord("b2", "running", num_prompts=2, attempts=2),  # died mid-batch
+        BatchRecord("b3", "failed", num_prompts=2, attempts=3, error="boom"),
+        BatchRecord("b4", "done", num_prompts=2, attempts=1, output="outputs/b4.parquet"),  # output lost
+        BatchRecord("b5", "pending", num_prompts=3),  # a wrong-sized output: not this batch's samples
+    ]
+    write_manifest(run_dir.manifest, records)
+    for r in records:
+        batch_file(run_dir, r.batch_id, r.num_prompts)
+    output(run_dir, "b0", 2)
+    output(run_dir, "b1", 2)
+    output(run_dir, "b5", 2)
+    (run_dir.outputs / ".b2.parquet.x.tmp").write_bytes(b"half")
+    (tmp_path / ".batches.jsonl.y.tmp").write_text("half")
+
+    state = RunState.recover(run_dir, samples_per_prompt=1, plan=PLAN)
+    state.close()
+    after = {r.batch_id: r for r in read_manifest(run_dir.manifest)}
+    assert {k: r.status for k, r in after.items()} == {
+        "b0": "done", "b1": "done", "b2": "pending", "b3": "pending", "b4": "pending", "b5": "pending"}
+    assert after["b1"].num_output_tokens == 4 and after["b1"].output == "outputs/b1.parquet"  # stats from the file
+    assert after["b2"].attempts == 2 and after["b3"].attempts == 3  # attempts are history, kept
+    assert not (run_dir.outputs / "b5.parquet").exists()
+    assert not list(tmp_path.glob(".*.tmp")) and not list(run_dir.outputs.glob(".*.tmp"))
+    assert state.counts == Counter(r.status for r in after.values())
+    assert state.prompts_not_done == 2 + 2 + 2 + 3
+    events = run_dir.events.read_text()
+    assert "b1 done: adopted" in events and "b4 was done but b4.parquet is missing" in events
+
+
+def test_only_outputs_of_this_plan_and_batch_are_adopted(tmp_path):
+    run_dir = RunDir(tmp_path)
+    run_dir.outputs.mkdir()
+    names = ["this-plan", "other-plan", "other-ids", "older-same-ids", "older-other-ids", "no-batch-file"]
+    write_manifest(run_dir.manifest, [BatchRecord(b, "running", num_prompts=2, attempts=1) for b in names])
+    for b in names[:-1]:
+        batch_file(run_dir, b, 2)
+    output(run_dir, "this-plan", 2)
+    output(run_dir, "other-plan", 2, plan="another-plan")  # run.json removed, then another seed or corpus
+    output(run_dir, "other-ids", 2, ids=["q0", "q1"])
+    output(run_dir, "older-same-ids", 2, plan=None)  # written before outputs carried their plan: checked by content
+    output(run_dir, "older-other-ids", 2, plan=None, ids=["p1", "p0"])
+    output(run_dir, "no-batch-file", 2)
+
+    RunState.recover(run_dir, samples_per_prompt=1, plan=PLAN).close()
+    after = {r.batch_id: r.status for r in read_manifest(run_dir.manifest)}
+    assert after == {"this-plan": "done", "other-plan": "pending", "other-ids": "pending", "older-same-ids": "done",
+                     "older-other-ids": "pending", "no-batch-file": "pending"}
+    assert {p.stem for p in run_dir.outputs.glob("*.parquet")} == {"this-plan", "older-same-ids", "no-batch-file"}
+    events = run_dir.events.read_text()
+    assert "computed for another plan" in events and "prompt ids are not this batch's" in events
+    assert "not this batch's prompts" in events and "its batch file is missing" in events
+
+
+def test_counts_follow_every_update(tmp_path):
+    run_dir = RunDir(tmp_path)
+    run_dir.outputs.mkdir()
+    write_manifest(run_dir.manifest, [BatchRecord(f"b{i}", num_prompts=i + 1) for i in range(4)])
+    state = RunState.recover(run_dir, samples_per_prompt=2, plan=PLAN)
+    state.mark_running("b0", "slice-0")
+    state.mark_done("b0", BatchStats(2, 5, 1.0, 3, 0.5, 2), "slice-0")
+    state.mark_running("b1", "slice-1")
+    state.mark_failed("b1", "boom", final=True)
+    state.mark_running("b2", "slice-0")
+    state.mark_failed("b2", "flaky", final=False)
+    assert state.counts == Counter(r.status for r in state.records.values()) == Counter(
+        {"done": 1, "failed": 1, "pending": 2})
+    assert state.prompts_not_done == 2 + 3 + 4
+    state.close()
+    assert [r.status for r in read_manifest(run_dir.manifest)] == ["done", "failed", "pending", "pending"]
+
+
+def test_run_state_alone_knows_what_is_pending_running_and_tried(tmp_path):
+    """The head's queues derive from RunState: pending batches in the order they are taken (a retried batch
+    behind the others, and only once its backoff is over), the batches running on each slice, and the attempts
+    this head made (the manifest's count includes a previous head's)."""
+    run_dir = RunDir(tmp_path)
+    write_manifest(run_dir.manifest, [BatchRecord("b0", "failed", num_prompts=1, attempts=3, error="old"),
+                                      BatchRecord("b1", num_prompts=1), BatchRecord("b2", num_prompts=1)])
+    state = RunState.recover(run_dir, 1, PLAN)
+    wait = lambda attempts: 10.0 * attempts  # noqa: E731 - seconds after the attempts-th failure
+    assert state.next_due(0.0, wait) == "b0" and state.attempts("b0") == 0  # tried by a previous head only
+    state.mark_running("b0", "slice-0")
+    state.mark_running("b1", "slice-1")
+    state.mark_running("b2", "slice-0")
+    assert state.running_on("slice-0") == ["b0", "b2"] and state.running_on("slice-1") == ["b1"]
+    assert state.next_due(0.0, wait) is None and state.attempts("b0") == 1 and state.records["b0"].attempts == 4
+    failed_at = state.mark_failed("b0", "boom", final=False).finished_at
+    assert state.running_on("slice-0") == ["b2"] and state.counts["pending"] == 1
+    assert state.next_due(failed_at + 9.9, wait) is None and state.next_due(failed_at + 10.0, wait) == "b0"
+    state.mark_failed("b1", "boom", final=False)
+    assert [state.next_due(failed_at + 1e6, wait)] == ["b0"]  # b1 waits behind b0, which failed first
+    state.mark_done("b2", BatchStats(1, 1, 0.1, 1, 1.0, 1), "slice-0")
+    assert state.running_on("slice-0") == [] and state.counts["running"] == 0
