@@ -21,7 +21,7 @@ the machine, as vLLM does, and this module says how. Every value the caller set 
   `max_new_tokens`). Slots are then counted at that length instead of `max_seq_len`, `max_seq_len` itself
   becomes that length (unless set), and the pool is cut to what those slots can use at once,
   `max_seqs * pages_for(longest)`: a job of short prompts does not zero
-  (and keep) a pool sized for the model's whole context. Zeroing the CPU's quarter of memory took 3-5 s of
+  (and keep) a pool sized for the model's whole context. Zeroing the CPU's quarter of memory took 2.6-5.6 s of
   a 75-second job.
 - **Prompts per step.** `max_seqs_in_prefill` is `max_seqs`: the token budget alone bounds a step, as in
   vLLM. With the run path's default of 8, short prompts, or prompts whose prefix the cache serves (a

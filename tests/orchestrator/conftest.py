@@ -43,7 +43,8 @@ def ray_local():
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        # address="local": always a fresh cluster of our own, never a cluster some earlier `ray start` left recorded
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 

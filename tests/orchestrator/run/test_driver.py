@@ -271,7 +271,6 @@ def test_the_transfer_counters_reach_the_summary_status_and_wandb(ray_local, run
     """The timeline's transfer counters, an earlier session's (written by hand) and this one's, are summed over
     the run into the head's summary, the tracker's final summary (W&B) and `pagefleet status`, with the bytes
     per generated token; a bucket from before the ledger (no counters) is left out of both sums."""
-    import orchestrator.observe.tracking as tracking
     from orchestrator.observe.progress import read_timeline
     from orchestrator.run.rundir import RunDir
 
@@ -285,15 +284,7 @@ def test_the_transfer_counters_reach_the_summary_status_and_wandb(ray_local, run
                {"t": 2.0, "steps": 1, "tokens_per_s": 1.0, "occupancy": 0.5, "device_s": 0.1, "host_s": 0.1,
                 "slice": "slice-0"}]
     (run_dir / "timeline.jsonl").write_text("".join(json.dumps(b) + "\n" for b in earlier))
-    finished = []
-    make = tracking.make_tracker
-
-    def recording_tracker(*args, **kwargs):
-        tracker = make(*args, **kwargs)
-        tracker.finish = finished.append
-        return tracker
-
-    monkeypatch.setattr(tracking, "make_tracker", recording_tracker)
+    finished = tracker_summaries(monkeypatch)
     outcome = Driver(cfg, show_progress=False).run()
     assert outcome.exit_code == 0
     session = [b for b in read_timeline(RunDir(run_dir)) if b["t"] > 2.0]
@@ -312,8 +303,6 @@ def test_the_transfer_counters_reach_the_summary_status_and_wandb(ray_local, run
 def test_the_prefix_cache_counters_reach_the_summary_status_and_wandb(ray_local, run_model, tmp_path, monkeypatch):
     """The timeline's prefix-cache and preemption counters (here an earlier session's buckets, written by hand)
     are summed over the run into the head's summary, the tracker's final summary (W&B) and `pagefleet status`."""
-    import orchestrator.observe.tracking as tracking
-
     corpus = write_run_corpus(tmp_path / "corpus.jsonl", 8)
     run_dir = tmp_path / "run"
     cfg = load_run_config(None, run_args(run_model, corpus, run_dir, "--cluster.num_slices=1"))
@@ -327,15 +316,7 @@ def test_the_prefix_cache_counters_reach_the_summary_status_and_wandb(ray_local,
                 "kv_pages_out": 2, "kv_pages_in": 4, "recompute_avoided_tokens": 30, "recompute_tokens": 0,
                 "host_kv_pages_peak": 3}]
     (run_dir / "timeline.jsonl").write_text("".join(json.dumps(b) + "\n" for b in earlier))
-    finished = []
-    make = tracking.make_tracker
-
-    def recording_tracker(*args, **kwargs):
-        tracker = make(*args, **kwargs)
-        tracker.finish = finished.append
-        return tracker
-
-    monkeypatch.setattr(tracking, "make_tracker", recording_tracker)
+    finished = tracker_summaries(monkeypatch)
     outcome = Driver(cfg, show_progress=False).run()
     assert outcome.exit_code == 0
     session = [json.loads(line) for line in (run_dir / "timeline.jsonl").read_text().splitlines()][len(earlier):]
@@ -422,3 +403,18 @@ def test_run_applies_each_row_s_own_sampling_settings(ray_local, run_model, tmp_
             requests.append(Request(row["prompt_id"], tuple(row["token_ids"]), apply(cfg.sampling, row["sampling"])))
     assert sorted(r.prompt_id for r in requests) == [f"r{i}" for i in range(5)]
     assert {(c.prompt_id, c.generation_index): c.token_ids for c in engine.generate(requests)} == got
+
+
+def tracker_summaries(monkeypatch) -> list[dict]:
+    """The final summaries the run's tracker is given (`finish`), in a list filled as the run ends."""
+    import orchestrator.observe.tracking as tracking
+
+    finished, make = [], tracking.make_tracker
+
+    def recording_tracker(*args, **kwargs):
+        tracker = make(*args, **kwargs)
+        tracker.finish = finished.append
+        return tracker
+
+    monkeypatch.setattr(tracking, "make_tracker", recording_tracker)
+    return finished
