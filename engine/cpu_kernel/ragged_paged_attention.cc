@@ -15,6 +15,14 @@
 // (a sequence's up-to-kRowsPerItem query tokens, with one KV head or, for a decoding sequence, all of
 // them) reads its pages in place, page by page, with an online softmax: nothing is materialised.
 //
+// A score (q . k for one query row and one key) is summed in one fixed order in every path, so that a row
+// gets the same bits whichever path its item takes (a prompt's row in a long chunk, the same row alone when
+// a sequence is recomputed after preemption): 16 partial sums, partial l adding q[d] * k[d] for
+// d = l, l + 16, l + 32, ... in order with fused multiply-adds (columns past head_dim count as 0 * 0), then
+// a tree: l + (l + 8) for l < 8, then + 4, + 2, + 1. The all-heads path reduces 16 keys' partial-sum
+// vectors together with shuffles (reduce16), reading each key's K row as it lies in the page; run_lanes
+// keeps one accumulator per partial sum with 16 query rows in the lanes.
+//
 // Each query row's arithmetic depends only on its own sequence's chunk (its q rows, pages and positions),
 // never on which other sequences share the call or where they sit: results are bit-identical whatever
 // else is in the step. (How a prompt is cut into chunks can change the rounding, as it changes the
@@ -96,6 +104,67 @@ inline vf fma(vf a, vf b, vf c) {
 inline vi splat_i(int32_t x) { return vi{} + x; }
 const vi lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
+// The score tree's last steps (see the top): partial sums P[0..15] of one score per lane -> the score.
+inline vf tree16(vf* P) {
+#pragma GCC unroll 8
+  for (int l = 0; l < 8; ++l) P[l] = P[l] + P[l + 8];
+#pragma GCC unroll 4
+  for (int l = 0; l < 4; ++l) P[l] = P[l] + P[l + 4];
+  P[0] = P[0] + P[2];
+  P[1] = P[1] + P[3];
+  return P[0] + P[1];
+}
+
+// reduce16 puts slot s's score in lane slot_lane(s); the all-heads path feeds slot s the key that lane
+// should hold, slot_lane(s) (the map is its own inverse: a 4 x 4 transpose).
+constexpr int slot_lane(int s) { return 4 * (s % 4) + s / 4; }
+
+// 16 keys' partial sums (P[s]: slot s's 16 partial sums) -> one vector of 16 scores, each summed as
+// tree16 sums it: lane slot_lane(s) holds slot s's score.
+inline vf reduce16(const vf* P) {
+#if defined(__AVX512F__)
+  const auto m = [](vf x) { return reinterpret_cast<__m512>(x); };
+  __m512 r[8], t[4], u[2];
+  for (int i = 0; i < 8; ++i)  // [a0-7 + a8-15, b0-7 + b8-15]: l + (l + 8)
+    r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(m(P[2 * i]), m(P[2 * i + 1]), _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(m(P[2 * i]), m(P[2 * i + 1]), _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; ++i)  // four slots' 4 sums, one slot per 128-bit chunk: + 4
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i)  // + 2, within each chunk
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 out = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),  // + 1
+                                   _mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return reinterpret_cast<const vf&>(out);
+#else
+  vf out;
+  for (int s = 0; s < kLanes; ++s) {
+    vf part[kLanes];
+    for (int l = 0; l < kLanes; ++l) part[l] = splat(P[s][l]);
+    out[slot_lane(s)] = tree16(part)[0];
+  }
+  return out;
+#endif
+}
+
+// 16 floats from p; with valid < 16, those past `valid` read as 0 (and are not touched in memory).
+inline vf load16(const float* p, int64_t valid) {
+  vf x;
+  if (valid >= kLanes) {
+    std::memcpy(&x, p, sizeof(x));
+    return x;
+  }
+#if defined(__AVX512F__)
+  const __m512 y = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << valid) - 1u), p);
+  return reinterpret_cast<const vf&>(y);
+#else
+  x = vf{};
+  for (int64_t l = 0; l < valid; ++l) x[l] = p[l];
+  return x;
+#endif
+}
+
 // exp(x) lane by lane: Cephes' single-precision polynomial (about 1 ulp), x clamped to [-87.3, 88.3].
 inline vf vexp(vf x) {
   x = x < splat(-87.3f) ? splat(-87.3f) : x;
@@ -117,15 +186,17 @@ inline vf vexp(vf x) {
 
 // Rows [row0, row0 + 16) of an item (row = token * G + head in group; rows past `rows` are padding) over
 // its pages, with the rows in vector lanes: a key's scores for 16 rows are 64 multiply-adds of a q column
-// by one broadcast K element, and a P row times V is 64 more, so there are no horizontal sums and each
-// K/V element loaded serves 16 rows.
+// by one broadcast K element (plus the 15 adds of the score's tree), and a P row times V is 64 more, so
+// there are no horizontal sums and each K/V element loaded serves 16 rows.
+template <int kHeadDim>  // as run_item's
 void run_lanes(const Problem& p, const Item& it, int64_t row0, int64_t rows, int32_t begin, int32_t end) {
-  const int64_t D = p.head_dim, G = p.num_heads / p.num_kv_heads, ps = p.page_size;
+  const int64_t D = kHeadDim > 0 ? kHeadDim : p.head_dim, G = p.num_heads / p.num_kv_heads, ps = p.page_size;
   const int64_t combined = 2 * p.num_kv_heads;
   const int32_t s = it.seq, h = it.kv_head;
   const int32_t q_begin = p.cu[s], q_len = p.cu[s + 1] - p.cu[s], kv_len = p.kv_lens[s];
   const int64_t D8 = (D + 7) / 8 * 8;  // accumulators are moved 8 columns at a time
-  std::vector<vf> qt(D), acc(D8, vf{});
+  const int64_t D16 = (D + kLanes - 1) / kLanes * kLanes;  // the score's partial sums: whole blocks of 16
+  std::vector<vf> qt(D16, vf{}), acc(D8, vf{});  // q columns past D stay 0
   alignas(64) int32_t pos_lanes[kLanes];
   for (int lane = 0; lane < kLanes; ++lane) {
     const int64_t i = row0 + lane;
@@ -149,20 +220,34 @@ void run_lanes(const Problem& p, const Item& it, int64_t row0, int64_t rows, int
     const float* base = p.kv + static_cast<int64_t>(seq_pages[page_slot]) * ps * combined * D;
     const int32_t t0 = page_slot * static_cast<int32_t>(ps);
     const int32_t n = std::min<int32_t>(ps, end - t0);
-    for (int32_t j0 = 0; j0 < n; j0 += 8) {  // 8 keys at a time: 8 independent accumulators
-      const int32_t nj = std::min(8, n - j0);
-      // Only constant indices into a[] and k[]: the compiler keeps the 8 accumulators in registers.
-      vf a[8] = {};
-      const float* k[8];
+    // Two keys at a time, each q column loaded once for both. A key's 16 partial sums (see the top) are
+    // taken in two halves, l in {0-3, 8-11} then {4-7, 12-15}, so that each half's l + (l + 8) sums can
+    // be added before the next half starts: 16 accumulators, 8 kept sums and a q column fit the registers.
+    for (int32_t j = 0; j < n; j += 2) {
+      const float* ka = base + (j * combined + 2 * h) * D;
+      const float* kb = j + 1 < n ? ka + combined * D : ka;  // a lone last key: its pair is ignored below
+      vf sa[4], sb[4];
+#pragma GCC unroll 2
+      for (int half = 0; half < 2; ++half) {
+        vf pa[8] = {}, pb[8] = {};
+        for (int64_t d0 = 0; d0 < D16; d0 += kLanes) {
+          const bool whole = d0 + kLanes <= D;
 #pragma GCC unroll 8
-      for (int u = 0; u < 8; ++u) k[u] = base + ((j0 + std::min(u, nj - 1)) * combined + 2 * h) * D;
-      for (int64_t d = 0; d < D; ++d) {
-        const vf qd = qt[d];
-#pragma GCC unroll 8
-        for (int u = 0; u < 8; ++u) a[u] = fma(qd, splat(k[u][d]), a[u]);
+          for (int u = 0; u < 8; ++u) {
+            const int64_t d = d0 + half * 4 + (u < 4 ? u : u + 4);
+            const vf qd = qt[d];
+            pa[u] = fma(qd, splat(whole || d < D ? ka[d] : 0.f), pa[u]);
+            pb[u] = fma(qd, splat(whole || d < D ? kb[d] : 0.f), pb[u]);
+          }
+        }
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u) {  // l + (l + 8); then, after the second half, + 4
+          sa[u] = half == 0 ? pa[u] + pa[u + 4] : sa[u] + (pa[u] + pa[u + 4]);
+          sb[u] = half == 0 ? pb[u] + pb[u + 4] : sb[u] + (pb[u] + pb[u + 4]);
+        }
       }
-#pragma GCC unroll 8
-      for (int u = 0; u < 8; ++u) sc[j0 + u] = a[u];  // keys past nj: ignored below
+      sc[j] = (sa[0] + sa[2]) + (sa[1] + sa[3]);
+      if (j + 1 < n) sc[j + 1] = (sb[0] + sb[2]) + (sb[1] + sb[3]);
     }
     vf mx = m;
     for (int32_t j = 0; j < n; ++j) {
@@ -207,12 +292,80 @@ void run_lanes(const Problem& p, const Item& it, int64_t row0, int64_t rows, int
   }
 }
 
+// Per-thread buffers of the all-heads path, kept between items (an item is a few microseconds of work).
+struct Scratch {
+  std::vector<float> f[7];
+  std::vector<int32_t> i[2];
+  float* take(int k, int64_t n, float fill) {
+    f[k].assign(n, fill);
+    return f[k].data();
+  }
+  int32_t* take_i(int k, int64_t n) {
+    i[k].assign(n, 0);
+    return i[k].data();
+  }
+};
+Scratch& scratch() {
+  thread_local Scratch s;
+  return s;
+}
+
+// reduce16's result for head dims past 256 (more q blocks than registers): the same sums, one key at a time.
+void score_wide(const float* q, const float* const* key, int32_t kv_off, int64_t D, float* out) {
+  for (int u = 0; u < kLanes; ++u) {
+    vf part[kLanes];
+    for (int l = 0; l < kLanes; ++l) {
+      float a = 0.f;
+      for (int64_t d = l; d < (D + kLanes - 1) / kLanes * kLanes; d += kLanes)
+        a = std::fma(q[d], d < D ? key[u][kv_off + d] : 0.f, a);
+      part[l] = splat(a);
+    }
+    out[slot_lane(u)] = tree16(part)[0];
+  }
+}
+
+// kRows rows' P times V over a page's n keys (row r: probabilities pr[r * stride + j], rescale alpha[r],
+// K/V offset kv_off[r], accumulator acc[r * kHeadDim ...]): each row's columns in registers, keys in order,
+// the same multiply-adds as the row-by-row loop (a key of probability 0 is skipped there and here).
+template <int kHeadDim, int kRows>
+void pv_rows(const float* base, int64_t combined, int32_t n, const float* pr, int64_t stride, const float* alpha,
+             const int32_t* kv_off, float* acc) {
+  constexpr int kBlocks = kHeadDim / kLanes;
+  vf a[kRows][kBlocks];
+#pragma GCC unroll 4
+  for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 8
+    for (int b = 0; b < kBlocks; ++b) {
+      std::memcpy(&a[r][b], acc + r * kHeadDim + b * kLanes, sizeof(vf));
+      a[r][b] = a[r][b] * alpha[r];
+    }
+  for (int32_t j = 0; j < n; ++j) {
+    const float* slot = base + j * combined * kHeadDim + kHeadDim;  // V of KV head 0; kv_off picks the head
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r) {
+      const float w = pr[r * stride + j];
+      if (w == 0.f) continue;
+#pragma GCC unroll 8
+      for (int b = 0; b < kBlocks; ++b) {
+        vf v;
+        std::memcpy(&v, slot + kv_off[r] + b * kLanes, sizeof(v));
+        a[r][b] = fma(splat(w), v, a[r][b]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 8
+    for (int b = 0; b < kBlocks; ++b) std::memcpy(acc + r * kHeadDim + b * kLanes, &a[r][b], sizeof(vf));
+}
+
 // A work item's rows over its pages. Items with few rows per KV head (decoding sequences: one token) hold
 // every head (kv_head < 0) and walk each page once, whole and in order, fetching the page after next into
-// L2 ahead: pages are scattered in the pool, so the hardware prefetcher cannot guess them (two pages ahead
-// into L2 decoded 64 sequences at 1,400 tokens of context 12% faster than one page ahead into L1; four
-// pages ahead gained nothing). Items with more rows
-// take one KV head and put the rows in vector lanes (run_lanes).
+// L2 ahead, spread over the page's work: pages are scattered in the pool, so the hardware prefetcher
+// cannot guess them. (64 sequences decoding at 1,400 tokens of context, 8 heads over 4 KV heads of 64,
+// pages of 16: 21 ms a call with a whole page of prefetches at once and the keys gathered column by
+// column; 9-10 ms, about 20 GB/s of KV, with K rows read as they lie, P times V in registers and the
+// prefetches spread.) Items with more rows take one KV head and put the rows in vector lanes (run_lanes).
 template <int kHeadDim>  // > 0: head_dim known at compile time (loops unrolled); 0: any
 void run_item(const Problem& p, const Item& it) {
   const int64_t D = kHeadDim > 0 ? kHeadDim : p.head_dim, G = p.num_heads / p.num_kv_heads, ps = p.page_size;
@@ -227,65 +380,79 @@ void run_item(const Problem& p, const Item& it) {
   const int32_t end = std::min(kv_len, last_pos + 1);
   const int32_t begin = p.window > 0 ? std::max(0, first_pos - p.window + 1) : 0;
   if (!all_heads) {
-    for (int64_t row0 = 0; row0 < rows; row0 += kLanes) run_lanes(p, it, row0, rows, begin, end);
+    for (int64_t row0 = 0; row0 < rows; row0 += kLanes) run_lanes<kHeadDim>(p, it, row0, rows, begin, end);
     return;
   }
 
   const int64_t ps_lanes = (ps + kLanes - 1) / kLanes * kLanes;  // score buffers in whole vectors
-  std::vector<float> qbuf(rows * D), acc(rows * D, 0.f), m(rows, kMasked), l(rows, 0.f), scores(rows * ps_lanes),
-      pr(ps_lanes);
-  std::vector<vf> kt(D);  // 16 keys' K of one KV head, transposed: kt[d] holds element d of each key
-  std::vector<int32_t> pos(rows), kv_off(rows);
+  const int64_t D16 = (D + kLanes - 1) / kLanes * kLanes;  // a q row with its columns past D as 0
+  Scratch& buf = scratch();
+  float* qbuf = buf.take(0, rows * D16, 0.f);
+  float* acc = buf.take(1, rows * D, 0.f);
+  float* m = buf.take(2, rows, kMasked);
+  float* l = buf.take(3, rows, 0.f);
+  float* alpha = buf.take(4, rows, 0.f);
+  float* scores = buf.take(5, rows * ps_lanes, 0.f);
+  float* probs = buf.take(6, rows * ps_lanes, 0.f);
+  int32_t* pos = buf.take_i(0, rows);
+  int32_t* kv_off = buf.take_i(1, rows);
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t r = it.row_begin + i / heads, hq = head0 + i % heads;
     pos[i] = kv_len - q_len + static_cast<int32_t>(r - q_begin);
     kv_off[i] = static_cast<int32_t>(2 * (hq / G) * D);  // this head's K row within a token's slot; V follows
     const float* src = p.q + (r * p.num_heads + hq) * D;
-    for (int64_t d = 0; d < D; ++d) qbuf[i * D + d] = src[d] * p.scale;
+    for (int64_t d = 0; d < D; ++d) qbuf[i * D16 + d] = src[d] * p.scale;
   }
   const int32_t* seq_pages = p.pages + static_cast<int64_t>(s) * p.pages_per_seq;
   const int64_t page_floats = ps * combined * D;
   const int32_t last_slot = (end - 1) / static_cast<int32_t>(ps);
   for (int32_t page_slot = begin / ps; page_slot <= last_slot && end > 0; ++page_slot) {
     const float* base = p.kv + static_cast<int64_t>(seq_pages[page_slot]) * page_floats;
-    if (page_slot + 2 <= last_slot) {
-      const char* next = reinterpret_cast<const char*>(p.kv + static_cast<int64_t>(seq_pages[page_slot + 2]) * page_floats);
-      for (int64_t off = 0; off < page_floats * static_cast<int64_t>(sizeof(float)); off += 64) __builtin_prefetch(next + off, 0, 2);
-    }
     const int32_t t0 = page_slot * static_cast<int32_t>(ps);
     const int32_t n = std::min<int32_t>(ps, end - t0);
-    // Scores with the keys in vector lanes: 16 keys of one KV head are gathered column by column, then each
-    // lane sums q[d] * k[d] over d in order (the arithmetic of a row lane of run_lanes), so 16 keys advance
-    // at once with no horizontal sum and no serial chain per key. Lanes past the page's keys repeat its
-    // last key; the mask below hides them.
+    // The page after next is fetched into L2 a slice at a time, one slice per (16 keys, row) of this page's
+    // scores: a whole page of prefetches at once fills the CPU's queue of outstanding misses and stalls
+    // the walk where a spread one overlaps it.
+    const char* ahead = page_slot + 2 <= last_slot
+        ? reinterpret_cast<const char*>(p.kv + static_cast<int64_t>(seq_pages[page_slot + 2]) * page_floats) : nullptr;
+    const int64_t ahead_lines = (page_floats * static_cast<int64_t>(sizeof(float)) + 63) / 64;
+    const int64_t score_steps = (n + kLanes - 1) / kLanes * rows;
+    const int64_t lines_per_step = (ahead_lines + score_steps - 1) / score_steps;
+    int64_t line = 0;
+    // Scores, 16 keys at a time: each key's K row is read as it lies (16 columns a load) into its 16
+    // partial sums, then reduce16 sums the 16 keys' partials together, keys in lanes. Lanes past the page's
+    // keys repeat its last key; the mask below hides them.
     for (int32_t j0 = 0; j0 < n; j0 += kLanes) {
       const int32_t nj = std::min<int32_t>(kLanes, n - j0);
-      vi offs;  // each lane's key, in floats from the block's first key
-      for (int u = 0; u < kLanes; ++u) offs[u] = static_cast<int32_t>(std::min(u, nj - 1) * combined * D);
-      for (int64_t h = 0; h < p.num_kv_heads; ++h) {
-        const float* k0 = base + (j0 * combined + 2 * h) * D;
-        for (int64_t d = 0; d < D; ++d) {
-#if defined(__AVX512F__)
-          kt[d] = __builtin_ia32_gathersiv16sf(vf{}, k0 + d, offs, static_cast<short>(-1), 4);
-#else
-          for (int u = 0; u < kLanes; ++u) kt[d][u] = k0[offs[u] + d];
-#endif
+      const float* key[kLanes];  // slot -> its key's slot in the page
+      for (int u = 0; u < kLanes; ++u) key[u] = base + std::min(j0 + slot_lane(u), j0 + nj - 1) * combined * D;
+      for (int64_t i = 0; i < rows; ++i) {
+        for (const int64_t stop = std::min(ahead_lines, line + lines_per_step); ahead && line < stop; ++line)
+          __builtin_prefetch(ahead + line * 64, 0, 2);
+        constexpr int64_t kMaxBlocks = kHeadDim > 0 ? (kHeadDim + kLanes - 1) / kLanes : 16;
+        vf qv[kMaxBlocks];
+        const int64_t blocks = D16 / kLanes;
+        if (blocks > kMaxBlocks) {  // head_dim past 256: more q blocks than registers hold; same arithmetic
+          score_wide(&qbuf[i * D16], key, kv_off[i], D, &scores[i * ps_lanes + j0]);
+          continue;
         }
-        for (int64_t t = 0; t < rows / heads; ++t) {  // this KV head's query heads, token by token
-          for (int64_t g = 0; g < G; ++g) {
-            const int64_t i = t * heads + h * G + g;
-            const float* qi = &qbuf[i * D];
-            vf a = vf{};
-            for (int64_t d = 0; d < D; ++d) a = fma(splat(qi[d]), kt[d], a);
-            std::memcpy(&scores[i * ps_lanes + j0], &a, sizeof(a));
-          }
+        for (int64_t b = 0; b < blocks; ++b) std::memcpy(&qv[b], &qbuf[i * D16 + b * kLanes], sizeof(vf));
+        vf P[kLanes];
+#pragma GCC unroll 16
+        for (int u = 0; u < kLanes; ++u) {
+          const float* k = key[u] + kv_off[i];
+          vf a = vf{};
+          for (int64_t b = 0; b < blocks; ++b) a = fma(qv[b], load16(k + b * kLanes, D - b * kLanes), a);
+          P[u] = a;
         }
+        const vf out = reduce16(P);
+        std::memcpy(&scores[i * ps_lanes + j0], &out, sizeof(out));
       }
     }
     for (int64_t i = 0; i < rows; ++i) {
       const int32_t position = pos[i];
-      const float* k_rows = base + kv_off[i];
       float* sc = &scores[i * ps_lanes];
+      float* pr = &probs[i * ps_lanes];
       // Mask, max and exp over the page's keys 16 at a time (vector lanes = keys).
       auto visible = [&](int32_t j0) {
         const vi key = splat_i(t0 + j0) + lane_index;
@@ -303,7 +470,7 @@ void run_item(const Problem& p, const Item& it) {
       }
       float mx = m[i];
       for (int lane = 0; lane < kLanes; ++lane) mx = std::max(mx, mxv[lane]);
-      const float alpha = vexp(splat(m[i] - mx))[0];
+      alpha[i] = vexp(splat(m[i] - mx))[0];
       for (int32_t j0 = 0; j0 < n; j0 += kLanes) {
         vf v;
         std::memcpy(&v, &sc[j0], sizeof(v));
@@ -312,14 +479,23 @@ void run_item(const Problem& p, const Item& it) {
       }
       float sum = 0.f;
       for (int32_t j = 0; j < n; ++j) sum += pr[j];  // in key order, as run_lanes adds
-      l[i] = l[i] * alpha + sum;
+      l[i] = l[i] * alpha[i] + sum;
       m[i] = mx;
+    }
+    // P times V, row by row in key order; kPvRows rows at a time keep their accumulators in registers.
+    int64_t i = 0;
+    if constexpr (kHeadDim > 0 && kHeadDim % kLanes == 0) {
+      constexpr int kPvRows = kHeadDim <= 64 ? 4 : 2;
+      for (; i + kPvRows <= rows; i += kPvRows) pv_rows<kHeadDim, kPvRows>(base, combined, n, &probs[i * ps_lanes], ps_lanes, &alpha[i], &kv_off[i], &acc[i * D]);
+    }
+    for (; i < rows; ++i) {
       float* a = &acc[i * D];
+      const float* pr = &probs[i * ps_lanes];
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
+      for (int64_t d = 0; d < D; ++d) a[d] *= alpha[i];
       for (int32_t j = 0; j < n; ++j) {
         if (pr[j] == 0.f) continue;
-        const float* v = k_rows + j * combined * D + D;
+        const float* v = base + kv_off[i] + j * combined * D + D;
         const float w = pr[j];
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) a[d] = std::fma(w, v[d], a[d]);

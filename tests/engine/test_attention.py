@@ -212,3 +212,36 @@ def test_cpu_kernel_row_is_bit_identical_in_a_long_chunk_and_alone():
     whole = attend(q, 0)
     for t in (0, 17, 39):
         np.testing.assert_array_equal(attend(q[t:t + 1], t)[0], whole[t])
+
+
+@pytest.mark.parametrize("head_dim,kv_heads,group,page_size", [(64, 4, 2, 16), (128, 2, 1, 16), (72, 2, 3, 4),
+                                                               (8, 1, 4, 32)])
+def test_cpu_kernel_score_order_is_the_same_in_both_paths_at_real_head_dims(head_dim, kv_heads, group, page_size):
+    """The kernel's two paths sum a score in one fixed order (16 partial sums, then a tree) whatever the head
+    size: the compiled sizes (64, 128), one that ends in a partial block of 16 (72), and pages longer than
+    16 keys. A row alone (the all-heads path, keys in lanes) equals the same row in a 16-token chunk (rows in
+    lanes), bit for bit, and both match dense attention."""
+    rng = np.random.default_rng(head_dim + group)
+    heads, num_pages, ctx = kv_heads * group, 24, 70
+    pool = rng.standard_normal((num_pages, page_size, 2 * kv_heads, head_dim)).astype(np.float32)
+    q = rng.standard_normal((ctx, heads, head_dim)).astype(np.float32)
+    pages = rng.permutation(num_pages)[:math.ceil(ctx / page_size)].reshape(1, -1).astype(np.int32)
+    scale = head_dim**-0.5
+
+    def attend(q_rows, start):
+        n = len(q_rows)
+        return np.asarray(ragged_paged_attention(
+            jnp.asarray(q_rows), jnp.asarray(pool), jnp.array([start + n]), jnp.asarray(pages), jnp.array([0, n]),
+            jnp.array([1]), sm_scale=scale, sliding_window=None, impl="cpu_kernel", pages_per_block=8,
+            queries_per_block=16))
+
+    slots = pool[pages[0]].reshape(-1, 2 * kv_heads, head_dim)[:ctx]
+    k, v = np.repeat(slots[:, 0::2], group, axis=1), np.repeat(slots[:, 1::2], group, axis=1)
+    chunk = attend(q[48:64], 48)
+    for t in (48, 55, 63):
+        alone = attend(q[t:t + 1], t)[0]
+        np.testing.assert_array_equal(alone, chunk[t - 48], err_msg=f"row {t}")
+        s = np.einsum("hd,khd->hk", q[t], k[:t + 1]) * scale
+        p = np.exp(s - s.max(-1, keepdims=True))
+        np.testing.assert_allclose(alone, np.einsum("hk,khd->hd", p / p.sum(-1, keepdims=True), v[:t + 1]),
+                                   atol=1e-5, rtol=0)
