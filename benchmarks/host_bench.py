@@ -31,6 +31,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+import engine.multi_step
 import engine.runner
 from engine import Engine, EngineConfig, Request, SamplingConfig, write_model
 
@@ -96,7 +97,7 @@ def main() -> None:
     args = parser.parse_args()
 
     engine.runner._step_sample = _timed(engine.runner._step_sample)
-    engine.runner._steps_sample = _timed(engine.runner._steps_sample)
+    engine.multi_step._steps_sample = _timed(engine.multi_step._steps_sample)
     engines: dict = {}
     results: dict[str, list[dict]] = {name: [] for name in CASES}
     with tempfile.TemporaryDirectory(prefix="pagefleet-hostbench-") as tmp:

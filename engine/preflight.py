@@ -158,9 +158,10 @@ def _runner_programs(engine: EngineConfig, max_seq_len: int, mode: str, num_stop
     """(name, T, S, jitted program, abstract args) of every program the runner compiles for this engine.
 
     The one place that knows the runner's programs, their argument lists and its bucket rules (`bucket`,
-    `decode_bucket`, steps with prompt chunks at the max_seqs bucket): keep it in step with engine/runner.py.
+    `decode_bucket`, steps with prompt chunks at the max_seqs bucket): keep it in step with engine/runner.py and
+    engine/multi_step.py.
     """
-    from engine import runner
+    from engine import multi_step, runner
 
     pages = pages_for(max_seq_len, engine.page_size)
     rows = runner.bucket(engine.max_seqs, runner.MIN_SEQ_BUCKET)
@@ -193,10 +194,10 @@ def _runner_programs(engine: EngineConfig, max_seq_len: int, mode: str, num_stop
         K = engine.decode_steps
         for S in decode:
             per_row = tuple(arg((S,), i32) for _ in range(4))
-            yield ("multi_step", S, S, runner._steps_sample,
+            yield ("multi_step", S, S, multi_step._steps_sample,
                    (model, pool, settings[1], K, mode, *per_row[:3], arg((S, pages), i32), arg((1,), i32),
                     *sampling(S), arg((S, stops), i32), penalties(S)))
             if engine.pipeline_decode:
-                yield ("chain", S, S, runner._chain,
+                yield ("chain", S, S, multi_step._chain,
                        (arg((K, S), i32), *per_row, arg((S,), i32), arg((S,), jnp.bool_), arg((S, stops), i32), K))
 

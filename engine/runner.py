@@ -8,7 +8,6 @@ sampled tokens, their logprobs and (for a multi-step call) each row's step count
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,23 +18,23 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from engine.attention import resolve_attention_impl
-from engine.axes import PAGE_SLOT
 from engine.capacity import pages_for
 from engine.config import EngineConfig
+# Callers size shapes with `runner.bucket` and the MIN_* buckets (engine/preflight.py).
+from engine.device_calls import MIN_SEQ_BUCKET, MIN_TOKEN_BUCKET, bucket, host_arrays, pick_rows, replicated
 from engine.kv_cache import KVCache
 from engine.model import StepSettings, Transformer, unstack_layers
-from engine.row_tiles import by_row_tiles
-# Bound here: tests patch `runner._sampling_mode`, and callers build rows as `runner.RowSampling`.
+from engine.multi_step import DecodeRow, MultiStepCalls, PendingSteps
+# Bound here and in engine/multi_step.py: tests patch `_sampling_mode` in both; callers build rows as
+# `runner.RowSampling`.
 from engine.row_sampling import RowSampling, row_sampling as _row_sampling, sampling_arrays as _sampling_arrays
 from engine.row_sampling import sampling_mode as _sampling_mode
-from engine.sampler import greedy_sample, penalize, penalty_state, position_keys, sample
+from engine.sampler import penalty_state
 from engine.scheduler_output import RunnerOutput, SchedulerOutput
 from engine.stats import DeviceClock
 from engine.step_inputs import StepInputs
 from engine.transfers import TransferLedger
 
-MIN_TOKEN_BUCKET = 16
-MIN_SEQ_BUCKET = 4
 # On the CPU, every matmul takes at least this many rows (StepSettings.min_matmul_rows) and sampling runs
 # in tiles of exactly CPU_SAMPLE_ROW_TILE rows: XLA's CPU kernels round a row by the call's row count, and these
 # keep each row's bits independent of the step around it (engine/row_tiles.py). Elsewhere 0: no rule.
@@ -52,36 +51,14 @@ class SeqChunk:
     pages: Sequence[int]  # the sequence's pages, covering at least start + len(token_ids) tokens
 
 
-def bucket(n: int, minimum: int) -> int:
-    """Smallest power of two >= n (and >= minimum): the few shapes the step is compiled for."""
-    return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
-
-
-@dataclass(frozen=True)
-class DecodeRow:
-    """One decoding sequence of a multi-step call: it feeds its last token and may run `limit` steps."""
-
-    token_id: int  # the sequence's last token, not yet in the cache
-    start: int  # its position = tokens of this sequence already in the cache
-    pages: Sequence[int]  # the sequence's pages, covering at least start + limit tokens
-    limit: int  # most decode steps this row may take (>= 1)
-    sampling: RowSampling  # position = start + 1, the index of the first token it generates
-
-
 def is_decode_only(chunks: Sequence[SeqChunk]) -> bool:
     """One new token per sequence: tokens are padded like sequences and attention uses 1-query tiles."""
     return all(len(c.token_ids) == 1 for c in chunks)
 
 
-def _replicated(x: jax.Array, mesh: Mesh | None) -> jax.Array:
-    """Pin an output the host reads to every device of the mesh: each host process then reads it from
-    its own devices (no cross-host fetch, no leader), and never depends on the compiler's choice."""
-    return x if mesh is None else jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P()))
-
-
 def _forward(model: Transformer, pool, inputs: StepInputs, settings: StepSettings):
     pool, logits = model(pool, inputs, settings)
-    return pool, hax.named(_replicated(logits.array, settings.mesh), logits.axes)
+    return pool, hax.named(replicated(logits.array, settings.mesh), logits.axes)
 
 
 def _forward_sample(model: Transformer, pool, inputs: StepInputs, settings: StepSettings, mode: str,
@@ -90,131 +67,15 @@ def _forward_sample(model: Transformer, pool, inputs: StepInputs, settings: Step
     `mode` (static, `_sampling_mode`) leaves out of the program what no row of the step needs; `penalties`
     (`_penalties`) is None unless the mode penalizes."""
     pool, logits = model(pool, inputs, settings)
-    tokens, logprobs = _pick_rows(settings, logits.array, mode, temperature, top_k, top_p, min_p, base_keys, positions,
-                                  penalties)
-    return pool, _replicated(tokens, settings.mesh), _replicated(logprobs, settings.mesh)
-
-
-def _forward_sample_steps(model: Transformer, pool, settings: StepSettings, num_steps: int, mode: str,
-                          token_ids, starts, limits, page_indices, num_seqs, temperature, top_k, top_p, min_p, base_keys,
-                          stop_ids, penalties=None):
-    """Up to `num_steps` decode steps in one call; each row stops on the device at a stop id or its limit.
-
-    Row s feeds token_ids[s] (i32[S]) at position starts[s] in step 0 and its own last token after that;
-    it takes at most limits[s] steps (0 for padding rows) and stops after a token in stop_ids[s]
-    (i32[S, E], padded with -1). A done row writes no more KV; the loop ends when every row is done.
-    Step i is the single decode step for the same tokens: same inputs, same 1-query attention, same key
-    (the generated token's position), so the tokens are those of `num_steps` single steps.
-    Penalties (`penalties`, None unless the mode penalizes) count each step's new token before the next step,
-    as the single steps' token histories would. Returns tokens i32[K, S] and logprobs f32[K, S] (entries past a
-    row's steps are junk), steps i32[S] and the rows' completion token counts i32[S, V] after the call (None
-    without penalties), from which a chained call goes on.
-    """
-    S = token_ids.shape[0]
-    page_size = pool.axis_size(PAGE_SLOT)
-    rows = jnp.arange(S, dtype=jnp.int32)
-    present = rows < num_seqs[0]
-    cu_q_lens = jnp.minimum(jnp.arange(S + 1, dtype=jnp.int32), num_seqs[0])  # one query a row; padding rows empty
-    logits_indices = jnp.where(present, rows, 0)
-
-    def running(carry) -> jax.Array:
-        i, _, _, done, _, _, _, _ = carry
-        return (i < num_steps) & ~jnp.all(done)
-
-    def one_step(carry):
-        i, pool, tokens, done, steps, out_tokens, out_logprobs, counts = carry
-        active = ~done
-        # A done row repeats its last position (its write is dropped, its token ignored): every index stays
-        # inside the pages it was given.
-        positions = starts + jnp.minimum(i, jnp.maximum(limits - 1, 0))  # i32[S]
-        pages = jnp.take_along_axis(page_indices, (positions // page_size)[:, None], axis=1)[:, 0]  # i32[S]
-        slots = jnp.where(active, pages * page_size + positions % page_size, settings.num_pages * page_size)
-        # The CPU kernel skips a row with no keys: a done row's attention (its token is ignored) costs nothing.
-        kv_lens = jnp.where(present & (active | (settings.impl != "cpu_kernel")), positions + 1, 0)
-        inputs = StepInputs(tokens, positions, slots, cu_q_lens, kv_lens, page_indices, num_seqs, logits_indices)
-        pool, logits = model(pool, inputs, settings)
-        step_penalties = None if penalties is None else (penalties[0], counts, *penalties[2:])
-        new, logprobs = _pick_rows(settings, logits.array, mode, temperature, top_k, top_p, min_p, base_keys,
-                                   positions + 1, step_penalties)
-        if penalties is not None:  # the new token joins its row's completion for the next step
-            counts = counts.at[rows, new].add(active.astype(jnp.int32))
-        steps = steps + active.astype(jnp.int32)
-        stopped = jnp.any(new[:, None] == stop_ids, axis=1)
-        done = done | (active & (stopped | (steps >= limits)))
-        return (i + 1, pool, jnp.where(active, new, tokens), done, steps, out_tokens.at[i].set(new),
-                out_logprobs.at[i].set(logprobs), counts)
-
-    carry = (jnp.int32(0), pool, token_ids, limits <= 0, jnp.zeros(S, jnp.int32),
-             jnp.zeros((num_steps, S), jnp.int32), jnp.zeros((num_steps, S), jnp.float32),
-             None if penalties is None else penalties[1])
-    _, pool, _, _, steps, out_tokens, out_logprobs, counts = jax.lax.while_loop(running, one_step, carry)
-    mesh = settings.mesh
-    return (pool, _replicated(out_tokens, mesh), _replicated(out_logprobs, mesh), _replicated(steps, mesh),
-            counts)
-
-
-def _chained_inputs(tokens, steps, token_ids, starts, remaining, limits, live, stop_ids, num_steps: int):
-    """The inputs of the multi-step call that continues the rows of one not yet read by the host: each row
-    feeds its last token at its next position, and takes min(num_steps, its remaining tokens) steps unless
-    it stopped on the device (a stop id: then `steps < limits`, or its last token is one), ran out, was
-    already done, or the host finished it (`live` false). Done rows take 0 steps: no KV is written."""
-    S = steps.shape[0]
-    last = jnp.where(steps > 0, tokens[jnp.maximum(steps - 1, 0), jnp.arange(S)], token_ids)
-    stopped = (steps > 0) & jnp.any(last[:, None] == stop_ids, axis=1)
-    remaining = remaining - steps
-    limits = jnp.where(live & (limits > 0) & ~stopped, jnp.minimum(num_steps, remaining), 0)
-    return last, starts + steps, remaining, limits
+    tokens, logprobs = pick_rows(settings, logits.array, mode, temperature, top_k, top_p, min_p, base_keys, positions,
+                                 penalties)
+    return pool, replicated(tokens, settings.mesh), replicated(logprobs, settings.mesh)
 
 
 # Module-level, so every runner with the same model structure and shapes reuses compiled programs.
 _logits = jax.jit(_forward, donate_argnums=(1,), static_argnums=(3,))
 _step_sample = jax.jit(_forward_sample, donate_argnums=(1,), static_argnums=(3, 4))
-_steps_sample = jax.jit(_forward_sample_steps, donate_argnums=(1,), static_argnums=(2, 3, 4))
-_chain = jax.jit(_chained_inputs, static_argnums=(8,))
 _penalty_state = jax.jit(penalty_state, static_argnums=(2,))
-
-
-@dataclass(frozen=True)
-class PendingSteps:
-    """A multi-step call dispatched and not yet read: its device outputs, and what a call continuing its
-    rows needs (`ModelRunner.chain_multi_step`)."""
-    tokens: jax.Array  # i32[K, S]
-    logprobs: jax.Array  # f32[K, S]
-    steps: jax.Array  # i32[S]
-    token_ids: jax.Array | np.ndarray  # the call's inputs, i32[S]
-    starts: jax.Array | np.ndarray
-    limits: jax.Array | np.ndarray
-    remaining: jax.Array | np.ndarray  # tokens each row may still generate from this call's start on
-    mode: str
-    sampling: tuple  # _sampling_arrays of the rows
-    stops: np.ndarray
-    num_rows: int
-    penalties: tuple | None = None  # the call's `penalties`, counts as they were after it
-
-
-def _pick_rows(settings: StepSettings, logits: jax.Array, mode: str, *rows):
-    """`_pick` on tiles of `settings.sample_row_tile` rows (`row_tiles`): a row's logprob does not depend on
-    how many rows the step samples."""
-    return by_row_tiles(lambda logits, *rows: _pick(logits, mode, *rows), settings.sample_row_tile, logits, *rows)
-
-
-def _pick(logits: jax.Array, mode: str, temperature, top_k, top_p, min_p, base_keys, positions, penalties=None):
-    """(tokens, logprobs) of `sample`, from a program with only what `mode` needs: for `greedy` the argmax
-    alone, for `sample` no top-k/top-p sort, min-p only with `+min_p`, penalties only with `+penalties`
-    (`penalties` = (in_prompt bool[S, V], counts i32[S, V], repetition, presence, frequency f32[S])). Each gives
-    every row the token and logprob `sample` gives it; logprobs are the raw model's, penalties or not."""
-    kind = mode.split("+")[0]
-    raw = logits
-    if penalties is not None:
-        logits = penalize(raw, *penalties)
-    if kind == "greedy":
-        if penalties is None:
-            return greedy_sample(raw)
-        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        raw_logprobs = jax.nn.log_softmax(raw.astype(jnp.float32), axis=-1)
-        return tokens, jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
-    return sample(logits, temperature, top_k, top_p, position_keys(base_keys, positions), truncation=kind == "truncate",
-                  min_p=min_p if "+min_p" in mode else None, raw_logits=None if penalties is None else raw)
 
 
 def step_settings(config: EngineConfig, impl: str, mesh, platform: str) -> dict[int, StepSettings]:
@@ -226,7 +87,7 @@ def step_settings(config: EngineConfig, impl: str, mesh, platform: str) -> dict[
             for bq in (1, config.attn_queries_per_block)}
 
 
-class ModelRunner:
+class ModelRunner(MultiStepCalls):
     def __init__(self, model: Transformer, config: EngineConfig, max_seq_len: int, stop_ids: Sequence[int] = (),
                  mesh: Mesh | None = None, kv_dtype=jnp.float32) -> None:
         """`stop_ids`: the token ids that end a sample (EOS), checked on the device in multi-step calls."""
@@ -379,80 +240,12 @@ class ModelRunner:
         n = len(rows)
         with self.clock.timing():
             penalties = self._penalties(rows, S, mode)
-            with self.transfers.sending(**_sent(inputs), sampling=(*sampling, positions, *_host(penalties))):
+            with self.transfers.sending(**_sent(inputs), sampling=(*sampling, positions, *host_arrays(penalties))):
                 self.kv.pool, tokens, logprobs = _step_sample(self.model, self.kv.pool, inputs,
                                                               self._settings_for(chunks), mode, *sampling, positions,
                                                               penalties)
             tokens, logprobs = self.transfers.read(tokens=tokens, logprobs=logprobs)
             return tokens[:n], logprobs[:n]
-
-    def dispatch_multi_step(self, rows: Sequence[DecodeRow], stop_ids: Sequence[int], num_steps: int,
-                            remaining: Sequence[int] | None = None) -> PendingSteps:
-        """Start up to `num_steps` decode steps of the rows in one device call, stopping rows at `stop_ids`
-        or their limits, without waiting for it (`fetch_multi_step` reads it). Row r's KV is written for
-        positions start .. start + steps - 1. `remaining[r]` (default: the row's limit) is how many tokens
-        row r may generate in this call and any call chained to it."""
-        ps = self.config.page_size
-        S = self.decode_bucket(len(rows))
-        pad = S - len(rows)
-        for r, row in enumerate(rows):
-            end = row.start + row.limit
-            if (row.limit < 1 or end > self.max_seq_len or pages_for(end, ps) > len(row.pages)
-                    or row.sampling.position != row.start + 1):
-                raise ValueError(f"decode row {r}: {row.limit} steps from position {row.start} with {len(row.pages)} "
-                                 f"pages (page_size {ps}, max_seq_len {self.max_seq_len})")
-        # E is fixed per engine (one compile) unless rows bring stop ids of their own (sampling.stop_token_ids).
-        row_stops = [sorted(set(stop_ids) | set(row.sampling.stop_token_ids)) for row in rows]
-        stops = np.full((S, bucket(max([len(stop_ids), *map(len, row_stops)]), 4)), -1, np.int32)
-        for r, ids in enumerate(row_stops):
-            stops[r, :len(ids)] = ids
-        limits = [row.limit for row in rows]
-        remaining = limits if remaining is None else list(remaining)
-        mode = _sampling_mode([row.sampling for row in rows], self.model.config.vocab_size)
-        sampling = _sampling_arrays([row.sampling for row in rows], S)
-        per_row = (np.array([row.token_id for row in rows] + [0] * pad, np.int32),
-                   np.array([row.start for row in rows] + [0] * pad, np.int32),
-                   np.array(limits + [0] * pad, np.int32), np.array(remaining + [0] * pad, np.int32))
-        # Placed as a chained call's are (the device outputs of _chain: replicated over the mesh): numpy arguments
-        # would be another jit signature, and so a second compile of the same program (and of _chain's). Every
-        # host builds the same rows; no cross-host check (device_put would make one on every call).
-        mesh = self._settings[1].mesh
-        replicated = self.kv.pool.array.sharding if mesh is None else NamedSharding(mesh, P())
-        with self.clock.timing(), self.transfers.sending(step_inputs=per_row):
-            per_row = tuple(jax.make_array_from_process_local_data(replicated, x) for x in per_row)
-            penalties = self._penalties([row.sampling for row in rows], S, mode)
-        return self._launch(*per_row, mode, sampling, stops, len(rows), [row.pages for row in rows], num_steps,
-                            penalties)
-
-    def chain_multi_step(self, prev: PendingSteps, pages: Sequence[Sequence[int]], num_steps: int) -> PendingSteps:
-        """Dispatch the call that continues `prev`'s rows from its device outputs, before the host has read
-        them: the host's work on `prev`'s tokens then overlaps this call. `pages[r]` must cover row r's
-        position after `prev` plus `min(num_steps, remaining)` (the scheduler reserves both calls' pages at
-        once); an empty `pages[r]` makes row r take no steps (the host finished it)."""
-        S = prev.steps.shape[0]
-        live = np.zeros(S, bool)
-        live[:len(pages)] = [len(p) > 0 for p in pages]
-        with self.clock.timing(), self.transfers.sending(step_inputs=live, sampling=prev.stops):
-            token_ids, starts, remaining, limits = _chain(prev.tokens, prev.steps, prev.token_ids, prev.starts,
-                                                          prev.remaining, prev.limits, live, prev.stops, num_steps)
-        return self._launch(token_ids, starts, limits, remaining, prev.mode, prev.sampling, prev.stops,
-                            prev.num_rows, pages, num_steps, prev.penalties)
-
-    def _launch(self, token_ids, starts, limits, remaining, mode: str, sampling: tuple, stops: np.ndarray,
-                num_rows: int, pages: Sequence[Sequence[int]], num_steps: int,
-                penalties: tuple | None = None) -> PendingSteps:
-        page_array = np.zeros((stops.shape[0], self.pages_per_seq), np.int32)
-        for r, row_pages in enumerate(pages):
-            page_array[r, :len(row_pages)] = row_pages
-        num_seqs = np.array([num_rows], np.int32)
-        with self.clock.timing(), self.transfers.sending(step_inputs=num_seqs, page_tables=page_array,
-                                                         sampling=(*sampling, stops, *_host(penalties))):
-            self.kv.pool, tokens, logprobs, steps, counts = _steps_sample(
-                self.model, self.kv.pool, self._settings[1], num_steps, mode, token_ids, starts, limits, page_array,
-                num_seqs, *sampling, stops, penalties)
-        after = None if penalties is None else (penalties[0], counts, *penalties[2:])
-        return PendingSteps(tokens, logprobs, steps, token_ids, starts, limits, remaining, mode, sampling, stops,
-                            num_rows, after)
 
     def _penalties(self, rows: Sequence[RowSampling], size: int, mode: str) -> tuple | None:
         """The `penalties` of a call whose mode penalizes (None otherwise): each row's prompt tokens and
@@ -467,23 +260,15 @@ class ModelRunner:
         prompt_lens[:len(rows)] = [row.num_prompt_tokens for row in rows]
         # Placed as the step's other device inputs (replicated over the mesh), so the state lands there too.
         mesh = self._settings[1].mesh
-        replicated = self.kv.pool.array.sharding if mesh is None else NamedSharding(mesh, P())
+        placement = self.kv.pool.array.sharding if mesh is None else NamedSharding(mesh, P())
         with self.transfers.sending(sampling=(history, prompt_lens)):
-            history, prompt_lens = (jax.make_array_from_process_local_data(replicated, x) for x in (history, prompt_lens))
+            history, prompt_lens = (jax.make_array_from_process_local_data(placement, x) for x in (history, prompt_lens))
         in_prompt, counts = _penalty_state(history, prompt_lens, self.model.config.vocab_size)
         pad = size - len(rows)
         return (in_prompt, counts, np.array([r.repetition_penalty for r in rows] + [1.0] * pad, np.float32),
                 np.array([r.presence_penalty for r in rows] + [0.0] * pad, np.float32),
                 np.array([r.frequency_penalty for r in rows] + [0.0] * pad, np.float32))
 
-    def fetch_multi_step(self, pending: PendingSteps) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Wait for a dispatched call: (tokens i32[num_steps, rows], logprobs f32[num_steps, rows],
-        steps i32[rows]); row r's tokens are tokens[:steps[r], r]."""
-        n = pending.num_rows
-        with self.clock.timing():
-            tokens, logprobs, steps = self.transfers.read(tokens=pending.tokens, logprobs=pending.logprobs,
-                                                          steps=pending.steps)
-            return tokens[:, :n], logprobs[:, :n], steps[:n]
 
 
 def _sent(inputs: StepInputs) -> dict[str, tuple[np.ndarray, ...]]:
@@ -493,6 +278,3 @@ def _sent(inputs: StepInputs) -> dict[str, tuple[np.ndarray, ...]]:
     return {"step_inputs": rest, "page_tables": (inputs.page_indices,)}
 
 
-def _host(penalties: tuple | None) -> tuple[np.ndarray, ...]:
-    """The host arrays among a call's penalty arguments (its token state is on the device already)."""
-    return () if penalties is None else tuple(a for a in penalties if isinstance(a, np.ndarray))

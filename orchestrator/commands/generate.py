@@ -24,7 +24,7 @@ from orchestrator.plan.corpus import CorpusConfig, RawRow, Rejection, extract_pr
 from orchestrator.json_out import dumps
 from orchestrator.plan.model_source import resolve_model
 from orchestrator.plan.prompt_checks import out_of_vocabulary, render_chat
-from orchestrator.observe.progress import format_host_kv, format_prefix_cache, format_transfers
+from orchestrator.observe.timeline import format_host_kv, format_prefix_cache, format_transfers
 from orchestrator.plan.row_sampling import apply, row_overrides
 
 

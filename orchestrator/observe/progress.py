@@ -1,16 +1,15 @@
-"""The head's live figures: a progress bar, progress.json for `status`, the timeline, the final summary."""
+"""The head's live figures: a progress bar or plain progress lines, progress.json (the session's figures, read by
+`status` and the run's summary: run_summary.py), the timeline as slices report it."""
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import sys
 import time
 
-from engine import (HOST_KV_PEAK, TRANSFER_DIRECTIONS, host_kv_summary, prefix_cache_summary, sum_transfer_counters,
-                    transfer_counter_key, transfer_summary)
-from orchestrator.storage import object_append, storage
+from orchestrator.observe.run_summary import eta_s
+from orchestrator.storage import object_append
 from orchestrator.storage.atomic import atomic_write_text
 from orchestrator.json_out import dumps
 from orchestrator.run.manifest import BatchRecord
@@ -20,6 +19,11 @@ PROGRESS_EVERY_S = 5.0
 LINE_EVERY_ENV = "PAGEFLEET_PROGRESS_EVERY_S"
 LINE_EVERY_S = 30.0
 """Seconds between plain progress lines when stderr is not a terminal (`PAGEFLEET_PROGRESS_EVERY_S` overrides)."""
+
+
+def per_s(count: int, seconds: float) -> float:
+    """A session's rate: `count` over its wall time."""
+    return count / max(seconds, 1e-9)
 
 
 def line_every_s() -> float:
@@ -56,6 +60,8 @@ class RunProgress:
         self.session_tokens = 0
         self.session_batches = 0
         self._last_write = 0.0
+        self.session: dict | None = None
+        """The session's figures last built for progress.json (the run's summary reads them: run_summary.py)."""
         done = [r for r in records if r.status == "done"]
         self.bar = tqdm(total=self.total_prompts, initial=sum(r.num_prompts for r in done), unit="prompt",
                         desc="prompts", file=stream, disable=not show_bar, dynamic_ncols=True, smoothing=0.1)
@@ -83,12 +89,10 @@ class RunProgress:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.session_tokens / max(self.elapsed_s, 1e-9)
+        return per_s(self.session_tokens, self.elapsed_s)
 
     def eta_s(self, remaining_prompts: int) -> float | None:
-        if not self.session_prompts:
-            return None
-        return remaining_prompts / (self.session_prompts / max(self.elapsed_s, 1e-9))
+        return eta_s(remaining_prompts, per_s(self.session_prompts, self.elapsed_s))
 
     def line(self, remaining_prompts: int) -> str:
         """One plain progress line: prompts and batches done, tokens/s, ETA (and what slices wait for)."""
@@ -108,102 +112,18 @@ class RunProgress:
         if not force and time.monotonic() - self._last_write < PROGRESS_EVERY_S:
             return
         self._last_write = time.monotonic()
-        atomic_write_text(self.run_dir.progress, dumps({
+        elapsed_s = self.elapsed_s  # one instant: the rates are this session's tokens and prompts over it
+        prompts_per_s = per_s(self.session_prompts, elapsed_s)
+        self.session = {
             "updated_at": time.time(), "head": {"pid": os.getpid(), "host": socket.gethostname()},
-            "running": running, "session_started_at": self.started, "session_elapsed_s": self.elapsed_s,
+            "running": running, "session_started_at": self.started, "session_elapsed_s": elapsed_s,
             "session_batches": self.session_batches, "session_prompts": self.session_prompts,
-            "session_output_tokens": self.session_tokens, "tokens_per_s": self.tokens_per_s,
-            "prompts_per_s": self.session_prompts / max(self.elapsed_s, 1e-9), "eta_s": self.eta_s(remaining_prompts),
+            "session_output_tokens": self.session_tokens, "tokens_per_s": per_s(self.session_tokens, elapsed_s),
+            "prompts_per_s": prompts_per_s, "eta_s": eta_s(remaining_prompts, prompts_per_s),
             "waiting": self.waiting if running else None,
-        }, indent=1) + "\n")
+        }
+        atomic_write_text(self.run_dir.progress, dumps(self.session, indent=1) + "\n")
 
     def close(self) -> None:
         self.bar.close()
         self._timeline.close()
-
-
-def read_timeline(run_dir: RunDir) -> list[dict]:
-    """Every timeline bucket of every session (a line cut short by a crash is skipped)."""
-    if not run_dir.timeline.exists():
-        return []
-    out = []
-    with storage.open_file(run_dir.timeline, "rb") as f:  # local or gs://
-        for line in f:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
-
-
-def mean_occupancy(timeline: list[dict]) -> float | None:
-    """Live sequences per engine step over the whole run, as a fraction of max_seqs (step-weighted)."""
-    steps = sum(b.get("steps", 1) for b in timeline)
-    if not steps:
-        return None
-    return sum(b["occupancy"] * b.get("steps", 1) for b in timeline) / steps
-
-
-def engine_time(timeline: list[dict]) -> tuple[float, float] | None:
-    """(device_s, host_s): the engine loop's time in device calls and in host work (scheduling, input packing,
-    stop checks, the slice's bookkeeping) over the whole run, every slice summed; None before any bucket has
-    them. A large host share says the slice waits on Python, not on the accelerator."""
-    timed = [b for b in timeline if "device_s" in b]
-    if not timed:
-        return None
-    return sum(b["device_s"] for b in timed), sum(b["host_s"] for b in timed)
-
-
-def prefix_cache(timeline: list[dict]) -> dict[str, float] | None:
-    """The prefix cache over the whole run, every slice summed: prompt tokens looked up, tokens served from
-    cached pages, and the hit rate; None before any bucket has them."""
-    counted = [b for b in timeline if "prefix_cache_query_tokens" in b]
-    if not counted:
-        return None
-    return prefix_cache_summary(sum(b["prefix_cache_query_tokens"] for b in counted),
-                                sum(b["prefix_cache_hit_tokens"] for b in counted))
-
-
-def host_kv(timeline: list[dict]) -> dict[str, int] | None:
-    """Preemption over the whole run, every slice summed: KV pages swapped out and in, tokens whose recompute a
-    swap avoided, tokens preemptions dropped for recompute, the host pool's peak use; None before any bucket
-    has them."""
-    counted = [b for b in timeline if HOST_KV_PEAK in b]
-    return host_kv_summary(counted) if counted else None
-
-
-def format_host_kv(figures: dict[str, float]) -> str:
-    return (f"{figures['kv_pages_out']:,} KV pages swapped out, {figures['kv_pages_in']:,} in; recompute of "
-            f"{figures['recompute_avoided_tokens']:,} tokens avoided, {figures['recompute_tokens']:,} tokens "
-            f"dropped for recompute; host pool peak {figures['host_kv_pages_peak']:,} pages")
-
-
-def transfers(timeline: list[dict]) -> dict[str, float] | None:
-    """The bytes the engine loops moved between host and device over the whole run, every slice summed: per
-    direction the total, by category, and per generated token; None before any bucket has them."""
-    counted = [b for b in timeline if "decode_tokens" in b]  # buckets written with the transfer counters
-    if not counted:
-        return None
-    return transfer_summary(*sum_transfer_counters(counted), sum(b["decode_tokens"] for b in counted))
-
-
-def format_transfers(figures: dict[str, float]) -> str:
-    """One line: device-to-host bytes (the figure that must stay small: no KV page, no logits) by category with
-    bytes per generated token, then host-to-device bytes."""
-    def by_category(direction: str) -> str:
-        parts = [f"{c} {n:,}" for c in TRANSFER_DIRECTIONS[direction]
-                 if (n := figures[transfer_counter_key(direction, c)])]
-        return (f"{figures[f'{direction}_bytes']:,} B" + (f" ({', '.join(parts)})" if parts else "") +
-                f", {figures[f'{direction}_bytes_per_token']:,.1f} B per generated token")
-    return f"device to host {by_category('device_to_host')}; host to device {by_category('host_to_device')}"
-
-
-def format_prefix_cache(figures: dict[str, float]) -> str:
-    return (f"{figures['prefix_cache_hit_tokens']:,} of {figures['prefix_cache_query_tokens']:,} prompt tokens served "
-            f"from cached pages ({figures['prefix_cache_hit_rate']:.1%} hit rate)")
-
-
-def format_engine_time(split: tuple[float, float]) -> str:
-    device, host = split
-    return (f"device calls {device:,.1f} s, host work {host:,.1f} s, summed over slices "
-            f"({host / max(device + host, 1e-9):.0%} of the engine loop on the host)")

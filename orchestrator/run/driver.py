@@ -22,7 +22,6 @@ import json
 import signal
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,8 +33,9 @@ from orchestrator.config import RunConfig
 from orchestrator.run.faults import crash_point
 from orchestrator.run.lock import RunDirLocked, run_lock
 from orchestrator.plan.output_plan import plan_fingerprint, stamp
-from orchestrator.observe.progress import (RunProgress, engine_time, format_engine_time, format_host_kv, format_prefix_cache,
-                                   format_transfers, host_kv, mean_occupancy, prefix_cache, read_timeline, transfers)
+from orchestrator.observe.progress import RunProgress
+from orchestrator.observe.run_summary import RunSummary
+from orchestrator.observe.timeline import read_timeline
 from orchestrator.run.results import Completed, Failed
 from orchestrator.plan.retune import retune
 from orchestrator.run.run_events import EventStream, ReadySlice, SlicesReady, SliceStarted
@@ -136,7 +136,7 @@ class Driver:
             retune(self.run_dir, state, self.cfg)  # other capacities than planned: re-pack what no longer fits
             todo = state.with_status("pending")
             if not todo:
-                summary = self._summary(state, None, session_s=0.0)
+                summary = RunSummary.read(self.run_dir, list(state.records.values()), session=None).run_figures()
                 print(f"all {len(state.records)} batches of {self.run_dir.root} are done; nothing to compute")
                 return RunOutcome(exit_codes.OK, summary)
             ensure_ray(self.cfg.cluster)
@@ -207,17 +207,23 @@ class Driver:
             if self._fault is not None:
                 state.event(f"the run stopped on a fault: {self._fault}")
             state.flush(force=True)
-            progress.write(state.prompts_not_done, force=True, running=False)
         except OSError:
             if self._fault is None:
                 raise  # with a fault (a full disk), the state written so far is the resume point
+        try:  # builds the session's final figures (progress.session) even where the disk refuses them
+            progress.write(state.prompts_not_done, force=True, running=False)
+        except OSError:
+            if self._fault is None:
+                raise
         progress.close()
-        summary = self._summary(state, progress, progress.elapsed_s)
-        tracker.finish({k: v for k, v in summary.items() if isinstance(v, int | float | str)})
+        # The run's figures, once: what was just written (the manifest's records, progress.json's session figures)
+        timeline = read_timeline(self.run_dir)
+        figures = RunSummary.read(self.run_dir, list(state.records.values()), progress.session, timeline)
+        tracker.finish(figures.tracker_figures())
         if self._fault is None:
-            self._plot(summary.get("tokens_per_s"))
-        print(_format_summary(summary))
-        return summary, stopped
+            self._plot(timeline, figures.tokens_per_s)
+        print(figures.format_run())
+        return figures.run_figures(), stopped
 
     def _loop(self) -> None:
         import ray
@@ -351,46 +357,10 @@ class Driver:
 
     # -- the end ---------------------------------------------------------------------------------
 
-    def _summary(self, state: RunState, progress: RunProgress | None, session_s: float) -> dict:
-        records = list(state.records.values())
-        counts = Counter(r.status for r in records)
-        done = [r for r in records if r.status == "done"]
-        plan = self.run_dir.read_run_json()["plan"]
-        summary = {
-            "run_dir": str(self.run_dir.root), "batches": len(records), "batches_done": counts["done"],
-            "batches_failed": counts["failed"], "batches_pending": counts["pending"] + counts["running"],
-            "prompts_done": sum(r.num_prompts for r in done), "prompts": sum(r.num_prompts for r in records),
-            "rows_rejected": plan["rows_read"] - plan["accepted"], "samples_done": sum(r.num_samples for r in done),
-            "output_tokens": sum(r.num_output_tokens for r in done), "session_s": round(session_s, 2),
-            "failed": {r.batch_id: r.error for r in records if r.status == "failed"},
-        }
-        if progress is not None:
-            summary["session_batches"] = progress.session_batches
-            summary["session_output_tokens"] = progress.session_tokens
-            summary["tokens_per_s"] = round(progress.tokens_per_s, 2)
-        timeline = read_timeline(self.run_dir)
-        occupancy = mean_occupancy(timeline)
-        if occupancy is not None:
-            summary["mean_occupancy"] = round(occupancy, 4)
-        split = engine_time(timeline)
-        if split is not None:
-            summary["engine_device_s"], summary["engine_host_s"] = round(split[0], 3), round(split[1], 3)
-        cache = prefix_cache(timeline)
-        if cache is not None:
-            summary.update(cache)  # prefix_cache_query_tokens, prefix_cache_hit_tokens, prefix_cache_hit_rate
-        swaps = host_kv(timeline)
-        if swaps is not None:
-            summary.update(swaps)  # kv_pages_out, kv_pages_in, recompute_avoided_tokens, recompute_tokens, ...
-        moved = transfers(timeline)
-        if moved is not None:
-            summary.update(moved)  # device_to_host_bytes (total, by category, per token), host_to_device_bytes (same)
-        return summary
-
-    def _plot(self, mean_tokens_per_s: float | None) -> None:
+    def _plot(self, timeline: list[dict], mean_tokens_per_s: float | None) -> None:
         try:
             from orchestrator.observe.plot import write_plot
 
-            timeline = read_timeline(self.run_dir)
             t0 = min((b["t"] for b in timeline), default=0.0)
             write_plot(self.run_dir.plot, [{**b, "t": b["t"] - t0} for b in timeline], mean_tokens_per_s)
         except Exception as e:  # noqa: BLE001 - the plot is a report, never a reason to fail the run
@@ -399,33 +369,6 @@ class Driver:
 
 def run(cfg: RunConfig, show_progress: bool = True) -> RunOutcome:
     return Driver(cfg, show_progress).run()
-
-
-def _format_summary(s: dict) -> str:
-    lines = [
-        f"run directory    {s['run_dir']}",
-        f"batches          {s['batches_done']:,} done, {s['batches_failed']:,} failed, {s['batches_pending']:,} pending "
-        f"of {s['batches']:,}",
-        f"prompts          {s['prompts_done']:,} of {s['prompts']:,} done ({s['rows_rejected']:,} rows rejected at planning)",
-        f"samples          {s['samples_done']:,} ({s['output_tokens']:,} output tokens)",
-    ]
-    if "tokens_per_s" in s:
-        lines.append(f"this run         {s['session_batches']:,} batches, {s['session_output_tokens']:,} tokens in "
-                     f"{s['session_s']:,.1f} s = {s['tokens_per_s']:,.1f} tokens/s")
-    if "mean_occupancy" in s:
-        lines.append(f"slot occupancy   {s['mean_occupancy']:.1%} of engine.max_seqs (mean over engine steps)")
-    if "engine_device_s" in s:
-        lines.append(f"engine time      {format_engine_time((s['engine_device_s'], s['engine_host_s']))}")
-    if "prefix_cache_query_tokens" in s:
-        lines.append(f"prefix cache     {format_prefix_cache(s)}")
-    if "kv_pages_out" in s:
-        lines.append(f"preemption       {format_host_kv(s)}")
-    if "device_to_host_bytes" in s:
-        lines.append(f"transfers        {format_transfers(s)}")
-    for batch_id, error in s["failed"].items():
-        last = (error or "").strip().splitlines()[-1:] or ["?"]
-        lines.append(f"failed {batch_id}: {last[0]}")
-    return "\n".join(lines)
 
 
 def _best_effort_event(run_dir: RunDir, text: str) -> None:

@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from engine import runner as runner_module
+from engine import multi_step as multi_step_module
 from engine.config import EngineConfig, SamplingConfig
 from engine.distributed import slice_mesh
 from engine.engine import Engine
@@ -185,11 +185,11 @@ def test_a_call_and_the_calls_chained_to_it_share_one_program(tiny_llama, model_
     mesh = None if model_axis is None else slice_mesh(model_axis)
     engine = Engine(tiny_llama, EngineConfig(page_size=8, max_pages=64, max_seqs=4, max_seqs_in_prefill=4,
                                              max_prefill_size=256, max_seq_len=128, decode_steps=4), mesh=mesh)
-    runner_module._steps_sample.clear_cache()
-    runner_module._chain.clear_cache()
+    multi_step_module._steps_sample.clear_cache()
+    multi_step_module._chain.clear_cache()
     engine.generate(requests)
     assert engine.scheduler.num_pipelined_calls >= 2
-    assert runner_module._steps_sample._cache_size() == 1 and runner_module._chain._cache_size() == 1
+    assert multi_step_module._steps_sample._cache_size() == 1 and multi_step_module._chain._cache_size() == 1
 
 
 def test_decode_steps_must_be_positive():
@@ -200,6 +200,8 @@ def test_decode_steps_must_be_positive():
 def test_a_greedy_job_leaves_sampling_out_of_its_programs(tiny_llama, monkeypatch):
     """Greedy steps compile without sort, cumsum and threefry (about half of a step program's compile time);
     the samples, logprobs included, are those of the sampling program."""
+    import engine.device_calls
+    import engine.multi_step
     import engine.runner
 
     p = prompts()
@@ -207,13 +209,14 @@ def test_a_greedy_job_leaves_sampling_out_of_its_programs(tiny_llama, monkeypatc
     # Shapes no other test uses (max_seqs=3, 24-token prompt budget): these programs are traced here, fresh.
     shapes = dict(max_seqs=3, max_seqs_in_prefill=3, max_prefill_size=24)
     with monkeypatch.context() as m:
-        m.setattr(engine.runner, "_sampling_mode", lambda rows, vocab: "truncate")  # the full sampling program
+        for module in (engine.runner, engine.multi_step):  # single steps and multi-step calls
+            m.setattr(module, "_sampling_mode", lambda rows, vocab: "truncate")  # the full sampling program
         expected, _ = run(tiny_llama, 4, [requests], **shapes, max_pages=60)
 
     def no_sampling(*args, **kwargs):
         raise AssertionError("a sampling program was traced")
 
-    monkeypatch.setattr(engine.runner, "sample", no_sampling)
+    monkeypatch.setattr(engine.device_calls, "sample", no_sampling)
     got, _ = run(tiny_llama, 4, [requests], **shapes, max_pages=62)  # new pool shape: traced again
     assert got == expected
     with pytest.raises(AssertionError, match="sampling program was traced"):  # the patch does bite
@@ -221,6 +224,7 @@ def test_a_greedy_job_leaves_sampling_out_of_its_programs(tiny_llama, monkeypatc
 
 
 def test_a_job_without_top_k_or_top_p_leaves_the_sort_out(tiny_llama, monkeypatch):
+    import engine.multi_step
     import engine.runner
     import engine.sampler
 
@@ -229,7 +233,8 @@ def test_a_job_without_top_k_or_top_p_leaves_the_sort_out(tiny_llama, monkeypatc
     requests = [Request(f"t{i}", p[i], plain, g) for i in range(2) for g in range(2)]
     shapes = dict(max_seqs=3, max_seqs_in_prefill=3, max_prefill_size=24)
     with monkeypatch.context() as m:
-        m.setattr(engine.runner, "_sampling_mode", lambda rows, vocab: "truncate")
+        for module in (engine.runner, engine.multi_step):
+            m.setattr(module, "_sampling_mode", lambda rows, vocab: "truncate")
         expected, _ = run(tiny_llama, 4, [requests], **shapes, max_pages=64)
 
     def no_sort(*args, **kwargs):

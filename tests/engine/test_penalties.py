@@ -191,14 +191,14 @@ def test_min_p_keeps_only_tokens_near_the_top_probability():
 
 
 def test_a_job_without_penalties_or_min_p_leaves_them_out_of_its_programs(hf_model, monkeypatch):
-    from engine import runner as runner_module
+    from engine import device_calls, runner as runner_module
 
     path, _ = hf_model
 
     def traced(*args, **kwargs):
         raise AssertionError("a penalty program was traced")
 
-    monkeypatch.setattr(runner_module, "penalize", traced)
+    monkeypatch.setattr(device_calls, "penalize", traced)
     monkeypatch.setattr(runner_module, "_penalty_state", traced)
     plain = SamplingConfig(max_new_tokens=6, temperature=0.8, top_k=20, seed=2)
     shapes = dict(max_seqs=3, max_seqs_in_prefill=3, max_prefill_size=24, max_pages=70)  # fresh programs

@@ -135,3 +135,18 @@ def ray_head_env(tmp_path):
             except psutil.NoSuchProcess:
                 pass
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def tracker_summaries(monkeypatch) -> list[dict]:
+    """The final summaries the run's tracker is given (`finish`), in a list filled as the run ends."""
+    import orchestrator.observe.tracking as tracking
+
+    finished, make = [], tracking.make_tracker
+
+    def recording_tracker(*args, **kwargs):
+        tracker = make(*args, **kwargs)
+        tracker.finish = finished.append
+        return tracker
+
+    monkeypatch.setattr(tracking, "make_tracker", recording_tracker)
+    return finished

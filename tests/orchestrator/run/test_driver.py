@@ -21,7 +21,7 @@ from orchestrator.plan.planner import plan
 from orchestrator.run.run_events import SlicesReady, SliceStarted
 from orchestrator.observe.status import format_status, status
 
-from ..conftest import run_args, write_run_corpus
+from ..conftest import run_args, tracker_summaries, write_run_corpus
 
 pytestmark = pytest.mark.ray
 
@@ -271,7 +271,7 @@ def test_the_transfer_counters_reach_the_summary_status_and_wandb(ray_local, run
     """The timeline's transfer counters, an earlier session's (written by hand) and this one's, are summed over
     the run into the head's summary, the tracker's final summary (W&B) and `pagefleet status`, with the bytes
     per generated token; a bucket from before the ledger (no counters) is left out of both sums."""
-    from orchestrator.observe.progress import read_timeline
+    from orchestrator.observe.timeline import read_timeline
     from orchestrator.run.rundir import RunDir
 
     corpus = write_run_corpus(tmp_path / "corpus.jsonl", 8)
@@ -403,18 +403,3 @@ def test_run_applies_each_row_s_own_sampling_settings(ray_local, run_model, tmp_
             requests.append(Request(row["prompt_id"], tuple(row["token_ids"]), apply(cfg.sampling, row["sampling"])))
     assert sorted(r.prompt_id for r in requests) == [f"r{i}" for i in range(5)]
     assert {(c.prompt_id, c.generation_index): c.token_ids for c in engine.generate(requests)} == got
-
-
-def tracker_summaries(monkeypatch) -> list[dict]:
-    """The final summaries the run's tracker is given (`finish`), in a list filled as the run ends."""
-    import orchestrator.observe.tracking as tracking
-
-    finished, make = [], tracking.make_tracker
-
-    def recording_tracker(*args, **kwargs):
-        tracker = make(*args, **kwargs)
-        tracker.finish = finished.append
-        return tracker
-
-    monkeypatch.setattr(tracking, "make_tracker", recording_tracker)
-    return finished

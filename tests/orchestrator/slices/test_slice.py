@@ -137,7 +137,7 @@ def test_the_timeline_carries_the_transfer_counters_and_the_tokens_they_served(r
     """Each bucket carries the bytes its steps moved, by category (those that moved any), and the tokens they
     drew; summed over the buckets, they are every device call's bytes and every step's tokens."""
     from engine import transfer_summary
-    from orchestrator.observe.progress import transfers
+    from orchestrator.observe.timeline import transfers
 
     w = worker(run_model)
     moved = {"d2h": {}, "h2d": {}, "tokens": 0}

@@ -26,7 +26,8 @@ from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from orchestrator.config import load_run_config
-from orchestrator.slices.slice_gang import SLICE_NAME_LABEL, SliceGang
+from orchestrator.slices.slice_gang import SliceGang
+from orchestrator.slices.tpu_placement import SLICE_NAME_LABEL
 
 args = json.loads(sys.argv[1])
 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
