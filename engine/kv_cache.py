@@ -63,6 +63,12 @@ class KVCache:
                                np.dtype(dtype))
         # Page-outs not yet read to the host: (device block, its host-bound copy, host pages).
         self._pending_out: list[tuple[jax.Array, jax.Array, np.ndarray]] = []
+        # Page-ins issued a step ahead, their blocks on their way to the device: (block, device pages).
+        self._pending_in: list[tuple[jax.Array, np.ndarray]] = []
+
+    @property
+    def has_page_ins_ahead(self) -> bool:
+        return bool(self._pending_in)
 
     @property
     def host_pool(self) -> np.ndarray:
@@ -124,6 +130,21 @@ class KVCache:
         host page whose page-out is still in flight (dispatched this step) is copied from that page-out's device
         block, the others are sent from the host pool with an asynchronous `device_put`; the scatters are
         dispatched and the runtime orders them before the step that reads the pages."""
+        self._page_in(host_pages, device_pages, ahead=False)
+
+    def page_in_ahead(self, host_pages: list[int], device_pages: list[int]) -> None:
+        """`page_in` for a later step: the blocks from the host pool start their `device_put` now and are
+        written into the pool at `land_page_ins` (before the next step), so the copy runs behind this step's
+        compute, which the scatter would otherwise wait for. The device pages must be unread until then."""
+        self._page_in(host_pages, device_pages, ahead=True)
+
+    def land_page_ins(self) -> None:
+        """Write the blocks `page_in_ahead` sent into the pool (dispatched: the scatter waits on the copy only)."""
+        for block, dst in self._pending_in:
+            self._scatter(block, dst)
+        self._pending_in = []
+
+    def _page_in(self, host_pages: list[int], device_pages: list[int], ahead: bool) -> None:
         if not host_pages:
             return
         in_flight = {}  # host page -> (pending block, its row): a later page-out of a host page wins
@@ -148,13 +169,20 @@ class KVCache:
         for lo, hi in _pieces(len(settled[0])):  # as page-outs: power-of-two pieces, no padding bytes
             parts = self.host.read(np.asarray(settled[0][lo:hi], np.int64))  # this host's shards, [layers * n, ...]
             dst = np.asarray(settled[1][lo:hi], np.int32)
-            with self._transfers.sending(swap=(*parts.values(), dst)):
+            with self._transfers.sending(swap=tuple(parts.values())):
                 # Asynchronous: the scatter waits on it, the host not. Staged in pinned host memory, then a DMA.
                 block = self.host.to_device(parts, self._host_sharding or self._sharding)
                 if self._host_sharding is not None:
                     block = jax.device_put(block, self._sharding)
-                self.pool = hax.named(_scatter_pages(self.pool.array, block, dst, self.num_pages, self.num_layers),
-                                      self.pool.axes)
+            if ahead:
+                self._pending_in.append((block, dst))
+            else:
+                self._scatter(block, dst)
+
+    def _scatter(self, block: jax.Array, dst: np.ndarray) -> None:
+        with self._transfers.sending(swap=dst):
+            self.pool = hax.named(_scatter_pages(self.pool.array, block, dst, self.num_pages, self.num_layers),
+                                  self.pool.axes)
 
     def discard_page_outs(self) -> None:
         """Forget dispatched page-outs (a reset: no sequence refers to their host pages any more)."""
@@ -169,6 +197,7 @@ class KVCache:
         page-outs are forgotten (nothing refers to their host pages after a reset)."""
         self.pool = self._zeros()
         self.discard_page_outs()
+        self._pending_in = []
 
 
 def host_memory_kind(devices) -> str | None:
