@@ -101,8 +101,9 @@ def swap(args) -> dict:
         stats = eng.stats
         results[name] = {"samples": samples, "moves": moves, "preemptions": eng.scheduler.num_preemptions,
                          "fallbacks": eng.scheduler.swapper.num_fallbacks,
-                         "stats": {k: getattr(stats, k) for k in ("kv_pages_out", "kv_pages_in", "recompute_tokens",
-                                                                  "recompute_avoided_tokens", "host_kv_pages_peak")},
+                         "stats": {k: getattr(stats, k) for k in ("kv_pages_out", "kv_pages_in", "kv_pages_in_ahead",
+                                                                  "recompute_tokens", "recompute_avoided_tokens",
+                                                                  "host_kv_pages_peak")},
                          "host_share": sum(np.prod(a.shape[1:]) for a in eng.runner.kv.host.shards.values())
                          / np.prod(eng.runner.kv.pool.array.shape[1:])}  # of each page, this host's host pool holds
     return results

@@ -161,6 +161,6 @@ def test_swap_on_two_hosts_gives_the_samples_of_recompute_and_of_an_ample_pool(t
     moved, dropped = swap["stats"], recompute["stats"]
     assert moved["kv_pages_out"] > 0 and moved["kv_pages_in"] > 0 and moved["recompute_avoided_tokens"] > 0
     assert moved["recompute_tokens"] == 0 and swap["fallbacks"] == 0 and dropped["recompute_tokens"] > 0
-    assert 0 < moved["host_kv_pages_peak"] <= 64
+    assert 0 < moved["host_kv_pages_peak"] <= 64 and moved["kv_pages_in_ahead"] > 0  # some a step ahead
     assert swap["host_share"] == 0.5  # each host copies its own half of every page, nothing more
     assert any(ins[0] for _, ins in swap["moves"]) and any(out[0] for out, _ in swap["moves"])
