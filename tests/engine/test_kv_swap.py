@@ -75,6 +75,28 @@ def test_pending_page_outs_land_before_a_page_in_reads_them():
             np.testing.assert_array_equal(_bits(got[layer * 6 + d]), _bits(before[layer * 6 + s]))
 
 
+@pytest.mark.parametrize("memory_kind", [True, None])
+def test_a_page_in_ahead_lands_only_when_asked_bit_exact(memory_kind):
+    """`page_in_ahead` sends the pages and leaves the pool alone (the call that issues it may run meanwhile);
+    `land_page_ins` writes them, bit for bit."""
+    kv = KVCache(CFG, 6, 4, TransferLedger(), jnp.float32, host_pages=4, memory_kind=memory_kind)
+    before = _random_pool(kv, np.random.default_rng(5))
+    kv.page_out([1, 4], [2, 0])
+    kv.finish_page_outs()
+    step = _random_pool(kv, np.random.default_rng(6))
+    kv.page_in_ahead([0, 2], [3, 5])
+    assert kv.has_page_ins_ahead
+    np.testing.assert_array_equal(_bits(np.asarray(kv.pool.array)), _bits(step))  # nothing written yet
+    kv.land_page_ins()
+    assert not kv.has_page_ins_ahead
+    got = np.asarray(kv.pool.array)
+    for layer in range(CFG.num_layers):
+        for s, d in ((4, 3), (1, 5)):
+            np.testing.assert_array_equal(_bits(got[layer * 6 + d]), _bits(before[layer * 6 + s]))
+        for p in (0, 1, 2, 4):
+            np.testing.assert_array_equal(_bits(got[layer * 6 + p]), _bits(step[layer * 6 + p]))
+
+
 def test_page_moves_pass_the_transfer_guard():
     """Only the ledger's transfers cross: a swap moves nothing it does not count."""
     ledger = TransferLedger()
