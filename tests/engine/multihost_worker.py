@@ -80,26 +80,33 @@ def swap(args) -> dict:
     rng = np.random.default_rng(11)
     greedy = SamplingConfig(max_new_tokens=24, temperature=0.0, logprobs=True)
     seeded = SamplingConfig(max_new_tokens=24, temperature=0.8, top_p=0.9, seed=6, n=2, logprobs=True)
-    shared = tuple(rng.integers(6, 512, 17).tolist())  # two full pages of 8 shared by the seeded prompts
+    x, y = (tuple(rng.integers(6, 512, 17).tolist()) for _ in range(2))  # two full pages of 8, and a token
+
+    def on(prefix, name, sampling, count=2):
+        prompts = [prefix + tuple(rng.integers(6, 512, int(rng.integers(1, 9))).tolist()) for _ in range(count)]
+        return [Request(f"{name}{i}", p, sampling, g) for i, p in enumerate(prompts) for g in range(sampling.n)]
+
     batch = [Request(f"g{i}", tuple(rng.integers(6, 512, int(rng.integers(4, 20))).tolist()), greedy) for i in range(3)]
-    for i in range(2):
-        prompt = shared + tuple(rng.integers(6, 512, int(rng.integers(1, 9))).tolist())
-        batch += [Request(f"s{i}", prompt, seeded, g) for g in range(seeded.n)]
+    # Three calls: swaps (a pool too small), prompts on y reclaiming x's cached pages (spilled to the host tier),
+    # then prompts on x (paged back in from the host tier) while a prompt runs.
+    calls = [batch + on(x, "s", seeded), on(y, "y", greedy, 3), [batch[0], *on(x, "x", greedy)]]
     results = {}
     for name, engine in {"ample": dict(max_pages=200), "recompute": dict(max_pages=12, preemption="recompute"),
                          "swap": dict(max_pages=12, preemption="swap", host_kv_pages=64)}.items():
         eng = Engine(path, EngineConfig(page_size=8, max_seqs=4, max_seqs_in_prefill=2, max_prefill_size=16,
                                         max_seq_len=64, debug_invariants=True, **engine),
                      mesh=slice_mesh(int(model_axis)))
-        moves, run = [], eng.runner.run
-        eng.runner.run = lambda out: (moves.append([out.swap_out, out.swap_in]), run(out))[1]
+        moves, run, tier, page_in_hits = [], eng.runner.run, [], eng.scheduler.swapper.page_in_hits
+        eng.runner.run = lambda out: (moves.append([out.swap_out, out.swap_in, out.swap_in_ahead]), run(out))[1]
+        eng.scheduler.swapper.page_in_hits = lambda hits, *a: (tier.append(len(hits)), page_in_hits(hits, *a))[1]
         samples = []
-        for call in (batch, batch[3:]):  # the second call finds the shared prefix on the host tier, or recomputes it
+        for call in calls:
             out = eng.generate(call)
             assert all(c.error is None for c in out), [c.error for c in out]
             samples.append({f"{c.prompt_id}/{c.generation_index}": [c.token_ids, c.logprobs] for c in out})
         stats = eng.stats
         results[name] = {"samples": samples, "moves": moves, "preemptions": eng.scheduler.num_preemptions,
+                         "host_tier_pages_in": sum(tier),
                          "fallbacks": eng.scheduler.swapper.num_fallbacks,
                          "stats": {k: getattr(stats, k) for k in ("kv_pages_out", "kv_pages_in", "kv_pages_in_ahead",
                                                                   "recompute_tokens", "recompute_avoided_tokens",

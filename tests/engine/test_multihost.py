@@ -163,4 +163,5 @@ def test_swap_on_two_hosts_gives_the_samples_of_recompute_and_of_an_ample_pool(t
     assert moved["recompute_tokens"] == 0 and swap["fallbacks"] == 0 and dropped["recompute_tokens"] > 0
     assert 0 < moved["host_kv_pages_peak"] <= 64 and moved["kv_pages_in_ahead"] > 0  # some a step ahead
     assert swap["host_share"] == 0.5  # each host copies its own half of every page, nothing more
-    assert any(ins[0] for _, ins in swap["moves"]) and any(out[0] for out, _ in swap["moves"])
+    assert any(ins[0] or ahead[0] for _, ins, ahead in swap["moves"]) and any(out[0] for out, _, _ in swap["moves"])
+    assert swap["host_tier_pages_in"] > 0  # the prefix cache's host tier served the second call's shared prefix
