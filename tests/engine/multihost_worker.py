@@ -99,18 +99,19 @@ def swap(args) -> dict:
         moves, run, tier, page_in_hits = [], eng.runner.run, [], eng.scheduler.swapper.page_in_hits
         eng.runner.run = lambda out: (moves.append([out.swap_out, out.swap_in, out.swap_in_ahead]), run(out))[1]
         eng.scheduler.swapper.page_in_hits = lambda hits, *a: (tier.append(len(hits)), page_in_hits(hits, *a))[1]
-        samples = []
+        samples, names = [], ("kv_pages_out", "kv_pages_in", "kv_pages_in_ahead", "recompute_tokens",
+                              "recompute_avoided_tokens")
+        stats = dict.fromkeys((*names, "host_kv_pages_peak"), 0)
         for call in calls:
-            out = eng.generate(call)
+            out = eng.generate(call)  # each call's figures start from 0: summed over the calls here
             assert all(c.error is None for c in out), [c.error for c in out]
             samples.append({f"{c.prompt_id}/{c.generation_index}": [c.token_ids, c.logprobs] for c in out})
-        stats = eng.stats
+            stats.update({k: stats[k] + getattr(eng.stats, k) for k in names})
+            stats["host_kv_pages_peak"] = max(stats["host_kv_pages_peak"], eng.stats.host_kv_pages_peak)
         results[name] = {"samples": samples, "moves": moves, "preemptions": eng.scheduler.num_preemptions,
                          "host_tier_pages_in": sum(tier),
                          "fallbacks": eng.scheduler.swapper.num_fallbacks,
-                         "stats": {k: getattr(stats, k) for k in ("kv_pages_out", "kv_pages_in", "kv_pages_in_ahead",
-                                                                  "recompute_tokens", "recompute_avoided_tokens",
-                                                                  "host_kv_pages_peak")},
+                         "stats": stats,
                          "host_share": sum(np.prod(a.shape[1:]) for a in eng.runner.kv.host.shards.values())
                          / np.prod(eng.runner.kv.pool.array.shape[1:])}  # of each page, this host's host pool holds
     return results
