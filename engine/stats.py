@@ -119,7 +119,7 @@ def prefix_cache_summary(query_tokens: int, hit_tokens: int) -> dict[str, float]
             "prefix_cache_hit_rate": hit_tokens / query_tokens if query_tokens else 0.0}
 
 
-HOST_KV_SUMS = ("kv_pages_out", "kv_pages_in", "recompute_avoided_tokens", "recompute_tokens")
+HOST_KV_SUMS = ("kv_pages_out", "kv_pages_in", "kv_pages_in_ahead", "recompute_avoided_tokens", "recompute_tokens")
 """Preemption's counts under the names every report uses (generate's summary and --stats_output, timeline.jsonl,
 the run's summary and W&B, `pagefleet status`): summed over steps, buckets and slices."""
 HOST_KV_PEAK = "host_kv_pages_peak"
