@@ -153,7 +153,8 @@ class Engine:
         self.stats.prefix_cache_query_tokens += out.cache_query_tokens
         self.stats.prefix_cache_hit_tokens += out.cache_hit_tokens
         self.stats.kv_pages_out += len(out.swap_out[0])
-        self.stats.kv_pages_in += len(out.swap_in[0])
+        self.stats.kv_pages_in += len(out.swap_in[0]) + len(out.swap_in_ahead[0])
+        self.stats.kv_pages_in_ahead += len(out.swap_in_ahead[0])
         self.stats.recompute_avoided_tokens += out.swap_avoided_tokens
         self.stats.recompute_tokens += out.recompute_tokens
         self.stats.host_kv_pages_peak = max(self.stats.host_kv_pages_peak, self.scheduler.swapper.host.num_used)

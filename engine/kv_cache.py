@@ -6,8 +6,9 @@ Host memory kinds: where the backend has a `pinned_host` memory (TPU and GPU; th
 page copies travel through it: a page-out's block is `device_put` to pinned host memory (an asynchronous DMA
 the runtime starts at once) and a page-in's block is staged there before its `device_put` to the device.
 Elsewhere a page-out starts with `copy_to_host_async` and a page-in sends the numpy block. `host_memory_kind`
-is the one place that chooses. The host pool itself is a numpy array either way (written when a page-out is
-read back, after the step that follows it: see the runner)."""
+is the one place that chooses. The host pool itself is numpy either way (written when a page-out is read back,
+after the step that follows it: see the runner), one array per shard of the device pool this process addresses
+(engine/host_pool.py): on a multi-host slice every host copies its own shards, and nothing crosses hosts."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 from haliax import NamedArray
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
+from engine.host_pool import HostShards
 from engine.model import kv_pool_axes
 from engine.model_config import ModelConfig
 from engine.transfers import TransferLedger
@@ -38,9 +40,6 @@ class KVCache:
         """`transfers`: the runner's ledger, which counts the page indices a page copy sends and the pages a
         swap moves. `host_pages`: pages of the host pool (0: none). `memory_kind`: the host memory kind page
         copies travel through, True to choose it (`host_memory_kind`), None for none (tests)."""
-        if host_pages and mesh is not None and len({d.process_index for d in mesh.devices.flat}) > 1:
-            raise ValueError("engine.host_kv_pages is not supported on a multi-host slice yet; set "
-                             "engine.host_kv_pages=0 (engine.preemption then recomputes)")
         self.num_pages = num_pages
         self._transfers = transfers
         self.page_size = page_size
@@ -50,18 +49,32 @@ class KVCache:
         # this device, and a fresh pool must look the same to jit, or the first step compiles twice.
         self._sharding = (SingleDeviceSharding(jax.local_devices()[0]) if mesh is None
                           else NamedSharding(mesh, partition_spec(self._axes, mesh)))
+        # A block of gathered pages is sharded as the pool is (every host then holds its own pages' shards).
+        self._block_sharding = None if mesh is None else self._sharding
         self.pool: NamedArray = self._zeros()
         devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
         self.memory_kind = host_memory_kind(devices) if memory_kind is True else memory_kind
         self._host_sharding = (None if self.memory_kind is None
                                else self._sharding.with_memory_kind(self.memory_kind))
         self.num_host_pages = host_pages
-        # The host pool in the device pool's layout: host page h of layer i at i * host_pages + h. np.zeros
-        # maps untouched pages lazily, so an unused host pool costs no memory.
-        shape = (cfg.num_layers * host_pages, *(a.size for a in self._axes[1:]))
-        self.host_pool = np.zeros(shape, np.dtype(dtype))
-        # Page-outs not yet read to the host: (device block, its host-bound copy, host pages, real page count).
-        self._pending_out: list[tuple[jax.Array, jax.Array, np.ndarray, int]] = []
+        # This process's shards of the host pool, in the device pool's layout: host page h of layer i at
+        # i * host_pages + h.
+        self.host = HostShards(self._sharding, tuple(a.size for a in self._axes), cfg.num_layers, host_pages,
+                               np.dtype(dtype))
+        # Page-outs not yet read to the host: (device block, its host-bound copy, host pages).
+        self._pending_out: list[tuple[jax.Array, jax.Array, np.ndarray]] = []
+        # Page-ins issued a step ahead, their blocks on their way to the device: (block, device pages).
+        self._pending_in: list[tuple[jax.Array, np.ndarray]] = []
+
+    @property
+    def has_page_ins_ahead(self) -> bool:
+        return bool(self._pending_in)
+
+    @property
+    def host_pool(self) -> np.ndarray:
+        """The whole host pool, where this process holds it in one shard (no mesh, or no `model` axis)."""
+        (shard,) = self.host.shards.values()
+        return shard
 
     def _zeros(self) -> NamedArray:
         shape = tuple(a.size for a in self._axes)
@@ -94,21 +107,22 @@ class KVCache:
         for lo, hi in _pieces(len(device_pages)):
             src = np.asarray(device_pages[lo:hi], np.int32)
             with self._transfers.sending(swap=src):
-                block = _gather_pages(self.pool.array, src, self.num_pages, self.num_layers)
+                block = _gather_pages(self.pool.array, src, self.num_pages, self.num_layers, self._block_sharding)
             if self._host_sharding is None:
-                self._transfers.prefetch(block)  # start the copy to the host now
+                for shard in self.host.local_shards(block).values():
+                    self._transfers.prefetch(shard)  # start the copy of this host's shards now
                 on_host = block
             else:  # a DMA to pinned host memory, dispatched now, running behind the step
                 on_host = jax.device_put(block, self._host_sharding)
             # The device block stays until the page-out lands, for a page-in of the same step.
-            self._pending_out.append((block, on_host, np.asarray(host_pages[lo:hi], np.int64), hi - lo))
+            self._pending_out.append((block, on_host, np.asarray(host_pages[lo:hi], np.int64)))
 
     def finish_page_outs(self) -> None:
-        """Write the dispatched page-outs into the host pool (reading them through the transfer ledger)."""
-        for _, on_host, dst, n in self._pending_out:
-            host = self._transfers.read(swap=on_host)[0]
-            host = host.reshape(self.num_layers, -1, *host.shape[1:])[:, :n]
-            self.host_pool[self._host_rows(dst)] = host.reshape(-1, *host.shape[2:])
+        """Write the dispatched page-outs into the host pool (reading this host's shards through the transfer
+        ledger)."""
+        for _, on_host, dst in self._pending_out:
+            for key, shard in self.host.local_shards(on_host).items():
+                self.host.write(key, dst, self._transfers.read(swap=shard)[0])
         self._pending_out = []
 
     def page_in(self, host_pages: list[int], device_pages: list[int]) -> None:
@@ -116,10 +130,25 @@ class KVCache:
         host page whose page-out is still in flight (dispatched this step) is copied from that page-out's device
         block, the others are sent from the host pool with an asynchronous `device_put`; the scatters are
         dispatched and the runtime orders them before the step that reads the pages."""
+        self._page_in(host_pages, device_pages, ahead=False)
+
+    def page_in_ahead(self, host_pages: list[int], device_pages: list[int]) -> None:
+        """`page_in` for a later step: the blocks from the host pool start their `device_put` now and are
+        written into the pool at `land_page_ins` (before the next step), so the copy runs behind this step's
+        compute, which the scatter would otherwise wait for. The device pages must be unread until then."""
+        self._page_in(host_pages, device_pages, ahead=True)
+
+    def land_page_ins(self) -> None:
+        """Write the blocks `page_in_ahead` sent into the pool (dispatched: the scatter waits on the copy only)."""
+        for block, dst in self._pending_in:
+            self._scatter(block, dst)
+        self._pending_in = []
+
+    def _page_in(self, host_pages: list[int], device_pages: list[int], ahead: bool) -> None:
         if not host_pages:
             return
         in_flight = {}  # host page -> (pending block, its row): a later page-out of a host page wins
-        for b, (_, _, dst, _) in enumerate(self._pending_out):
+        for b, (_, _, dst) in enumerate(self._pending_out):
             in_flight.update({int(h): (b, j) for j, h in enumerate(dst)})
         by_block: dict[int, tuple[list[int], list[int]]] = {}
         settled: tuple[list[int], list[int]] = ([], [])
@@ -138,14 +167,22 @@ class KVCache:
                 self.pool = hax.named(_scatter_from_block(self.pool.array, block, src, dst, self.num_pages,
                                                           self.num_layers), self.pool.axes)
         for lo, hi in _pieces(len(settled[0])):  # as page-outs: power-of-two pieces, no padding bytes
-            host = self.host_pool[self._host_rows(np.asarray(settled[0][lo:hi], np.int64))]  # [layers * n, ...]
+            parts = self.host.read(np.asarray(settled[0][lo:hi], np.int64))  # this host's shards, [layers * n, ...]
             dst = np.asarray(settled[1][lo:hi], np.int32)
-            with self._transfers.sending(swap=(host, dst)):
-                if self._host_sharding is not None:  # staged in pinned host memory, then a DMA to the device
-                    host = jax.device_put(host, self._host_sharding)
-                block = jax.device_put(host, self._sharding)  # asynchronous: the scatter waits on it, the host not
-                self.pool = hax.named(_scatter_pages(self.pool.array, block, dst, self.num_pages, self.num_layers),
-                                      self.pool.axes)
+            with self._transfers.sending(swap=tuple(parts.values())):
+                # Asynchronous: the scatter waits on it, the host not. Staged in pinned host memory, then a DMA.
+                block = self.host.to_device(parts, self._host_sharding or self._sharding)
+                if self._host_sharding is not None:
+                    block = jax.device_put(block, self._sharding)
+            if ahead:
+                self._pending_in.append((block, dst))
+            else:
+                self._scatter(block, dst)
+
+    def _scatter(self, block: jax.Array, dst: np.ndarray) -> None:
+        with self._transfers.sending(swap=dst):
+            self.pool = hax.named(_scatter_pages(self.pool.array, block, dst, self.num_pages, self.num_layers),
+                                  self.pool.axes)
 
     def discard_page_outs(self) -> None:
         """Forget dispatched page-outs (a reset: no sequence refers to their host pages any more)."""
@@ -153,13 +190,14 @@ class KVCache:
 
     def _host_rows(self, host_pages: np.ndarray) -> np.ndarray:
         """Rows of the host pool holding `host_pages` in every layer, layer-major (the gather's order)."""
-        return (np.arange(self.num_layers)[:, None] * self.num_host_pages + host_pages[None, :]).reshape(-1)
+        return self.host.rows(host_pages)
 
     def zero(self) -> None:
         """A fresh zeroed pool (a physical reset, or after a failed step donated the pool away); dispatched
         page-outs are forgotten (nothing refers to their host pages after a reset)."""
         self.pool = self._zeros()
         self.discard_page_outs()
+        self._pending_in = []
 
 
 def host_memory_kind(devices) -> str | None:
@@ -195,11 +233,13 @@ def _padded(pages: list[int], fill: int) -> np.ndarray:
     return out
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3))
-def _gather_pages(pool: jax.Array, src: jax.Array, num_pages: int, num_layers: int) -> jax.Array:
-    """Pages `src` of every layer, layer-major: [layers * len(src), page_size, 2 * kv_heads, head_dim]."""
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _gather_pages(pool: jax.Array, src: jax.Array, num_pages: int, num_layers: int, sharding) -> jax.Array:
+    """Pages `src` of every layer, layer-major: [layers * len(src), page_size, 2 * kv_heads, head_dim]; sharded
+    by `sharding` (the pool's on a mesh) unless None."""
     offsets = jnp.arange(num_layers, dtype=jnp.int32)[:, None] * num_pages
-    return pool[(offsets + src[None, :]).reshape(-1)]
+    block = pool[(offsets + src[None, :]).reshape(-1)]
+    return block if sharding is None else jax.lax.with_sharding_constraint(block, sharding)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,), static_argnums=(4, 5))

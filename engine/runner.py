@@ -108,10 +108,12 @@ class ModelRunner(MultiStepCalls):
     def run(self, out: SchedulerOutput) -> RunnerOutput:
         """Run the device call the scheduler decided (see SchedulerOutput and DecodeCall): its swaps first (the
         page-outs read the pages before the step reuses them, and land in the host pool after it), then the call."""
-        if out.swap_out[0] or out.swap_in[0]:
+        if out.swap_out[0] or out.swap_in[0] or out.swap_in_ahead[0] or self.kv.has_page_ins_ahead:
             with self.clock.timing():
+                self.kv.land_page_ins()  # the last step's page-ins ahead: this step reads them
                 self.kv.page_out(*out.swap_out)
                 self.kv.page_in(*out.swap_in)
+                self.kv.page_in_ahead(*out.swap_in_ahead)  # for the next step: the copy runs behind this one
         result = self._run(out)
         if out.swap_out[0]:
             with self.clock.timing():
@@ -145,6 +147,7 @@ class ModelRunner(MultiStepCalls):
             self.kv.zero()  # dispatched page-outs are forgotten too
         else:
             self.kv.finish_page_outs()  # the prefix cache's host tier may outlive a settle
+            self.kv.land_page_ins()
 
     def decode_bucket(self, n: int) -> int:
         """Rows of a decode-only step or a multi-step call for n sequences: a power of four, at most the

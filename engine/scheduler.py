@@ -18,6 +18,13 @@ pages run out), so a prompt preempted or sent again later finds its prefix too. 
 cached pages spill to the host tier (engine/swap.py, engine/host_cache.py): a prompt whose prefix continues
 there pages those pages back in before its step instead of computing them. Which pages are cached
 depends only on the requests and their order, so every host of a slice decides the same.
+
+Page-ins a step ahead: a sequence that needs pages paged in (swapped out, or a prefix continuing in the host
+tier), reached by admission while other sequences run the step, is staged (engine/swap.py): pages mapped,
+page-ins issued with this step, admitted in a later one. A staged sequence keeps its place and its slot in the
+queue, and its pages: it is staged only when the free pages cover its pages now and what every staged
+sequence needs to grow into its next chunk, so when nothing else runs the first staged sequence can always be
+admitted; otherwise it is admitted as before, its page-ins issued with the step that reads them.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ class Scheduler:
         self._cache_query_tokens = 0  # prompt tokens of sequences admitted with a cache lookup, this step
         self._cache_hit_tokens = 0  # of those, tokens whose KV the cache held
         self._recompute_tokens = 0  # computed tokens dropped by preemptions that did not swap, this step
+        self._staged: list[Sequence] = []  # waiting sequences staged (their page-ins issued), oldest first
 
     # -- sequences ---------------------------------------------------------------------------------
 
@@ -114,6 +122,7 @@ class Scheduler:
         self.running.clear()
         self._last_queued = None
         self._ahead = None
+        self._staged = []
         if not keep_cache:
             self.allocator.reset()
         self.swapper.reset(keep_cache)
@@ -151,6 +160,9 @@ class Scheduler:
         budget = self.config.max_prefill_size
         chunks: list[ScheduledChunk] = []
         scheduled: set[int] = set()
+        for seq in self._staged:  # staged in an earlier step: their page-ins have landed
+            self._recache(seq, seq.staged_hits)
+            seq.staged_hits = []
         # 1. Running sequences, oldest first: decode tokens and unfinished prompt chunks.
         num_prefill = 0
         for seq in list(self.running):
@@ -174,21 +186,39 @@ class Scheduler:
                 budget -= n
                 num_prefill += seq.num_pending > 1
         # 2. Admit waiting sequences while slots, budget and pages allow (FIFO: stop at the first that does not fit).
-        while self.head_has_slots and budget > 0 and num_prefill < self.config.max_seqs_in_prefill:
-            seq = self.waiting[0]
-            swapped = seq.swapped is not None
-            if swapped:  # its pages come back (from the host or the prefix cache): nothing is recomputed
-                n = min(seq.num_pending, budget)
-                if not self.swapper.swap_in(seq, n):
+        # One needing page-ins while others run is staged instead (it keeps its slot): waiting[:i] hold those.
+        i, staged_slots = 0, 0
+        while (i < len(self.waiting) and budget > 0 and num_prefill < self.config.max_seqs_in_prefill
+               and self.slots_in_use + staged_slots + 1 + len(self.waiting[i].siblings) <= self.config.max_seqs):
+            seq = self.waiting[i]
+            swapped, ahead = seq.swapped is not None, bool(chunks)  # ahead: compute for the copies to overlap
+            n = min(seq.num_pending, budget)
+            if seq.staged:  # staged in an earlier step: its pages are there
+                if not self._grow(seq, n):
+                    break
+                hit = seq.num_computed
+                self._staged.remove(seq)
+                if swapped:
+                    self.swapper.admit(seq)
+                seq.staged = False
+            elif swapped:  # its pages come back (from the host or the prefix cache): nothing is recomputed
+                stage = ahead and self._room_to_stage(seq, len(seq.swapped.host))
+                if not self.swapper.swap_in(seq, 0 if stage else n, stage):
                     break
             else:
                 hit, hits = self._map_cached(seq)
                 n = min(seq.num_pending, budget)
-                if not self._grow(seq, n):
+                stage = ahead and bool(hits) and self._room_to_stage(seq, len(hits))
+                if not self._grow(seq, 0 if stage else n):
                     self._unmap(seq, hits)
                     break
-                self._page_in(seq, hits)
-            self.waiting.popleft()
+                self._page_in(seq, hits, stage)
+            if seq.staged:
+                self._staged.append(seq)
+                staged_slots += 1 + len(seq.siblings)
+                i += 1
+                continue
+            del self.waiting[i]
             self.running.append(seq)
             chunks.append(ScheduledChunk.of(seq, n))
             self._cache_pages(seq, n)
@@ -225,12 +255,20 @@ class Scheduler:
         seq.num_computed = (len(seq.pages) + len(hits)) * ps
         return seq.num_computed, hits
 
-    def _page_in(self, seq: Sequence, hits: list[int]) -> None:
+    def _page_in(self, seq: Sequence, hits: list[int], ahead: bool = False) -> None:
         """Page the host tier's pages `_map_cached` found into the sequence's pages after its device hits (its
-        computed tokens count them already), and cache them there again under their uids."""
+        computed tokens count them already), and cache them there again under their uids; `ahead`: stage the
+        sequence, caching them when they have landed (the next step's `_recache`)."""
         start = seq.num_cached_pages
-        self.swapper.page_in_hits(hits, seq.pages[start:start + len(hits)])
-        for i, uid in enumerate(hits, start):
+        self.swapper.page_in_hits(hits, seq.pages[start:start + len(hits)], ahead)
+        if ahead:
+            seq.staged, seq.staged_hits = True, hits
+        else:
+            self._recache(seq, hits)
+
+    def _recache(self, seq: Sequence, hits: list[int]) -> None:
+        """Cache the host tier's pages paged in to the sequence's pages after its cached ones under their uids."""
+        for i, uid in enumerate(hits, seq.num_cached_pages):
             if seq.caching and self.allocator.cache(seq.pages[i], self._page_key(seq, i), uid):
                 seq.num_cached_pages += 1
             else:  # not cached again (a forked sample that could not fork): the entries after it are unreachable
@@ -261,6 +299,18 @@ class Scheduler:
         """Pages the sequence lacks to hold `num_tokens` tokens past its computed ones."""
         return max(0, pages_for(seq.num_computed + num_tokens, self.config.page_size) - len(seq.pages))
 
+    def _room_to_stage(self, seq: Sequence, num_pages: int) -> bool:
+        """Whether staging `seq`, which maps `num_pages` more pages now, leaves free pages for every staged
+        sequence (it too) to grow into all its pending tokens at its admission. A staged sequence never gives its
+        pages back (its page-ins would be paid twice), so this keeps the first one admissible whatever runs."""
+        ps = self.config.page_size
+
+        def growth(q: Sequence, held: int) -> int:
+            return max(0, pages_for(q.num_computed + q.num_pending, ps) - held)
+
+        later = sum(growth(q, len(q.pages)) for q in self._staged) + growth(seq, len(seq.pages) + num_pages)
+        return num_pages + later <= self.allocator.num_free
+
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         pages = self.allocator.allocate(self._pages_short(seq, num_tokens))
         if pages is None:
@@ -280,9 +330,10 @@ class Scheduler:
             seq.caching = True
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        # Back to the head of the queue, in arrival order among the preempted.
+        # Back to the head of the queue, in arrival order among the preempted, after the staged sequences: the
+        # first staged one must stay admissible when nothing runs (`_room_to_stage`).
         i = 0
-        while i < len(self.waiting) and self.waiting[i].arrival < seq.arrival:
+        while i < len(self.waiting) and (self.waiting[i].staged or self.waiting[i].arrival < seq.arrival):
             i += 1
         self.waiting.insert(i, seq)
 
@@ -370,7 +421,8 @@ class Scheduler:
     # -- checks and messages -----------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        self.allocator.check([s.pages for s in self.running + self.retained])
+        self.allocator.check([s.pages for s in self.running + self.retained + self._staged])
+        assert all(s.staged for s in self._staged) and sum(s.staged for s in self.waiting) == len(self._staged)
         swapper, alloc = self.swapper, self.allocator
         swapper.host.check([s.swapped.host for s in self.waiting if s.swapped is not None]
                            + [swapper.cache.host_pages(), swapper.releasing])

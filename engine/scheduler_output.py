@@ -51,6 +51,8 @@ class SchedulerOutput:
     (siblings of a prompt read its chunk); `copies` (src, dst) are pages to copy after the step, the forked
     siblings' partial last prompt pages. Before either kind of call, `swap_out` pages go to the host pool, then
     `swap_in` pages come back (engine.preemption swap); a swap-out reads the pages before the step reuses them.
+    `swap_in_ahead` pages are paged in for a later step (a sequence staged now, engine/swap.py): their copies
+    start before this call and land before the next one, which is the first that reads them.
     """
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
@@ -62,6 +64,7 @@ class SchedulerOutput:
     cache_hit_tokens: int = 0  # of those, tokens whose KV came from cached pages (not computed)
     swap_out: tuple[list[int], list[int]] = ((), ())  # (device pages, host pages) to copy out before the step
     swap_in: tuple[list[int], list[int]] = ((), ())  # (host pages, device pages) to copy in after the swap-outs
+    swap_in_ahead: tuple[list[int], list[int]] = ((), ())  # (host pages, device pages) to copy in for the next call
     swap_avoided_tokens: int = 0  # computed tokens of the sequences swapped in now, not recomputed
     recompute_tokens: int = 0  # computed tokens of the sequences preempted now without a swap (recomputed later)
 

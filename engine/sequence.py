@@ -51,6 +51,12 @@ class Sequence:
     swapped: SwappedPages | None = None
     """Set while the sequence waits swapped out: its pages are in the host pool, `pages` is empty, and
     `num_computed` still counts the tokens whose KV they hold."""
+    staged: bool = False
+    """Set while the sequence waits with its pages mapped and their page-ins issued in an earlier step
+    (engine/swap.py's staging); the step that admits it is the first to read them."""
+    staged_hits: list[int] = field(default_factory=list)
+    """The prefix cache's host-tier uids a staged sequence paged in: cached on the device again at its
+    admission (not before: the data lands only then)."""
     caching: bool = True
     """False once a page of this sequence could not be cached (another page holds its key): later pages would
     chain from an uncached parent, so they are not cached either."""

@@ -48,6 +48,7 @@ class EngineStats:
     prefix_cache_hit_tokens: int = 0  # of those, tokens whose KV came from cached pages (not computed)
     kv_pages_out: int = 0  # KV pages copied to the host pool (swap preemption, prefix pages spilled to the host tier)
     kv_pages_in: int = 0  # KV pages paged back in from it (swapped sequences, prefix hits in the host tier)
+    kv_pages_in_ahead: int = 0  # of those, pages paged in a step ahead of the step reading them (staged)
     recompute_avoided_tokens: int = 0  # computed tokens whose KV came back from the host pool, not recomputed
     recompute_tokens: int = 0  # computed tokens preemptions dropped (to be recomputed)
     host_kv_pages_peak: int = 0  # most host pool pages in use after a step's scheduling
@@ -63,6 +64,7 @@ class EngineStats:
         self.first_start, self.last_end = None, 0.0
         self.prefix_cache_query_tokens = self.prefix_cache_hit_tokens = 0
         self.kv_pages_out = self.kv_pages_in = self.recompute_avoided_tokens = self.recompute_tokens = 0
+        self.kv_pages_in_ahead = 0
         self.host_kv_pages_peak = 0
         self.device_to_host_bytes.clear()
         self.host_to_device_bytes.clear()
@@ -117,7 +119,7 @@ def prefix_cache_summary(query_tokens: int, hit_tokens: int) -> dict[str, float]
             "prefix_cache_hit_rate": hit_tokens / query_tokens if query_tokens else 0.0}
 
 
-HOST_KV_SUMS = ("kv_pages_out", "kv_pages_in", "recompute_avoided_tokens", "recompute_tokens")
+HOST_KV_SUMS = ("kv_pages_out", "kv_pages_in", "kv_pages_in_ahead", "recompute_avoided_tokens", "recompute_tokens")
 """Preemption's counts under the names every report uses (generate's summary and --stats_output, timeline.jsonl,
 the run's summary and W&B, `pagefleet status`): summed over steps, buckets and slices."""
 HOST_KV_PEAK = "host_kv_pages_peak"

@@ -13,6 +13,13 @@ the cached pages the device allocator reclaims are spilled to host pages (`_spil
 admitted prompt whose prefix continues there pages them back in (`host_hits`, `page_in_hits`). The host pool's
 one bound covers both; host_cache.py says how they share it.
 
+Staging (page-ins a step ahead): a sequence whose pages must be paged in, admitted while other sequences run
+the step, is staged instead: its device pages are mapped and its page-ins issued with this step (`swap_in` and
+`page_in_hits` with `ahead`: the SchedulerOutput's `swap_in_ahead`), so the copies run behind this step's
+compute; it stays at its place in the queue and is admitted in a later step (`admit`), the first that reads
+the pages. A staged swapped-out sequence keeps its host pages until then. With nothing else to run, or no
+room to stage (engine/scheduler.py), a page-in is issued in the step that needs it.
+
 The copies are the runner's: a step's SchedulerOutput lists the page-outs (run before the step, which may reuse
 the freed pages) and then the page-ins. A host page a page-in reads is freed only when the step's copies are
 handed over (`take_ops`), so no page-out of the same step writes it; a device page a page-in writes is mapped
@@ -39,6 +46,7 @@ class Swapper:
         if self.tiered:
             allocator.on_evict = self._spill
         self.pages_out = self.pages_in = 0  # pages copied each way, since the engine started
+        self.pages_in_ahead = 0  # of the pages in, those issued a step ahead of the step reading them (staged)
         self.avoided_tokens = 0  # computed tokens whose KV was paged back in (swapped sequences, cached prefixes)
         self.num_swaps = self.num_fallbacks = 0  # preemptions that swapped; those that found the host pool full
         self._releasing: list[int] = []  # host pages read by this step's page-ins: freed at `take_ops`
@@ -52,6 +60,7 @@ class Swapper:
     def _clear_ops(self) -> None:
         self._out: tuple[list[int], list[int]] = ([], [])
         self._in: tuple[list[int], list[int]] = ([], [])
+        self._in_ahead: tuple[list[int], list[int]] = ([], [])  # page-ins of sequences staged this step
         self._avoided = 0
 
     def take_ops(self) -> dict:
@@ -62,7 +71,7 @@ class Swapper:
         keep = sorted(last.values())
         out = ([self._out[0][i] for i in keep], [self._out[1][i] for i in keep])
         self.pages_out -= len(self._out[0]) - len(keep)
-        ops = dict(swap_out=out, swap_in=self._in, swap_avoided_tokens=self._avoided)
+        ops = dict(swap_out=out, swap_in=self._in, swap_in_ahead=self._in_ahead, swap_avoided_tokens=self._avoided)
         self.host.free(self._releasing)
         self._releasing = []
         self._clear_ops()
@@ -123,9 +132,10 @@ class Swapper:
         served = seq.num_cached_pages * self.config.page_size if self.config.prefix_caching else 0
         return seq.num_computed - served < self.config.page_size
 
-    def swap_in(self, seq: Sequence, num_tokens: int) -> bool:
-        """Map a swapped-out sequence's pages again, with pages for `num_tokens` more tokens; False (nothing
-        changed) when the device pool cannot hold them now."""
+    def swap_in(self, seq: Sequence, num_tokens: int, ahead: bool = False) -> bool:
+        """Map a swapped-out sequence's pages again, with pages for `num_tokens` more tokens, and admit it; False
+        (nothing changed) when the device pool cannot hold them now. `ahead`: stage it instead (its computed
+        tokens' pages only; `admit` later)."""
         st, ps = seq.swapped, self.config.page_size
         found: list[int] = []  # the leading cached prompt pages still on the device: no copy needed
         while len(found) < st.num_cached_pages and self.config.prefix_caching:
@@ -135,23 +145,34 @@ class Swapper:
             self.allocator.share([page])
             found.append(page)
         missing = st.host[len(found):]
-        short = max(0, pages_for(seq.num_computed + num_tokens, ps) - len(st.host))
+        short = 0 if ahead else max(0, pages_for(seq.num_computed + num_tokens, ps) - len(st.host))
         new = self.allocator.allocate(len(missing) + short)
         if new is None:
             self.allocator.free(found)
             return False
-        self._in[0].extend(missing)
-        self._in[1].extend(new[:len(missing)])
-        self._releasing.extend(st.host)
+        ops = self._in_ahead if ahead else self._in
+        ops[0].extend(missing)
+        ops[1].extend(new[:len(missing)])
         seq.pages = found + new
         seq.num_cached_pages = len(found)
-        # Pages past the ones found again are copies: a page of the prompt's cache chain is not cached twice.
-        seq.caching = seq.caching and len(found) == st.num_cached_pages
-        seq.swapped = None
         self.pages_in += len(missing)
+        if ahead:
+            self.pages_in_ahead += len(missing)
+            seq.staged = True
+        else:
+            self.admit(seq)
+        return True
+
+    def admit(self, seq: Sequence) -> None:
+        """A swapped-out sequence whose pages are mapped again runs: its host pages go (once this step's copies
+        are handed over), and its computed tokens were not recomputed."""
+        st = seq.swapped
+        self._releasing.extend(st.host)
+        # Pages past the ones found again are copies: a page of the prompt's cache chain is not cached twice.
+        seq.caching = seq.caching and seq.num_cached_pages == st.num_cached_pages
+        seq.swapped, seq.staged = None, False
         self.avoided_tokens += seq.num_computed
         self._avoided += seq.num_computed
-        return True
 
     # -- the prefix cache's host tier --------------------------------------------------------------
 
@@ -194,13 +215,16 @@ class Swapper:
         for uid in hits:
             self.cache.unpin(uid)
 
-    def page_in_hits(self, hits: list[int], device_pages: list[int]) -> None:
-        """Page the entries of `host_hits` back in to `device_pages` (the caller caches them there again)."""
+    def page_in_hits(self, hits: list[int], device_pages: list[int], ahead: bool = False) -> None:
+        """Page the entries of `host_hits` back in to `device_pages` (the caller caches them there again, once
+        they land: a step later when `ahead`, a sequence staged)."""
+        ops = self._in_ahead if ahead else self._in
         for uid, page in zip(hits, device_pages):
             host = self.cache.take(uid)
             self._releasing.append(host)
-            self._in[0].append(host)
-            self._in[1].append(page)
+            ops[0].append(host)
+            ops[1].append(page)
         self.pages_in += len(hits)
+        self.pages_in_ahead += len(hits) if ahead else 0
         self.avoided_tokens += len(hits) * self.config.page_size
         self._avoided += len(hits) * self.config.page_size

@@ -65,9 +65,6 @@ class RunConfig:
             raise ValueError("engine.kv_memory_gib sizes `pagefleet generate`'s engine from one machine's memory; a "
                              "run's capacities must be identical on every host: set engine.max_pages instead "
                              "(`pagefleet size` computes it for a chip)")
-        if self.engine.host_kv_pages and self.cluster.hosts_per_slice > 1:
-            raise ValueError("engine.host_kv_pages is not supported on a multi-host slice yet "
-                             f"(cluster.hosts_per_slice={self.cluster.hosts_per_slice}); set engine.host_kv_pages=0")
 
     @property
     def resolved_run_dir(self) -> str:

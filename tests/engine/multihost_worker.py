@@ -4,6 +4,8 @@
 then for each (model directory, mesh `model` size) pair build an Engine and generate the same
 requests, greedy and seeded; write token ids, logprobs, snapshot and stats counts as JSON.
 `agree` mode: make the hosts disagree on purpose and record the errors each host raised.
+`swap` mode: a pool too small for the workload under preemption `recompute` and `swap` (with a host pool and
+the prefix cache's host tier) and an ample pool; record each one's samples, page moves and figures.
 `load` mode: load a gs:// checkpoint by ranged reads; record whether this host's shards equal the local load's
 and the bytes it read.
 """
@@ -61,6 +63,57 @@ def run(args) -> dict:
         }
         engine.reset("physical")  # a compiled call too: every host must make it
         results[spec]["snapshot_after_reset"] = engine.snapshot()
+    return results
+
+
+def swap(args) -> dict:
+    """A device pool too small for the workload on the slice, under preemption `recompute` and `swap` (with the
+    prefix cache's host tier), and an ample pool: each one's samples, figures and page moves, step by step."""
+    import numpy as np
+
+    from engine.config import EngineConfig, SamplingConfig
+    from engine.distributed import slice_mesh
+    from engine.engine import Engine
+    from engine.sequence import Request
+
+    path, model_axis = args.model[0].rsplit(":", 1)
+    rng = np.random.default_rng(11)
+    greedy = SamplingConfig(max_new_tokens=24, temperature=0.0, logprobs=True)
+    seeded = SamplingConfig(max_new_tokens=24, temperature=0.8, top_p=0.9, seed=6, n=2, logprobs=True)
+    x, y = (tuple(rng.integers(6, 512, 17).tolist()) for _ in range(2))  # two full pages of 8, and a token
+
+    def on(prefix, name, sampling, count=2):
+        prompts = [prefix + tuple(rng.integers(6, 512, int(rng.integers(1, 9))).tolist()) for _ in range(count)]
+        return [Request(f"{name}{i}", p, sampling, g) for i, p in enumerate(prompts) for g in range(sampling.n)]
+
+    batch = [Request(f"g{i}", tuple(rng.integers(6, 512, int(rng.integers(4, 20))).tolist()), greedy) for i in range(3)]
+    # Three calls: swaps (a pool too small), prompts on y reclaiming x's cached pages (spilled to the host tier),
+    # then prompts on x (paged back in from the host tier) while a prompt runs.
+    calls = [batch + on(x, "s", seeded), on(y, "y", greedy, 3), [batch[0], *on(x, "x", greedy)]]
+    results = {}
+    for name, engine in {"ample": dict(max_pages=200), "recompute": dict(max_pages=12, preemption="recompute"),
+                         "swap": dict(max_pages=12, preemption="swap", host_kv_pages=64)}.items():
+        eng = Engine(path, EngineConfig(page_size=8, max_seqs=4, max_seqs_in_prefill=2, max_prefill_size=16,
+                                        max_seq_len=64, debug_invariants=True, **engine),
+                     mesh=slice_mesh(int(model_axis)))
+        moves, run, tier, page_in_hits = [], eng.runner.run, [], eng.scheduler.swapper.page_in_hits
+        eng.runner.run = lambda out: (moves.append([out.swap_out, out.swap_in, out.swap_in_ahead]), run(out))[1]
+        eng.scheduler.swapper.page_in_hits = lambda hits, *a: (tier.append(len(hits)), page_in_hits(hits, *a))[1]
+        samples, names = [], ("kv_pages_out", "kv_pages_in", "kv_pages_in_ahead", "recompute_tokens",
+                              "recompute_avoided_tokens")
+        stats = dict.fromkeys((*names, "host_kv_pages_peak"), 0)
+        for call in calls:
+            out = eng.generate(call)  # each call's figures start from 0: summed over the calls here
+            assert all(c.error is None for c in out), [c.error for c in out]
+            samples.append({f"{c.prompt_id}/{c.generation_index}": [c.token_ids, c.logprobs] for c in out})
+            stats.update({k: stats[k] + getattr(eng.stats, k) for k in names})
+            stats["host_kv_pages_peak"] = max(stats["host_kv_pages_peak"], eng.stats.host_kv_pages_peak)
+        results[name] = {"samples": samples, "moves": moves, "preemptions": eng.scheduler.num_preemptions,
+                         "host_tier_pages_in": sum(tier),
+                         "fallbacks": eng.scheduler.swapper.num_fallbacks,
+                         "stats": stats,
+                         "host_share": sum(np.prod(a.shape[1:]) for a in eng.runner.kv.host.shards.values())
+                         / np.prod(eng.runner.kv.pool.array.shape[1:])}  # of each page, this host's host pool holds
     return results
 
 
@@ -124,7 +177,7 @@ def disagree(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["run", "agree", "load"], default="run")
+    parser.add_argument("--mode", choices=["run", "agree", "load", "swap"], default="run")
     parser.add_argument("--local", default="", help="load mode: the local copy of --model")
     parser.add_argument("--coordinator", default="")
     parser.add_argument("--num-processes", type=int, default=1)
@@ -140,7 +193,7 @@ def main() -> None:
         distributed.initialize(args.coordinator, args.num_processes, args.process_id, args.local_devices)
     else:
         os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.local_devices}"
-    result = {"run": run, "agree": disagree, "load": load}[args.mode](args)
+    result = {"run": run, "agree": disagree, "load": load, "swap": swap}[args.mode](args)
     tmp = args.out + ".tmp"
     with open(tmp, "w") as f:
         json.dump(result, f)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -24,7 +25,7 @@ def _bits(x: np.ndarray) -> np.ndarray:
 def _random_pool(kv: KVCache, rng: np.random.Generator) -> np.ndarray:
     values = rng.standard_normal(kv.pool.array.shape).astype(np.float32)
     values.reshape(-1)[:7] = [np.nan, np.inf, -np.inf, -0.0, 1e-45, 3.4e38, -1e-40]  # odd bits travel too
-    kv.pool = kv.pool.__class__(jnp.asarray(values, kv.pool.array.dtype), kv.pool.axes)
+    kv.pool = kv.pool.__class__(jax.device_put(values.astype(kv.pool.array.dtype), kv.pool.array.sharding), kv.pool.axes)
     return np.asarray(kv.pool.array)
 
 
@@ -74,6 +75,28 @@ def test_pending_page_outs_land_before_a_page_in_reads_them():
             np.testing.assert_array_equal(_bits(got[layer * 6 + d]), _bits(before[layer * 6 + s]))
 
 
+@pytest.mark.parametrize("memory_kind", [True, None])
+def test_a_page_in_ahead_lands_only_when_asked_bit_exact(memory_kind):
+    """`page_in_ahead` sends the pages and leaves the pool alone (the call that issues it may run meanwhile);
+    `land_page_ins` writes them, bit for bit."""
+    kv = KVCache(CFG, 6, 4, TransferLedger(), jnp.float32, host_pages=4, memory_kind=memory_kind)
+    before = _random_pool(kv, np.random.default_rng(5))
+    kv.page_out([1, 4], [2, 0])
+    kv.finish_page_outs()
+    step = _random_pool(kv, np.random.default_rng(6))
+    kv.page_in_ahead([0, 2], [3, 5])
+    assert kv.has_page_ins_ahead
+    np.testing.assert_array_equal(_bits(np.asarray(kv.pool.array)), _bits(step))  # nothing written yet
+    kv.land_page_ins()
+    assert not kv.has_page_ins_ahead
+    got = np.asarray(kv.pool.array)
+    for layer in range(CFG.num_layers):
+        for s, d in ((4, 3), (1, 5)):
+            np.testing.assert_array_equal(_bits(got[layer * 6 + d]), _bits(before[layer * 6 + s]))
+        for p in (0, 1, 2, 4):
+            np.testing.assert_array_equal(_bits(got[layer * 6 + p]), _bits(step[layer * 6 + p]))
+
+
 def test_page_moves_pass_the_transfer_guard():
     """Only the ledger's transfers cross: a swap moves nothing it does not count."""
     ledger = TransferLedger()
@@ -85,10 +108,28 @@ def test_page_moves_pass_the_transfer_guard():
         kv.page_in([1, 0], [0, 3])
 
 
-def test_a_host_pool_on_a_multi_host_mesh_is_refused():
-    mesh = SimpleNamespace(devices=np.array([SimpleNamespace(process_index=0), SimpleNamespace(process_index=1)]))
-    with pytest.raises(ValueError, match="engine.host_kv_pages is not supported on a multi-host slice"):
-        KVCache(CFG, 4, 2, TransferLedger(), jnp.float32, mesh=mesh, host_pages=2)
+@pytest.mark.parametrize("memory_kind", [True, None])
+@pytest.mark.parametrize("model,data", [(2, 2), (4, 1), (1, 4)])
+def test_a_sharded_pool_pages_out_and_in_by_shard(model, data, memory_kind):
+    """On a mesh the host pool holds one array per distinct shard of the device pool (a replica kept once), as a
+    host of a multi-host slice holds only its own: the round trip is bit-exact and moves each page's bytes once."""
+    cfg = SimpleNamespace(num_layers=3, num_kv_heads=4, head_dim=8)
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(data, model), ("data", "model"))
+    ledger = TransferLedger()
+    kv = KVCache(cfg, 6, 4, ledger, jnp.float32, mesh=mesh, host_pages=5, memory_kind=memory_kind)
+    assert len(kv.host.shards) == model and sum(a[0].nbytes for a in kv.host.shards.values()) == 4 * 2 * 4 * 8 * 4
+    before = _random_pool(kv, np.random.default_rng(3))
+    kv.page_out([5, 0, 2], [3, 1, 4])
+    _random_pool(kv, np.random.default_rng(4))
+    kv.finish_page_outs()
+    kv.page_in([1, 4, 3], [2, 3, 0])
+    assert kv.pool.array.sharding == kv._sharding
+    got = np.asarray(kv.pool.array)
+    for layer in range(3):
+        for s, d in ((0, 2), (2, 3), (5, 0)):
+            np.testing.assert_array_equal(_bits(got[layer * 6 + d]), _bits(before[layer * 6 + s]))
+    d2h, h2d = ledger.end_call()
+    assert d2h == {"swap": 3 * 3 * before[0].nbytes}
 
 
 def test_host_memory_kind_is_pinned_host_where_every_device_has_it():

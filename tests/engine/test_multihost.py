@@ -145,3 +145,23 @@ def test_each_host_reads_only_its_shards_from_the_bucket(tmp_path, models, gcs_b
     for host in hosts:
         assert host["equal"], host
         assert host["bytes_read"] == host["shard_bytes"] < data, (host, data)  # its shards, nothing more
+
+
+def test_swap_on_two_hosts_gives_the_samples_of_recompute_and_of_an_ample_pool(tmp_path, models):
+    """A host pool on a 2-host slice (model 4 over both hosts: each host holds two of a page's four KV heads): a device
+    pool too small for the workload under `swap` gives the tokens and logprobs, bit for bit, of `recompute` and of
+    an ample pool; pages move both ways (swaps, and the prefix cache's host tier on the second call) and nothing is
+    recomputed. Both hosts decide the same page moves, step by step, and each holds only its own shard."""
+    host0, host1 = launch(tmp_path, ["--mode", "swap", "--model", f"{models['tiny-llama-kv4']}:4"],
+                          num_processes=2, local_devices=2, tag="swap")
+    assert host0 == host1, "the two hosts decided or sampled differently"
+    ample, recompute, swap = host0["ample"], host0["recompute"], host0["swap"]
+    assert swap["samples"] == recompute["samples"] == ample["samples"]
+    assert ample["preemptions"] == 0 and recompute["preemptions"] > 0 and swap["preemptions"] > 0
+    moved, dropped = swap["stats"], recompute["stats"]
+    assert moved["kv_pages_out"] > 0 and moved["kv_pages_in"] > 0 and moved["recompute_avoided_tokens"] > 0
+    assert moved["recompute_tokens"] == 0 and swap["fallbacks"] == 0 and dropped["recompute_tokens"] > 0
+    assert 0 < moved["host_kv_pages_peak"] <= 64 and moved["kv_pages_in_ahead"] > 0  # some a step ahead
+    assert swap["host_share"] == 0.5  # each host copies its own half of every page, nothing more
+    assert any(ins[0] or ahead[0] for _, ins, ahead in swap["moves"]) and any(out[0] for out, _, _ in swap["moves"])
+    assert swap["host_tier_pages_in"] > 0  # the prefix cache's host tier served the second call's shared prefix

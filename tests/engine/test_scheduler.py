@@ -42,6 +42,7 @@ class DummyRunner:
         self.written = 0  # KV entries written by steps (a swapped sequence writes none of its old ones again)
         self._ahead = None
         self.first_scheduled: list = []  # sequences in the order their first prompt chunk ran
+        self._landing: dict[int, int] = {}  # page-ins issued a step ahead: device slot -> token id, at the next run
 
     def _slot(self, pages, pos: int) -> int:
         ps = self.config.page_size
@@ -55,6 +56,8 @@ class DummyRunner:
 
     def run(self, out: SchedulerOutput) -> RunnerOutput:
         ps = self.config.page_size
+        self.kv.update(self._landing)  # the last run's page-ins ahead land before this run reads anything
+        self._landing = {}
         out_copies = {h * ps + o: self.kv.get(d * ps + o) for d, h in zip(*out.swap_out) for o in range(ps)}
         self.host.update({k: v for k, v in out_copies.items() if v is not None})
         for h, d in zip(*out.swap_in):  # the page's old contents are gone: only a right copy gives the samples
@@ -62,6 +65,13 @@ class DummyRunner:
                 self.kv.pop(d * ps + o, None)
                 if h * ps + o in self.host:
                     self.kv[d * ps + o] = self.host.pop(h * ps + o)
+        # The page holds nothing until the next run, so this one cannot read it; the host copy stays (a staged
+        # sequence keeps its host pages until it is admitted, engine/swap.py).
+        for h, d in zip(*out.swap_in_ahead):
+            for o in range(ps):
+                self.kv.pop(d * ps + o, None)
+                if h * ps + o in self.host:
+                    self._landing[d * ps + o] = self.host[h * ps + o]
         if out.decode is None:
             self._ahead = None
             contexts = []
@@ -181,7 +191,9 @@ def test_samples_equal_the_dummy_model_alone_and_pages_balance(config, workload,
     while engine.has_unfinished:
         done += engine.step()
         sched = engine.scheduler
-        assert sched.allocator.num_used == len({p for s in sched.running + sched.retained for p in s.pages})
+        # Pages are held by running and retained sequences, and by waiting ones staged with page-ins issued.
+        holders = sched.running + sched.retained + [s for s in sched.waiting if s.staged]
+        assert sched.allocator.num_used == len({p for s in holders for p in s.pages})
     assert sorted((c.prompt_id, c.generation_index) for c in done) == sorted((r.prompt_id, r.generation_index)
                                                                            for r in requests)
     by_key = {(c.prompt_id, c.generation_index): c for c in done}

@@ -87,15 +87,18 @@ def test_the_preemption_counters_reach_the_summary_sum_over_buckets_and_clear():
     with StepTimer(stats, DeviceClock(), TransferLedger()):
         stats.kv_pages_out += 5  # what Engine.step records from the scheduler's output
         stats.kv_pages_in += 3
+        stats.kv_pages_in_ahead += 2
         stats.recompute_avoided_tokens += 40
         stats.recompute_tokens += 7
         stats.host_kv_pages_peak = 5
     s = stats.summary(max_seqs=4)
-    assert host_kv_counters(s) == {"kv_pages_out": 5, "kv_pages_in": 3, "recompute_avoided_tokens": 40,
+    assert host_kv_counters(s) == {"kv_pages_out": 5, "kv_pages_in": 3, "kv_pages_in_ahead": 2,
+                                   "recompute_avoided_tokens": 40,
                                    "recompute_tokens": 7, "host_kv_pages_peak": 5}
     other = {**host_kv_counters(s), "host_kv_pages_peak": 2}
     assert host_kv_summary([host_kv_counters(s), other, {}]) == {  # a bucket from before the counters: none
-        "kv_pages_out": 10, "kv_pages_in": 6, "recompute_avoided_tokens": 80, "recompute_tokens": 14,
+        "kv_pages_out": 10, "kv_pages_in": 6, "kv_pages_in_ahead": 4, "recompute_avoided_tokens": 80,
+        "recompute_tokens": 14,
         "host_kv_pages_peak": 5}
     stats.clear()
     assert host_kv_counters(stats.summary(max_seqs=4)) == host_kv_summary([])

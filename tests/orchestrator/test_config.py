@@ -33,8 +33,6 @@ def test_design_keys_exist_and_overrides_apply(tmp_path):
     ("tracker: {type: tensorboard}\n", [], "tracker"),
     ("name: x\n", ["--engine.kv_memory_gib=4"], "identical on every host: set engine.max_pages"),
     ("name: x\n", ["--engine.preemption=swap"], "engine.preemption=swap needs a host pool: set engine.host_kv_pages > 0"),
-    ("name: x\n", ["--engine.host_kv_pages=8", "--cluster.hosts_per_slice=2"],
-     r"not supported on a multi-host slice yet \(cluster.hosts_per_slice=2\); set engine.host_kv_pages=0"),
 ])
 def test_bad_configs_name_the_key(tmp_path, text, args, message):
     yaml = tmp_path / "run.yaml"
@@ -84,3 +82,11 @@ def test_the_model_dtypes_are_the_engines():
     assert typing.get_args(typing.get_type_hints(ModelSourceConfig)["dtype"]) == DTYPES
     with pytest.raises(ConfigError, match="model.dtype"):
         load_run_config(None, ["--model.dtype=float16"])
+
+
+def test_a_host_pool_on_a_multi_host_slice_loads(tmp_path):
+    """Each host moves its own shards of the pool (engine/host_pool.py): the head no longer refuses it."""
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text("name: x\n")
+    cfg = load_run_config(yaml, ["--engine.host_kv_pages=8", "--engine.preemption=swap", "--cluster.hosts_per_slice=2"])
+    assert cfg.engine.host_kv_pages == 8 and cfg.cluster.hosts_per_slice == 2

@@ -330,8 +330,8 @@ def test_the_prefix_cache_counters_reach_the_summary_status_and_wandb(ray_local,
     assert (f"{hits:,} of {query:,} prompt tokens served from cached pages ({hits / query:.1%} hit rate)"
             in format_status(status(run_dir)))
     assert all("host_kv_pages_peak" in b for b in session)  # this session's slices write the counters (all 0 here)
-    swaps = {"kv_pages_out": 8, "kv_pages_in": 8, "recompute_avoided_tokens": 120, "recompute_tokens": 5,
-             "host_kv_pages_peak": 6}
+    swaps = {"kv_pages_out": 8, "kv_pages_in": 8, "kv_pages_in_ahead": 0, "recompute_avoided_tokens": 120,
+             "recompute_tokens": 5, "host_kv_pages_peak": 6}  # kv_pages_in_ahead: the earlier lines predate it
     swaps["recompute_tokens"] += sum(b["recompute_tokens"] for b in session)
     assert {k: outcome.summary[k] for k in swaps} == {k: finished[0][k] for k in swaps} == swaps
     assert status(run_dir)["preemption"] == swaps
