@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD JAX_PLATFORMS=cpu python benchmarks/swap_bench.py
 
-128 prompts (random token ids, 16-64 tokens) each asking for 512-1,024 new tokens (its own
+128 prompts (random token ids, 16-64 tokens: `--min-prompt`, `--max-prompt`) each asking for 512-1,024 new tokens (its own
 `sampling.max_new_tokens`, uniform, fixed seed), greedy, on a preset checkpoint (`tiny-llama` by default). The
 device pool (`engine.max_pages`) is `--pool-fraction` (default one half) of what `engine.max_seqs` sequences of
 the mean requested length need, so the scheduler preempts all along (a random-weight model stops some samples
@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def write_inputs(work: Path, preset: str, num_prompts: int, min_new: int, max_new: int, seed: int) -> tuple[Path, Path]:
+def write_inputs(work: Path, preset: str, num_prompts: int, prompt_lens: tuple[int, int], min_new: int, max_new: int,
+                 seed: int) -> tuple[Path, Path]:
     import numpy as np
 
     from engine import write_model
@@ -45,7 +46,7 @@ def write_inputs(work: Path, preset: str, num_prompts: int, min_new: int, max_ne
     rng = np.random.default_rng(seed)
     lines = []
     for i in range(num_prompts):
-        prompt = rng.integers(2, vocab, int(rng.integers(16, 65))).tolist()
+        prompt = rng.integers(2, vocab, int(rng.integers(prompt_lens[0], prompt_lens[1] + 1))).tolist()
         lines.append(json.dumps({"id": str(i), "prompt_token_ids": prompt,
                                  "sampling": {"max_new_tokens": int(rng.integers(min_new, max_new + 1))}}) + "\n")
     prompts = work / "prompts.jsonl"
@@ -72,6 +73,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="tiny-llama")
     p.add_argument("--prompts", type=int, default=128)
+    p.add_argument("--min-prompt", type=int, default=16, help="prompt tokens, drawn uniformly")
+    p.add_argument("--max-prompt", type=int, default=64)
     p.add_argument("--min-new", type=int, default=512)
     p.add_argument("--max-new", type=int, default=1024)
     p.add_argument("--max-seqs", type=int, default=64)
@@ -84,9 +87,10 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    model, prompts = write_inputs(work, args.preset, args.prompts, args.min_new, args.max_new, seed=0)
-    max_len = 64 + args.max_new
-    mean_len = 40 + (args.min_new + args.max_new) // 2
+    prompt_lens = (args.min_prompt, args.max_prompt)
+    model, prompts = write_inputs(work, args.preset, args.prompts, prompt_lens, args.min_new, args.max_new, seed=0)
+    max_len = args.max_prompt + args.max_new
+    mean_len = (args.min_prompt + args.max_prompt) // 2 + (args.min_new + args.max_new) // 2
     need = args.max_seqs * -(-mean_len // args.page_size)
     pool = max(int(need * args.pool_fraction), -(-max_len // args.page_size))
     host = args.host_pages if args.host_pages is not None else 4 * pool
@@ -94,7 +98,8 @@ def main(argv: list[str] | None = None) -> None:
               f"--engine.max_seqs={args.max_seqs}", *args.engine_flags.split()]
     sides = {"recompute": common + ["--engine.preemption=recompute"],
              "swap": common + ["--engine.preemption=swap", f"--engine.host_kv_pages={host}"]}
-    print(f"{args.prompts} prompts, {args.min_new}-{args.max_new} new tokens, {args.preset}; device pool {pool} pages "
+    print(f"{args.prompts} prompts of {args.min_prompt}-{args.max_prompt} tokens, {args.min_new}-{args.max_new} new tokens, "
+          f"{args.preset}; device pool {pool} pages "
           f"of {args.page_size} ({args.pool_fraction:.0%} of {need} for {args.max_seqs} sequences of {mean_len}); "
           f"host pool {host} pages", flush=True)
     walls: dict[str, list[float]] = {s: [] for s in sides}
