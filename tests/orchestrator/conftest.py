@@ -66,6 +66,20 @@ def write_run_corpus(path, num_prompts: int, seed: int = 0) -> str:
     return str(path)
 
 
+def poison_batch(run_dir, batch_id: str = "b000001"):
+    """Make a planned batch's first prompt end in a token id beyond the vocabulary, so its slice refuses the batch
+    every time (a deterministic fault, failed at once). Returns the batch's original table, to repair it with."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = run_dir / "batches" / f"{batch_id}.parquet"
+    good = pq.read_table(path)
+    ids = good["token_ids"].to_pylist()
+    ids[0] = ids[0][:-1] + [10**6]
+    pq.write_table(good.set_column(2, "token_ids", pa.array(ids, good.schema.field("token_ids").type)), path)
+    return good
+
+
 @pytest.fixture(scope="session")
 def run_model(tmp_path_factory) -> str:
     """The tiny-llama preset as `pagefleet init-model` writes it (real weights, tokenizer, chat template)."""

@@ -14,7 +14,7 @@ from orchestrator.run.lock import RunLock
 from orchestrator.run.manifest import BatchRecord, write_manifest
 from orchestrator.run.rundir import RunDir
 
-from ..conftest import run_args, tracker_summaries, write_run_corpus
+from ..conftest import poison_batch, run_args, tracker_summaries, write_run_corpus
 
 EARLIER = [  # an earlier session's timeline buckets, with every counter the figures sum
     {"t": 1.0, "steps": 3, "tokens_per_s": 1.0, "occupancy": 0.5, "device_s": 0.5, "host_s": 0.25, "slice": "slice-0",
@@ -106,9 +106,6 @@ def test_run_summary_wandb_summary_and_status_json_agree(ray_local, run_model, t
     the tracker (W&B's run summary) and `pagefleet status --json` agree exactly on every figure they share. (They
     were computed twice: the driver rounded tokens/s, occupancy and engine time, and took tokens/s at another
     instant than the one progress.json holds.)"""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     from orchestrator.config import load_run_config
     from orchestrator.plan.planner import plan
     from orchestrator.run.driver import Driver
@@ -117,11 +114,7 @@ def test_run_summary_wandb_summary_and_status_json_agree(ray_local, run_model, t
     run_dir = tmp_path / "run"
     cfg = load_run_config(None, run_args(run_model, corpus, run_dir, "--cluster.num_slices=1"))
     plan(cfg)
-    bad = run_dir / "batches" / "b000001.parquet"
-    table = pq.read_table(bad)
-    ids = table["token_ids"].to_pylist()
-    ids[0] = ids[0][:-1] + [10**6]  # beyond the vocabulary: a deterministic fault, failed at once
-    pq.write_table(table.set_column(2, "token_ids", pa.array(ids, table.schema.field("token_ids").type)), bad)
+    poison_batch(run_dir)  # b000001 fails at once
     (run_dir / "timeline.jsonl").write_text("".join(json.dumps(b) + "\n" for b in EARLIER))
     tracked = tracker_summaries(monkeypatch)
 

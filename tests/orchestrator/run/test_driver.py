@@ -21,7 +21,7 @@ from orchestrator.plan.planner import plan
 from orchestrator.run.run_events import SlicesReady, SliceStarted
 from orchestrator.observe.status import format_status, status
 
-from ..conftest import run_args, tracker_summaries, write_run_corpus
+from ..conftest import poison_batch, run_args, tracker_summaries, write_run_corpus
 
 pytestmark = pytest.mark.ray
 
@@ -171,11 +171,7 @@ def test_failing_batch_ends_failed_and_is_not_retried(ray_local, run_model, tmp_
     run_dir = tmp_path / "run"
     cfg = load_run_config(None, run_args(run_model, corpus, run_dir, "--retry.max_attempts=2"))
     plan(cfg)
-    bad = run_dir / "batches" / "b000001.parquet"
-    good = pq.read_table(bad)
-    ids = good["token_ids"].to_pylist()
-    ids[0] = ids[0][:-1] + [10**6]  # beyond the vocabulary: the slice refuses it, every time
-    pq.write_table(good.set_column(2, "token_ids", pa.array(ids, good.schema.field("token_ids").type)), bad)
+    good = poison_batch(run_dir)  # the slice refuses b000001, every time
 
     outcome = Driver(cfg, show_progress=False).run()
     assert outcome.exit_code == 1
@@ -191,7 +187,7 @@ def test_failing_batch_ends_failed_and_is_not_retried(ray_local, run_model, tmp_
 
     # A rerun retries only the failed batch; once its input is repaired, the run completes.
     stamps = {p.name: p.stat().st_mtime_ns for p in (run_dir / "outputs").iterdir()}
-    pq.write_table(good, bad)
+    pq.write_table(good, run_dir / "batches" / "b000001.parquet")
     before = (run_dir / "events.log").read_text().count("\n")
     assert Driver(cfg, show_progress=False).run().exit_code == 0
     new_events = (run_dir / "events.log").read_text().splitlines()[before:]
