@@ -21,6 +21,7 @@ _LAZY = {
     "ModelConfig": "engine.model_config",
     "UnsupportedModelError": "engine.model_config",
     "PRESETS": "engine.presets",
+    "Preset": "engine.presets",
     "write_model": "engine.presets",
     "load_tokenizer": "engine.tokenizer_cache",
     "has_tokenizer": "engine.tokenizer_cache",

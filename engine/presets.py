@@ -165,14 +165,18 @@ PRESETS: dict[str, Preset] = {
 """Built-in presets by name. All use grouped-query attention."""
 
 
-def write_model(preset: str, output: str | os.PathLike, seed: int = 0) -> pathlib.Path:
-    """Write preset `preset` with weights drawn from `seed` into directory `output` (created).
+def write_model(preset: str | Preset, output: str | os.PathLike, seed: int = 0) -> pathlib.Path:
+    """Write preset `preset` (a name in PRESETS, or a `Preset` of its own shape) with weights drawn from
+    `seed` into directory `output` (created).
 
     Same (preset, seed) gives byte-identical files. Returns the output directory.
     """
-    if preset not in PRESETS:
+    if isinstance(preset, Preset):
+        spec = preset
+    elif preset in PRESETS:
+        spec = PRESETS[preset]
+    else:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(sorted(PRESETS))}")
-    spec = PRESETS[preset]
     out = pathlib.Path(output)
     out.mkdir(parents=True, exist_ok=True)
     pipeline = "qwen2" if spec.family == "qwen2" else "byte_level"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -181,3 +182,17 @@ def test_llama_40m_loads_in_transformers(tmp_path: pathlib.Path) -> None:
     model = _load(path)
     assert sum(p.numel() for p in model.parameters()) == PRESETS["llama-40m"].num_parameters
     assert len(AutoTokenizer.from_pretrained(path)) == 8192
+
+
+def test_write_model_takes_a_preset_of_its_own_shape(tmp_path):
+    """A `Preset` that is not built in (a benchmark's own shape) writes the same files as a named one."""
+    from engine import Preset
+
+    shape = dataclasses.replace(PRESETS["tiny-llama"], num_hidden_layers=3)
+    out = write_model(shape, tmp_path / "own", seed=0)
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_hidden_layers"] == 3
+    assert isinstance(shape, Preset)
+    same = write_model(PRESETS["tiny-llama"], tmp_path / "object", seed=0)
+    named = write_model("tiny-llama", tmp_path / "named", seed=0)
+    assert (same / "model.safetensors").read_bytes() == (named / "model.safetensors").read_bytes()
