@@ -68,7 +68,9 @@ class EngineConfig:
     pages are swapped to under engine.preemption `swap` or `auto`, and, with engine.prefix_caching, that cached
     prefix pages the device reclaims spill to (a later prompt with that prefix pages them back in instead of
     recomputing them; swapped pages take precedence over spilled ones); 0 turns it off (preemption recomputes
-    and reclaimed prefix pages are dropped, as without it). Each page takes as many bytes as a device page."""
+    and reclaimed prefix pages are dropped, as without it). Each page takes as many bytes as a device page,
+    taken only as the pool fills; a pool that would not fit in the host memory available when the engine starts
+    is refused then, naming the most pages that fit (on a cluster, each slice checks its own hosts)."""
     preemption: Literal["recompute", "swap", "auto"] = "recompute"
     """What a sequence preempted for lack of pages keeps: `recompute` drops its pages and recomputes its tokens
     later; `swap` copies its pages to the host pool and back before its next step (nothing recomputed, the same

@@ -18,6 +18,29 @@ import numpy as np
 Key = tuple[tuple[int, int], ...]  # a shard's [start, stop) in every dimension after the first (pages x layers)
 
 
+class HostPoolTooLarge(ValueError):
+    """engine.host_kv_pages asks for more host memory than this host has available: a configuration error that
+    every start would meet again."""
+
+
+def check_fits(num_pages: int, page_bytes: int) -> None:
+    """Raise HostPoolTooLarge when `num_pages` host pages of `page_bytes` (this host's shards of a page) would not
+    fit in the memory this host has available now. The pool maps its pages lazily, so without this check a pool
+    too large for the host would start and fail only when it fills, hours into a run, with the host's memory."""
+    from engine.machine_sizing import mem_available_bytes
+
+    try:
+        available = mem_available_bytes()
+    except (OSError, RuntimeError):  # no /proc/meminfo (not Linux): nothing to check against
+        return
+    if num_pages * page_bytes > available:
+        gib = 2**30
+        raise HostPoolTooLarge(
+            f"engine.host_kv_pages={num_pages:,} takes {num_pages * page_bytes / gib:,.1f} GiB of host memory when "
+            f"full ({page_bytes / 2**20:.2f} MiB a page on this host), more than the {available / gib:.1f} GiB it "
+            f"has available; set engine.host_kv_pages to at most {available // page_bytes:,}")
+
+
 def shard_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> Key:
     """A shard's place in every dimension but the first, which a page pool never splits."""
     return tuple(s.indices(n)[:2] for s, n in zip(index[1:], shape[1:]))
@@ -29,11 +52,16 @@ class HostShards:
         self.num_layers, self.num_pages = num_layers, num_pages
         self._dims = tuple(pool_shape[1:])  # the whole pool's, every host's shards together
         self.shards: dict[Key, np.ndarray] = {}
+        keys = []
         for index in sharding.addressable_devices_indices_map(pool_shape).values():
             assert index[0].indices(pool_shape[0])[:2] == (0, pool_shape[0]), "a KV pool sharded over its pages"
-            key = shard_key(index, pool_shape)
-            # np.zeros maps untouched pages lazily: an unused host pool costs no memory.
-            self.shards.setdefault(key, np.zeros((num_layers * num_pages, *(b - a for a, b in key)), dtype))
+            if (key := shard_key(index, pool_shape)) not in keys:
+                keys.append(key)
+        if num_pages:
+            check_fits(num_pages, num_layers * np.dtype(dtype).itemsize * sum(
+                int(np.prod([b - a for a, b in key])) for key in keys))
+        for key in keys:  # np.zeros maps untouched pages lazily: an unused host pool costs no memory
+            self.shards[key] = np.zeros((num_layers * num_pages, *(b - a for a, b in key)), dtype)
 
     def rows(self, host_pages: np.ndarray) -> np.ndarray:
         """Rows holding `host_pages` in every layer, layer-major (the order of a gathered block of pages)."""

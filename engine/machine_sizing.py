@@ -69,12 +69,13 @@ def this_machine() -> Machine:
 
     device = jax.devices()[0]
     if device.platform == "cpu":
-        return Machine("cpu", _mem_available_bytes())
+        return Machine("cpu", mem_available_bytes())
     stats = device.memory_stats() or {}
     return Machine("accelerator", int(stats.get("bytes_limit", 0)))
 
 
-def _mem_available_bytes() -> int:
+def mem_available_bytes() -> int:
+    """Host memory available now (MemAvailable of /proc/meminfo); raises RuntimeError where there is none."""
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):

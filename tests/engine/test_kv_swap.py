@@ -175,3 +175,17 @@ def test_a_page_in_of_pages_in_flight_reads_nothing_back(memory_kind, monkeypatc
     kv.finish_page_outs()
     np.testing.assert_array_equal(_bits(kv.host_pool[kv._host_rows(np.array([3]))]),
                                   _bits(before[np.arange(CFG.num_layers) * 6 + 2]))
+
+
+def test_a_host_pool_larger_than_the_hosts_memory_is_refused_naming_the_key():
+    """The host pool maps its pages lazily, so a pool too large for the host would start and fail only when
+    it fills; it is refused at once, as a configuration error that names engine.host_kv_pages and its bound."""
+    from engine import HostPoolTooLarge
+    from engine.machine_sizing import mem_available_bytes
+
+    page_bytes = CFG.num_layers * 4 * 2 * CFG.num_kv_heads * CFG.head_dim * 4  # page_size 4, float32
+    too_many = 2 * mem_available_bytes() // page_bytes
+    with pytest.raises(HostPoolTooLarge, match=r"engine\.host_kv_pages=[\d,]+ takes .* GiB .* at most [\d,]+$"):
+        KVCache(CFG, 4, 4, TransferLedger(), host_pages=too_many)
+    kv = KVCache(CFG, 4, 4, TransferLedger(), host_pages=mem_available_bytes() // page_bytes // 4)
+    assert kv.num_host_pages > 0  # a pool that fits starts, and costs nothing until it fills

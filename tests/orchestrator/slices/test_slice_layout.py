@@ -86,17 +86,21 @@ def test_a_mesh_the_model_cannot_use_ends_the_run_before_any_slice(run_model, tm
 
 
 @pytest.mark.ray
-def test_a_slice_that_meets_a_mesh_error_is_not_restarted(ray_local, run_model, tmp_path, monkeypatch):
-    """Were the head's check missed, the slice's own sharding error is still a configuration error: the run
-    stops on it at the first start, with no restart."""
+@pytest.mark.parametrize("flags, names", [
+    (("--cluster.devices_per_host=3", "--cluster.mesh={model: 3}"), "cluster.mesh.model=3"),
+    (("--engine.preemption=swap", "--engine.host_kv_pages=1000000000000"), "engine.host_kv_pages=1,000,000,000,000"),
+], ids=["mesh", "host-pool"])
+def test_a_slice_that_meets_a_configuration_error_is_not_restarted(ray_local, run_model, tmp_path, monkeypatch,
+                                                                    flags, names):
+    """A configuration error that only a slice can see (the host's memory) or that the head's check missed (a
+    mesh the model cannot be sharded over) stops the run at the first start, with no restart, naming the key."""
     monkeypatch.setattr(driver_module, "validate", lambda cfg: None)
     corpus = write_run_corpus(tmp_path / "corpus.jsonl", 4)
     run_dir = tmp_path / "run"
-    config = load_run_config(None, run_args(run_model, corpus, run_dir, "--cluster.num_slices=1",
-                                            "--cluster.devices_per_host=3", "--cluster.mesh={model: 3}",
+    config = load_run_config(None, run_args(run_model, corpus, run_dir, "--cluster.num_slices=1", *flags,
                                             "--cluster.max_slice_restarts=3"))
     outcome = Driver(config, show_progress=False).run()
-    assert outcome.exit_code == exit_codes.FAULT and "cluster.mesh.model=3" in outcome.fault
+    assert outcome.exit_code == exit_codes.FAULT and names in outcome.fault, outcome.fault
     events = (run_dir / "events.log").read_text()
     assert "slice-0 could not start" in events and "restarting cannot help" in events
     assert "slice-0 restarting" not in events
