@@ -37,7 +37,7 @@ _LAZY = {
     "SIZED_KEYS": "engine.machine_sizing",
     "check_checkpoint": "engine.checkpoint_check",
     "CheckpointError": "engine.checkpoint_check",
-    "HostPoolTooLarge": "engine.host_pool",
+    "PoolTooLarge": "engine.host_pool",
     "NON_FINITE_ERROR": "engine.engine",
     "prefix_cache_summary": "engine.stats",
     "host_kv_summary": "engine.stats",

@@ -19,7 +19,8 @@ class EngineConfig:
     page_size: int = 16
     """Tokens per KV page."""
     max_pages: int = 1024
-    """Pages in the KV pool (shared by every live sequence)."""
+    """Pages in the KV pool (shared by every live sequence). A pool larger than the memory it goes in (the
+    device's; on CPU the host's available memory) is refused when the engine starts, naming this key."""
     max_seqs: int = 32
     """Sequences decoded at once (slots)."""
     max_seqs_in_prefill: int | None = None

@@ -18,15 +18,15 @@ import numpy as np
 Key = tuple[tuple[int, int], ...]  # a shard's [start, stop) in every dimension after the first (pages x layers)
 
 
-class HostPoolTooLarge(ValueError):
-    """engine.host_kv_pages asks for more host memory than this host has available: a configuration error that
-    every start would meet again."""
+class PoolTooLarge(ValueError):
+    """A KV pool (engine.max_pages on the device, engine.host_kv_pages on the host) larger than the memory it
+    goes in: a configuration error that every start would meet again."""
 
 
-def check_fits(num_pages: int, page_bytes: int) -> None:
-    """Raise HostPoolTooLarge when `num_pages` host pages of `page_bytes` (this host's shards of a page) would not
-    fit in the memory this host has available now. The pool maps its pages lazily, so without this check a pool
-    too large for the host would start and fail only when it fills, hours into a run, with the host's memory."""
+def check_fits(key: str, num_pages: int, page_bytes: int) -> None:
+    """Raise PoolTooLarge, naming `key`, when `num_pages` pages of `page_bytes` (this process's shards of a page)
+    would not fit in the host memory available now. The host pool maps its pages lazily, so without this check a
+    pool too large for the host would start and fail only when it fills, hours into a run."""
     from engine.machine_sizing import mem_available_bytes
 
     try:
@@ -35,10 +35,15 @@ def check_fits(num_pages: int, page_bytes: int) -> None:
         return
     if num_pages * page_bytes > available:
         gib = 2**30
-        raise HostPoolTooLarge(
-            f"engine.host_kv_pages={num_pages:,} takes {num_pages * page_bytes / gib:,.1f} GiB of host memory when "
-            f"full ({page_bytes / 2**20:.2f} MiB a page on this host), more than the {available / gib:.1f} GiB it "
-            f"has available; set engine.host_kv_pages to at most {available // page_bytes:,}")
+        raise PoolTooLarge(
+            f"{key}={num_pages:,} takes {num_pages * page_bytes / gib:,.1f} GiB of host memory "
+            f"({page_bytes / 2**20:.2f} MiB a page on this host), more than the {available / gib:.1f} GiB it has "
+            f"available; set {key} to at most {available // page_bytes:,}")
+
+
+def shard_bytes(keys, num_layers: int, dtype) -> int:
+    """Bytes of one page (every layer) in the shards `keys`."""
+    return num_layers * np.dtype(dtype).itemsize * sum(int(np.prod([b - a for a, b in key])) for key in keys)
 
 
 def shard_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> Key:
@@ -58,8 +63,7 @@ class HostShards:
             if (key := shard_key(index, pool_shape)) not in keys:
                 keys.append(key)
         if num_pages:
-            check_fits(num_pages, num_layers * np.dtype(dtype).itemsize * sum(
-                int(np.prod([b - a for a, b in key])) for key in keys))
+            check_fits("engine.host_kv_pages", num_pages, shard_bytes(keys, num_layers, dtype))
         for key in keys:  # np.zeros maps untouched pages lazily: an unused host pool costs no memory
             self.shards[key] = np.zeros((num_layers * num_pages, *(b - a for a, b in key)), dtype)
 

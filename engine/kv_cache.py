@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from haliax import NamedArray
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
-from engine.host_pool import HostShards
+from engine.host_pool import HostShards, PoolTooLarge, check_fits, shard_bytes, shard_key
 from engine.model import kv_pool_axes
 from engine.model_config import ModelConfig
 from engine.transfers import TransferLedger
@@ -51,7 +51,7 @@ class KVCache:
                           else NamedSharding(mesh, partition_spec(self._axes, mesh)))
         # A block of gathered pages is sharded as the pool is (every host then holds its own pages' shards).
         self._block_sharding = None if mesh is None else self._sharding
-        self.pool: NamedArray = self._zeros()
+        self.pool: NamedArray = self._allocate()
         devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
         self.memory_kind = host_memory_kind(devices) if memory_kind is True else memory_kind
         self._host_sharding = (None if self.memory_kind is None
@@ -75,6 +75,25 @@ class KVCache:
         """The whole host pool, where this process holds it in one shard (no mesh, or no `model` axis)."""
         (shard,) = self.host.shards.values()
         return shard
+
+    def _allocate(self) -> NamedArray:
+        """The zeroed pool. One the memory cannot hold is a PoolTooLarge naming engine.max_pages: on the CPU,
+        checked against the host's available memory first (zeroing a pool too large for it would have the
+        kernel kill the process); elsewhere, when the device refuses the allocation."""
+        shape = tuple(a.size for a in self._axes)
+        per_device = [shard_key(index, shape) for index in self._sharding.addressable_devices_indices_map(shape).values()]
+        page_bytes = shard_bytes(per_device, shape[0] // self.num_pages, self._dtype)  # every device holds its own
+        if all(d.platform == "cpu" for d in self._sharding.addressable_devices):
+            check_fits("engine.max_pages", self.num_pages, page_bytes)
+        try:
+            return self._zeros()
+        except jax.errors.JaxRuntimeError as err:
+            if "RESOURCE_EXHAUSTED" not in str(err):
+                raise
+            raise PoolTooLarge(
+                f"engine.max_pages={self.num_pages:,} takes {self.num_pages * page_bytes / 2**30:,.1f} GiB on this "
+                f"host's devices, more than they can allocate ({str(err).splitlines()[0]}); set engine.max_pages or "
+                "engine.kv_memory_gib lower") from err
 
     def _zeros(self) -> NamedArray:
         shape = tuple(a.size for a in self._axes)

@@ -163,7 +163,7 @@ class SliceGang:
             try:
                 self._infos[host] = ray.get(ref)
             except ray.exceptions.RayError as e:
-                from engine import CheckpointError, HostPoolTooLarge, MeshError
+                from engine import CheckpointError, PoolTooLarge, MeshError
                 from engine import UnsupportedModelError
                 from orchestrator.run.batch_files import RunDirUnreachable
 
@@ -172,7 +172,7 @@ class SliceGang:
                 # it cannot see, a host KV pool larger than the host's memory): every slice and every restart would
                 # fail the same way.
                 fatal = isinstance(cause, (CheckpointError, MeshError, UnsupportedModelError, RunDirUnreachable,
-                                           HostPoolTooLarge))
+                                           PoolTooLarge))
                 return GangEvent("failed", reason=f"could not start: {cause if fatal else _error_text(e)}", fatal=fatal)
             if self._starting:
                 return GangEvent("waiting")

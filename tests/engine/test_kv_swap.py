@@ -180,12 +180,28 @@ def test_a_page_in_of_pages_in_flight_reads_nothing_back(memory_kind, monkeypatc
 def test_a_host_pool_larger_than_the_hosts_memory_is_refused_naming_the_key():
     """The host pool maps its pages lazily, so a pool too large for the host would start and fail only when
     it fills; it is refused at once, as a configuration error that names engine.host_kv_pages and its bound."""
-    from engine import HostPoolTooLarge
+    from engine import PoolTooLarge
     from engine.machine_sizing import mem_available_bytes
 
     page_bytes = CFG.num_layers * 4 * 2 * CFG.num_kv_heads * CFG.head_dim * 4  # page_size 4, float32
-    too_many = 2 * mem_available_bytes() // page_bytes
-    with pytest.raises(HostPoolTooLarge, match=r"engine\.host_kv_pages=[\d,]+ takes .* GiB .* at most [\d,]+$"):
+    too_many = 4 * mem_available_bytes() // page_bytes
+    with pytest.raises(PoolTooLarge, match=r"engine\.host_kv_pages=[\d,]+ takes .* GiB .* at most [\d,]+$"):
         KVCache(CFG, 4, 4, TransferLedger(), host_pages=too_many)
     kv = KVCache(CFG, 4, 4, TransferLedger(), host_pages=mem_available_bytes() // page_bytes // 4)
     assert kv.num_host_pages > 0  # a pool that fits starts, and costs nothing until it fills
+
+
+def test_a_device_pool_larger_than_the_memory_is_refused_naming_the_key(monkeypatch):
+    """On the CPU the device pool is host memory, zeroed at start: one too large for it is refused before the
+    allocation (which would fail, or have the kernel kill the process), naming engine.max_pages. Where there is
+    no such check (an accelerator), the device's own refusal becomes the same error."""
+    import engine.kv_cache
+    from engine import PoolTooLarge
+    from engine.machine_sizing import mem_available_bytes
+
+    page_bytes = CFG.num_layers * 4 * 2 * CFG.num_kv_heads * CFG.head_dim * 4
+    with pytest.raises(PoolTooLarge, match=r"^engine\.max_pages=[\d,]+ takes .* at most [\d,]+$"):
+        KVCache(CFG, 4 * mem_available_bytes() // page_bytes, 4, TransferLedger())
+    monkeypatch.setattr(engine.kv_cache, "check_fits", lambda *args: None)
+    with pytest.raises(PoolTooLarge, match=r"^engine\.max_pages=[\d,]+ takes .*RESOURCE_EXHAUSTED.*kv_memory_gib lower$"):
+        KVCache(CFG, 1 << 40, 4, TransferLedger())
