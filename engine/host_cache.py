@@ -2,7 +2,7 @@
 
 When the device allocator reclaims cached pages (its evictable LRU set, engine/page_allocator.py), the swapper
 copies them to host pages and records them here; a later prompt whose prefix reaches such a page pages it back
-in instead of computing it again (engine/scheduler.py's admission). Bookkeeping only: the data is the runner's
+in instead of computing it again (engine/prefix_cache.py, at admission). Bookkeeping only: the data is the runner's
 (KVCache's host pool), and the swapper, part of the scheduler, is the only caller.
 
 A host entry is keyed `(parent uid, token ids)`: the uid (engine/page_allocator.py) of the page holding the

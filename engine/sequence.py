@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from engine.capacity import pages_for
 from engine.config import SamplingConfig
 from engine.stop import StopChecker, StopDecision
 
@@ -85,3 +86,7 @@ class Sequence:
         token at p + 1, and no sample generates past sampling.max_new_tokens."""
         generated = len(self.token_ids) - self.num_prompt_tokens
         return min(self.request.sampling.max_new_tokens - generated, max_seq_len - len(self.token_ids) + 1)
+
+    def pages_short(self, num_tokens: int, page_size: int) -> int:
+        """Pages the sequence lacks to hold `num_tokens` tokens past its computed ones."""
+        return max(0, pages_for(self.num_computed + num_tokens, page_size) - len(self.pages))

@@ -18,7 +18,7 @@ the step, is staged instead: its device pages are mapped and its page-ins issued
 `page_in_hits` with `ahead`: the SchedulerOutput's `swap_in_ahead`), so the copies run behind this step's
 compute; it stays at its place in the queue and is admitted in a later step (`admit`), the first that reads
 the pages. A staged swapped-out sequence keeps its host pages until then. With nothing else to run, or no
-room to stage (engine/scheduler.py), a page-in is issued in the step that needs it.
+room to stage (engine/staging.py), a page-in is issued in the step that needs it.
 
 The copies are the runner's: a step's SchedulerOutput lists the page-outs (run before the step, which may reuse
 the freed pages) and then the page-ins. A host page a page-in reads is freed only when the step's copies are

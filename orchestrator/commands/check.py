@@ -83,8 +83,8 @@ def run_check(config_path: str, overrides: list[str], target: str | None) -> str
 
     chip = target.removeprefix("tpu-") if target != "cpu" else None
     tp = cfg.cluster.mesh.get("model", 1)
-    # The engine's mesh (orchestrator/slices/slice.py): an SPMD multi-host slice's every device; else `tp` devices of
-    # one host, for each of the slice's cluster.mesh.data engines.
+    # The engine's mesh (orchestrator/slices/slice_spec.py's engine_mesh): an SPMD multi-host slice's every
+    # device; else `tp` devices of one host, for each of the slice's cluster.mesh.data engines.
     from orchestrator.slices.cluster import engines_per_slice, host_level
 
     cluster = cfg.cluster

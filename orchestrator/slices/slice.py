@@ -8,6 +8,10 @@ runs the engine and feeds it: the next queued batch enters the engine as soon as
 requests have all been admitted, so the engine stays full across batch boundaries. A slice never
 writes the run directory and never talks to the tracker; what it measured travels back with its
 results.
+
+This file is the actor and its engine thread; its parts: the spec and the engine's mesh (slice_spec.py), the
+batches in the engine and their results (slice_batches.py), the timeline (slice_timeline.py), the inbox
+(slice_inbox.py).
 """
 
 from __future__ import annotations
@@ -19,69 +23,14 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 
-import pyarrow as pa
-
-from engine import RECORD_FIELDS, EngineConfig, SamplingConfig, host_kv_counters, transfer_counters
 from orchestrator.run.batch_files import BatchFileError, check_reachable, on_hosts, prefetch
-from orchestrator.slices.cluster import engines_per_host, host_level
 from orchestrator.run.faults import crash_point
-from orchestrator.run.results import SAMPLE_SCHEMA, BatchStats, BatchWork, Completed, Failed, Result, with_stats
-from orchestrator.plan.row_sampling import apply
+from orchestrator.run.results import BatchWork, Failed, Result
+from orchestrator.slices.slice_batches import LiveBatches, batch_requests, batch_result
 from orchestrator.slices.slice_inbox import Inbox
-
-TIMELINE_BUCKET_S = 1.0
-
-
-@dataclass(frozen=True)
-class SliceSpec:
-    """Everything a slice needs to build its engine (plain data, sent to the actor)."""
-
-    name: str
-    model_path: str
-    tokenizer_path: str
-    dtype: str
-    engine: EngineConfig
-    sampling: SamplingConfig
-    mesh: dict[str, int] = field(default_factory=lambda: {"model": 1})
-    num_hosts: int = 1
-    """Host processes of this slice; more than one runs the engine as one SPMD program across them."""
-    host_index: int = 0
-    """This host's place in the slice; host 0 is the jax.distributed coordinator and returns the results."""
-    devices_per_host: int | None = None
-    """CPU slices: XLA host devices this process exposes."""
-    model_cache_dir: str | None = None
-    """model.cache_dir: where a gs:// checkpoint is copied on this host before loading."""
-    batches_dir: str | None = None
-    """The run directory's batches/, checked at start: a host that cannot see it fails the slice's start."""
-    device_offset: int = 0
-    """An engine of a data-parallel slice: its first device on this host (it runs on [offset, offset + model))."""
-
-    @property
-    def engines(self) -> int:
-        """Independent engines in this host's process (orchestrator.slices.cluster.engines_per_host)."""
-        return engines_per_host(self.mesh, self.num_hosts)
-
-    @property
-    def spmd(self) -> bool:
-        """Several hosts running one engine as one SPMD program (jax.distributed); not so for host-level data
-        parallelism, where every host is an independent JAX process with engines of its own."""
-        return self.num_hosts > 1 and not host_level(self.mesh, self.num_hosts)
-
-
-@dataclass
-class _Live:
-    """A batch whose requests are in the engine."""
-
-    work: BatchWork
-    prompts: pa.Table  # the batch file: prompt_id, row, token_ids (and passthrough, sampling)
-    expected: int
-    started: float
-    done: dict[tuple[str, int], object] = field(default_factory=dict)
-    steps: int = 0
-    seq_steps: int = 0  # sum over its steps of live sequences in the engine
-    max_pages: int = 0
+from orchestrator.slices.slice_spec import SliceSpec, engine_mesh
+from orchestrator.slices.slice_timeline import Timeline
 
 
 class SliceWorker:
@@ -103,17 +52,13 @@ class SliceWorker:
         self._fatal: str | None = None
         self._thread: threading.Thread | None = None
         self.engine = None
-        self._live: dict[str, _Live] = {}
-        self._owner: dict[tuple[str, int], str] = {}  # (prompt_id, generation_index) -> batch_id
-        self._timeline: list[dict] = []
+        self._batches = LiveBatches()
+        self._timeline = Timeline(spec.engine.max_seqs)
         self.steps = 0  # engine steps taken: the head's sign of life for this slice
         self.samples_finished = 0
         """Samples sent here that left the slice's work: finished by the engine, or in a batch that failed.
         Only grows (written by the engine thread alone)."""
         self._woken_at: int | None = None  # the head's last `wake_at` that woke it
-        # The timeline bucket being filled: start (the first step's), steps, tokens, live sequences summed over
-        # steps. Closed after TIMELINE_BUCKET_S, and whenever a result leaves: every step is in one bucket.
-        self._bucket = [0.0, 0, 0, 0]
 
     # -- called by the head ----------------------------------------------------------------------
 
@@ -169,7 +114,8 @@ class SliceWorker:
     def _start_engine(self, model_path: str, tokenizer) -> None:
         from engine import Engine
 
-        self.engine = Engine(model_path, self.spec.engine, dtype=self.spec.dtype, mesh=self._mesh(), tokenizer=tokenizer)
+        mesh = engine_mesh(self.spec, lane=self._parent is not None)
+        self.engine = Engine(model_path, self.spec.engine, dtype=self.spec.dtype, mesh=mesh, tokenizer=tokenizer)
         name = f"{self.spec.name}-engine" + (f"-{self._lane}" if self._parent else "")
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -216,24 +162,6 @@ class SliceWorker:
         self._stop.set()
 
     # -- the engine thread -----------------------------------------------------------------------
-
-    def _mesh(self):
-        width, first = self.spec.mesh.get("model", 1), self.spec.device_offset
-        if self.spec.spmd:
-            from engine import slice_mesh
-
-            return slice_mesh(width)  # every device of every host: one SPMD program
-        if width == 1 and self._parent is None:
-            return None
-        import jax
-        import numpy as np
-        from jax.sharding import Mesh
-
-        devices = jax.devices()
-        if len(devices) < first + width:
-            raise ValueError(f"cluster.mesh data={self.spec.engines} x model={width} needs {self.spec.engines * width} "
-                             f"devices but this host has {len(devices)}; lower the mesh or set cluster.devices_per_host")
-        return Mesh(np.asarray(devices[first:first + width]).reshape(1, width), ("data", "model"))
 
     def _run(self) -> None:
         try:
@@ -286,8 +214,6 @@ class SliceWorker:
         return None
 
     def _start(self, item: tuple[BatchWork, object]) -> None:
-        from engine import Request
-
         work, loaded = item  # the batch and its prompts as read when it arrived (or the read's error)
         sampling = self.spec.sampling
         try:
@@ -296,12 +222,7 @@ class SliceWorker:
             self.samples_finished += work.num_prompts * sampling.n
             self._emit(Failed(work.batch_id, work.attempt, self.spec.name, str(e), deterministic=e.deterministic))
             return
-        ids = prompts.column("prompt_id").to_pylist()
-        own = (prompts.column("sampling").to_pylist() if "sampling" in prompts.column_names
-               else [None] * len(ids))  # each row's own sampling overrides (validated when planned)
-        requests = [Request(pid, tuple(tokens), apply(sampling, overrides), generation_index=g)
-                    for pid, tokens, overrides in zip(ids, prompts.column("token_ids").to_pylist(), own)
-                    for g in range(sampling.n)]
+        requests = batch_requests(prompts, sampling)
         for r in requests[::sampling.n]:
             error = self.engine.validate(r)
             if error is not None:
@@ -309,9 +230,8 @@ class SliceWorker:
                 self._emit(Failed(work.batch_id, work.attempt, self.spec.name, f"prompt {r.prompt_id!r}: {error}",
                                   deterministic=True))
                 return
-        self._live[work.batch_id] = _Live(work, prompts, len(requests), time.time())
+        self._batches.add(work, prompts, requests)
         for r in requests:
-            self._owner[(r.prompt_id, r.generation_index)] = work.batch_id
             self.engine.add_request(r)
 
     def _step(self) -> None:
@@ -320,33 +240,21 @@ class SliceWorker:
             finished = self.engine.step()
         except Exception:
             error = traceback.format_exc(limit=8)
-            for live in self._live.values():
+            for live in self._batches.drop():
                 self.samples_finished += live.expected - len(live.done)
                 self._emit(Failed(live.work.batch_id, live.work.attempt, self.spec.name, error))
-            self._live.clear()
-            self._owner.clear()
             self.engine.abort()
             return
         self.steps += 1
         stats = self.engine.stats
         live_seqs, tokens = stats.active_seqs[-1], stats.decode_tokens[-1]
-        pages = self.engine.num_pages_in_use  # per step: no scan of the pool
-        for live in self._live.values():
-            live.steps += 1
-            live.seq_steps += live_seqs
-            live.max_pages = max(live.max_pages, pages)
-        self._account(started, live_seqs, tokens)
+        self._batches.count_step(live_seqs, self.engine.num_pages_in_use)  # per step: no scan of the pool
+        self._timeline.add_step(stats, started, live_seqs, tokens)
         self.samples_finished += len(finished)
-        for c in finished:
-            batch = self._live[self._owner.pop((c.prompt_id, c.generation_index))]
-            batch.done[(c.prompt_id, c.generation_index)] = c
-            if len(batch.done) == batch.expected:
-                del self._live[batch.work.batch_id]
-                self._emit(self._completed(batch) if not (errors := [d for d in batch.done.values() if d.error]) else
-                           Failed(batch.work.batch_id, batch.work.attempt, self.spec.name,
-                                  f"prompt {errors[0].prompt_id!r}: {errors[0].error}", deterministic=True))
-                if self.spec.engine.cleanup_mode == "end":  # a batch is this mode's "call"
-                    self.engine.release_finished()
+        for batch in self._batches.finish(finished):
+            self._emit(batch_result(batch, self.spec))
+            if self.spec.engine.cleanup_mode == "end":  # a batch is this mode's "call"
+                self.engine.release_finished()
         if not self.engine.has_unfinished:
             self.engine.settle()  # idle: every page back (the prefix cache kept), the same way on every host
         self._wake_head()
@@ -366,54 +274,10 @@ class SliceWorker:
                 self._woken_at = wake_at
                 self._outbox.put(None)
 
-    def _completed(self, live: _Live) -> Completed:
-        n = self.spec.sampling.n
-        work, prompts = live.work, live.prompts
-        ids, rows = prompts.column("prompt_id").to_pylist(), prompts.column("row").to_pylist()
-        samples = [live.done[(pid, g)] for pid in ids for g in range(n)]
-        columns = {name: [getattr(c, name) for c in samples] for name in RECORD_FIELDS}
-        columns["batch_id"] = [work.batch_id] * len(samples)  # the engine's records carry none
-        columns["row"] = [r for r in rows for _ in range(n)]
-        if "passthrough" in prompts.column_names:  # the row's other columns and typed id (a plan's batch file)
-            columns["passthrough"] = [k for k in prompts.column("passthrough").to_pylist() for _ in range(n)]
-        stats = BatchStats(
-            num_samples=len(samples), num_output_tokens=sum(len(c.token_ids) for c in samples),
-            duration_s=time.time() - live.started, num_steps=live.steps,
-            occupancy=live.seq_steps / max(1, live.steps) / self.spec.engine.max_seqs, max_pages_in_use=live.max_pages)
-        table = pa.Table.from_pydict(columns, schema=SAMPLE_SCHEMA)
-        return Completed(work.batch_id, work.attempt, self.spec.name, with_stats(table, stats), stats)
-
-    def _account(self, started: float, live_seqs: int, tokens: int) -> None:
-        """Fold one step (begun at `started`) into the current timeline bucket."""
-        b = self._bucket
-        if not b[1]:
-            b[0] = started  # a bucket spans steps only: an idle slice's wait is in none
-        b[1] += 1
-        b[2] += tokens
-        b[3] += live_seqs
-        if time.time() - b[0] >= TIMELINE_BUCKET_S:
-            self._close_bucket()
-
-    def _close_bucket(self) -> None:
-        b = self._bucket
-        if b[1]:
-            now = time.time()
-            perf = self.engine.stats.summary(self.spec.engine.max_seqs)  # the bucket's steps: cleared at each close
-            self._timeline.append({"t": now, "steps": b[1], "tokens_per_s": b[2] / max(now - b[0], 1e-9),
-                                   "occupancy": b[3] / b[1] / self.spec.engine.max_seqs,
-                                   "device_s": perf.get("device_s", 0.0), "host_s": perf.get("host_s", 0.0),
-                                   "prefix_cache_query_tokens": perf["prefix_cache_query_tokens"],
-                                   "prefix_cache_hit_tokens": perf["prefix_cache_hit_tokens"],
-                                   **host_kv_counters(perf),
-                                   "decode_tokens": b[2],  # with the transfer counters: their bytes per token
-                                   **transfer_counters(self.engine.stats.device_to_host_bytes,
-                                                       self.engine.stats.host_to_device_bytes)})
-            self._bucket = [0.0, 0, 0, 0]
-            self.engine.stats.clear()  # only the last step is read here: keep a days-long run's memory flat
-
     def _emit(self, result: Result) -> None:
-        self._close_bucket()  # the steps so far travel with this result: a run's last steps are counted too
-        timeline, self._timeline = self._timeline, []  # taken on every host, so that none grows it for days
+        # The steps so far travel with this result (a run's last steps are counted too); taken on every host, so
+        # that none grows its timeline for days.
+        timeline = self._timeline.take(self.engine.stats)
         if self._parent is not None or (self.spec.num_hosts > 1 and not self.spec.spmd):
             # which engine of a data-parallel slice took these steps (numbered across its hosts)
             engine = self.spec.host_index * self.spec.engines + (self._lane if self._parent is not None else 0)
@@ -421,4 +285,3 @@ class SliceWorker:
         if self.spec.spmd and self.spec.host_index != 0:
             return  # every host computed it; host 0 alone returns it
         self._outbox.put(dataclasses.replace(result, timeline=timeline))
-
