@@ -55,8 +55,8 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a sequence; another sample of the newest queued prompt waits to fork from it instead."""
         head = self._last_queued
-        # The newest queued sequence is still waiting (never admitted, nothing generated): O(1) to check,
-        # so queueing a large batch stays linear.
+        # The newest queued sequence is still waiting (never admitted, nothing generated): cheap to check (the
+        # running list holds at most max_seqs), so queueing a large batch stays linear in its size.
         if (head is not None and head.num_computed == 0 and not head.pages
                 and len(head.token_ids) == head.num_prompt_tokens and head not in self.running
                 and head.request.prompt_id == seq.request.prompt_id

@@ -85,11 +85,11 @@ def run_check(config_path: str, overrides: list[str], target: str | None) -> str
     tp = cfg.cluster.mesh.get("model", 1)
     # The engine's mesh (orchestrator/slices/slice_spec.py's engine_mesh): an SPMD multi-host slice's every
     # device; else `tp` devices of one host, for each of the slice's cluster.mesh.data engines.
-    from orchestrator.slices.cluster import engines_per_slice, host_level
+    from orchestrator.slices.cluster import engines_per_slice, spmd
 
     cluster = cfg.cluster
-    spmd = cluster.hosts_per_slice > 1 and not host_level(cluster.mesh, cluster.hosts_per_slice)
-    devices = cluster.hosts_per_slice * (cluster.devices_per_host or tp) if spmd else tp
+    one_program = spmd(cluster.mesh, cluster.hosts_per_slice)
+    devices = cluster.hosts_per_slice * (cluster.devices_per_host or tp) if one_program else tp
     mesh = abstract_mesh(devices, tp, TPUS[chip] if chip else None)
     platform = "tpu" if chip else "cpu"
     engines = engines_per_slice(cluster.mesh, cluster.hosts_per_slice)

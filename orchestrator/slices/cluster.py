@@ -75,6 +75,12 @@ def host_level(mesh: dict[str, int], num_hosts: int) -> bool:
     return num_hosts > 1 and mesh.get("data", 1) > 1
 
 
+def spmd(mesh: dict[str, int], num_hosts: int) -> bool:
+    """Several hosts running one engine as one SPMD program (jax.distributed); not so for host-level data
+    parallelism, where every host is an independent JAX process with engines of its own."""
+    return num_hosts > 1 and not host_level(mesh, num_hosts)
+
+
 def engines_per_host(mesh: dict[str, int], num_hosts: int) -> int:
     """Engines in one host process of the slice."""
     engines = engines_per_slice(mesh, num_hosts)

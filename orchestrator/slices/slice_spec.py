@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine import EngineConfig, SamplingConfig
-from orchestrator.slices.cluster import engines_per_host, host_level
+from orchestrator.slices.cluster import engines_per_host, spmd
 
 
 @dataclass(frozen=True)
@@ -40,9 +40,8 @@ class SliceSpec:
 
     @property
     def spmd(self) -> bool:
-        """Several hosts running one engine as one SPMD program (jax.distributed); not so for host-level data
-        parallelism, where every host is an independent JAX process with engines of its own."""
-        return self.num_hosts > 1 and not host_level(self.mesh, self.num_hosts)
+        """One engine over every host of the slice (orchestrator.slices.cluster.spmd)."""
+        return spmd(self.mesh, self.num_hosts)
 
 
 def engine_mesh(spec: SliceSpec, lane: bool):
