@@ -37,7 +37,7 @@ def check_fits(key: str, num_pages: int, page_bytes: int) -> None:
         gib = 2**30
         raise PoolTooLarge(
             f"{key}={num_pages:,} takes {num_pages * page_bytes / gib:,.1f} GiB of host memory "
-            f"({page_bytes / 2**20:.2f} MiB a page on this host), more than the {available / gib:.1f} GiB it has "
+            f"({page_bytes:,} bytes a page on this host), more than the {available / gib:.1f} GiB it has "
             f"available; set {key} to at most {available // page_bytes:,}")
 
 
