@@ -103,9 +103,10 @@ class RunProgress:
                 f"{self.tokens_per_s:,.1f} tokens/s, ETA " + (f"{eta / 60:,.1f} min" if eta is not None else "unknown"))
         return text + (f"; {self.waiting}" if self.waiting else "")
 
-    def write(self, remaining_prompts: int, force: bool = False, running: bool = True) -> None:
+    def write(self, remaining_prompts: int, force: bool = False, running: bool = True, fault: str | None = None) -> None:
         """Replace progress.json (every PROGRESS_EVERY_S, or now when forced); print a plain line when due, and
-        always for the last write of a session (`running` false), so that a log ends with where the run stands."""
+        always for the last write of a session (`running` false), so that a log ends with where the run stands.
+        `fault`: with the last write, the fault the session stopped on (`pagefleet status` shows it)."""
         if self._lines and (time.monotonic() >= self._next_line or not running):
             self._next_line = time.monotonic() + self._line_every_s
             print(self.line(remaining_prompts), file=self._stream, flush=True)
@@ -121,6 +122,7 @@ class RunProgress:
             "session_output_tokens": self.session_tokens, "tokens_per_s": per_s(self.session_tokens, elapsed_s),
             "prompts_per_s": prompts_per_s, "eta_s": eta_s(remaining_prompts, prompts_per_s),
             "waiting": self.waiting if running else None,
+            "fault": None if running else fault,
         }
         atomic_write_text(self.run_dir.progress, dumps(self.session, indent=1) + "\n")
 

@@ -153,6 +153,7 @@ class RunSummary:
             "eta_s": eta_s(self.prompts - self.prompts_done, self._session("prompts_per_s", None)) if head else None,
             "progress_updated_at": self._session("updated_at", None),
             "waiting": self._session("waiting", None) if head else None,
+            "fault": None if head else self._session("fault", None),
             "mean_occupancy": self.mean_occupancy,
             "engine_time": dict(zip(("device_s", "host_s"), self.engine_time)) if self.engine_time else None,
             "prefix_cache": self.prefix_cache,

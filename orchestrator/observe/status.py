@@ -60,6 +60,8 @@ def format_status(s: dict) -> str:
     if s["tokens_per_s"] is not None:
         age = time.time() - (s["progress_updated_at"] or time.time())
         lines.append(f"throughput     {s['tokens_per_s']:,.1f} tokens/s (latest head session, updated {age:,.0f} s ago)")
+    if s.get("fault"):
+        lines.append(f"stopped on     {s['fault']}")
     if s.get("waiting"):
         lines.append(f"waiting        {s['waiting']}")
     if s["eta_s"] is not None:

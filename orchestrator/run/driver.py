@@ -211,7 +211,7 @@ class Driver:
             if self._fault is None:
                 raise  # with a fault (a full disk), the state written so far is the resume point
         try:  # builds the session's final figures (progress.session) even where the disk refuses them
-            progress.write(state.prompts_not_done, force=True, running=False)
+            progress.write(state.prompts_not_done, force=True, running=False, fault=self._fault)
         except OSError:
             if self._fault is None:
                 raise

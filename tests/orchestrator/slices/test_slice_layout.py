@@ -11,6 +11,7 @@ from orchestrator.run import driver as driver_module
 from orchestrator import exit_codes
 from orchestrator.commands.cli import main
 from orchestrator.config import load_run_config
+from orchestrator.observe.status import format_status, status
 from orchestrator.run.driver import Driver
 from orchestrator.slices.slice_layout import validate
 
@@ -101,6 +102,8 @@ def test_a_slice_that_meets_a_configuration_error_is_not_restarted(ray_local, ru
                                             "--cluster.max_slice_restarts=3"))
     outcome = Driver(config, show_progress=False).run()
     assert outcome.exit_code == exit_codes.FAULT and names in outcome.fault, outcome.fault
+    figures = status(run_dir)  # a user back at a stopped run sees why it stopped, without reading events.log
+    assert figures["fault"] == outcome.fault and f"stopped on     {outcome.fault}" in format_status(figures)
     events = (run_dir / "events.log").read_text()
     assert "slice-0 could not start" in events and "restarting cannot help" in events
     assert "slice-0 restarting" not in events
