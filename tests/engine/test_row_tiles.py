@@ -37,7 +37,8 @@ def test_a_matmul_row_is_the_same_bits_in_any_step(k, n):
             got = np.asarray(tiled(_rows_at(x, m, pos), jnp.int32(m)))[pos]
             alone = got if alone is None else alone
             assert (got == alone).all(), (m, pos)
-            moved.append(not (np.asarray(plain(_rows_at(x, m, pos)))[pos] == np.asarray(plain(x[:1]))[0]).all())
+            if not any(moved):  # one row that moved is enough; at 4096 rows the untiled product costs seconds
+                moved.append(not (np.asarray(plain(_rows_at(x, m, pos)))[pos] == np.asarray(plain(x[:1]))[0]).all())
     assert any(moved), "the untiled product no longer depends on the row count here: the test shows nothing"
 
 

@@ -88,6 +88,44 @@ def run_model(tmp_path_factory) -> str:
     return str(write_model("tiny-llama", tmp_path_factory.mktemp("tiny-llama")))
 
 
+@pytest.fixture(scope="session")
+def run_in_own_process(run_model, tmp_path_factory) -> dict:
+    """`pagefleet run` in a process of its own, as a user's shell starts it: umask 027, its own local Ray (no
+    RAY_ADDRESS, RAY_TMPDIR or TMPDIR), stderr into a file as under `ray job submit`, PAGEFLEET_PROGRESS=1 with a
+    line every 2 s, and four slices on a two-CPU Ray, so that two wait. One such process costs ~20 s on 2 cores, so
+    one run serves every test of what the process shows: its progress lines (observe/test_progress.py), its files'
+    modes and where its Ray session went (run/test_faults_rows_and_files.py). {pid, returncode, stderr, run_dir}."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = tmp_path_factory.mktemp("own-process")
+    corpus = write_run_corpus(root / "corpus.jsonl", 16)
+    config = root / "run.yaml"
+    config.write_text("name: lines\n")
+    run_dir = root / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_TMPDIR", "TMPDIR",
+                                                            "PAGEFLEET_DISK_FULL_AT", "PAGEFLEET_CRASH_AT")}
+    repo = Path(__file__).resolve().parents[2]
+    env.update(PYTHONPATH=str(repo), JAX_PLATFORMS="cpu", RAY_AUTH_MODE="disabled", PAGEFLEET_PROGRESS="1",
+               PAGEFLEET_PROGRESS_EVERY_S="2")
+    # Ray's OpenTelemetry metrics exporter thread has segfaulted the driver here on a loaded machine; no metrics.
+    env["RAY_enable_metrics_collection"] = "0"
+    with open(root / "stderr.txt", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(config),
+                                 *run_args(run_model, corpus, run_dir, "--cluster.num_slices=4")],
+                                cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=err,
+                                preexec_fn=lambda: os.umask(0o027))
+        try:
+            proc.wait(timeout=800)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return {"pid": proc.pid, "returncode": proc.returncode, "stderr": (root / "stderr.txt").read_text(),
+            "run_dir": run_dir}
+
+
 def run_args(model: str, corpus: str, run_dir, *extra: str) -> list[str]:
     """Overrides for a small, quick run: batches of at most 8 prompts, 2 slices, no tracker."""
     return [f"--model.path={model}", "--model.dtype=float32", f"--corpus.path={corpus}", f"--run_dir={run_dir}",

@@ -1,21 +1,13 @@
 """The head's progress on stderr: a bar on a terminal, plain lines elsewhere (files, `ray job logs`)."""
 
 import io
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from orchestrator.run.manifest import BatchRecord
 from orchestrator.observe.progress import RunProgress
 from orchestrator.run.rundir import RunDir
-
-from ..conftest import write_run_corpus
-
-ROOT = Path(__file__).resolve().parents[3]
 
 
 class Terminal(io.StringIO):
@@ -66,26 +58,16 @@ def test_on_a_terminal_progress_is_a_bar_and_no_lines(tmp_path, monkeypatch):
 
 
 @pytest.mark.ray
-def test_a_run_into_a_file_prints_progress_lines_and_the_slices_it_waits_for(run_model, tmp_path):
+def test_a_run_into_a_file_prints_progress_lines_and_the_slices_it_waits_for(run_in_own_process):
     """`pagefleet run` with stderr in a file (as under `ray job submit`), PAGEFLEET_PROGRESS=1 as before: plain
-    lines, no carriage-return bars; four slices on a two-CPU Ray: it says two wait, and for what."""
-    from ..conftest import run_args
-
-    corpus = write_run_corpus(tmp_path / "corpus.jsonl", 16)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "RAY_AUTH_MODE": "disabled",
-           "PAGEFLEET_PROGRESS": "1", "PAGEFLEET_PROGRESS_EVERY_S": "2"}
-    env.pop("RAY_ADDRESS", None)
-    config = tmp_path / "run.yaml"
-    config.write_text("name: lines\n")
-    with open(tmp_path / "stderr.txt", "w") as err:
-        done = subprocess.run([sys.executable, "-m", "orchestrator", "run", str(config),
-                               *run_args(run_model, corpus, tmp_path / "run", "--cluster.num_slices=4")],
-                              env=env, stdout=subprocess.DEVNULL, stderr=err, timeout=800, cwd=tmp_path)
-    text = (tmp_path / "stderr.txt").read_text()
-    assert done.returncode == 0, text[-3000:]
+    lines, no carriage-return bars; four slices on a two-CPU Ray: it says two wait, and for what. (The run is
+    tests/orchestrator/conftest.py's `run_in_own_process`.)"""
+    text = run_in_own_process["stderr"]
+    assert run_in_own_process["returncode"] == 0, text[-3000:]
     assert "\r" not in text
     assert sum(line.startswith("progress: ") for line in text.splitlines()) >= 2, text[-3000:]
     # How many of the two that fit have started when a line is printed depends on the machine's speed.
     assert re.search(r"2 of 4 slices wait for resources the cluster does not have \([0-2] started\): a slice needs "
                      r"CPU 1, the cluster has CPU 2 in all", text), text[-3000:]
-    assert "slices wait for resources the cluster does not have" in (tmp_path / "run" / "events.log").read_text()
+    events = (run_in_own_process["run_dir"] / "events.log").read_text()
+    assert "slices wait for resources the cluster does not have" in events

@@ -263,26 +263,43 @@ def test_a_dtype_the_engine_refuses_is_a_config_error_before_any_slice(run_model
     assert not (run_dir / "events.log").exists()  # no plan, no slice, nothing to retry
 
 
-def test_the_transfer_counters_reach_the_summary_status_and_wandb(ray_local, run_model, tmp_path, monkeypatch):
-    """The timeline's transfer counters, an earlier session's (written by hand) and this one's, are summed over
-    the run into the head's summary, the tracker's final summary (W&B) and `pagefleet status`, with the bytes
-    per generated token; a bucket from before the ledger (no counters) is left out of both sums."""
-    from orchestrator.observe.timeline import read_timeline
-    from orchestrator.run.rundir import RunDir
-
+@pytest.fixture(scope="module")
+def counters_run(ray_local, run_model, tmp_path_factory):
+    """One run (8 prompts, one slice) after an earlier session whose timeline is written by hand: a bucket with the
+    transfer, prefix-cache and preemption counters, then one from before the transfer ledger (no transfer counters).
+    Shared by the tests of what reaches the head's summary, the tracker's final summary (W&B) and `pagefleet status`
+    (each run costs ~10 s). (run_dir, outcome, the tracker's final summaries, the earlier buckets)"""
+    tmp_path = tmp_path_factory.mktemp("counters")
     corpus = write_run_corpus(tmp_path / "corpus.jsonl", 8)
     run_dir = tmp_path / "run"
     cfg = load_run_config(None, run_args(run_model, corpus, run_dir, "--cluster.num_slices=1"))
     plan(cfg)
     earlier = [{"t": 1.0, "steps": 3, "tokens_per_s": 1.0, "occupancy": 0.5, "device_s": 0.1, "host_s": 0.1,
                 "decode_tokens": 40, "device_to_host_bytes_tokens": 1000, "device_to_host_bytes_swap": 7,
-                "host_to_device_bytes_step_inputs": 500, "slice": "slice-0"},
+                "host_to_device_bytes_step_inputs": 500, "slice": "slice-0",
+                "prefix_cache_query_tokens": 300, "prefix_cache_hit_tokens": 200,
+                "kv_pages_out": 6, "kv_pages_in": 4, "recompute_avoided_tokens": 90, "recompute_tokens": 5,
+                "host_kv_pages_peak": 6},
                {"t": 2.0, "steps": 1, "tokens_per_s": 1.0, "occupancy": 0.5, "device_s": 0.1, "host_s": 0.1,
-                "slice": "slice-0"}]
+                "prefix_cache_query_tokens": 100, "prefix_cache_hit_tokens": 100, "slice": "slice-0",
+                "kv_pages_out": 2, "kv_pages_in": 4, "recompute_avoided_tokens": 30, "recompute_tokens": 0,
+                "host_kv_pages_peak": 3}]
     (run_dir / "timeline.jsonl").write_text("".join(json.dumps(b) + "\n" for b in earlier))
-    finished = tracker_summaries(monkeypatch)
-    outcome = Driver(cfg, show_progress=False).run()
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        finished = tracker_summaries(monkeypatch)
+        outcome = Driver(cfg, show_progress=False).run()
     assert outcome.exit_code == 0
+    return run_dir, outcome, finished, earlier
+
+
+def test_the_transfer_counters_reach_the_summary_status_and_wandb(counters_run):
+    """The timeline's transfer counters, an earlier session's (written by hand) and this one's, are summed over
+    the run into the head's summary, the tracker's final summary (W&B) and `pagefleet status`, with the bytes
+    per generated token; a bucket from before the ledger (no counters) is left out of both sums."""
+    from orchestrator.observe.timeline import read_timeline
+    from orchestrator.run.rundir import RunDir
+
+    run_dir, outcome, finished, _ = counters_run
     session = [b for b in read_timeline(RunDir(run_dir)) if b["t"] > 2.0]
     tokens = 40 + sum(b["decode_tokens"] for b in session)
     d2h_tokens = 1000 + sum(b.get("device_to_host_bytes_tokens", 0) for b in session)
@@ -296,25 +313,10 @@ def test_the_transfer_counters_reach_the_summary_status_and_wandb(ray_local, run
     assert f"transfers      device to host {d2h:,} B (tokens {d2h_tokens:,}, " in format_status(status(run_dir))
 
 
-def test_the_prefix_cache_counters_reach_the_summary_status_and_wandb(ray_local, run_model, tmp_path, monkeypatch):
+def test_the_prefix_cache_counters_reach_the_summary_status_and_wandb(counters_run):
     """The timeline's prefix-cache and preemption counters (here an earlier session's buckets, written by hand)
     are summed over the run into the head's summary, the tracker's final summary (W&B) and `pagefleet status`."""
-    corpus = write_run_corpus(tmp_path / "corpus.jsonl", 8)
-    run_dir = tmp_path / "run"
-    cfg = load_run_config(None, run_args(run_model, corpus, run_dir, "--cluster.num_slices=1"))
-    plan(cfg)
-    earlier = [{"t": 1.0, "steps": 3, "tokens_per_s": 1.0, "occupancy": 0.5, "device_s": 0.1, "host_s": 0.1,
-                "prefix_cache_query_tokens": 300, "prefix_cache_hit_tokens": 200, "slice": "slice-0",
-                "kv_pages_out": 6, "kv_pages_in": 4, "recompute_avoided_tokens": 90, "recompute_tokens": 5,
-                "host_kv_pages_peak": 6},
-               {"t": 2.0, "steps": 1, "tokens_per_s": 1.0, "occupancy": 0.5, "device_s": 0.1, "host_s": 0.1,
-                "prefix_cache_query_tokens": 100, "prefix_cache_hit_tokens": 100, "slice": "slice-0",
-                "kv_pages_out": 2, "kv_pages_in": 4, "recompute_avoided_tokens": 30, "recompute_tokens": 0,
-                "host_kv_pages_peak": 3}]
-    (run_dir / "timeline.jsonl").write_text("".join(json.dumps(b) + "\n" for b in earlier))
-    finished = tracker_summaries(monkeypatch)
-    outcome = Driver(cfg, show_progress=False).run()
-    assert outcome.exit_code == 0
+    run_dir, outcome, finished, earlier = counters_run
     session = [json.loads(line) for line in (run_dir / "timeline.jsonl").read_text().splitlines()][len(earlier):]
     query = 400 + sum(b.get("prefix_cache_query_tokens", 0) for b in session)
     hits = 300 + sum(b.get("prefix_cache_hit_tokens", 0) for b in session)

@@ -32,7 +32,6 @@ from orchestrator.run.manifest import read_manifest
 from ..conftest import run_args, write_run_corpus, write_tiny_model
 
 pytestmark = pytest.mark.ray
-ROOT = Path(__file__).resolve().parents[3]
 
 
 # -- helpers ----------------------------------------------------------------------------------------
@@ -382,7 +381,8 @@ def test_export_removes_what_a_killed_export_left(done_run, tmp_path, capsys):
     assert not half_written.exists() and not killed_sort.exists() and live_sort.exists()
 
 
-def test_outputs_follow_the_umask_and_local_ray_stays_out_of_the_shared_tmp(done_run, run_model, tmp_path, capsys):
+def test_outputs_follow_the_umask_and_local_ray_stays_out_of_the_shared_tmp(run_in_own_process, run_model, tmp_path,
+                                                                            capsys):
     # generate, in this process: its output reads like any file the user writes (it was 0600 whatever the umask)
     umask = os.umask(0)
     os.umask(umask)
@@ -393,18 +393,10 @@ def test_outputs_follow_the_umask_and_local_ray_stays_out_of_the_shared_tmp(done
     assert code == exit_codes.OK, err
     assert (tmp_path / "gen.jsonl").stat().st_mode & 0o777 == 0o666 & ~umask
 
-    # run, in a process of its own with umask 027 and its own local Ray
-    run_dir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_TMPDIR", "TMPDIR",
-                                                            "PAGEFLEET_DISK_FULL_AT", "PAGEFLEET_CRASH_AT")}
-    # Ray's OpenTelemetry metrics exporter thread has segfaulted the driver here on a loaded machine; no metrics.
-    env["RAY_enable_metrics_collection"] = "0"
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(done_run["config"]),
-                             *run_args(run_model, done_run["corpus"], run_dir, "--cluster.num_slices=1")],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: os.umask(0o027))
-    _, stderr = proc.communicate(timeout=600)
-    assert proc.returncode == exit_codes.OK, stderr[-3000:]
+    # run, in a process of its own with umask 027 and its own local Ray (tests/orchestrator/conftest.py's
+    # `run_in_own_process`, whose stderr test_progress.py reads)
+    pid, run_dir = run_in_own_process["pid"], run_in_own_process["run_dir"]
+    assert run_in_own_process["returncode"] == exit_codes.OK, run_in_own_process["stderr"][-3000:]
     for path in [run_dir / "batches.jsonl", run_dir / "run.json", run_dir / "rejected.jsonl", run_dir / "events.log",
                  *(run_dir / "outputs").glob("*.parquet"), *(run_dir / "batches").glob("*.parquet")]:
         assert path.stat().st_mode & 0o777 == 0o640, path
@@ -412,5 +404,5 @@ def test_outputs_follow_the_umask_and_local_ray_stays_out_of_the_shared_tmp(done
         assert path.stat().st_mode & 0o777 == 0o750, path
     own = Path("/tmp") / f"pagefleet-ray-{os.getuid()}"
     assert own.stat().st_mode & 0o777 == 0o700 and own.stat().st_uid == os.getuid()
-    assert list(own.glob(f"ray/session_*_{proc.pid}")), f"no Ray session of pid {proc.pid} under {own}"
-    assert not list(Path("/tmp/ray").glob(f"session_*_{proc.pid}"))
+    assert list(own.glob(f"ray/session_*_{pid}")), f"no Ray session of pid {pid} under {own}"
+    assert not list(Path("/tmp/ray").glob(f"session_*_{pid}"))
