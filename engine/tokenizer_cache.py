@@ -3,8 +3,7 @@ first time.
 
 `AutoTokenizer.from_pretrained` decides the tokenizer class from the directory's files (tokenizer_config,
 config's model_type, a table of per-model exceptions) and to do so imports the model's configuration
-module, which imports torch when torch is installed: about 3 s of a `pagefleet generate` process. The
-class it picks is a function of the directory's files and the transformers version, so it is remembered
+module, which imports torch when torch is installed (seconds of start-up). The class it picks is a function of the directory's files and the transformers version, so it is remembered
 (module and name, keyed by a hash of those) next to the XLA compilation cache (`compile_cache.py`; off
 when that is off), and later loads import that class and call its `from_pretrained` directly, as
 `AutoTokenizer` itself ends up doing. Anything unexpected falls back to `AutoTokenizer`.
