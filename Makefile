@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test bench bench-plan bench-export bench-host bench-generate bench-peer bench-swap
+.PHONY: demo test bench bench-plan bench-export bench-host bench-generate bench-peer bench-swap bench-ab
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -44,3 +44,8 @@ bench-swap: $(STAMP)
 # pagefleet against vLLM's CPU build on the same token ids (installs vLLM once into .peer/vllm-venv).
 bench-peer: $(STAMP)
 	$(VENV)/bin/python benchmarks/peer_bench.py --repeats 3
+
+# two revisions of pagefleet alternated on bench-peer's workloads: make bench-ab BASE=<commit> [NEW=<commit>]
+BASE ?= HEAD
+bench-ab: $(STAMP)
+	$(VENV)/bin/python benchmarks/ab_bench.py --base $(BASE) $(if $(NEW),--new $(NEW)) --repeats 3
