@@ -18,14 +18,14 @@ landed, and `cache_pages` for every chunk it schedules.
 
 from __future__ import annotations
 
-from engine.config import EngineConfig
+from engine.kv_cache_config import KVCacheConfig
 from engine.page_allocator import PageAllocator, PageKey, page_key
 from engine.sequence import Sequence
 from engine.swap import Swapper
 
 
 class PrefixCache:
-    def __init__(self, config: EngineConfig, allocator: PageAllocator, swapper: Swapper) -> None:
+    def __init__(self, config: KVCacheConfig, allocator: PageAllocator, swapper: Swapper) -> None:
         self.config = config
         self.allocator = allocator
         self.swapper = swapper

@@ -30,14 +30,14 @@ requests and their order: every host of a slice decides the same.
 from __future__ import annotations
 
 from engine.capacity import pages_for
-from engine.config import EngineConfig
+from engine.kv_cache_config import KVCacheConfig
 from engine.host_cache import HostPrefixCache
 from engine.page_allocator import EvictedPage, HostPageAllocator, PageAllocator, page_key
 from engine.sequence import Sequence, SwappedPages
 
 
 class Swapper:
-    def __init__(self, config: EngineConfig, allocator: PageAllocator) -> None:
+    def __init__(self, config: KVCacheConfig, allocator: PageAllocator) -> None:
         self.config = config
         self.allocator = allocator
         self.host = HostPageAllocator(config.host_kv_pages)
