@@ -1,7 +1,6 @@
-"""The scheduler: the one owner of pages and sequences. No JAX here.
+"""The scheduler: the one owner of the sequences. No JAX here.
 
-It owns the `PageAllocator` (only it and its parts below call it), the sequences (waiting, running, finished but
-holding pages) and the samples of one prompt that will fork from it, and decides each step in one
+It owns the sequences (waiting, running, finished but holding pages) and the samples of one prompt that will fork from it, and decides each step in one
 `SchedulerOutput`: a ragged step (prompt chunks and decode tokens, FIFO, within the token budget
 `max_prefill_size`) or a multi-step decode call. There is no prefill phase: each sequence's computed-token
 count catches up with its token count, which gives chunked prefill and mixed steps. Decoding sequences go
