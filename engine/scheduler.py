@@ -205,7 +205,8 @@ class Scheduler:
                                 [q.num_computed for q in seqs] if fresh else [],
                                 [tuple(q.pages) for q in seqs],
                                 [row_sampling(q) for q in seqs] if fresh else [],
-                                planned.limits, planned.budgets, planned.chain_pages)
+                                planned.limits, planned.budgets,
+                                None if planned.chain_pages is None else [list(p) for p in planned.chain_pages])
             rows = seqs
         out = SchedulerOutput(
             [ScheduledChunk(c.seq.arrival, tuple(c.seq.token_ids[c.start:c.start + c.num_tokens]), c.start,
