@@ -31,7 +31,7 @@ from engine.weights import partition_spec
 class KVCache:
     """Pool: [layers * num_pages, page_size, 2 * kv_heads, head_dim], sharded over KV heads on a `model` mesh axis.
 
-    Page p of the scheduler's allocator is page p of every layer (layer i's copy sits at i * num_pages + p).
+    Page p of the KV cache manager's allocator is page p of every layer (layer i's copy sits at i * num_pages + p).
     """
 
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, transfers: TransferLedger,
