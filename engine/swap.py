@@ -2,8 +2,9 @@
 
 Part of the KV cache manager (engine/kv_cache_manager.py): it owns the host pool's bookkeeping (a
 HostPageAllocator) and acts on the manager's PageAllocator when the manager asks, nothing else calls either. A
-swapped-out sequence's pages holding computed tokens are copied to host pages, and all its pages are freed (it keeps none: a page kept mapped while
-it waits could leave the sequence at the head of the queue without room, with nothing running to free any).
+swapped-out sequence's pages holding computed tokens are copied to host pages, and all its pages are freed (it
+keeps none: a page kept mapped while it waits could leave the sequence at the head of the queue without room,
+with nothing running to free any).
 When it is admitted again, each page it had is, in order, found again in the prefix cache (a cached page of
 its prompt still on the device, shared with others or not) or paged back in from the host; its computed tokens
 are then the same, and nothing is recomputed.
