@@ -3,8 +3,8 @@ device; `generate(requests) -> samples`.
 
 A step is three lines: the scheduler decides (`SchedulerOutput`, plain data, with its `StepCounts` beside it),
 the runner runs it on the device (`RunnerOutput`), and the scheduler's `postprocess` appends the tokens, checks
-stop strings (the one end condition the device cannot decide) and finishes sequences. Requests may be added while it runs
-(`add_request` / `step`), which is how the orchestrator keeps it full across batches.
+stop strings (the one end condition the device cannot decide) and finishes sequences. Requests may be added
+while it runs (`add_request` / `step`), which is how the orchestrator keeps it full across batches.
 """
 
 from __future__ import annotations

@@ -29,7 +29,8 @@ def fork(chunks: list[Chunk], kv: KVCacheManager) -> Forks:
 
     One row per chunk, plus one per sibling of a sequence whose prompt completes now. A sibling shares its
     parent's full prompt pages and gets a copy (made after the step, `KVCacheManager.fork`) of the partial last
-    one; with no page free for that copy it goes back to the queue and computes its prompt alone (its row is drawn and dropped)."""
+    one; with no page free for that copy it goes back to the queue and computes its prompt alone (its row is
+    drawn and dropped)."""
     rows, row_chunk, forks = [], [], []
     for i, c in enumerate(chunks):
         rows.append(c.seq)
