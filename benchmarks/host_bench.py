@@ -31,8 +31,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-import engine.multi_step
-import engine.runner
+import engine.multi_step as multi_step_module
+import engine.runner as runner_module
 from engine import Engine, EngineConfig, Request, SamplingConfig, write_model
 
 CASES = {  # name: (stop strings, decode steps per device call, pipeline_decode)
@@ -96,8 +96,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
-    engine.runner._step_sample = _timed(engine.runner._step_sample)
-    engine.multi_step._steps_sample = _timed(engine.multi_step._steps_sample)
+    runner_module._step_sample = _timed(runner_module._step_sample)
+    multi_step_module._steps_sample = _timed(multi_step_module._steps_sample)
     engines: dict = {}
     results: dict[str, list[dict]] = {name: [] for name in CASES}
     with tempfile.TemporaryDirectory(prefix="pagefleet-hostbench-") as tmp:

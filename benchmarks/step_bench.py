@@ -29,7 +29,6 @@ import jax.numpy as jnp
 
 from engine.config import EngineConfig
 from engine.model_config import ModelConfig
-from engine.page_allocator import PageAllocator
 from engine.presets import write_model
 from engine.runner import ModelRunner, SeqChunk, _logits
 from engine.weights import load_transformer
@@ -123,14 +122,13 @@ class ShapeBench:
 
     def __init__(self, runner: ModelRunner, shape: Shape) -> None:
         self.runner, self.shape = runner, shape
-        alloc = PageAllocator(runner.config.max_pages)  # the benchmark picks pages itself: no scheduler here
-        pages = [alloc.allocate(shape.pages_per_seq) for _ in range(shape.num_seqs)]
-        if any(p is None for p in pages):
+        # The benchmark picks pages itself (no scheduler here): sequence s takes the s-th run of pages_per_seq.
+        n = shape.pages_per_seq
+        if n * shape.num_seqs > runner.config.max_pages:
             raise RuntimeError(f"{shape.name}: KV pool too small; raise max_pages in make_runner")
-        # KV values do not change the cost, so the shapes share pages: each frees its pages at once
-        # and the pool only needs to hold the largest shape. The cached context is whatever the pool holds.
-        for p in pages:
-            alloc.free(p)
+        pages = [list(range(s * n, (s + 1) * n)) for s in range(shape.num_seqs)]
+        # KV values do not change the cost, so the shapes share pages and the pool only needs to hold the
+        # largest shape. The cached context is whatever the pool holds.
         self.chunks = [SeqChunk([3 + s] * shape.new_tokens, shape.cached_tokens, p) for s, p in enumerate(pages)]
         self.inputs = jax.tree.map(jnp.asarray, runner.build_inputs(self.chunks))
         self.padded_tokens, self.padded_seqs = self.inputs.token_ids.shape[0], self.inputs.kv_lens.shape[0]

@@ -9,16 +9,31 @@ too), and the next step reads that call (`resume`). The device side is engine/mu
 
 from __future__ import annotations
 
-from engine.config import EngineConfig
-from engine.page_allocator import PageAllocator
-from engine.scheduler_output import DecodeCall, ScheduledChunk
-from engine.sequence import Sequence
+from dataclasses import dataclass, field
+
+from engine.kv_cache_manager import KVCacheManager
+from engine.sequence import Chunk, Sequence
+
+
+@dataclass(frozen=True)
+class PlannedDecode:
+    """A multi-step call as planned, over the live sequences (the scheduler turns it into a plain PlannedDecode,
+    engine/scheduler_output.py, which says what each field means)."""
+
+    seqs: list[Sequence]
+    resume: bool = False
+    limits: list[int] = field(default_factory=list)
+    budgets: list[int] = field(default_factory=list)
+    chain_pages: list[list[int]] | None = None
 
 
 class DecodePlanner:
-    def __init__(self, config: EngineConfig, allocator: PageAllocator, max_seq_len: int) -> None:
-        self.config = config
-        self.allocator = allocator
+    def __init__(self, decode_steps: int, pipeline_decode: bool, page_size: int, kv: KVCacheManager,
+                 max_seq_len: int) -> None:
+        self.decode_steps = decode_steps
+        self.pipeline_decode = pipeline_decode
+        self.page_size = page_size
+        self.kv = kv  # the pages of every call's rows are reserved through it
         self.max_seq_len = max_seq_len
         # The rows of a multi-step call dispatched ahead (engine.pipeline_decode), not yet read by the host.
         self.ahead: list[Sequence] | None = None
@@ -28,7 +43,7 @@ class DecodePlanner:
     def reset(self) -> None:
         self.ahead = None
 
-    def resume(self, waiting: bool) -> DecodeCall | None:
+    def resume(self, waiting: bool) -> PlannedDecode | None:
         """The call reading the one dispatched ahead, or None when there is none or every row of it has finished
         (nothing in it is wanted). `waiting`: a sequence waits to be admitted (see `chain`)."""
         if self.ahead is not None and all(q.finished for q in self.ahead):
@@ -36,9 +51,9 @@ class DecodePlanner:
         if self.ahead is None:
             return None
         seqs = self.ahead
-        return DecodeCall(seqs, resume=True, chain_pages=self.chain(seqs, waiting))
+        return PlannedDecode(seqs, resume=True, chain_pages=self.chain(seqs, waiting))
 
-    def multi_step(self, chunks: list[ScheduledChunk], head_has_slots: bool, waiting: bool) -> DecodeCall | None:
+    def multi_step(self, chunks: list[Chunk], head_has_slots: bool, waiting: bool) -> PlannedDecode | None:
         """The scheduled chunks as one multi-step call, its pages reserved, or None when this step must be a single
         one (see `reserve`). `head_has_slots`: the first waiting sequence could be admitted now."""
         limits = self.reserve(chunks, head_has_slots)
@@ -46,24 +61,22 @@ class DecodePlanner:
             return None
         seqs = [c.seq for c in chunks]
         budgets = [q.tokens_left(self.max_seq_len) for q in seqs]
-        return DecodeCall(seqs, False, limits, budgets, self.chain(seqs, waiting))
+        return PlannedDecode(seqs, False, limits, budgets, self.chain(seqs, waiting))
 
-    def reserve(self, chunks: list[ScheduledChunk], head_has_slots: bool) -> list[int] | None:
+    def reserve(self, chunks: list[Chunk], head_has_slots: bool) -> list[int] | None:
         """Decode steps each sequence may take in one device call, its pages for them allocated; None when
         this step must be a single one (not decode-only, a waiting sequence could be admitted now, or the
         pages are not free: the single step's scheduling preempts where it must)."""
-        K = self.config.decode_steps
+        K = self.decode_steps
         if K == 1 or head_has_slots or not chunks:
             return None
         if not all(c.num_tokens == 1 and c.completes and not c.seq.siblings for c in chunks):
             return None
         limits = [min(K, c.seq.tokens_left(self.max_seq_len)) for c in chunks]
-        needs = [c.seq.pages_short(limit, self.config.page_size) for c, limit in zip(chunks, limits)]
-        if sum(needs) > self.allocator.num_free:
+        needs = [c.seq.pages_short(limit, self.page_size) for c, limit in zip(chunks, limits)]
+        if not self.kv.reserve([c.seq for c in chunks], needs):
             self.num_multi_step_fallbacks += 1
             return None
-        for c, need in zip(chunks, needs):
-            c.seq.pages.extend(self.allocator.allocate(need))
         return limits
 
     def chain(self, seqs: list[Sequence], waiting: bool) -> list[list[int]] | None:
@@ -73,22 +86,19 @@ class DecodePlanner:
         stops lost 3 points of occupancy), no row is still running, or the pages for both calls are not
         free. A row the host finished gets no pages (it takes no steps)."""
         self.ahead = None
-        if not self.config.pipeline_decode or waiting:
+        if not self.pipeline_decode or waiting:
             return None
-        K = self.config.decode_steps
+        K = self.decode_steps
         # A row that reaches its last token in the call being read is known to end there: when every row
         # does, there is nothing to continue.
         if not any(not q.finished and q.tokens_left(self.max_seq_len) > K for q in seqs):
             return None
         # The host has read every call before the current one: each row's KV covers num_computed tokens, and
         # the current call and the next together write at most min(2K, tokens left) more.
-        ps = self.config.page_size
+        ps = self.page_size
         needs = [0 if q.finished else q.pages_short(min(2 * K, q.tokens_left(self.max_seq_len)), ps) for q in seqs]
-        if sum(needs) > self.allocator.num_free:
+        if not self.kv.reserve(seqs, needs):
             return None
-        for q, need in zip(seqs, needs):
-            if need:
-                q.pages.extend(self.allocator.allocate(need))
         self.num_pipelined_calls += 1
         self.ahead = seqs
         return [[] if q.finished else q.pages for q in seqs]

@@ -1,10 +1,10 @@
 """The engine: a checkpoint, a scheduler that owns the pages and sequences, and a runner that owns the
 device; `generate(requests) -> samples`.
 
-A step is three lines: the scheduler decides (`SchedulerOutput`), the runner runs it on the device
-(`RunnerOutput`), and post-processing appends the tokens, checks stop strings (the one end condition the
-device cannot decide) and finishes sequences through the scheduler. Requests may be added while it runs
-(`add_request` / `step`), which is how the orchestrator keeps it full across batches.
+A step is three lines: the scheduler decides (`SchedulerOutput`, plain data, with its `StepCounts` beside it),
+the runner runs it on the device (`RunnerOutput`), and the scheduler's `postprocess` appends the tokens, checks
+stop strings (the one end condition the device cannot decide) and finishes sequences. Requests may be added
+while it runs (`add_request` / `step`), which is how the orchestrator keeps it full across batches.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from engine.model_config import ModelConfig
 from engine.record import SampleRecord
 from engine.runner import ModelRunner
 from engine.sampler import sample_base_key
-from engine.scheduler import Scheduler
-from engine.scheduler_output import RunnerOutput, SchedulerOutput
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler_output import RunnerOutput, SchedulerOutput, StepCounts
 from engine.sequence import Request, Sequence
 from engine.stats import EngineStats, StepTimer
 from engine.stop import StopChecker
@@ -95,7 +95,7 @@ class Engine:
         self._decode = (lambda ids: "") if tokenizer is None else text_decoder(tokenizer, skip_special_tokens=True)
         self._decode_special = (lambda ids: "") if tokenizer is None else text_decoder(tokenizer)
         self._special_texts = frozenset() if tokenizer is None else special_token_texts(tokenizer)
-        self.scheduler = Scheduler(config, self.max_seq_len)
+        self.scheduler = Scheduler(SchedulerConfig.of(config), self.max_seq_len)
         self._arrivals = 0
         self.stats = EngineStats()
 
@@ -135,7 +135,7 @@ class Engine:
     @property
     def num_pages_in_use(self) -> int:
         """KV pages held now (O(1); `snapshot` also scans every page's refcount)."""
-        return self.scheduler.allocator.num_used
+        return self.scheduler.kv.num_used
 
     @property
     def num_waiting(self) -> int:
@@ -147,54 +147,22 @@ class Engine:
     def step(self) -> list[SampleRecord]:
         """One device call: schedule, run, post-process; returns the samples that finished in it."""
         self._agree_on_requests()
-        out = self.scheduler.schedule()
+        out, counts = self.scheduler.schedule()
+        result = self._run(out, counts)
+        return [self._record(seq) for seq in self.scheduler.postprocess(out, result)]
+
+    def _run(self, out: SchedulerOutput, counts: StepCounts) -> RunnerOutput:
+        """Run a scheduled step on the device, timed, and record it in the stats."""
         if out.is_empty:
             raise RuntimeError(self.scheduler.stuck_message())
-        self.stats.prefix_cache_query_tokens += out.cache_query_tokens
-        self.stats.prefix_cache_hit_tokens += out.cache_hit_tokens
-        self.stats.kv_pages_out += len(out.swap_out[0])
-        self.stats.kv_pages_in += len(out.swap_in[0]) + len(out.swap_in_ahead[0])
-        self.stats.kv_pages_in_ahead += len(out.swap_in_ahead[0])
-        self.stats.recompute_avoided_tokens += out.swap_avoided_tokens
-        self.stats.recompute_tokens += out.recompute_tokens
-        self.stats.host_kv_pages_peak = max(self.stats.host_kv_pages_peak, self.scheduler.swapper.host.num_used)
+        self.stats.add_scheduled(counts)
         with StepTimer(self.stats, self.runner.clock, self.runner.transfers) as timer:
             result = self.runner.run(out)
             _count(timer, out, result)
-        done = self._take_tokens(out, result) if out.decode is None else self._take_steps(out, result)
-        if self.config.debug_invariants:
-            self.scheduler.check_invariants()
-        return done
+        return result
 
-    def _take_tokens(self, out: SchedulerOutput, result: RunnerOutput) -> list[SampleRecord]:
-        """A ragged step: each chunk's tokens are now cached; each output row whose chunk completes its
-        sequence draws that sequence's next token (a sibling that could not fork will run alone: skipped)."""
-        for c in out.chunks:
-            c.seq.num_computed += c.num_tokens
-        done = []
-        for seq, i, token, logprob in zip(out.rows, out.row_chunk, result.tokens.tolist(), result.logprobs.tolist()):
-            if out.chunks[i].completes and seq.num_computed == len(seq.token_ids):
-                if seq.append(token, logprob) is not None:
-                    done.append(self._finish(seq))
-        return done
-
-    def _take_steps(self, out: SchedulerOutput, result: RunnerOutput) -> list[SampleRecord]:
-        """A multi-step call: row r's first steps[r] tokens (the device's count, trusted), up to the one a
-        stop string ends on; a row the host finished before (its call ran ahead) is skipped."""
-        tokens, logprobs = result.tokens.T.tolist(), result.logprobs.T.tolist()
-        done = []
-        for seq, row_tokens, row_logprobs, num_steps in zip(out.decode.seqs, tokens, logprobs, result.steps.tolist()):
-            if seq.finished:
-                continue
-            for token, logprob in zip(row_tokens[:num_steps], row_logprobs[:num_steps]):
-                seq.num_computed += 1  # the KV of the token this one was generated from is cached
-                if seq.append(token, logprob) is not None:  # later tokens of this row are dropped
-                    done.append(self._finish(seq))
-                    break
-        return done
-
-    def _finish(self, seq: Sequence) -> SampleRecord:
-        self.scheduler.finish(seq)
+    def _record(self, seq: Sequence) -> SampleRecord:
+        """The record of a finished sequence."""
         d = seq.stop.decision
         start, n = seq.num_prompt_tokens, d.num_tokens
         # A chosen token's raw logprob is non-finite only when its step's logits held NaN or +Inf: the tokens are
@@ -285,13 +253,14 @@ class Engine:
 
     def snapshot(self) -> dict[str, int]:
         """Stats every host can read (host-side state only, no device read)."""
-        sched, alloc = self.scheduler, self.scheduler.allocator
-        return {"active_seqs": len(sched.running), "waiting_seqs": len(sched.waiting),
-                "pages_in_use": alloc.num_used, "free_pages": alloc.num_free, "max_refcount": alloc.max_refcount,
-                "num_preemptions": sched.num_preemptions, "num_multi_step_fallbacks": sched.num_multi_step_fallbacks,
-                "num_pipelined_calls": sched.num_pipelined_calls, "cached_pages": alloc.num_cached,
-                "host_kv_pages_in_use": sched.swapper.host.num_used, "num_swaps": sched.swapper.num_swaps,
-                "num_swap_fallbacks": sched.swapper.num_fallbacks, "host_cached_pages": len(sched.swapper.cache)}
+        sched, kv = self.scheduler, self.scheduler.kv.snapshot()
+        figures = {"active_seqs": len(sched.running), "waiting_seqs": len(sched.waiting),
+                   "num_preemptions": sched.num_preemptions, "num_multi_step_fallbacks": sched.num_multi_step_fallbacks,
+                   "num_pipelined_calls": sched.num_pipelined_calls, **kv}
+        order = ("active_seqs", "waiting_seqs", "pages_in_use", "free_pages", "max_refcount", "num_preemptions",
+                 "num_multi_step_fallbacks", "num_pipelined_calls", "cached_pages", "host_kv_pages_in_use",
+                 "num_swaps", "num_swap_fallbacks", "host_cached_pages")
+        return {k: figures[k] for k in order}
 
 
 def _count(timer: StepTimer, out: SchedulerOutput, result: RunnerOutput) -> None:
@@ -302,7 +271,7 @@ def _count(timer: StepTimer, out: SchedulerOutput, result: RunnerOutput) -> None
         timer.prefill_tokens = sum(c.num_tokens for c in out.chunks if c.num_tokens > 1 or not c.completes)
         timer.decode_tokens = sum(1 for i in out.row_chunk if out.chunks[i].completes)
         return
-    live = [not q.finished for q in out.decode.seqs]
+    live = out.decode.live
     timer.active_seqs = sum(live)
     timer.decode_tokens = int(sum(s for s, a in zip(result.steps.tolist(), live) if a))
     timer.model_steps = int(result.steps.max())

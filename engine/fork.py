@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.page_allocator import PageAllocator
-from engine.scheduler_output import ScheduledChunk
-from engine.sequence import Sequence
+from engine.kv_cache_manager import KVCacheManager
+from engine.sequence import Chunk, Sequence
 
 
 @dataclass
@@ -21,17 +20,17 @@ class Forks:
 
     rows: list[Sequence]  # one per chunk, plus one per sibling of a prompt completed now
     row_chunk: list[int]  # the chunk each row samples from
-    copies: tuple[list[int], list[int]]  # (src, dst) pages to copy after the step: the siblings' partial pages
     running: list[Sequence]  # siblings forked: they run from the next step
     requeued: list[Sequence]  # siblings with no page free for their copy: back to the queue
 
 
-def fork(chunks: list[ScheduledChunk], allocator: PageAllocator, page_size: int) -> Forks:
+def fork(chunks: list[Chunk], kv: KVCacheManager) -> Forks:
     """Output rows of a single step, and the page copies that fork siblings off their parents.
 
     One row per chunk, plus one per sibling of a sequence whose prompt completes now. A sibling shares its
-    parent's full prompt pages and gets a copy (made after the step) of the partial last one; with no page free
-    for that copy it goes back to the queue and computes its prompt alone (its row is drawn and dropped)."""
+    parent's full prompt pages and gets a copy (made after the step, `KVCacheManager.fork`) of the partial last
+    one; with no page free for that copy it goes back to the queue and computes its prompt alone (its row is
+    drawn and dropped)."""
     rows, row_chunk, forks = [], [], []
     for i, c in enumerate(chunks):
         rows.append(c.seq)
@@ -40,22 +39,14 @@ def fork(chunks: list[ScheduledChunk], allocator: PageAllocator, page_size: int)
             forks.append(c.seq)
             rows += c.seq.siblings
             row_chunk += [i] * len(c.seq.siblings)
-    src, dst, running, requeued = [], [], [], []
+    running, requeued = [], []
     for parent in forks:
-        num_full = parent.num_prompt_tokens // page_size
-        partial = parent.num_prompt_tokens % page_size != 0
         for sib in parent.siblings:
-            own = allocator.allocate(1) if partial else []
-            if own is None:
+            if not kv.fork(parent, sib):
                 requeued.append(sib)
                 continue
-            allocator.share(parent.pages[:num_full])
-            sib.pages = parent.pages[:num_full] + own
-            if partial:
-                src.append(parent.pages[num_full])
-                dst.append(own[0])
             sib.num_computed = parent.num_prompt_tokens  # the parent's prompt, computed in this step
             sib.num_cached_pages, sib.caching = parent.num_cached_pages, False  # the parent caches them
             running.append(sib)  # its slot was counted at the parent's admission
         parent.siblings = []
-    return Forks(rows, row_chunk, (src, dst), running, requeued)
+    return Forks(rows, row_chunk, running, requeued)

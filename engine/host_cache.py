@@ -3,7 +3,7 @@
 When the device allocator reclaims cached pages (its evictable LRU set, engine/page_allocator.py), the swapper
 copies them to host pages and records them here; a later prompt whose prefix reaches such a page pages it back
 in instead of computing it again (engine/prefix_cache.py, at admission). Bookkeeping only: the data is the runner's
-(KVCache's host pool). The swapper (part of the scheduler) records and pages in entries; the prefix cache's
+(KVCache's host pool). The swapper (part of the KV cache manager) records and pages in entries; the prefix cache's
 `recache` drops an entry's descendants, and the scheduler's invariant check reads it.
 
 A host entry is keyed `(parent uid, token ids)`: the uid (engine/page_allocator.py) of the page holding the

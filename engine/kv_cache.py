@@ -1,6 +1,6 @@
 """The paged KV cache: one device pool for every layer, its sharding, and the host pool that swapped-out and
 spilled pages go to (`engine.host_kv_pages`). Data only: which page belongs to which sequence, on the device or
-the host, is the scheduler's (its PageAllocator and HostPageAllocator, engine/swap.py).
+the host, is the KV cache manager's (engine/kv_cache_manager.py), which the scheduler asks for pages.
 
 Host memory kinds: where the backend has a `pinned_host` memory (TPU and GPU; this JAX's CPU backend too), the
 page copies travel through it: a page-out's block is `device_put` to pinned host memory (an asynchronous DMA
@@ -31,7 +31,7 @@ from engine.weights import partition_spec
 class KVCache:
     """Pool: [layers * num_pages, page_size, 2 * kv_heads, head_dim], sharded over KV heads on a `model` mesh axis.
 
-    Page p of the scheduler's allocator is page p of every layer (layer i's copy sits at i * num_pages + p).
+    Page p of the KV cache manager's allocator is page p of every layer (layer i's copy sits at i * num_pages + p).
     """
 
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, transfers: TransferLedger,

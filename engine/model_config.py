@@ -8,7 +8,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+from engine.model_family import FamilyConfigError
+from engine.model_registry import FAMILIES, model_family
+
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)  # one file per family: engine/model_registry.py
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
@@ -86,7 +89,8 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
         model_type = hf.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        family = model_family(model_type)
+        if family is None:
             raise UnsupportedModelError(
                 f"config.json model_type={model_type!r} is not supported; pagefleet runs {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
@@ -125,16 +129,11 @@ class ModelConfig:
                 high_freq_factor=float(rope["high_freq_factor"]),
                 original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
             )
-        if model_type == "qwen2":
-            qkv_bias = True
-            window = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
-            if window is not None and hf.get("max_window_layers", hf["num_hidden_layers"]) < hf["num_hidden_layers"]:
-                raise UnsupportedModelError(
-                    "config.json use_sliding_window with max_window_layers < num_hidden_layers is not supported"
-                )
-        else:
-            qkv_bias = bool(hf.get("attention_bias", False))
-            window = hf.get("sliding_window") if model_type == "mistral" else None
+        try:
+            attention = family.attention(hf)  # what the family sets in the shared layers
+        except FamilyConfigError as e:
+            raise UnsupportedModelError(str(e)) from None
+        qkv_bias, window = attention.qkv_bias, attention.sliding_window
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(

@@ -1,5 +1,6 @@
 """The prefix cache at admission (`engine.prefix_caching`): which cached pages a sequence maps, which it pages in
-from the host tier, and which of its computed prompt pages it caches. Part of the scheduler. No JAX here.
+from the host tier, and which of its computed prompt pages it caches. Part of the KV cache manager
+(engine/kv_cache_manager.py). No JAX here.
 
 A sequence being admitted maps the cached pages of its prompt's leading full pages and computes only the rest;
 a full prompt page is cached as soon as the step that computes it is scheduled. A later sequence of the same
@@ -11,21 +12,21 @@ its step instead of computing them. Which pages are cached depends only on the r
 every host of a slice decides the same.
 
 The pages, their keys and the evictable set are the PageAllocator's (engine/page_allocator.py); the host tier's
-entries are the Swapper's. The scheduler calls `map_cached` for a sequence it admits, then `page_in` (admitted
+entries are the Swapper's. The KV cache manager calls `map_cached` for a sequence it admits, then `page_in` (admitted
 or staged, engine/staging.py) or `unmap` (it does not fit), `recache` once a staged sequence's page-ins have
 landed, and `cache_pages` for every chunk it schedules.
 """
 
 from __future__ import annotations
 
-from engine.config import EngineConfig
+from engine.kv_cache_config import KVCacheConfig
 from engine.page_allocator import PageAllocator, PageKey, page_key
 from engine.sequence import Sequence
 from engine.swap import Swapper
 
 
 class PrefixCache:
-    def __init__(self, config: EngineConfig, allocator: PageAllocator, swapper: Swapper) -> None:
+    def __init__(self, config: KVCacheConfig, allocator: PageAllocator, swapper: Swapper) -> None:
         self.config = config
         self.allocator = allocator
         self.swapper = swapper

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import numpy as np
 from safetensors.numpy import save_file
 
+from engine.model_registry import FAMILIES
 from engine.tokenizer_builder import write_tokenizer
 
 # Initialisation scales. Tests compare our engine's greedy decoding with transformers token for
@@ -36,7 +37,6 @@ With tied embeddings the head is the N(0, 1) embedding table, so logits have std
 (8 for the tiny presets' hidden size 64)."""
 
 Family = Literal["llama", "mistral", "qwen2"]
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class Preset:
     def hf_config(self, bos_token_id: int, eos_token_id: int) -> dict[str, Any]:
         """The config.json dict in classic HF form (`rope_theta`/`rope_scaling` at top level)."""
         config: dict[str, Any] = {
-            "architectures": [_ARCHITECTURES[self.family]],
+            "architectures": [FAMILIES[self.family].architecture],
             "model_type": self.family,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,

@@ -27,7 +27,7 @@ from engine.model import StepSettings, Transformer, unstack_layers
 from engine.multi_step import DecodeRow, MultiStepCalls, PendingSteps
 # Bound here and in engine/multi_step.py: tests patch `_sampling_mode` in both; callers build rows as
 # `runner.RowSampling`.
-from engine.row_sampling import RowSampling, row_sampling as _row_sampling, sampling_arrays as _sampling_arrays
+from engine.row_sampling import RowSampling, sampling_arrays as _sampling_arrays
 from engine.row_sampling import sampling_mode as _sampling_mode
 from engine.sampler import penalty_state
 from engine.scheduler_output import RunnerOutput, SchedulerOutput
@@ -124,16 +124,14 @@ class ModelRunner(MultiStepCalls):
         call = out.decode
         if call is None:
             self._ahead = None
-            tokens, logprobs = self.step_sample(
-                [SeqChunk(c.seq.token_ids[c.start:c.start + c.num_tokens], c.start, c.seq.pages) for c in out.chunks],
-                [_row_sampling(q) for q in out.rows], out.row_chunk)
+            tokens, logprobs = self.step_sample([SeqChunk(c.token_ids, c.start, c.pages) for c in out.chunks],
+                                                out.row_sampling, out.row_chunk)
             self.kv.copy_pages(*out.copies)  # forked siblings' partial last pages, written by this step
             return RunnerOutput(tokens, logprobs)
         if call.resume:
             pending = self._ahead
         else:
-            rows = [DecodeRow(q.token_ids[-1], q.num_computed, q.pages, limit, _row_sampling(q))
-                    for q, limit in zip(call.seqs, call.limits)]
+            rows = [DecodeRow(*row) for row in zip(call.token_ids, call.starts, call.pages, call.limits, call.sampling)]
             pending = self.dispatch_multi_step(rows, self.stop_ids, self.config.decode_steps, call.budgets)
         self._ahead = (None if call.chain_pages is None
                        else self.chain_multi_step(pending, call.chain_pages, self.config.decode_steps))

@@ -1,7 +1,6 @@
-"""The scheduler: the one owner of pages and sequences. No JAX here.
+"""The scheduler: the one owner of the sequences. No JAX here.
 
-It owns the `PageAllocator` (only it and its parts below call it), the sequences (waiting, running, finished but
-holding pages) and the samples of one prompt that will fork from it, and decides each step in one
+It owns the sequences (waiting, running, finished but holding pages) and the samples of one prompt that will fork from it, and decides each step in one
 `SchedulerOutput`: a ragged step (prompt chunks and decode tokens, FIFO, within the token budget
 `max_prefill_size`) or a multi-step decode call. There is no prefill phase: each sequence's computed-token
 count catches up with its token count, which gives chunked prefill and mixed steps. Decoding sequences go
@@ -10,37 +9,69 @@ step. Running out of pages is an answer, not a crash: the newest running sequenc
 freed and its tokens recomputed later, or (engine.preemption, engine/swap.py) its pages go to the host pool and
 come back when it is admitted again.
 
-This file keeps the queues, the admission loop and preemption. Its parts, each acting on the allocator it is
-given: the prefix cache at admission (engine/prefix_cache.py), page-ins staged a step ahead
-(engine/staging.py), swap preemption and the prefix cache's host tier (engine/swap.py), the multi-step and
-pipelined decode calls (engine/decode_planner.py) and the forks of a prompt's samples (engine/fork.py).
+This file keeps the queues, the admission loop, preemption and `postprocess`, the one writer of a sequence's
+progress after a device call (its computed tokens, its new tokens, its end). Pages are the KV cache manager's
+(engine/kv_cache_manager.py: the page allocator, the prefix cache, the host tier, swap and staging): the scheduler
+asks it for pages and gets yes or no. Its other parts: the multi-step and pipelined decode calls
+(engine/decode_planner.py) and the forks of a prompt's samples (engine/fork.py).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 from engine.capacity import pages_for
-from engine.config import EngineConfig
-from engine.decode_planner import DecodePlanner
+from engine.decode_planner import DecodePlanner, PlannedDecode
 from engine.fork import fork
-from engine.page_allocator import PageAllocator
-from engine.prefix_cache import PrefixCache
-from engine.scheduler_output import ScheduledChunk, SchedulerOutput
-from engine.sequence import Sequence
-from engine.staging import Staging
-from engine.swap import Swapper
+from engine.kv_cache_config import KVCacheConfig
+from engine.kv_cache_manager import KVCacheManager, KVCopies
+from engine.row_sampling import row_sampling
+from engine.scheduler_output import DecodeCall, RunnerOutput, ScheduledChunk, SchedulerOutput, StepCounts
+from engine.sequence import Chunk, Sequence
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The part of EngineConfig the scheduler reads (EngineConfig documents each key)."""
+
+    max_seqs: int
+    max_seqs_in_prefill: int
+    max_prefill_size: int  # tokens a ragged step may carry
+    cleanup_mode: str  # none | end | incremental
+    decode_steps: int
+    pipeline_decode: bool
+    debug_invariants: bool  # check the invariants after every postprocess
+    kv: KVCacheConfig
+
+    @property
+    def page_size(self) -> int:
+        return self.kv.page_size
+
+    @classmethod
+    def of(cls, config) -> "SchedulerConfig":
+        """The sub-config of an EngineConfig."""
+        return cls(config.max_seqs, config.max_seqs_in_prefill, config.max_prefill_size, config.cleanup_mode,
+                   config.decode_steps, config.pipeline_decode, config.debug_invariants, KVCacheConfig.of(config))
+
+
+@dataclass
+class _Scheduled:
+    """What the scheduler handed out last, over its live sequences: `postprocess` applies the result to them."""
+
+    output: SchedulerOutput
+    chunks: list[Chunk]
+    rows: list[Sequence]  # a ragged step's output rows, or a multi-step call's rows
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, max_seq_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, max_seq_len: int) -> None:
         self.config = config
         self.max_seq_len = max_seq_len
-        self.allocator = PageAllocator(config.max_pages)
-        self.swapper = Swapper(config, self.allocator)  # swap preemption; owns the host pool's pages
-        self.prefix = PrefixCache(config, self.allocator, self.swapper)
-        self.staging = Staging(config.page_size, self.allocator)
-        self.decoding = DecodePlanner(config, self.allocator, max_seq_len)  # multi-step calls and their pages
+        self.kv = KVCacheManager(config.kv)  # every page, in both tiers
+        # Multi-step calls and their pages.
+        self.decoding = DecodePlanner(config.decode_steps, config.pipeline_decode, config.page_size, self.kv,
+                                      max_seq_len)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in arrival order
         self.retained: list[Sequence] = []  # finished, pages kept (cleanup_mode end / none)
@@ -49,6 +80,17 @@ class Scheduler:
         self._cache_query_tokens = 0  # prompt tokens of sequences admitted with a cache lookup, this step
         self._cache_hit_tokens = 0  # of those, tokens whose KV the cache held
         self._recompute_tokens = 0  # computed tokens dropped by preemptions that did not swap, this step
+        self._scheduled: _Scheduled | None = None
+
+    @property
+    def allocator(self):
+        """The KV cache manager's page allocator, read-only here (tests and stats read its counts)."""
+        return self.kv.allocator
+
+    @property
+    def swapper(self):
+        """The KV cache manager's host pool, read-only here (tests and stats read its counts)."""
+        return self.kv.swapper
 
     # -- sequences ---------------------------------------------------------------------------------
 
@@ -99,16 +141,14 @@ class Scheduler:
         or at `release_finished` / reset."""
         self.running.remove(seq)
         if self.config.cleanup_mode == "incremental":
-            self.allocator.free(seq.pages)
-            seq.pages = []
+            self.kv.free(seq)
         else:
             self.retained.append(seq)
 
     def release_finished(self) -> None:
         """Free the pages that finished sequences still hold (cleanup_mode `end` or `none`)."""
         for seq in self.retained:
-            self.allocator.free(seq.pages)
-            seq.pages = []
+            self.kv.free(seq)
         self.retained = []
 
     def reset(self, keep_cache: bool = False) -> None:
@@ -121,44 +161,116 @@ class Scheduler:
         self.running.clear()
         self._last_queued = None
         self.decoding.reset()
-        self.staging.reset()
-        if not keep_cache:
-            self.allocator.reset()
-        self.swapper.reset(keep_cache)
+        self._scheduled = None
+        self.kv.reset(keep_cache)
 
     # -- one step ----------------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
-        """Decide the next device call; an empty output means nothing can run (see `stuck_message`)."""
+    def schedule(self) -> tuple[SchedulerOutput, StepCounts]:
+        """Decide the next device call, and its counts for the stats; an empty output means nothing can run (see
+        `stuck_message`)."""
         decode = self.decoding.resume(bool(self.waiting))
         if decode is not None:
-            return SchedulerOutput(decode=decode, **self.swapper.take_ops())
+            return self._output([], [], [], decode, self.kv.take_copies(), 0, 0)
         self._cache_query_tokens = self._cache_hit_tokens = 0
         chunks = self._schedule_chunks()
         # A sequence admitted with all but its last prompt token cached decodes at once.
         decode = self.decoding.multi_step(chunks, self.head_has_slots, bool(self.waiting))
         if decode is not None:
-            return SchedulerOutput(chunks, decode=decode, **self._take_counters())
-        forks = fork(chunks, self.allocator, self.config.page_size)
+            return self._output(chunks, [], [], decode, self._take_copies(), self._cache_query_tokens,
+                                self._cache_hit_tokens)
+        forks = fork(chunks, self.kv)
         self.waiting.extend(forks.requeued)
         self.running.extend(forks.running)
-        return SchedulerOutput(chunks, forks.rows, forks.row_chunk, forks.copies, **self._take_counters())
+        return self._output(chunks, forks.rows, forks.row_chunk, None, self._take_copies(), self._cache_query_tokens,
+                            self._cache_hit_tokens)
 
-    def _take_counters(self) -> dict:
-        """The step's counters and its page copies (taken once every allocation of the step is decided: one
-        may reclaim cached pages, whose spill to the host tier runs before the step reuses them)."""
-        counters = dict(cache_query_tokens=self._cache_query_tokens, cache_hit_tokens=self._cache_hit_tokens,
-                        recompute_tokens=self._recompute_tokens, **self.swapper.take_ops())
-        self._recompute_tokens = 0
-        return counters
+    def _take_copies(self) -> KVCopies:
+        """The step's page copies (taken once every allocation of the step is decided: one may reclaim cached
+        pages, whose spill to the host tier runs before the step reuses them)."""
+        copies = self.kv.take_copies()
+        self._recompute_tokens, self._step_recompute_tokens = 0, self._recompute_tokens
+        return copies
 
-    def _schedule_chunks(self) -> list[ScheduledChunk]:
+    def _output(self, chunks: list[Chunk], rows: list[Sequence], row_chunk: list[int], planned: PlannedDecode | None,
+                copies: KVCopies, query_tokens: int, hit_tokens: int) -> tuple[SchedulerOutput, StepCounts]:
+        """The step as plain data for the runner (copies of the live sequences' tokens and pages, taken once
+        every page of the step is decided), and its counts."""
+        decode = None
+        if planned is not None:
+            seqs = planned.seqs
+            fresh = not planned.resume
+            decode = DecodeCall([q.arrival for q in seqs], [not q.finished for q in seqs], planned.resume,
+                                [q.token_ids[-1] for q in seqs] if fresh else [],
+                                [q.num_computed for q in seqs] if fresh else [],
+                                [tuple(q.pages) for q in seqs],
+                                [row_sampling(q) for q in seqs] if fresh else [],
+                                planned.limits, planned.budgets,
+                                None if planned.chain_pages is None else [list(p) for p in planned.chain_pages])
+            rows = seqs
+        out = SchedulerOutput(
+            [ScheduledChunk(c.seq.arrival, tuple(c.seq.token_ids[c.start:c.start + c.num_tokens]), c.start,
+                            tuple(c.seq.pages), c.completes) for c in chunks] if decode is None else [],
+            [q.arrival for q in rows] if decode is None else [], [row_sampling(q) for q in rows] if decode is None else [],
+            row_chunk, copies.copies, decode, copies.swap_out, copies.swap_in, copies.swap_in_ahead)
+        recompute = self._step_recompute_tokens if planned is None or not planned.resume else 0
+        counts = StepCounts(query_tokens, hit_tokens, copies.swap_avoided_tokens, recompute, len(copies.swap_out[0]),
+                            len(copies.swap_in[0]) + len(copies.swap_in_ahead[0]), len(copies.swap_in_ahead[0]),
+                            self.kv.swapper.host.num_used)
+        self._scheduled = _Scheduled(out, chunks, rows)
+        return out, counts
+
+    def postprocess(self, output: SchedulerOutput, result: RunnerOutput) -> list[Sequence]:
+        """Apply a device call's result to the sequences `output` (the last `schedule`'s) named: the one writer of
+        their progress. Chunks' tokens are now computed; each row draws its sequence's next tokens up to the one
+        that ends it; a sequence that ends is finished (`finish`). Returns the sequences finished, in order."""
+        scheduled = self._scheduled
+        if scheduled is None or scheduled.output is not output:
+            raise RuntimeError("postprocess takes the output of the last schedule(), once")
+        self._scheduled = None
+        done = self._take_tokens(scheduled, result) if output.decode is None else self._take_steps(scheduled, result)
+        for seq in done:
+            self.finish(seq)
+        if self.config.debug_invariants:
+            self.check_invariants()
+        return done
+
+    @staticmethod
+    def _take_tokens(scheduled: _Scheduled, result: RunnerOutput) -> list[Sequence]:
+        """A ragged step: each chunk's tokens are now cached; each output row whose chunk completes its
+        sequence draws that sequence's next token (a sibling that could not fork will run alone: skipped)."""
+        for c in scheduled.chunks:
+            c.seq.num_computed += c.num_tokens
+        done = []
+        out = scheduled.output
+        for seq, i, token, logprob in zip(scheduled.rows, out.row_chunk, result.tokens.tolist(),
+                                          result.logprobs.tolist()):
+            if out.chunks[i].completes and seq.num_computed == len(seq.token_ids):
+                if seq.append(token, logprob) is not None:
+                    done.append(seq)
+        return done
+
+    @staticmethod
+    def _take_steps(scheduled: _Scheduled, result: RunnerOutput) -> list[Sequence]:
+        """A multi-step call: row r's first steps[r] tokens (the device's count, trusted), up to the one a
+        stop string ends on; a row the host finished before (its call ran ahead) is skipped."""
+        tokens, logprobs = result.tokens.T.tolist(), result.logprobs.T.tolist()
+        done = []
+        for seq, row_tokens, row_logprobs, num_steps in zip(scheduled.rows, tokens, logprobs, result.steps.tolist()):
+            if seq.finished:
+                continue
+            for token, logprob in zip(row_tokens[:num_steps], row_logprobs[:num_steps]):
+                seq.num_computed += 1  # the KV of the token this one was generated from is cached
+                if seq.append(token, logprob) is not None:  # later tokens of this row are dropped
+                    done.append(seq)
+                    break
+        return done
+
+    def _schedule_chunks(self) -> list[Chunk]:
         budget = self.config.max_prefill_size
-        chunks: list[ScheduledChunk] = []
+        chunks: list[Chunk] = []
         scheduled: set[int] = set()
-        for seq in self.staging.seqs:  # staged in an earlier step: their page-ins have landed
-            self.prefix.recache(seq, seq.staged_hits)
-            seq.staged_hits = []
+        self.kv.land_staged()  # staged in an earlier step: their page-ins have landed
         # 1. Running sequences, oldest first: decode tokens and unfinished prompt chunks.
         num_prefill = 0
         for seq in list(self.running):
@@ -167,7 +279,7 @@ class Scheduler:
             if seq.num_pending > 1 and num_prefill >= self.config.max_seqs_in_prefill:
                 continue
             n = min(seq.num_pending, budget)
-            while not self._grow(seq, n):
+            while not self.kv.allocate(seq, n):
                 victim = self.running[-1]
                 if id(victim) in scheduled:  # never preempt what this step already runs
                     victim = None
@@ -176,8 +288,8 @@ class Scheduler:
                     break
                 self._preempt(victim)
             if seq in self.running:
-                chunks.append(ScheduledChunk.of(seq, n))
-                self.prefix.cache_pages(seq, n)
+                chunks.append(Chunk.of(seq, n))
+                self.kv.cache_pages(seq, n)
                 scheduled.add(id(seq))
                 budget -= n
                 num_prefill += seq.num_pending > 1
@@ -190,58 +302,45 @@ class Scheduler:
             swapped, ahead = seq.swapped is not None, bool(chunks)  # ahead: compute for the copies to overlap
             n = min(seq.num_pending, budget)
             if seq.staged:  # staged in an earlier step: its pages are there
-                if not self._grow(seq, n):
+                if not self.kv.allocate(seq, n):
                     break
                 hit = seq.num_computed
-                self.staging.remove(seq)
-                if swapped:
-                    self.swapper.admit(seq)
-                seq.staged = False
+                self.kv.admit_staged(seq)
             elif swapped:  # its pages come back (from the host or the prefix cache): nothing is recomputed
-                stage = ahead and self.staging.has_room(seq, len(seq.swapped.host))
-                if not self.swapper.swap_in(seq, 0 if stage else n, stage):
+                stage = ahead and self.kv.can_stage(seq, len(seq.swapped.host))
+                if not self.kv.swap_in(seq, 0 if stage else n, stage):
                     break
             else:
-                hit, hits = self.prefix.map_cached(seq)
+                hit, hits = self.kv.map_cached(seq)
                 n = min(seq.num_pending, budget)
-                stage = ahead and bool(hits) and self.staging.has_room(seq, len(hits))
-                if not self._grow(seq, 0 if stage else n):
-                    self.prefix.unmap(seq, hits)
+                stage = ahead and bool(hits) and self.kv.can_stage(seq, len(hits))
+                if not self.kv.allocate(seq, 0 if stage else n):
+                    self.kv.unmap(seq, hits)
                     break
-                self.prefix.page_in(seq, hits, stage)
+                self.kv.page_in(seq, hits, stage)
             if seq.staged:
-                self.staging.add(seq)
+                self.kv.stage(seq)
                 staged_slots += 1 + len(seq.siblings)
                 i += 1
                 continue
             del self.waiting[i]
             self.running.append(seq)
-            chunks.append(ScheduledChunk.of(seq, n))
-            self.prefix.cache_pages(seq, n)
-            if self.config.prefix_caching and not swapped:
+            chunks.append(Chunk.of(seq, n))
+            self.kv.cache_pages(seq, n)
+            if self.config.kv.prefix_caching and not swapped:
                 self._cache_query_tokens += seq.num_prompt_tokens
                 self._cache_hit_tokens += hit
             budget -= n
             num_prefill += 1 if not swapped else seq.num_pending > 1
         return chunks
 
-    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
-        pages = self.allocator.allocate(seq.pages_short(num_tokens, self.config.page_size))
-        if pages is None:
-            return False
-        seq.pages.extend(pages)
-        return True
-
     def _preempt(self, seq: Sequence) -> None:
         """Swap the sequence's pages out (engine.preemption), or free them: it will recompute its tokens
         (prompt and generated) later."""
         self.running.remove(seq)
-        if not self.swapper.swap_out(seq):
-            self._recompute_tokens += seq.num_computed
-            self.allocator.free(seq.pages)
-            seq.pages = []
-            seq.num_computed = seq.num_cached_pages = 0
-            seq.caching = True
+        computed = seq.num_computed
+        if not self.kv.swap_out(seq):
+            self._recompute_tokens += computed
         seq.num_preemptions += 1
         self.num_preemptions += 1
         # Back to the head of the queue, in arrival order among the preempted, after the staged sequences: the
@@ -254,24 +353,16 @@ class Scheduler:
     # -- checks and messages -----------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        self.allocator.check([s.pages for s in self.running + self.retained + self.staging.seqs])
-        self.staging.check(self.waiting)
-        swapper, alloc = self.swapper, self.allocator
-        swapper.host.check([s.swapped.host for s in self.waiting if s.swapped is not None]
-                           + [swapper.cache.host_pages(), swapper.releasing])
-        swapper.cache.check()
-        on_device = {alloc.uid(p) for p in range(alloc.num_pages)} - {-1}
-        assert not any(uid in swapper.cache for uid in on_device), "a cached page is in both tiers"
+        self.kv.check(self.running + self.retained, list(self.waiting))
         assert self.slots_in_use <= self.config.max_seqs, "more live sequences than engine.max_seqs"
         for s in self.running:
             assert 0 <= s.num_computed <= len(s.token_ids) <= self.max_seq_len, f"sequence {s.request.prompt_id}"
             assert len(s.pages) * self.config.page_size >= s.num_computed
-            assert all(self.allocator.refcount(p) >= 1 for p in s.pages)
 
     def stuck_message(self) -> str:
         head = self.waiting[0] if self.waiting else None
         need = 0 if head is None else pages_for(len(head.token_ids), self.config.page_size)
         return (f"no sequence can run: {len(self.waiting)} waiting, the first needs {need} pages, "
-                f"{self.allocator.num_free} of {self.allocator.num_pages} are free and {len(self.retained)} finished "
+                f"{self.kv.stuck_message()} and {len(self.retained)} finished "
                 f"sequences still hold pages (engine.cleanup_mode={self.config.cleanup_mode}); raise "
                 f"engine.max_pages or use cleanup_mode=incremental")

@@ -90,3 +90,19 @@ class Sequence:
     def pages_short(self, num_tokens: int, page_size: int) -> int:
         """Pages the sequence lacks to hold `num_tokens` tokens past its computed ones."""
         return max(0, pages_for(self.num_computed + num_tokens, page_size) - len(self.pages))
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """The scheduler's own record of a chunk it scheduled: new tokens of a live sequence,
+    `token_ids[start:start + num_tokens]` (engine/scheduler_output.py's ScheduledChunk is the plain copy the
+    runner gets)."""
+
+    seq: Sequence
+    start: int  # the sequence's computed tokens when scheduled
+    num_tokens: int
+    completes: bool  # the chunk reaches the sequence's last token, so its logits pick the next token
+
+    @classmethod
+    def of(cls, seq: Sequence, num_tokens: int) -> "Chunk":
+        return cls(seq, seq.num_computed, num_tokens, seq.num_computed + num_tokens == len(seq.token_ids))

@@ -1,4 +1,5 @@
-"""Page-ins a step ahead: the waiting sequences staged, and whether one more may be. Part of the scheduler. No JAX.
+"""Page-ins a step ahead: the waiting sequences staged, and whether one more may be. Part of the KV cache manager.
+No JAX.
 
 A sequence that needs pages paged in (swapped out, or a prefix continuing in the host tier), reached by
 admission while other sequences run the step, is staged (engine/swap.py): pages mapped, page-ins issued with

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from engine.scheduler_output import StepCounts
 from engine.transfers import transfer_summary
 
 if TYPE_CHECKING:
@@ -56,6 +57,17 @@ class EngineStats:
     host_to_device_bytes: dict[str, int] = field(default_factory=dict)  # by category, over the steps
     first_start: float | None = None  # perf_counter at the first step's start
     last_end: float = 0.0  # perf_counter at the last step's end
+
+    def add_scheduled(self, counts: StepCounts) -> None:
+        """Count a scheduled step's prefix-cache and host-pool figures (`Scheduler.schedule`'s StepCounts)."""
+        self.prefix_cache_query_tokens += counts.cache_query_tokens
+        self.prefix_cache_hit_tokens += counts.cache_hit_tokens
+        self.kv_pages_out += counts.kv_pages_out
+        self.kv_pages_in += counts.kv_pages_in
+        self.kv_pages_in_ahead += counts.kv_pages_in_ahead
+        self.recompute_avoided_tokens += counts.swap_avoided_tokens
+        self.recompute_tokens += counts.recompute_tokens
+        self.host_kv_pages_peak = max(self.host_kv_pages_peak, counts.host_kv_pages_in_use)
 
     def clear(self) -> None:
         for values in (self.step_s, self.device_s, self.prefill_tokens, self.decode_tokens, self.active_seqs,

@@ -1,9 +1,10 @@
 """Swap preemption (`engine.preemption`): where a preempted sequence's pages go instead of being dropped. No JAX.
 
-Part of the scheduler: it owns the host pool's bookkeeping (a HostPageAllocator) and acts on the scheduler's
-PageAllocator when the scheduler asks, nothing else calls either. A swapped-out sequence's pages holding
-computed tokens are copied to host pages, and all its pages are freed (it keeps none: a page kept mapped while
-it waits could leave the sequence at the head of the queue without room, with nothing running to free any).
+Part of the KV cache manager (engine/kv_cache_manager.py): it owns the host pool's bookkeeping (a
+HostPageAllocator) and acts on the manager's PageAllocator when the manager asks, nothing else calls either. A
+swapped-out sequence's pages holding computed tokens are copied to host pages, and all its pages are freed (it
+keeps none: a page kept mapped while it waits could leave the sequence at the head of the queue without room,
+with nothing running to free any).
 When it is admitted again, each page it had is, in order, found again in the prefix cache (a cached page of
 its prompt still on the device, shared with others or not) or paged back in from the host; its computed tokens
 are then the same, and nothing is recomputed.
@@ -30,14 +31,14 @@ requests and their order: every host of a slice decides the same.
 from __future__ import annotations
 
 from engine.capacity import pages_for
-from engine.config import EngineConfig
+from engine.kv_cache_config import KVCacheConfig
 from engine.host_cache import HostPrefixCache
 from engine.page_allocator import EvictedPage, HostPageAllocator, PageAllocator, page_key
 from engine.sequence import Sequence, SwappedPages
 
 
 class Swapper:
-    def __init__(self, config: EngineConfig, allocator: PageAllocator) -> None:
+    def __init__(self, config: KVCacheConfig, allocator: PageAllocator) -> None:
         self.config = config
         self.allocator = allocator
         self.host = HostPageAllocator(config.host_kv_pages)

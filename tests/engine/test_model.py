@@ -13,7 +13,8 @@ import transformers
 from engine.config import EngineConfig
 from engine.presets import write_model
 from engine.model_config import ModelConfig, UnsupportedModelError
-from engine.page_allocator import PageAllocator
+from engine.kv_cache_config import KVCacheConfig
+from engine.kv_cache_manager import KVCacheManager
 from engine.runner import ModelRunner, SeqChunk
 from engine.weights import load_transformer
 from tests.engine.hf_reference import FAMILIES, hf_greedy, make_hf_model
@@ -35,7 +36,8 @@ class PagedSequences:
         self.tokens = [list(p) for p in prompts]
         self.pages: list[list[int]] = [[] for _ in prompts]
         self.cached = [0] * len(prompts)
-        self.allocator = PageAllocator(runner.config.max_pages)  # this driver plays the scheduler
+        # This driver plays the scheduler: it hands out the KV cache manager's pages itself.
+        self.allocator = KVCacheManager(KVCacheConfig.of(runner.config)).allocator
 
     def _reserve(self, total_tokens: list[int]) -> None:
         # One page at a time, round robin: every sequence's pages are scattered through the pool.

@@ -26,8 +26,8 @@ def _record_reads(engine) -> list[tuple[list[int], set[int]]]:
     calls, run = [], engine.runner.run
 
     def recording(out):
-        seqs = [c.seq for c in out.chunks] if out.decode is None else list(out.decode.seqs)
-        calls.append((list(out.swap_in_ahead[1]), {p for q in seqs for p in q.pages}))
+        pages = [c.pages for c in out.chunks] if out.decode is None else out.decode.pages
+        calls.append((list(out.swap_in_ahead[1]), {p for q in pages for p in q}))
         return run(out)
 
     engine.runner.run = recording

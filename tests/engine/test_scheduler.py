@@ -42,6 +42,7 @@ class DummyRunner:
         self.written = 0  # KV entries written by steps (a swapped sequence writes none of its old ones again)
         self._ahead = None
         self.first_scheduled: list = []  # sequences in the order their first prompt chunk ran
+        self.seqs: dict = {}  # every sequence queued, by id (the output names sequences by id): `make_engine` fills it
         self._landing: dict[int, int] = {}  # page-ins issued a step ahead: device slot -> token id, at the next run
 
     def _slot(self, pages, pos: int) -> int:
@@ -51,8 +52,8 @@ class DummyRunner:
     def _context(self, pages, n: int) -> tuple[int, ...]:
         return tuple(self.kv[self._slot(pages, p)] for p in range(n))
 
-    def _draw(self, context, seq) -> int:
-        return next_token(context, seq.base_key, seq.request.sampling.temperature > 0)
+    def _draw(self, context, sampling) -> int:
+        return next_token(context, sampling.base_key, sampling.temperature > 0)
 
     def run(self, out: SchedulerOutput) -> RunnerOutput:
         ps = self.config.page_size
@@ -76,14 +77,15 @@ class DummyRunner:
             self._ahead = None
             contexts = []
             for c in out.chunks:
-                if c.start == 0 and all(s is not c.seq for s in self.first_scheduled):
-                    self.first_scheduled.append(c.seq)
-                for p in range(c.start, c.start + c.num_tokens):
-                    self.kv[self._slot(c.seq.pages, p)] = c.seq.token_ids[p]
+                seq = self.seqs[c.seq_id]
+                if c.start == 0 and all(s is not seq for s in self.first_scheduled):
+                    self.first_scheduled.append(seq)
+                for p, token in enumerate(c.token_ids, c.start):
+                    self.kv[self._slot(c.pages, p)] = token
                     self.written += 1
-                contexts.append(self._context(c.seq.pages, c.start + c.num_tokens))
-                assert contexts[-1] == tuple(c.seq.token_ids[:c.start + c.num_tokens]), "the KV lost a token"
-            tokens = [self._draw(contexts[i], q) for q, i in zip(out.rows, out.row_chunk)]
+                contexts.append(self._context(c.pages, c.start + c.num_tokens))
+                assert contexts[-1] == tuple(seq.token_ids[:c.start + c.num_tokens]), "the KV lost a token"
+            tokens = [self._draw(contexts[i], q) for q, i in zip(out.row_sampling, out.row_chunk)]
             ps = self.config.page_size
             for src, dst in zip(*out.copies):
                 for o in range(ps):
@@ -94,8 +96,8 @@ class DummyRunner:
         if call.resume:
             pending = self._ahead
         else:
-            pending = self._decode([(q.token_ids[-1], q.num_computed, q.pages, limit, budget, q)
-                                    for q, limit, budget in zip(call.seqs, call.limits, call.budgets)])
+            pending = self._decode(list(zip(call.token_ids, call.starts, call.pages, call.limits, call.budgets,
+                                            call.sampling)))
         self._ahead = None if call.chain_pages is None else self._chain(pending, call.chain_pages)
         return pending[1]
 
@@ -150,7 +152,16 @@ def reference(request: Request, max_seq_len: int) -> list[int]:
 
 
 def make_engine(config: EngineConfig, max_seq_len: int = 64) -> Engine:
-    return Engine.from_runner(DummyRunner(config, max_seq_len), config, VOCAB, {EOS})
+    runner = DummyRunner(config, max_seq_len)
+    engine = Engine.from_runner(runner, config, VOCAB, {EOS})
+    add = engine.scheduler.add
+
+    def add_and_record(seq) -> None:  # the runner checks its KV against the sequences' tokens
+        runner.seqs[seq.arrival] = seq
+        add(seq)
+
+    engine.scheduler.add = add_and_record
+    return engine
 
 
 configs = st.builds(
@@ -348,10 +359,10 @@ def test_a_later_sequence_of_the_same_step_maps_the_pages_an_earlier_one_compute
     requests = [Request(f"p{i}", prefix + (30 + i,), SamplingConfig(max_new_tokens=4)) for i in range(3)]
     for r in requests:
         engine.add_request(r)
-    out = engine.scheduler.schedule()
+    out, counts = engine.scheduler.schedule()
     assert [c.num_tokens for c in out.chunks] == [21, 1, 1]  # the two later prompts compute only their last token
-    assert out.cache_query_tokens == 63 and out.cache_hit_tokens == 40
-    assert [c.seq.pages[:5] for c in out.chunks[1:]] == [out.chunks[0].seq.pages[:5]] * 2
+    assert counts.cache_query_tokens == 63 and counts.cache_hit_tokens == 40
+    assert [c.pages[:5] for c in out.chunks[1:]] == [out.chunks[0].pages[:5]] * 2
     engine.scheduler.reset()
     assert [c.token_ids for c in make_engine(config).generate(requests)] == [reference(r, 64) for r in requests]
 
