@@ -24,6 +24,7 @@ from orchestrator.plan.model_source import ModelSourceConfig
 from orchestrator.plan.packing import PackingConfig
 from orchestrator.run.retry import RetryConfig
 from orchestrator.observe.tracking import TrackerConfig
+from orchestrator.surface import overrides_hint
 
 # Engine keys a plan is tied to: which prompts fit the context, and the KV page accounting.
 PLAN_ENGINE_KEYS = ("page_size", "max_seq_len")
@@ -119,7 +120,7 @@ def load_run_config(config_path: str | Path | None, overrides: list[str] | tuple
     try:
         return draccus.parse(RunConfig, config_path=config_path, args=list(overrides), exit_on_error=False)
     except argparse.ArgumentError as e:  # `--sampling.n` with no value, and the like
-        raise ConfigError(f"{e}; overrides are --section.key=value (keys in {KEYS_DOC})") from None
+        raise ConfigError(f"{e}; {overrides_hint()} (keys in {KEYS_DOC})") from None
     except Exception as e:  # noqa: BLE001 - draccus' and the components' errors, made one line
         raise config_error(e, config_path) from None
 
@@ -160,7 +161,7 @@ def config_error(e: Exception, source: str | Path | None) -> ConfigError:
     if isinstance(e, draccus.utils.DraccusException) and isinstance(cause, ValueError):
         return ConfigError(str(cause))  # a component's own validation, which names the key
     if isinstance(e, draccus.utils.DraccusException):
-        return ConfigError(f"{' '.join(str(e).split())}; overrides are --section.key=value (keys in {KEYS_DOC})")
+        return ConfigError(f"{' '.join(str(e).split())}; {overrides_hint()} (keys in {KEYS_DOC})")
     if isinstance(e, (ValueError, TypeError)):
         return ConfigError(f"{where}{e}")
     raise e

@@ -35,6 +35,7 @@ from orchestrator.plan.output_plan import first_foreign, plan_fingerprint
 from orchestrator.run.rundir import PlanMismatch, RunDir, check_same_plan, config_hash, versions
 from orchestrator.storage.atomic import atomic_write_parquet, atomic_write_text
 from orchestrator.plan.tokenize import PromptTokenizer, shard_item
+from orchestrator.surface import setting
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ def refuse_impossible(cfg: RunConfig) -> None:
     files = list_files(cfg.corpus.path)
     if all(_is_empty(f) for f in files):
         raise NothingToRun(f"corpus.path {cfg.corpus.path!r} is empty ({len(files)} file(s) of 0 bytes); "
-                           "point --corpus.path at a file with at least one prompt")
+                           f"point {setting('corpus.path', 'FILE')} at a file with at least one prompt")
     limits = PackingLimits.resolve(cfg.packing, cfg.engine, cfg.sampling)
     context = max_seq_len(cfg.model, cfg.engine)
     new = cfg.sampling.max_new_tokens
@@ -148,13 +149,13 @@ def _refuse_foreign_outputs(run_dir: RunDir, plan: str) -> None:
     if foreign is not None:
         count = len(list(run_dir.outputs.glob("*.parquet")))
         raise PlanMismatch(f"{foreign} (one of {count} output files in {run_dir.outputs}) was not computed for this "
-                           f"plan (config, corpus, tokenizer or model); use a new run directory (--run_dir=DIR or "
-                           f"--name=NAME), or remove {run_dir.outputs} to recompute every batch")
+                           f"plan (config, corpus, tokenizer or model); use a new run directory ({setting('run_dir', 'DIR')} or "
+                           f"{setting('name', 'NAME')}), or remove {run_dir.outputs} to recompute every batch")
 
 
 def _nothing_accepted(stats: PlanStats, run_dir: RunDir) -> str:
     if stats.rows_read == 0:
-        return "the corpus holds no rows; point --corpus.path at a file with at least one prompt"
+        return f"the corpus holds no rows; point {setting('corpus.path', 'FILE')} at a file with at least one prompt"
     reasons = ", ".join(f"{count:,} {reason}" for reason, count in stats.rejected.items())
     return (f"no prompt accepted: all {stats.rows_read:,} rows were rejected ({reasons}); each row's reason is in "
             f"{run_dir.rejected}")

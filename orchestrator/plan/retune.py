@@ -26,6 +26,7 @@ from orchestrator.plan.packing import PackingLimits, pack
 from orchestrator.plan.row_sampling import max_new_tokens
 from orchestrator.run.run_state import RunState
 from orchestrator.run.rundir import PlanMismatch, RunDir
+from orchestrator.surface import setting
 
 _GENERATION = re.compile(r"-r(\d+)$")
 
@@ -57,7 +58,7 @@ def retune(run_dir: RunDir, state: RunState, cfg: RunConfig) -> None:
             if (why := limits.why_unfit(n, new)) is not None:
                 raise PlanMismatch(f"run directory {run_dir.root}: pending prompt {pid!r} no longer fits a batch with "
                                    f"{', '.join(changes)}: it {why}; resume with capacities that hold it, or start "
-                                   "a new run with --name=NAME")
+                                   f"a new run with {setting('name', 'NAME')}")
     misfits = [b for b in tables if not _fits(lengths[b], new_tokens[b], limits)]
     what = "; ".join(changes)
     if misfits:
