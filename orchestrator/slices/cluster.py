@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import stat
 import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
@@ -142,13 +146,26 @@ def ensure_ray(cluster: ClusterConfig) -> None:
     address = existing_cluster()
     if address:
         check_answers(address)
-        if cluster.local_num_cpus is not None:
-            log.warning("connecting to the existing Ray cluster at %s: cluster.local_num_cpus=%d is ignored (it "
-                        "sizes only a Ray started in-process)", address, cluster.local_num_cpus)
-        ray.init(address=address, log_to_driver=False)
-    else:
-        ray.init(num_cpus=cluster.local_num_cpus, include_dashboard=False, log_to_driver=False,
-                 _temp_dir=local_ray_temp_dir())
+    with _python_sigterm_kept():
+        if address:
+            if cluster.local_num_cpus is not None:
+                log.warning("connecting to the existing Ray cluster at %s: cluster.local_num_cpus=%d is ignored (it "
+                            "sizes only a Ray started in-process)", address, cluster.local_num_cpus)
+            ray.init(address=address, log_to_driver=False)
+        else:
+            ray.init(num_cpus=cluster.local_num_cpus, include_dashboard=False, log_to_driver=False,
+                     _temp_dir=local_ray_temp_dir())
+
+
+@contextmanager
+def _python_sigterm_kept() -> Iterator[None]:
+    """ray.init replaces this process's SIGTERM handler with its own (a C-level stack dump, then exit 15); a Python
+    handler set before it (the head's clean stop, orchestrator/run/driver.py) is put back."""
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGTERM) if main else None
+    yield
+    if callable(before):
+        signal.signal(signal.SIGTERM, before)
 
 
 _MAX_TEMP_BASE = 16  # Ray's longest unix socket lies ~90 characters below this base; a socket path holds 107

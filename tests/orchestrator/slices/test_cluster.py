@@ -74,3 +74,29 @@ def test_ray_address_local_starts_a_local_ray_whatever_was_recorded(monkeypatch,
     (tmp_path / "ray" / "ray_current_cluster").write_text("127.0.0.1:6380")
     monkeypatch.setenv("RAY_ADDRESS", "local")
     assert existing_cluster() is None
+
+
+def test_ray_init_does_not_take_over_a_sigterm_handler_set_before_it(monkeypatch):
+    """ray.init installs its own SIGTERM handler (exit 15, and Ray's C-level stack dump): the head's clean stop,
+    set before planning starts Ray, is put back (`ray job stop` during planning: one line, exit 130)."""
+    import signal
+
+    import ray
+
+    from orchestrator.slices.cluster import ClusterConfig, ensure_ray
+
+    def fake_init(**kwargs):  # what ray.init does to the handler
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
+
+    def ours(signum, frame):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", fake_init)
+    monkeypatch.setenv("RAY_ADDRESS", "local")
+    previous = signal.signal(signal.SIGTERM, ours)
+    try:
+        ensure_ray(ClusterConfig())
+        assert signal.getsignal(signal.SIGTERM) is ours
+    finally:
+        signal.signal(signal.SIGTERM, previous)
