@@ -116,15 +116,15 @@ def plan_locked(cfg: RunConfig) -> PlanResult:
         check_same_plan(run_dir, cfg, prints)
         stats = PlanStats.from_json(run_dir.read_run_json()["plan"])
         if stats.accepted == 0:  # planned before such plans were refused
-            raise NothingToRun(_nothing_accepted(stats, run_dir))
+            raise NothingToRun(_nothing_accepted(stats, run_dir, cfg))
         return PlanResult(run_dir.root, stats, True)
     _refuse_foreign_outputs(run_dir, plan_fingerprint(prints))
     stats, records = _plan_into(cfg, run_dir, files)
     if stats.accepted == 0:  # rejected.jsonl stays for the user to read; no plan, so a fixed corpus replans
         shutil.rmtree(run_dir.batches, ignore_errors=True)
         with object_append.open_append(run_dir.events) as events:
-            events.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} not planned: {_nothing_accepted(stats, run_dir)}\n")
-        raise NothingToRun(_nothing_accepted(stats, run_dir))
+            events.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} not planned: {_nothing_accepted(stats, run_dir, cfg)}\n")
+        raise NothingToRun(_nothing_accepted(stats, run_dir, cfg))
     run_dir.write_run_json({
         "name": cfg.name,
         "config": json.loads(json.dumps(dataclasses.asdict(cfg))),
@@ -153,12 +153,19 @@ def _refuse_foreign_outputs(run_dir: RunDir, plan: str) -> None:
                            f"{setting('name', 'NAME')}), or remove {run_dir.outputs} to recompute every batch")
 
 
-def _nothing_accepted(stats: PlanStats, run_dir: RunDir) -> str:
+def _nothing_accepted(stats: PlanStats, run_dir: RunDir, cfg: RunConfig) -> str:
     if stats.rows_read == 0:
         return f"the corpus holds no rows; point {setting('corpus.path', 'FILE')} at a file with at least one prompt"
     reasons = ", ".join(f"{count:,} {reason}" for reason, count in stats.rejected.items())
-    return (f"no prompt accepted: all {stats.rows_read:,} rows were rejected ({reasons}); each row's reason is in "
-            f"{run_dir.rejected}")
+    fix = ""
+    if stats.rejected.get("missing_field") == stats.rows_read:  # the corpus names its fields otherwise
+        fields = [f"corpus.text_field={cfg.corpus.text_field!r}"]
+        if cfg.corpus.messages_field:
+            fields.append(f"corpus.messages_field={cfg.corpus.messages_field!r}")
+        fix = (f"; no row has the field {' or '.join(fields)} names: set "
+               f"{setting('corpus.text_field', 'FIELD')} to the corpus's own field")
+    return (f"no prompt accepted: all {stats.rows_read:,} rows were rejected ({reasons}){fix}; each row's reason is "
+            f"in {run_dir.rejected}")
 
 
 def _plan_into(cfg: RunConfig, run_dir: RunDir, files: list[str]) -> tuple[PlanStats, list[BatchRecord]]:
