@@ -140,7 +140,9 @@ class Driver:
         self._plan = plan_fingerprint(self.run_dir.read_run_json()["fingerprints"])
         state = RunState.recover(self.run_dir, self.cfg.sampling.n, self._plan)
         try:
-            retune(self.run_dir, state, self.cfg)  # other capacities than planned: re-pack what no longer fits
+            changed = retune(self.run_dir, state, self.cfg)  # other capacities than planned: re-pack what no longer fits
+            if changed:
+                print(changed)  # not only in events.log: the user changed them, the console says what it did
             todo = state.with_status("pending")
             if not todo:
                 summary = RunSummary.read(self.run_dir, list(state.records.values()), session=None).run_figures()
