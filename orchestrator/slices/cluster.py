@@ -9,6 +9,7 @@ import socket
 import stat
 import tempfile
 import threading
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -146,7 +147,10 @@ def ensure_ray(cluster: ClusterConfig) -> None:
     address = existing_cluster()
     if address:
         check_answers(address)
-    with _python_sigterm_kept():
+    with _python_sigterm_kept(), warnings.catch_warnings():
+        # Ray starts its processes with subprocess (fork, then exec at once): JAX's warning that a fork of its
+        # threads may deadlock does not apply, and with JAX loaded (pagefleet.generate first) it printed twice.
+        warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
         if address:
             if cluster.local_num_cpus is not None:
                 log.warning("connecting to the existing Ray cluster at %s: cluster.local_num_cpus=%d is ignored (it "

@@ -100,3 +100,23 @@ def test_ray_init_does_not_take_over_a_sigterm_handler_set_before_it(monkeypatch
         assert signal.getsignal(signal.SIGTERM) is ours
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_jax_fork_warnings_from_starting_ray_are_not_shown(monkeypatch, recwarn):
+    """Ray starts its processes by fork and exec, which JAX (loaded by pagefleet.generate) warns about as if
+    the fork could deadlock its threads; `pagefleet.generate` then `pagefleet.run` printed that twice."""
+    import warnings
+
+    import ray
+
+    from orchestrator.slices.cluster import ClusterConfig, ensure_ray
+
+    def fake_init(**kwargs):
+        warnings.warn("os.fork() was called. os.fork() is incompatible with multithreaded code, and JAX is "
+                      "multithreaded, so this will likely lead to a deadlock.", RuntimeWarning)
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", fake_init)
+    monkeypatch.setenv("RAY_ADDRESS", "local")
+    ensure_ray(ClusterConfig())
+    assert not [w for w in recwarn if "os.fork()" in str(w.message)]
