@@ -413,7 +413,8 @@ def test_sigterm_before_the_slices_start_is_a_clean_interrupt(tmp_path, run_mode
 
     monkeypatch.setattr(planner, "plan_locked", plan_then_get_stopped)
     corpus = write_run_corpus(tmp_path / "c.jsonl", 4)
+    before = signal.getsignal(signal.SIGTERM)  # the default, or Ray's once an earlier test started Ray here
     assert main(["run", str(Path(__file__).resolve().parents[3] / "configs" / "demo.yaml"),
                  *run_args(run_model, corpus, tmp_path / "run")]) == exit_codes.INTERRUPTED
     assert capsys.readouterr().err.strip() == "pagefleet run: interrupted"
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored once the run returns
+    assert signal.getsignal(signal.SIGTERM) is before  # restored once the run returns
