@@ -5,10 +5,13 @@ STAMP := $(VENV)/.installed-dev
 
 .PHONY: demo test bench bench-plan bench-export bench-host bench-generate bench-peer bench-swap bench-ab
 
+# pip is quiet (-q: pages of resolver output otherwise), so each step says first what it does and how long it takes.
 $(STAMP): pyproject.toml
+	@echo "make: creating $(VENV) and installing pagefleet with its dev dependencies (JAX, Ray, transformers, CPU torch): 3 to 5 minutes, once"
 	$(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q -e '.[dev]'
+	@echo "make: building the CPU attention kernel (under a minute, once)"
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(VENV)/bin/python -m engine.kernel_build  # the CPU attention kernel, built once here rather than by the first job
 	touch $(STAMP)
 
@@ -17,6 +20,7 @@ $(STAMP): pyproject.toml
 DEMO_MODEL := models/tiny-llama
 demo: $(STAMP)
 	test -f $(DEMO_MODEL)/config.json || $(VENV)/bin/pagefleet init-model --preset tiny-llama --output $(DEMO_MODEL)
+	@echo "make: running the demo (planning, then compiling and sampling on 2 slices: about 2 minutes on 2 cores)"
 	JAX_PLATFORMS=cpu $(VENV)/bin/pagefleet run configs/demo.yaml
 
 test: $(STAMP)

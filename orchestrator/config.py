@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import os
 import re
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from orchestrator.plan.model_source import ModelSourceConfig
 from orchestrator.plan.packing import PackingConfig
 from orchestrator.run.retry import RetryConfig
 from orchestrator.observe.tracking import TrackerConfig
+from orchestrator.surface import overrides_hint
 
 # Engine keys a plan is tied to: which prompts fit the context, and the KV page accounting.
 PLAN_ENGINE_KEYS = ("page_size", "max_seq_len")
@@ -119,7 +121,8 @@ def load_run_config(config_path: str | Path | None, overrides: list[str] | tuple
     try:
         return draccus.parse(RunConfig, config_path=config_path, args=list(overrides), exit_on_error=False)
     except argparse.ArgumentError as e:  # `--sampling.n` with no value, and the like
-        raise ConfigError(f"{e}; overrides are --section.key=value (keys in {KEYS_DOC})") from None
+        near = did_you_mean(re.findall(r"--([\w.]+)", str(e)))
+        raise ConfigError(f"{e}{near}; {overrides_hint()} (keys in {KEYS_DOC})") from None
     except Exception as e:  # noqa: BLE001 - draccus' and the components' errors, made one line
         raise config_error(e, config_path) from None
 
@@ -155,15 +158,46 @@ def config_error(e: Exception, source: str | Path | None) -> ConfigError:
             message = f"expected {expected}, got {parsed['value']!r}"
         else:
             message = re.sub(r" \(<class '\w+'>\)", "", " ".join(e.message.replace("`", "").split()))
+            unknown = _UNKNOWN_FIELDS.search(message)
+            if unknown:  # a misspelt key: name the nearest real one
+                message += did_you_mean([f"{key}.{f}" if key else f for f in re.split(r",\s*", unknown["fields"])])
         return ConfigError(f"{where}{key + ': ' if key else ''}{message} (keys in {KEYS_DOC})")
     cause = e.__cause__ or e.__context__
     if isinstance(e, draccus.utils.DraccusException) and isinstance(cause, ValueError):
         return ConfigError(str(cause))  # a component's own validation, which names the key
-    if isinstance(e, draccus.utils.DraccusException):
-        return ConfigError(f"{' '.join(str(e).split())}; overrides are --section.key=value (keys in {KEYS_DOC})")
+    if isinstance(e, draccus.utils.DraccusException):  # `unrecognized arguments: --sampling.max_new_token=3`
+        near = did_you_mean(re.findall(r"--([\w.]+)", str(e)))
+        return ConfigError(f"{' '.join(str(e).split())}{near}; {overrides_hint()} (keys in {KEYS_DOC})")
     if isinstance(e, (ValueError, TypeError)):
         return ConfigError(f"{where}{e}")
     raise e
+
+
+# draccus' message for keys a section does not have.
+_UNKNOWN_FIELDS = re.compile(r"The fields (?P<fields>.+?) are not valid for")
+
+
+def known_keys() -> list[str]:
+    """Every dotted key of the run config (`sampling`, `sampling.max_new_tokens`, ...), walked from the defaults."""
+    def walk(obj: Any, prefix: str) -> list[str]:
+        out = []
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            out.append(f"{prefix}{f.name}")  # a section's name too: `smpling` -> `sampling`
+            out += walk(value, f"{prefix}{f.name}.") if dataclasses.is_dataclass(value) else []
+        return out
+
+    return walk(RunConfig(), "")
+
+
+def did_you_mean(keys: list[str]) -> str:
+    """' (did you mean X?)' for the first of `keys` (dotted) that is close to a real key; '' when none is."""
+    known = known_keys()
+    for key in keys:
+        near = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+        if near and near[0] != key:
+            return f" (did you mean {near[0]}?)"
+    return ""
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -118,12 +118,15 @@ def markdown() -> str:
         "A run config is a YAML file of these keys (`configs/demo.yaml` is one); any key can also be given on",
         "the command line as `--section.key=value`, which wins over the file:",
         "",
+        "<!-- runnable: demo -->",
         "```bash",
-        "pagefleet run configs/demo.yaml --sampling.max_new_tokens=64 --cluster.num_slices=4",
+        "pagefleet run configs/demo.yaml --name=demo-64 --sampling.max_new_tokens=64 --cluster.num_slices=4",
         "```",
         "",
-        "Loading is strict: an unknown key, a value of the wrong type or an invalid combination is refused in",
-        "one line that names the key. `pagefleet run --help` lists the same keys.",
+        "Other samples (here `sampling.max_new_tokens`) are another run, so the example names one (`demo-64`):",
+        "an existing run directory keeps the samples it was planned for. Loading is strict: an unknown key, a",
+        "value of the wrong type or an invalid combination is refused in one line that names the key (with the",
+        "nearest key for a misspelt one). `pagefleet run --help` lists the same keys.",
         "",
     ]
     run_keys = keys(RunConfig)

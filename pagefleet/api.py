@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from orchestrator.surface import surface
+
 if TYPE_CHECKING:
     from engine import Engine
     from orchestrator.config import RunConfig
@@ -46,12 +48,18 @@ def generate(model: str | Engine, prompts: Sequence[Prompt], *, engine: Mapping[
     `sampling`: the `sampling.*` keys (`max_new_tokens=32, temperature=0.7, n=2, seed=1, stop=["\\n"]`).
     A prompt that cannot run gives records with `error` set (as `pagefleet generate` writes them); a bad
     key raises ValueError naming it."""
+    if isinstance(prompts, (str, bytes)):
+        raise TypeError("prompts is a list of prompts; wrap a single prompt in a list")
+    with surface("python"):
+        return _generate(model, prompts, engine, dtype, sampling)
+
+
+def _generate(model: str | Engine, prompts: Sequence[Prompt], engine: Mapping[str, Any] | None, dtype: str,
+              sampling: dict[str, Any]) -> list[dict]:
     from engine import Engine, EngineConfig, SamplingConfig
     from orchestrator.commands.generate import parse_lines, sample_records, sized_engine
     from orchestrator.plan.model_source import resolve_model
 
-    if isinstance(prompts, (str, bytes)):
-        raise TypeError("prompts is a list of prompts; wrap a single prompt in a list")
     sampling_cfg = _build(SamplingConfig, sampling, "sampling")
     lines = [(i + 1, _row(p, i)) for i, p in enumerate(prompts)]
     if isinstance(model, Engine):
@@ -82,6 +90,11 @@ def load_config(config: str | Path | RunConfig | Mapping[str, Any] | None = None
 
     Overrides are keyword arguments: a section as a mapping (`sampling={"n": 2}`) or a dotted key
     (`**{"sampling.n": 2}`); nested values merge into the file's."""
+    with surface("python"):
+        return _load_config(config, overrides)
+
+
+def _load_config(config: str | Path | RunConfig | Mapping[str, Any] | None, overrides: dict[str, Any]) -> RunConfig:
     import draccus
     import yaml
 
@@ -136,4 +149,6 @@ def run(config: str | Path | RunConfig | Mapping[str, Any], *, progress: bool = 
     `config` and `overrides` as for `load_config`."""
     from orchestrator.run.driver import Driver
 
-    return Driver(load_config(config, **overrides), show_progress=progress).run()
+    cfg = load_config(config, **overrides)
+    with surface("python"):
+        return Driver(cfg, show_progress=progress).run()

@@ -57,13 +57,14 @@ def _plan(argv: list[str]) -> int:
     from orchestrator.config import ConfigError, load_run_config
     from orchestrator.run.lock import RunDirLocked
     from orchestrator.run.rundir import PlanMismatch
+    from orchestrator.slices.cluster import ClusterGone
 
     try:
         cfg = load_run_config(argv[0], argv[1:])
         from orchestrator.plan.planner import plan
 
         result = plan(cfg)
-    except (ConfigError, PlanMismatch, RunDirLocked, FileNotFoundError, ValueError) as e:
+    except (ConfigError, PlanMismatch, RunDirLocked, ClusterGone, FileNotFoundError, ValueError) as e:
         print(f"pagefleet plan: {e}", file=sys.stderr)
         return FAULT
     if result.already_planned:
@@ -80,6 +81,7 @@ def _run(argv: list[str]) -> int:
     from orchestrator.config import ConfigError, load_run_config
     from orchestrator.run.lock import RunDirLocked
     from orchestrator.run.rundir import PlanMismatch
+    from orchestrator.slices.cluster import ClusterGone
 
     try:
         cfg = load_run_config(argv[0], argv[1:])
@@ -87,7 +89,7 @@ def _run(argv: list[str]) -> int:
 
         # A bar on a terminal, plain lines elsewhere (ray job logs); PAGEFLEET_PROGRESS=0 turns both off.
         outcome = Driver(cfg, show_progress=os.environ.get("PAGEFLEET_PROGRESS", "1").strip() != "0").run()
-    except (ConfigError, PlanMismatch, RunDirLocked) as e:
+    except (ConfigError, PlanMismatch, RunDirLocked, ClusterGone) as e:
         print(f"pagefleet run: {e}", file=sys.stderr)
         return FAULT
     if outcome.exit_code == FAULT:

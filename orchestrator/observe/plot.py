@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.storage.atomic import atomic_write
+from orchestrator.storage.location import Location
+from orchestrator.storage.storage import is_object_store
 
 STOP_GAP_MIN_S = 30.0
 """Without session marks (older timelines), a silence this long, and ten times a slice's usual interval, is a stop."""
@@ -105,7 +107,7 @@ def total_tokens_per_s(slices: dict[str, list[dict[str, Any]]]) -> tuple[list[fl
     return times, totals
 
 
-def write_plot(path: Path, timeline: list[dict[str, Any]], mean_tokens_per_s: float | None = None) -> None:
+def write_plot(path: Path | Location, timeline: list[dict[str, Any]], mean_tokens_per_s: float | None = None) -> None:
     """Write a PNG at `path` (atomically): tokens/s (per slice and total) and occupancy over time.
 
     `timeline` entries: `t` (seconds since run start), `slice` (name), `tokens_per_s` (output tokens
@@ -147,6 +149,7 @@ def write_plot(path: Path, timeline: list[dict[str, Any]], mean_tokens_per_s: fl
         ax_occ.set_xlabel("seconds since run start")
         for ax in (ax_rate, ax_occ):
             ax.grid(True, alpha=0.3)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if not is_object_store(str(path)):  # a gs:// run directory (a Location) has no folders to make
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))

@@ -59,6 +59,8 @@ class RunProgress:
         self.session_prompts = 0
         self.session_tokens = 0
         self.session_batches = 0
+        self._first_done: tuple[float, int] | None = None
+        """(time, session prompts) when this session's first batch finished: the ETA's rate starts there."""
         self._last_write = 0.0
         self.session: dict | None = None
         """The session's figures last built for progress.json (the run's summary reads them: run_summary.py)."""
@@ -69,6 +71,8 @@ class RunProgress:
 
     def batch_done(self, record: BatchRecord, num_done_batches: int, num_failed: int) -> None:
         self.session_prompts += record.num_prompts
+        if self._first_done is None:
+            self._first_done = (time.time(), self.session_prompts)
         self.session_tokens += record.num_output_tokens
         self.session_batches += 1
         self.batches_done, self.batches_failed = num_done_batches, num_failed
@@ -92,7 +96,13 @@ class RunProgress:
         return per_s(self.session_tokens, self.elapsed_s)
 
     def eta_s(self, remaining_prompts: int) -> float | None:
-        return eta_s(remaining_prompts, per_s(self.session_prompts, self.elapsed_s))
+        """Seconds left at this session's rate since its first batch finished: the start-up before it (Ray, slices
+        loading the model, compiling) is not repeated, so counting it would inflate the ETA of a short or resumed
+        run many times over. None until a batch after the first has finished."""
+        if self._first_done is None:
+            return None
+        since, prompts = self._first_done
+        return eta_s(remaining_prompts, per_s(self.session_prompts - prompts, time.time() - since))
 
     def line(self, remaining_prompts: int) -> str:
         """One plain progress line: prompts and batches done, tokens/s, ETA (and what slices wait for)."""
@@ -120,7 +130,7 @@ class RunProgress:
             "running": running, "session_started_at": self.started, "session_elapsed_s": elapsed_s,
             "session_batches": self.session_batches, "session_prompts": self.session_prompts,
             "session_output_tokens": self.session_tokens, "tokens_per_s": per_s(self.session_tokens, elapsed_s),
-            "prompts_per_s": prompts_per_s, "eta_s": eta_s(remaining_prompts, prompts_per_s),
+            "prompts_per_s": prompts_per_s, "eta_s": self.eta_s(remaining_prompts),
             "waiting": self.waiting if running else None,
             "fault": None if running else fault,
         }

@@ -17,6 +17,8 @@ from typing import Any
 
 import fsspec
 
+from orchestrator.surface import setting
+
 EXTENSIONS = (".jsonl", ".json", ".parquet")
 
 
@@ -89,7 +91,7 @@ def list_files(path: str) -> list[str]:
             raise ValueError(f"corpus.path {path!r}: unsupported file type; use one of {', '.join(EXTENSIONS)}")
         found = [root]
     else:
-        raise FileNotFoundError(f"corpus.path {path!r} does not exist; pass --corpus.path=FILE|DIR|GLOB")
+        raise FileNotFoundError(f"corpus.path {path!r} does not exist; pass {setting('corpus.path', 'FILE|DIR|GLOB')}")
     if not found:
         raise FileNotFoundError(f"corpus.path {path!r} holds no {'/'.join(EXTENSIONS)} files")
     return sorted(fs.unstrip_protocol(p) if fs.protocol not in ("file", ("file", "local")) else p for p in found)

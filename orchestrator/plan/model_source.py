@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
@@ -14,6 +15,7 @@ import fsspec
 
 import engine as capacity
 from engine import EngineConfig
+from orchestrator.surface import setting
 
 # Files that make up a tokenizer (hashed for the tokenizer fingerprint).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -43,7 +45,7 @@ class ModelSourceConfig:
     def require_path(self) -> str:
         """The checkpoint's location: a local directory (checked), an fsspec URL, or a cached Hub id's snapshot."""
         if not self.path:
-            raise ValueError("model.path is not set: pass --model.path=DIR (an HF-format checkpoint directory, "
+            raise ValueError(f"model.path is not set: pass {setting('model.path', 'DIR')} (an HF-format checkpoint directory, "
                              "e.g. one written by `pagefleet init-model --preset tiny-llama --output DIR`)")
         return resolve_model(self.path, "model.path")
 
@@ -88,6 +90,13 @@ def resolve_model(path: str, key: str = "model.path") -> str:
     try:
         return str(snapshot_download(path, cache_dir=cache, local_files_only=True))
     except (LocalEntryNotFoundError, FileNotFoundError, OSError):
+        parent = local.parent
+        if str(parent) not in ("", ".") and parent.is_dir():  # a path into an existing directory: a typo, not a Hub id
+            near = difflib.get_close_matches(local.name, sorted(p.name for p in parent.iterdir() if p.is_dir()), n=1)
+            hint = (f"did you mean {str(parent / near[0])!r}?" if near else
+                    f"write a model there with `pagefleet init-model --preset tiny-llama --output {path}`")
+            raise FileNotFoundError(f"{key} {path!r} does not exist: {parent} has no directory {local.name!r}; "
+                                    f"{hint}") from None
         raise FileNotFoundError(
             f"{key} {path!r} is not a local directory, and the Hub id {path!r} is not in the local Hub cache "
             f"({cache}); pagefleet never downloads: fetch it first (`hf download {path}`) or give a directory"

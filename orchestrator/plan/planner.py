@@ -35,6 +35,7 @@ from orchestrator.plan.output_plan import first_foreign, plan_fingerprint
 from orchestrator.run.rundir import PlanMismatch, RunDir, check_same_plan, config_hash, versions
 from orchestrator.storage.atomic import atomic_write_parquet, atomic_write_text
 from orchestrator.plan.tokenize import PromptTokenizer, shard_item
+from orchestrator.surface import setting
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ def refuse_impossible(cfg: RunConfig) -> None:
     files = list_files(cfg.corpus.path)
     if all(_is_empty(f) for f in files):
         raise NothingToRun(f"corpus.path {cfg.corpus.path!r} is empty ({len(files)} file(s) of 0 bytes); "
-                           "point --corpus.path at a file with at least one prompt")
+                           f"point {setting('corpus.path', 'FILE')} at a file with at least one prompt")
     limits = PackingLimits.resolve(cfg.packing, cfg.engine, cfg.sampling)
     context = max_seq_len(cfg.model, cfg.engine)
     new = cfg.sampling.max_new_tokens
@@ -115,15 +116,15 @@ def plan_locked(cfg: RunConfig) -> PlanResult:
         check_same_plan(run_dir, cfg, prints)
         stats = PlanStats.from_json(run_dir.read_run_json()["plan"])
         if stats.accepted == 0:  # planned before such plans were refused
-            raise NothingToRun(_nothing_accepted(stats, run_dir))
+            raise NothingToRun(_nothing_accepted(stats, run_dir, cfg))
         return PlanResult(run_dir.root, stats, True)
     _refuse_foreign_outputs(run_dir, plan_fingerprint(prints))
     stats, records = _plan_into(cfg, run_dir, files)
     if stats.accepted == 0:  # rejected.jsonl stays for the user to read; no plan, so a fixed corpus replans
         shutil.rmtree(run_dir.batches, ignore_errors=True)
         with object_append.open_append(run_dir.events) as events:
-            events.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} not planned: {_nothing_accepted(stats, run_dir)}\n")
-        raise NothingToRun(_nothing_accepted(stats, run_dir))
+            events.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} not planned: {_nothing_accepted(stats, run_dir, cfg)}\n")
+        raise NothingToRun(_nothing_accepted(stats, run_dir, cfg))
     run_dir.write_run_json({
         "name": cfg.name,
         "config": json.loads(json.dumps(dataclasses.asdict(cfg))),
@@ -148,16 +149,23 @@ def _refuse_foreign_outputs(run_dir: RunDir, plan: str) -> None:
     if foreign is not None:
         count = len(list(run_dir.outputs.glob("*.parquet")))
         raise PlanMismatch(f"{foreign} (one of {count} output files in {run_dir.outputs}) was not computed for this "
-                           f"plan (config, corpus, tokenizer or model); use a new run directory (--run_dir=DIR or "
-                           f"--name=NAME), or remove {run_dir.outputs} to recompute every batch")
+                           f"plan (config, corpus, tokenizer or model); use a new run directory ({setting('run_dir', 'DIR')} or "
+                           f"{setting('name', 'NAME')}), or remove {run_dir.outputs} to recompute every batch")
 
 
-def _nothing_accepted(stats: PlanStats, run_dir: RunDir) -> str:
+def _nothing_accepted(stats: PlanStats, run_dir: RunDir, cfg: RunConfig) -> str:
     if stats.rows_read == 0:
-        return "the corpus holds no rows; point --corpus.path at a file with at least one prompt"
+        return f"the corpus holds no rows; point {setting('corpus.path', 'FILE')} at a file with at least one prompt"
     reasons = ", ".join(f"{count:,} {reason}" for reason, count in stats.rejected.items())
-    return (f"no prompt accepted: all {stats.rows_read:,} rows were rejected ({reasons}); each row's reason is in "
-            f"{run_dir.rejected}")
+    fix = ""
+    if stats.rejected.get("missing_field") == stats.rows_read:  # the corpus names its fields otherwise
+        fields = [f"corpus.text_field={cfg.corpus.text_field!r}"]
+        if cfg.corpus.messages_field:
+            fields.append(f"corpus.messages_field={cfg.corpus.messages_field!r}")
+        fix = (f"; no row has the field {' or '.join(fields)} names: set "
+               f"{setting('corpus.text_field', 'FIELD')} to the corpus's own field")
+    return (f"no prompt accepted: all {stats.rows_read:,} rows were rejected ({reasons}){fix}; each row's reason is "
+            f"in {run_dir.rejected}")
 
 
 def _plan_into(cfg: RunConfig, run_dir: RunDir, files: list[str]) -> tuple[PlanStats, list[BatchRecord]]:

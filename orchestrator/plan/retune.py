@@ -26,6 +26,7 @@ from orchestrator.plan.packing import PackingLimits, pack
 from orchestrator.plan.row_sampling import max_new_tokens
 from orchestrator.run.run_state import RunState
 from orchestrator.run.rundir import PlanMismatch, RunDir
+from orchestrator.surface import setting
 
 _GENERATION = re.compile(r"-r(\d+)$")
 
@@ -40,12 +41,13 @@ def planned_capacities(info: dict) -> dict:
     return {"engine": engine, "packing": old.get("packing", {})}
 
 
-def retune(run_dir: RunDir, state: RunState, cfg: RunConfig) -> None:
-    """Bring a recovered run to `cfg`'s capacities; raises PlanMismatch when a pending prompt cannot fit them."""
+def retune(run_dir: RunDir, state: RunState, cfg: RunConfig) -> str | None:
+    """Bring a recovered run to `cfg`'s capacities; raises PlanMismatch when a pending prompt cannot fit them.
+    Returns what changed (the line written to events.log, for the console too), or None when nothing did."""
     info = run_dir.read_run_json()
     changes = diff_keys(planned_capacities(info), cfg.capacities())
     if not changes:
-        return
+        return None
     limits = PackingLimits.resolve(cfg.packing, cfg.engine, cfg.sampling)
     pending = state.with_status("pending")
     tables = {r.batch_id: parquet_io.read_parquet(run_dir.batch_file(r.batch_id)) for r in pending}
@@ -57,18 +59,20 @@ def retune(run_dir: RunDir, state: RunState, cfg: RunConfig) -> None:
             if (why := limits.why_unfit(n, new)) is not None:
                 raise PlanMismatch(f"run directory {run_dir.root}: pending prompt {pid!r} no longer fits a batch with "
                                    f"{', '.join(changes)}: it {why}; resume with capacities that hold it, or start "
-                                   "a new run with --name=NAME")
+                                   f"a new run with {setting('name', 'NAME')}")
     misfits = [b for b in tables if not _fits(lengths[b], new_tokens[b], limits)]
     what = "; ".join(changes)
     if misfits:
-        _repack(run_dir, state, tables, limits, cfg.sampling, what, len(misfits))
+        message = _repack(run_dir, state, tables, limits, cfg.sampling, what, len(misfits))
     else:
-        state.event(f"capacities changed ({what}); the {len(pending)} pending batches fit them as they are")
+        message = f"capacities changed ({what}); the {len(pending)} pending batches fit them as they are"
+        state.event(message)
     info["capacities"] = cfg.capacities()
     run_dir.write_run_json(info)
     if misfits:
         for b in tables:  # the old pending batches: no longer referenced by the manifest
             run_dir.batch_file(b).unlink(missing_ok=True)
+    return message
 
 
 def _fits(lengths: np.ndarray, new_tokens: np.ndarray, limits: PackingLimits) -> bool:
@@ -77,7 +81,7 @@ def _fits(lengths: np.ndarray, new_tokens: np.ndarray, limits: PackingLimits) ->
 
 
 def _repack(run_dir: RunDir, state: RunState, tables: dict[str, pa.Table], limits: PackingLimits,
-            sampling: SamplingConfig, what: str, num_misfits: int) -> None:
+            sampling: SamplingConfig, what: str, num_misfits: int) -> str:
     prompts = pa.concat_tables(tables.values()).sort_by("row")  # corpus order: the packing's tie-break
     token_counts = np.array([len(t) for t in prompts.column("token_ids").to_pylist()], dtype=np.int64)
     packing = pack(token_counts, limits, max_new_tokens=max_new_tokens(prompts, sampling))
@@ -90,6 +94,8 @@ def _repack(run_dir: RunDir, state: RunState, tables: dict[str, pa.Table], limit
                                    num_prompt_tokens=int(packing.num_prompt_tokens[b]),
                                    num_pages=int(packing.num_pages[b])))
     state.replace_pending(records)
-    state.event(f"capacities changed ({what}): {num_misfits} of {len(tables)} pending batches no longer fit, so "
-                f"their {prompts.num_rows} prompts were re-packed into {len(records)} batches (re-pack {generation})")
+    message = (f"capacities changed ({what}): {num_misfits} of {len(tables)} pending batches no longer fit, so "
+               f"their {prompts.num_rows} prompts were re-packed into {len(records)} batches (re-pack {generation})")
+    state.event(message)
     state.flush(force=True)
+    return message

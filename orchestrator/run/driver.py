@@ -122,6 +122,13 @@ class Driver:
                 raise full from None
 
     def _run_locked(self) -> RunOutcome:
+        previous = _interrupt_on_signals()  # until the slices start: `ray job stop` (SIGTERM) stops like Ctrl-C
+        try:
+            return self._plan_and_execute()
+        finally:
+            _restore_signals(previous)
+
+    def _plan_and_execute(self) -> RunOutcome:
         from orchestrator.slices.cluster import ensure_ray
         from orchestrator.plan.planner import plan_locked
 
@@ -133,7 +140,9 @@ class Driver:
         self._plan = plan_fingerprint(self.run_dir.read_run_json()["fingerprints"])
         state = RunState.recover(self.run_dir, self.cfg.sampling.n, self._plan)
         try:
-            retune(self.run_dir, state, self.cfg)  # other capacities than planned: re-pack what no longer fits
+            changed = retune(self.run_dir, state, self.cfg)  # other capacities than planned: re-pack what no longer fits
+            if changed:
+                print(changed)  # not only in events.log: the user changed them, the console says what it did
             todo = state.with_status("pending")
             if not todo:
                 summary = RunSummary.read(self.run_dir, list(state.records.values()), session=None).run_figures()
@@ -386,6 +395,19 @@ def _on_signals(stop: threading.Event):
         return None
     handler = lambda signum, frame: stop.set()  # noqa: E731
     return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _interrupt_on_signals():
+    """Before the slices start (planning, re-packing), SIGINT and SIGTERM raise KeyboardInterrupt: a clean stop
+    (the command's one line and exit 130) rather than Ray's C-level stack dump for SIGTERM. Nothing is left
+    half-done that a rerun does not redo: the plan is written last (batches.jsonl)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    return {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
 def _restore_signals(previous) -> None:

@@ -29,7 +29,7 @@ class RunLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "an unknown process"
+            holder = holder_text(os.pread(fd, 4096, 0).decode(errors="replace"))
             os.close(fd)
             raise RunDirLocked(f"run directory {self.path.parent} is in use by {holder}; wait for that head to "
                                "finish or stop it (the lock is released when it exits)") from None
@@ -54,6 +54,19 @@ class RunLock:
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
         self._fd = None
+
+
+def holder_text(raw: str) -> str:
+    """A lock's holder as a message names it: its JSON ({pid, host, since}) with `since` as a UTC time, not epoch
+    seconds; anything else as it is."""
+    raw = raw.strip()
+    try:
+        info = json.loads(raw)
+    except ValueError:
+        return raw or "an unknown process"
+    if isinstance(info, dict) and isinstance(info.get("since"), (int, float)):
+        info["since"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(info["since"]))
+    return json.dumps(info)
 
 
 def run_lock(run_dir: str | Path, stale_after_s: float = 60.0):

@@ -26,7 +26,7 @@ import threading
 import time
 
 from orchestrator.storage import generations, storage
-from orchestrator.run.lock import RunDirLocked
+from orchestrator.run.lock import RunDirLocked, holder_text
 
 STALE_AFTER_S = 60.0
 """A lock not refreshed for this long belongs to a head that is gone."""
@@ -69,7 +69,7 @@ class ObjectRunLock:
             self.generation = generations.create_if_absent(self.url, self._body())
             return
         data, generation = current
-        holder = data.decode(errors="replace").strip() or "an unknown process"
+        holder = holder_text(data.decode(errors="replace"))
         info = generations.object_info(self.url)
         age_s = time.time() - info["updated"] if info and info["generation"] == generation else 0.0
         if age_s < self.stale_after_s:

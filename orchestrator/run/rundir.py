@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.storage.atomic import atomic_write_text
+from orchestrator.surface import setting
 
 if TYPE_CHECKING:  # the layout alone imports no config: a slice reads its batch files through it
     from orchestrator.config import RunConfig
@@ -118,5 +119,5 @@ def check_same_plan(run_dir: RunDir, cfg: RunConfig, fingerprints: dict[str, str
         raise PlanMismatch(
             f"run directory {run_dir.root} was planned for different samples:\n  " + "\n  ".join(problems)
             + "\nTo continue that run, use its original config and inputs. To start a new run, pass a new "
-            "--name=NAME (or --run_dir=DIR)."
+            f"{setting('name', 'NAME')} (or {setting('run_dir', 'DIR')})."
         )

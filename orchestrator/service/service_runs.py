@@ -27,6 +27,7 @@ from orchestrator.run.rundir import RunDir
 from orchestrator.service.service_body import BodyTooLargeWhenExpanded, load_body
 from orchestrator.service.service_paths import DataPolicy
 from orchestrator.slices.slice_layout import validate
+from orchestrator.surface import surface
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,13 @@ def parse_run_config(body: bytes, runs_root: Path, max_expanded_bytes: int) -> R
 
     Aliases may not expand the body beyond `max_expanded_bytes` of text (service_body.load_body), and every
     value must have its key's type (load_run_config: a `sampling.stop` entry is a string, never a printed list).
+    Errors name body keys (orchestrator.surface), not command-line flags.
     """
+    with surface("http"):
+        return _parse_run_config(body, runs_root, max_expanded_bytes)
+
+
+def _parse_run_config(body: bytes, runs_root: Path, max_expanded_bytes: int) -> RunConfig:
     try:
         text = body.decode("utf-8")
         data = load_body(text, max_expanded_bytes)
@@ -124,6 +131,10 @@ class RunRegistry:
 
     def submit(self, cfg: RunConfig) -> dict[str, Any]:
         """Start `cfg` in a background thread; it plans if needed and resumes from batches.jsonl."""
+        with surface("http"):
+            return self._submit(cfg)
+
+    def _submit(self, cfg: RunConfig) -> dict[str, Any]:
         from orchestrator.observe.status import head_holding
 
         name = check_name(cfg.name)
@@ -189,7 +200,8 @@ class RunRegistry:
     def _execute(self, name: str) -> None:
         run = self._runs[name]
         try:
-            run.outcome = Driver(run.cfg, show_progress=False, stop=run.stop).run()
+            with surface("http"):  # the run's errors reach the caller through GET /runs/{name}
+                run.outcome = Driver(run.cfg, show_progress=False, stop=run.stop).run()
         except Exception as e:  # noqa: BLE001 - a run that cannot start is reported by GET, not lost
             log.exception("run %s failed", name)
             run.error = f"{type(e).__name__}: {e}"

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import socket
 import stat
 import tempfile
+import threading
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
@@ -87,14 +93,46 @@ def engines_per_host(mesh: dict[str, int], num_hosts: int) -> int:
     return engines // num_hosts if host_level(mesh, num_hosts) else engines
 
 
+class ClusterGone(RuntimeError):
+    """The cluster pagefleet would join does not answer; the message says where its address came from and the fix."""
+
+
+ANSWER_TIMEOUT_S = 5.0
+"""How long the cluster's GCS port has to accept a connection before the cluster is reported gone."""
+
+
 def existing_cluster() -> str | None:
     """The address of the cluster `ray.init()` would join: RAY_ADDRESS, else the one a `ray start` on this
-    machine recorded (RAY_TMPDIR/ray/ray_current_cluster, default /tmp/ray); None when there is none."""
+    machine recorded (RAY_TMPDIR/ray/ray_current_cluster, default /tmp/ray); None when there is none, or when
+    RAY_ADDRESS=local (a local Ray started in-process, whatever `ray start` recorded)."""
     if os.environ.get("RAY_ADDRESS"):
-        return os.environ["RAY_ADDRESS"]
+        return None if os.environ["RAY_ADDRESS"] == "local" else os.environ["RAY_ADDRESS"]
     from ray._private.services import find_bootstrap_address  # how ray.init() itself finds a `ray start` cluster
 
     return find_bootstrap_address(None)
+
+
+def check_answers(address: str, timeout_s: float = ANSWER_TIMEOUT_S) -> None:
+    """Raise ClusterGone when a GCS address (`host:port`) accepts no connection within `timeout_s`: ray.init
+    would retry it for minutes. Other address forms (ray://, http://, auto) are left to Ray."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or "/" in address or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+        return
+    except OSError as e:
+        why = "no answer" if isinstance(e, TimeoutError) else (e.strerror or type(e).__name__).lower()
+    if os.environ.get("RAY_ADDRESS"):
+        raise ClusterGone(f"the Ray cluster in RAY_ADDRESS ({address}) does not answer ({why} within {timeout_s:g} s); "
+                          "start it, set RAY_ADDRESS to a live cluster, or unset it (RAY_ADDRESS=local starts a "
+                          "local Ray in this process)")
+    from ray._common.utils import get_ray_address_file
+
+    raise ClusterGone(f"the Ray cluster recorded by a `ray start` on this machine ({address}, in "
+                      f"{get_ray_address_file(None)}) does not answer ({why} within {timeout_s:g} s): it is gone; "
+                      f"remove that file (or run `ray stop`) to start a local Ray, or set RAY_ADDRESS to a live "
+                      "cluster (RAY_ADDRESS=local starts a local Ray whatever the file says)")
 
 
 def ensure_ray(cluster: ClusterConfig) -> None:
@@ -108,13 +146,30 @@ def ensure_ray(cluster: ClusterConfig) -> None:
         return
     address = existing_cluster()
     if address:
-        if cluster.local_num_cpus is not None:
-            log.warning("connecting to the existing Ray cluster at %s: cluster.local_num_cpus=%d is ignored (it "
-                        "sizes only a Ray started in-process)", address, cluster.local_num_cpus)
-        ray.init(address=address, log_to_driver=False)
-    else:
-        ray.init(num_cpus=cluster.local_num_cpus, include_dashboard=False, log_to_driver=False,
-                 _temp_dir=local_ray_temp_dir())
+        check_answers(address)
+    with _python_sigterm_kept(), warnings.catch_warnings():
+        # Ray starts its processes with subprocess (fork, then exec at once): JAX's warning that a fork of its
+        # threads may deadlock does not apply, and with JAX loaded (pagefleet.generate first) it printed twice.
+        warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
+        if address:
+            if cluster.local_num_cpus is not None:
+                log.warning("connecting to the existing Ray cluster at %s: cluster.local_num_cpus=%d is ignored (it "
+                            "sizes only a Ray started in-process)", address, cluster.local_num_cpus)
+            ray.init(address=address, log_to_driver=False)
+        else:
+            ray.init(num_cpus=cluster.local_num_cpus, include_dashboard=False, log_to_driver=False,
+                     _temp_dir=local_ray_temp_dir())
+
+
+@contextmanager
+def _python_sigterm_kept() -> Iterator[None]:
+    """ray.init replaces this process's SIGTERM handler with its own (a C-level stack dump, then exit 15); a Python
+    handler set before it (the head's clean stop, orchestrator/run/driver.py) is put back."""
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGTERM) if main else None
+    yield
+    if callable(before):
+        signal.signal(signal.SIGTERM, before)
 
 
 _MAX_TEMP_BASE = 16  # Ray's longest unix socket lies ~90 characters below this base; a socket path holds 107

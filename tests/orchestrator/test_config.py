@@ -90,3 +90,27 @@ def test_a_host_pool_on_a_multi_host_slice_loads(tmp_path):
     yaml.write_text("name: x\n")
     cfg = load_run_config(yaml, ["--engine.host_kv_pages=8", "--engine.preemption=swap", "--cluster.hosts_per_slice=2"])
     assert cfg.engine.host_kv_pages == 8 and cfg.cluster.hosts_per_slice == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--sampling.max_new_token=3"], "(did you mean sampling.max_new_tokens?)"),
+    (["--smpling.max_new_tokens=3"], "(did you mean sampling.max_new_tokens?)"),
+])
+def test_a_misspelt_key_names_the_nearest_one(args, message):
+    with pytest.raises(ConfigError) as e:
+        load_run_config(None, args)
+    assert message in str(e.value)
+
+
+def test_a_misspelt_key_in_a_file_or_a_python_override_names_the_nearest_one(tmp_path):
+    import pagefleet
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("sampling: {max_new_token: 3}\n")
+    with pytest.raises(ConfigError, match=r"max_new_token .*\(did you mean sampling\.max_new_tokens\?\)"):
+        load_run_config(bad, [])
+    with pytest.raises(ConfigError, match=r"smpling .*\(did you mean sampling\?\)"):
+        pagefleet.load_config(None, smpling={"n": 2})
+    with pytest.raises(ConfigError) as far:
+        load_run_config(None, ["--colour=3"])
+    assert "did you mean" not in str(far.value)  # nothing close: no guess

@@ -10,6 +10,7 @@ import pagefleet
 from engine.presets import write_model
 from orchestrator.config import ConfigError, RunConfig
 from orchestrator.commands.generate import main as generate_main
+from orchestrator.run.rundir import PlanMismatch
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +100,9 @@ def test_run_plans_and_runs_like_the_command(tmp_path):
     assert outcome.summary["samples_done"] == 12 and outcome.summary["batches_failed"] == 0
     again = pagefleet.run({"name": "api"}, **overrides)  # planned and done: nothing to compute
     assert again.exit_code == exit_codes.OK
+    with pytest.raises(PlanMismatch) as refused:  # other samples into the same run directory: the fix in Python terms
+        pagefleet.run({"name": "api"}, **{**overrides, "sampling.max_new_tokens": 3})
+    assert "pass a new name=NAME (or run_dir=DIR)" in str(refused.value) and "--" not in str(refused.value)
 
 
 def test_rows_carry_their_own_sampling_settings(model_dir):

@@ -86,3 +86,13 @@ def test_the_plot_draws_the_summary_rate_and_says_why_it_differs_from_the_peak(t
     assert "summary: 42.5 tokens/s" in labels
     assert "wall time" in ax_rate.get_title()
     assert any(p.get_label() == "stopped" for p in ax_rate.patches)
+
+
+def test_a_gs_run_directory_gets_its_plot(gcs_bucket):
+    from orchestrator.run.rundir import RunDir
+    from orchestrator.storage import storage
+    from orchestrator.storage.location import location
+
+    run_dir = RunDir(location(f"{gcs_bucket}/runs/r"))  # as the head holds a gs:// run directory
+    write_plot(run_dir.plot, timeline(2))
+    assert storage.read_bytes(f"{gcs_bucket}/runs/r/throughput.png")[:8] == PNG_SIGNATURE

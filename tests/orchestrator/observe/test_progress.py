@@ -71,3 +71,18 @@ def test_a_run_into_a_file_prints_progress_lines_and_the_slices_it_waits_for(run
                      r"CPU 1, the cluster has CPU 2 in all", text), text[-3000:]
     events = (run_in_own_process["run_dir"] / "events.log").read_text()
     assert "slices wait for resources the cluster does not have" in events
+
+
+def test_the_eta_leaves_out_the_sessions_start_up(tmp_path):
+    """A resumed run spends its first minute starting Ray and compiling; an ETA over the whole session's time
+    said 105 min for a run that took 1.5. The rate starts when the session's first batch finishes."""
+    import time
+
+    progress = RunProgress(RunDir(tmp_path), records(), show=False)
+    progress.started = time.time() - 100  # 100 s of start-up
+    assert progress.eta_s(30) is None
+    progress.batch_done(BatchRecord("b1", status="done", num_prompts=10, num_output_tokens=100), 2, 0)
+    progress._first_done = (time.time() - 2, 10)  # the first batch finished 2 s ago; the next one now
+    progress.batch_done(BatchRecord("b2", status="done", num_prompts=10, num_output_tokens=100), 3, 0)
+    assert progress.eta_s(10) == pytest.approx(2, rel=0.2)  # 10 prompts at 5/s (not 20 prompts over 100 s)
+    progress.close()

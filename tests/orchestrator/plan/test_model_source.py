@@ -57,3 +57,15 @@ def test_an_uncached_id_or_a_missing_directory_is_one_line_naming_it(tiny_model,
     with pytest.raises(FileNotFoundError, match=r"^model.tokenizer 'org/tok' is not a local directory"):
         ModelSourceConfig(path=tiny_model, tokenizer="org/tok").tokenizer_path  # noqa: B018
     assert resolve_model(tiny_model) == tiny_model  # a local directory is used as is, never looked up
+
+
+def test_a_typo_in_a_local_path_is_not_sent_to_the_hub(tmp_path, monkeypatch):
+    (tmp_path / "models" / "tiny-llama").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))
+    with pytest.raises(FileNotFoundError) as e:  # `models/tiny-lama` reads as a Hub id too: the directory is meant
+        ModelSourceConfig(path="models/tiny-lama").require_path()
+    assert str(e.value) == ("model.path 'models/tiny-lama' does not exist: models has no directory 'tiny-lama'; "
+                            "did you mean 'models/tiny-llama'?")
+    with pytest.raises(FileNotFoundError, match=r"init-model --preset tiny-llama --output models/qwen`$"):
+        ModelSourceConfig(path="models/qwen").require_path()

@@ -259,3 +259,12 @@ def test_prompts_behind_a_shared_block_plan_together_and_the_report_counts_them(
     limits = PackingLimits.resolve(cfg.packing, cfg.engine, cfg.sampling)
     for r in records:
         assert r.num_pages == limits.page_need(np.array([len(p["token_ids"]) for p in batches[r.batch_id]])).sum()
+
+
+def test_a_corpus_whose_rows_all_miss_the_text_field_names_corpus_text_field(run_model, tmp_path, capsys, ray_local):
+    corpus = tmp_path / "other-names.jsonl"
+    corpus.write_bytes(b'{"id": "a", "text": "hi"}\n{"id": "b", "text": "there"}\n')
+    err = _one_line_fault(capsys, ["plan", str(DEMO), f"--model.path={run_model}", f"--corpus.path={corpus}",
+                                   f"--run_dir={tmp_path / 'run'}", "--tracker.type=noop"])
+    assert "all 2 rows were rejected (2 missing_field)" in err
+    assert "corpus.text_field='prompt'" in err and "set --corpus.text_field=FIELD" in err

@@ -16,7 +16,8 @@ from ..run.test_driver import reference, samples
 pytestmark = pytest.mark.ray
 
 
-def test_resume_with_fewer_slots_repacks_pending_batches_exactly_once(ray_local, run_model, tmp_path, monkeypatch):
+def test_resume_with_fewer_slots_repacks_pending_batches_exactly_once(ray_local, run_model, tmp_path, monkeypatch,
+                                                                     capsys):
     corpus = write_run_corpus(tmp_path / "corpus.jsonl", 24, seed=3)
     run_dir = tmp_path / "run"
     cfg = load_run_config(None, run_args(run_model, corpus, run_dir, "--cluster.num_slices=1"))
@@ -35,8 +36,10 @@ def test_resume_with_fewer_slots_repacks_pending_batches_exactly_once(ray_local,
     # `--engine.max_seqs=4` on the planned run: not refused; the pending prompts re-packed into batches of <= 4.
     retuned = load_run_config(None, run_args(run_model, corpus, run_dir, "--cluster.num_slices=1",
                                              "--engine.max_seqs=4"))
+    capsys.readouterr()
     outcome = Driver(retuned, show_progress=False).run()
     assert outcome.exit_code == 0
+    assert "prompts were re-packed into" in capsys.readouterr().out  # on the console, not only in events.log
     records = read_manifest(run_dir / "batches.jsonl")
     assert all(r.status == "done" for r in records)
     assert {r.batch_id for r in records} >= done  # done batches kept, not recomputed

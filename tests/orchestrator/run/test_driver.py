@@ -401,3 +401,20 @@ def test_run_applies_each_row_s_own_sampling_settings(ray_local, run_model, tmp_
             requests.append(Request(row["prompt_id"], tuple(row["token_ids"]), apply(cfg.sampling, row["sampling"])))
     assert sorted(r.prompt_id for r in requests) == [f"r{i}" for i in range(5)]
     assert {(c.prompt_id, c.generation_index): c.token_ids for c in engine.generate(requests)} == got
+
+
+def test_sigterm_before_the_slices_start_is_a_clean_interrupt(tmp_path, run_model, monkeypatch, capsys):
+    """`ray job stop` while the head plans: the command's one line and exit 130, not a stack dump."""
+    from orchestrator.plan import planner
+
+    def plan_then_get_stopped(cfg):  # planning is where SIGTERM arrives (Ray Data tokenizing)
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("SIGTERM did not stop planning")
+
+    monkeypatch.setattr(planner, "plan_locked", plan_then_get_stopped)
+    corpus = write_run_corpus(tmp_path / "c.jsonl", 4)
+    before = signal.getsignal(signal.SIGTERM)  # the default, or Ray's once an earlier test started Ray here
+    assert main(["run", str(Path(__file__).resolve().parents[3] / "configs" / "demo.yaml"),
+                 *run_args(run_model, corpus, tmp_path / "run")]) == exit_codes.INTERRUPTED
+    assert capsys.readouterr().err.strip() == "pagefleet run: interrupted"
+    assert signal.getsignal(signal.SIGTERM) is before  # restored once the run returns

@@ -34,6 +34,7 @@ def test_a_run_in_a_bucket_equals_the_same_run_on_local_paths(ray_local, run_mod
     assert storage.list_names(f"{run_dir}/outputs") == [f"{r.batch_id}.parquet" for r in records]
     events = storage.read_text(f"{run_dir}/events.log")
     assert events.count(" bytes read from the bucket)") == 2 and storage.exists(f"{run_dir}/progress.json")
+    assert "could not write the throughput plot" not in events and storage.exists(f"{run_dir}/throughput.png")
     assert not storage.exists(f"{run_dir}/.lock")  # released
 
     export(tmp_path / "run", tmp_path / "local.jsonl")
