@@ -285,6 +285,11 @@ class Scheduler:
                     victim = None
                 if victim is None or victim is seq:
                     self._preempt(seq)
+                    if not self.running and not any(q.staged for q in self.waiting):
+                        # It ran alone and still lacks pages: only finished sequences' pages (retained until
+                        # the call ends, engine.cleanup_mode) stand in its way, and its need only grows, so
+                        # readmitting it would recompute and preempt it again forever.
+                        raise RuntimeError(self.stuck_message())
                     break
                 self._preempt(victim)
             if seq in self.running:

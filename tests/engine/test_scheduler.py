@@ -274,6 +274,34 @@ def test_nothing_fits_is_an_answer_with_the_fix():
         engine.step()
 
 
+
+def test_a_sequence_that_cannot_grow_beside_retained_pages_is_stuck_not_recomputed_forever():
+    """cleanup_mode=end: finished sequences keep their pages until the call ends. A sequence that, running alone,
+    outgrew what they leave was preempted, readmitted, recomputed and preempted again without end (a random
+    workload found it: forked samples finishing one by one leave their pages behind)."""
+    config = EngineConfig(page_size=2, max_pages=32, max_seqs=5, max_seqs_in_prefill=3, max_prefill_size=18,
+                          max_seq_len=64, decode_steps=3, cleanup_mode="end", prefix_caching=False)
+    engine = make_engine(config)
+    run, calls = engine.runner.run, []
+
+    def counted(out):
+        calls.append(1)
+        assert len(calls) < 300, "no progress: the same sequence is preempted and recomputed again and again"
+        return run(out)
+
+    engine.runner.run = counted
+    head = (30, 25, 13)
+    rows = [((27, 22, 31, 33, 20, 35, 30, 10, 35, 22, 21, 17, 22), 6, 1, 0.0),
+            ((11, 12, 17, 9, 26, 26, 10, 29, 37, 13), 16, 2, 0.0), ((22, 10, 29, 36, 20), 14, 2, 0.8),
+            ((32, 36), 11, 2, 0.0), ((33, 34, 8, 18, 11, 20, 33, 23, 24, 14, 15), 16, 3, 0.0),
+            ((34, 30, 11, 27, 12, 25, 24, 28, 38, 16, 15), 2, 1, 0.8), ((39, 17, 22, 38, 14, 34, 28, 34, 30, 9, 22), 5, 3, 0.0),
+            ((36, 29, 24, 20, 19, 31, 22, 17, 33, 18, 16, 36, 21), 17, 1, 0.8)]
+    requests = [Request(f"p{i}", head + tail, SamplingConfig(max_new_tokens=new, n=n, temperature=t, seed=94), g)
+                for i, (tail, new, n, t) in enumerate(rows) for g in range(n)]
+    with pytest.raises(RuntimeError, match="cleanup_mode=incremental"):
+        engine.generate(requests)
+
+
 # -- the prefix cache ------------------------------------------------------------------------------
 
 prefixed_workloads = st.lists(st.tuples(st.integers(0, 2), st.integers(0, 12), st.integers(1, 16), st.integers(1, 3),
