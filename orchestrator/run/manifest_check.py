@@ -102,7 +102,7 @@ def reconcile(run_dir: RunDir, records: list[BatchRecord]) -> tuple[list[BatchRe
     records = list(unique.values())
     for r in records:
         path = run_dir.batch_file(r.batch_id)
-        if path.exists() and (rows := parquet_io.read_parquet_metadata(path).num_rows) != r.num_prompts:
+        if (rows := _rows(path)) is not None and rows != r.num_prompts:
             raise ManifestMismatch(f"{run_dir.manifest}: batch {r.batch_id} has num_prompts {r.num_prompts} but its "
                                    f"batch file {path.name} holds {rows} prompts; set num_prompts to {rows}, or "
                                    f"{_RESTORE}")
@@ -110,8 +110,8 @@ def reconcile(run_dir: RunDir, records: list[BatchRecord]) -> tuple[list[BatchRe
     total = sum(r.num_prompts for r in records)
     if accepted is not None and total < accepted and run_dir.batches.is_dir():
         orphans = sorted(p.stem for p in run_dir.batches.glob("*.parquet") if p.stem not in unique)
-        rows = {b: parquet_io.read_parquet_metadata(run_dir.batch_file(b)).num_rows for b in orphans}
-        if sum(rows.values()) == accepted - total:
+        rows = {b: _rows(run_dir.batch_file(b)) for b in orphans}
+        if None not in rows.values() and sum(rows.values()) == accepted - total:
             for b in orphans:
                 table = parquet_io.read_parquet(run_dir.batch_file(b), columns=["token_ids"])
                 tokens = sum(len(t) for t in table.column("token_ids").to_pylist())
@@ -119,3 +119,12 @@ def reconcile(run_dir: RunDir, records: list[BatchRecord]) -> tuple[list[BatchRe
                 repairs.append(f"{b}: its line was missing from batches.jsonl; restored from {b}.parquet as pending")
     _check_total(run_dir, records, accepted)
     return records, repairs
+
+
+def _rows(batch_file) -> int | None:
+    """The batch file's row count from its footer; None when it is missing or unreadable (the slice that reads it
+    reports that, as the batch's error)."""
+    try:
+        return parquet_io.read_parquet_metadata(batch_file).num_rows if batch_file.exists() else None
+    except Exception:  # noqa: BLE001 - unreadable: not this check's to report
+        return None

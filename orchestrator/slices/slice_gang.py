@@ -166,14 +166,15 @@ class SliceGang:
             except ray.exceptions.RayError as e:
                 from engine import CheckpointError, PoolTooLarge, MeshError
                 from engine import UnsupportedModelError
+                from orchestrator.plan.weights_identity import WeightsChanged
                 from orchestrator.run.batch_files import RunDirUnreachable
 
                 cause = getattr(e, "cause", None)
-                # Deterministic faults (a checkpoint it cannot load, a mesh or model it cannot run, a run directory
-                # it cannot see, a host KV pool larger than the host's memory): every slice and every restart would
-                # fail the same way.
+                # Deterministic faults (a checkpoint it cannot load, or changed since planning, a mesh or model it
+                # cannot run, a run directory it cannot see, a host KV pool larger than the host's memory): every
+                # slice and every restart would fail the same way.
                 fatal = isinstance(cause, (CheckpointError, MeshError, UnsupportedModelError, RunDirUnreachable,
-                                           PoolTooLarge))
+                                           PoolTooLarge, WeightsChanged))
                 return GangEvent("failed", reason=f"could not start: {cause if fatal else _error_text(e)}", fatal=fatal)
             if self._starting:
                 return GangEvent("waiting")
