@@ -155,6 +155,19 @@ def test_a_duplicated_manifest_line_is_named_and_dropped_by_run(finished, tmp_pa
     assert export_of(run_dir, tmp_path / "out.jsonl", capsys)[1] == finished["export"]
 
 
+def test_duplicate_lines_that_differ_are_refused_by_run_in_one_line(finished, tmp_path, capsys):
+    run_dir = copy_run(finished, tmp_path / "run")
+    kept = lines(run_dir)
+    other = json.loads(kept[1])
+    other["status"] = "pending"
+    (run_dir / "batches.jsonl").write_text("".join(kept + [json.dumps(other) + "\n"]))
+    code, err = rerun(finished, run_dir, capsys)
+    assert code != 0
+    refused_in_one_line(err, other["batch_id"], "more than once with different contents")
+    assert len(err.strip().splitlines()) == 1, err
+    assert len(lines(run_dir)) == len(kept) + 1  # refused: nothing rewritten
+
+
 def test_an_output_pointed_at_another_batch_is_refused_by_partial_export(finished, tmp_path, capsys):
     run_dir = copy_run(finished, tmp_path / "run")
     records = [json.loads(line) for line in lines(run_dir)]
