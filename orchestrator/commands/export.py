@@ -33,6 +33,7 @@ from orchestrator.storage import location, parquet_io, storage
 from orchestrator.storage.atomic import atomic_write
 from orchestrator.json_out import dumps
 from orchestrator.run.manifest import read_manifest
+from orchestrator.run.manifest_check import check_manifest
 from orchestrator.run.results import SAMPLE_SCHEMA, conform
 from orchestrator.run.rundir import RunDir
 
@@ -52,10 +53,12 @@ def done_outputs(run_dir_path: str | Path, partial: bool = False) -> list[Path]:
     if not run_dir.manifest.exists():
         raise FileNotFoundError(f"{run_dir.manifest} not found: {run_dir.root} is not a run directory")
     records = read_manifest(run_dir.manifest)
+    check_manifest(run_dir, records)  # against the plan: each batch once, its own output, every prompt counted
     not_done = [r.batch_id for r in records if r.status != "done"]
     if not_done and not partial:
         raise ValueError(f"{len(not_done)} of {len(records)} batches are not done (first: {not_done[0]}); finish the "
                          "run with `pagefleet run CONFIG`, or pass --partial to export what is done")
+    n = _samples_per_prompt(run_dir)
     paths = []
     for r in records:
         if r.status != "done":
@@ -64,8 +67,20 @@ def done_outputs(run_dir_path: str | Path, partial: bool = False) -> list[Path]:
         if not path.exists():
             raise FileNotFoundError(f"batch {r.batch_id} is done in {run_dir.manifest} but its samples file {path} "
                                     "is missing; restore it, or set the batch back to pending and resume the run")
+        if n is not None and (rows := metadata(path).num_rows) != r.num_prompts * n:
+            raise ValueError(f"batch {r.batch_id} is done in {run_dir.manifest} with {r.num_prompts} prompts x {n} "
+                             f"samples, but {path} holds {rows} samples; rerun `pagefleet run` with the run's config "
+                             "to check and repair the run directory")
         paths.append(path)
     return paths
+
+
+def _samples_per_prompt(run_dir: RunDir) -> int | None:
+    """sampling.n of the plan (run.json), or None where run.json does not say."""
+    if not run_dir.run_json.exists():
+        return None
+    n = run_dir.read_run_json()["sample_affecting"].get("sampling", {}).get("n")
+    return n if isinstance(n, int) else None
 
 
 def closing_source(path):
@@ -99,13 +114,31 @@ def iter_sorted(paths: list[Path], tmp_dir: str | Path | None, memory_bytes: int
     size = sum(m.row_group(i).total_byte_size for m in metas for i in range(m.num_row_groups))  # uncompressed
     run_bytes = max(1, memory_bytes // 3)  # a run in memory, its sort order and its sorted copy
     if size <= run_bytes:
-        yield from _sorted_in_memory(paths)
+        yield from _once_each(_sorted_in_memory(paths))
         return
     with tempfile.TemporaryDirectory(prefix=_temporary_prefix(), dir=tmp_dir) as tmp:
         runs = _write_sorted_runs(paths, Path(tmp), run_bytes, sum(m.num_rows for m in metas), log)
         if log:
             log(f"merging {len(runs)} sorted runs")
-        yield from _merge(runs)
+        yield from _once_each(_merge(runs))
+
+
+def _once_each(tables: Iterator[pa.Table]) -> Iterator[pa.Table]:
+    """`tables` (sorted by corpus row, then generation index), refusing a sample that appears twice: the last guard
+    against an output file counted for two batches (duplicates sit next to each other in the sorted stream)."""
+    last: tuple[int, int] | None = None
+    for table in tables:
+        if table.num_rows:
+            rows, gens = table["row"].to_numpy(), table["generation_index"].to_numpy()
+            same = np.flatnonzero((rows[1:] == rows[:-1]) & (gens[1:] == gens[:-1]))
+            at = int(same[0]) + 1 if len(same) else (0 if last == (int(rows[0]), int(gens[0])) else None)
+            if at is not None:
+                raise ValueError(f"prompt {table['prompt_id'][at].as_py()!r} sample {int(gens[at])} is in two output "
+                                 f"files (batch {table['batch_id'][at].as_py()} and another): the run directory's "
+                                 "outputs do not match its plan; rerun `pagefleet run` with the run's config to check "
+                                 "and repair it")
+            last = (int(rows[-1]), int(gens[-1]))
+        yield table
 
 
 def collect(run_dir_path: str | Path, partial: bool = False, memory_bytes: int = DEFAULT_MEMORY_BYTES) -> pa.Table:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from orchestrator.observe.run_summary import RunSummary
 from orchestrator.observe.timeline import figure_lines
+from orchestrator.run.manifest import read_manifest
+from orchestrator.run.manifest_check import check_manifest
 from orchestrator.run.rundir import RunDir
 from orchestrator.storage.location import Location, location
 
@@ -43,7 +45,9 @@ def status(run_dir_path: str | Path) -> dict:
     if not run_dir.manifest.exists():
         raise FileNotFoundError(f"{run_dir.manifest} not found: {run_dir.root} is not a planned run directory "
                                 "(`pagefleet plan CONFIG` or `pagefleet run CONFIG` makes one)")
-    return RunSummary.read(run_dir).status_figures(head_holding(run_dir))
+    records = read_manifest(run_dir.manifest)
+    check_manifest(run_dir, records)  # a manifest that disagrees with the plan is named, never counted
+    return RunSummary.read(run_dir, records).status_figures(head_holding(run_dir))
 
 
 def format_status(s: dict) -> str:

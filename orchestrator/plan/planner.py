@@ -32,6 +32,7 @@ from orchestrator.plan.model_source import max_seq_len, model_config, model_fing
 from orchestrator.plan.packing import PackingLimits, lower_bound, pack, shareable_prompt_tokens
 from orchestrator.plan.report import PlanStats
 from orchestrator.plan.output_plan import first_foreign, plan_fingerprint
+from orchestrator.plan.weights_identity import check_weights, weights_digest, weights_identity
 from orchestrator.run.rundir import PlanMismatch, RunDir, check_same_plan, config_hash, versions
 from orchestrator.storage.atomic import atomic_write_parquet, atomic_write_text
 from orchestrator.plan.tokenize import PromptTokenizer, shard_item
@@ -114,10 +115,15 @@ def plan_locked(cfg: RunConfig) -> PlanResult:
     prints = fingerprints(cfg, files)
     if run_dir.is_planned():
         check_same_plan(run_dir, cfg, prints)
+        recorded = run_dir.read_run_json().get("weights")
+        if recorded is not None:  # absent in runs planned before weights were recorded
+            check_weights(cfg.model.require_path(), recorded)
         stats = PlanStats.from_json(run_dir.read_run_json()["plan"])
         if stats.accepted == 0:  # planned before such plans were refused
             raise NothingToRun(_nothing_accepted(stats, run_dir, cfg))
         return PlanResult(run_dir.root, stats, True)
+    weights = weights_identity(cfg.model.require_path())
+    prints["weights"] = weights_digest(weights)
     _refuse_foreign_outputs(run_dir, plan_fingerprint(prints))
     stats, records = _plan_into(cfg, run_dir, files)
     if stats.accepted == 0:  # rejected.jsonl stays for the user to read; no plan, so a fixed corpus replans
@@ -131,6 +137,7 @@ def plan_locked(cfg: RunConfig) -> PlanResult:
         "sample_affecting": cfg.sample_affecting(),
         "capacities": cfg.capacities(),
         "fingerprints": prints,
+        "weights": weights,
         "corpus_files": files,
         "versions": versions(),
         "plan": stats.to_json(),

@@ -21,6 +21,7 @@ from orchestrator.storage import object_append, parquet_io
 from orchestrator.storage.atomic import remove_stale_temporaries
 from orchestrator.run.faults import crash_point
 from orchestrator.run.manifest import BatchRecord, read_manifest_generation, write_manifest
+from orchestrator.run.manifest_check import reconcile
 from orchestrator.plan.output_plan import belongs
 from orchestrator.run.results import BatchStats, stats_of
 from orchestrator.run.rundir import RunDir
@@ -51,7 +52,9 @@ class RunState:
 
     @classmethod
     def recover(cls, run_dir: RunDir, samples_per_prompt: int, plan: str, flush_interval_s: float = 1.0) -> RunState:
-        """Load the manifest and repair what a crashed or stopped head left behind.
+        """Load the manifest, check it against the plan (manifest_check.reconcile: a missing line comes back as
+        pending, a duplicate is dropped, anything the plan cannot settle is refused), and repair what a crashed
+        or stopped head left behind.
 
         `running` goes back to `pending`; an output written before the crash is adopted (its batch
         becomes `done`, nothing is recomputed) when it holds every sample and was computed for this
@@ -63,9 +66,13 @@ class RunState:
         removed = sum(remove_stale_temporaries(d) for d in (run_dir.root, run_dir.outputs))
         run_dir.outputs.mkdir(exist_ok=True)
         records, generation = read_manifest_generation(run_dir.manifest)
+        records, repairs = reconcile(run_dir, records)  # checked against the plan; ManifestMismatch if it cannot be
         state = cls(run_dir, records, flush_interval_s, manifest_generation=generation)
         if removed:
             state.event(f"removed {removed} unfinished temporary files left by a crash")
+        for repair in repairs:
+            state.event(f"batches.jsonl repaired from the plan: {repair}")
+        state._dirty = bool(repairs)
         for r in list(state.records.values()):
             output = run_dir.outputs / f"{r.batch_id}.parquet"
             if r.status == "done":

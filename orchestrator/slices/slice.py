@@ -24,6 +24,7 @@ import threading
 import time
 import traceback
 
+from orchestrator.plan.weights_identity import check_weights
 from orchestrator.run.batch_files import BatchFileError, check_reachable, on_hosts, prefetch
 from orchestrator.run.faults import crash_point
 from orchestrator.run.results import BatchWork, Failed, Result
@@ -90,6 +91,9 @@ class SliceWorker:
             initialize_distributed(coordinator, self.spec.num_hosts, self.spec.host_index, self.spec.devices_per_host)
         from orchestrator.plan.model_cache import local_copy
         from orchestrator.plan.model_source import ModelSourceConfig, load_tokenizer
+
+        if self.spec.weights is not None:  # weights changed in place since planning are refused, never mixed
+            check_weights(self.spec.model_path, self.spec.weights)
 
         tokenizer = load_tokenizer(ModelSourceConfig(path=self.spec.model_path, tokenizer=self.spec.tokenizer_path,
                                                      cache_dir=self.spec.model_cache_dir))

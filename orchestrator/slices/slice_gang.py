@@ -119,7 +119,8 @@ class SliceGang:
             spec = SliceSpec(self.name, cfg.model.require_path(), cfg.model.tokenizer_path, cfg.model.dtype,
                              cfg.engine, cfg.sampling, dict(cfg.cluster.mesh), num_hosts=self.num_hosts,
                              host_index=host, devices_per_host=cfg.cluster.devices_per_host,
-                             model_cache_dir=cfg.model.cache_dir, batches_dir=str(self.run_dir.batches))
+                             model_cache_dir=cfg.model.cache_dir, batches_dir=str(self.run_dir.batches),
+                             weights=self._weights)
             if self._head_group is not None:  # host 0 in the head's group, the others in the slice's
                 group, index = (self._head_group, 0) if host == 0 else (self.placement_group, host - 1)
             else:
@@ -165,14 +166,15 @@ class SliceGang:
             except ray.exceptions.RayError as e:
                 from engine import CheckpointError, PoolTooLarge, MeshError
                 from engine import UnsupportedModelError
+                from orchestrator.plan.weights_identity import WeightsChanged
                 from orchestrator.run.batch_files import RunDirUnreachable
 
                 cause = getattr(e, "cause", None)
-                # Deterministic faults (a checkpoint it cannot load, a mesh or model it cannot run, a run directory
-                # it cannot see, a host KV pool larger than the host's memory): every slice and every restart would
-                # fail the same way.
+                # Deterministic faults (a checkpoint it cannot load, or changed since planning, a mesh or model it
+                # cannot run, a run directory it cannot see, a host KV pool larger than the host's memory): every
+                # slice and every restart would fail the same way.
                 fatal = isinstance(cause, (CheckpointError, MeshError, UnsupportedModelError, RunDirUnreachable,
-                                           PoolTooLarge))
+                                           PoolTooLarge, WeightsChanged))
                 return GangEvent("failed", reason=f"could not start: {cause if fatal else _error_text(e)}", fatal=fatal)
             if self._starting:
                 return GangEvent("waiting")
@@ -215,6 +217,12 @@ class SliceGang:
 
         root = location.location(self.cfg.resolved_run_dir)
         return RunDir(root if isinstance(root, location.Location) else root.absolute())
+
+    @property
+    def _weights(self) -> dict | None:
+        """run.json's record of the weight files, which every host checks before it loads the model."""
+        run_dir = self.run_dir
+        return run_dir.read_run_json().get("weights") if run_dir.run_json.exists() else None
 
     @property
     def pids(self) -> list[int]:

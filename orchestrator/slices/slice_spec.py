@@ -31,6 +31,9 @@ class SliceSpec:
     batches_dir: str | None = None
     """The run directory's batches/, checked at start: a host that cannot see it fails the slice's start."""
     device_offset: int = 0
+    weights: dict | None = None
+    """run.json's record of the weight files (plan.weights_identity), checked before the model loads; None: not
+    recorded (a run planned before weights were recorded)."""
     """An engine of a data-parallel slice: its first device on this host (it runs on [offset, offset + model))."""
 
     @property

@@ -92,7 +92,7 @@ def test_plan_accounts_for_every_row(tiny_model, tmp_path, ray_local):
     ids = {p["row"]: p["prompt_id"] for b in batches.values() for p in b}
     assert ids[0] == "p0" and ids[7 + sum(1 for r in bad if r < 7)] == str(7 + sum(1 for r in bad if r < 7))
     info = json.loads((run / "run.json").read_text())
-    assert set(info["fingerprints"]) == {"config", "corpus", "tokenizer", "model"}
+    assert set(info["fingerprints"]) == {"config", "corpus", "tokenizer", "model", "weights"}
 
 
 def test_replan_is_byte_identical_and_changed_config_is_refused(tiny_model, tmp_path, ray_local):

@@ -4,6 +4,7 @@ have finished as the head's last batch asked, before any batch has finished), an
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 
 from engine.config import EngineConfig, SamplingConfig
 from orchestrator.plan.planner import BATCH_SCHEMA
+from orchestrator.plan.weights_identity import WeightsChanged, weights_identity
 from orchestrator.run.batch_files import RunDirUnreachable
 from orchestrator.run.results import BatchWork, Completed, Failed
 from orchestrator.slices.slice import SliceSpec, SliceWorker
@@ -110,6 +112,19 @@ def test_a_host_that_cannot_see_the_run_directory_fails_its_start(tmp_path):
     spec = SliceSpec("slice-t", "no-model", "no-model", "float32", ENGINE, SamplingConfig(n=N),
                      batches_dir=str(tmp_path / "elsewhere" / "batches"))
     with pytest.raises(RunDirUnreachable, match="cannot see .*elsewhere/batches.*gs://"):
+        SliceWorker(spec).start()
+
+
+def test_a_slice_refuses_weights_changed_since_planning_before_it_loads_them(run_model, tmp_path):
+    """Each host checks the checkpoint against run.json's record of the weight files (the head sends it)."""
+    model = Path(shutil.copytree(run_model, tmp_path / "model"))
+    recorded = weights_identity(str(model))
+    path = model / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1  # same size, same header
+    path.write_bytes(bytes(data))
+    spec = SliceSpec("slice-t", str(model), str(model), "float32", ENGINE, SamplingConfig(n=N), weights=recorded)
+    with pytest.raises(WeightsChanged, match=r"model\.safetensors changed since the run was planned"):
         SliceWorker(spec).start()
 
 
