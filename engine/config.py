@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+
+INT32_MAX = 2**31 - 1
+"""The largest token count or token id a sampling setting may hold (they travel as int32)."""
 
 DEFAULT_MAX_SEQS_IN_PREFILL = 8
 """engine.max_seqs_in_prefill when it is not set (capped at engine.max_seqs)."""
@@ -137,6 +141,12 @@ class SamplingConfig:
     """Return the chosen tokens' log-probabilities."""
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):  # NaN would run greedy, Infinity sample uniformly: silently
+                raise ValueError(f"sampling.{name} must be a finite number, got {getattr(self, name)}")
+        for name in ("max_new_tokens", "top_k"):
+            if getattr(self, name) > INT32_MAX:  # token counts travel as int32 (batch files, device arrays)
+                raise ValueError(f"sampling.{name} must be at most {INT32_MAX:,}, got {getattr(self, name)}")
         if self.max_new_tokens < 1:
             raise ValueError(f"sampling.max_new_tokens must be at least 1, got {self.max_new_tokens}")
         if self.temperature < 0:
@@ -151,8 +161,8 @@ class SamplingConfig:
             raise ValueError(f"sampling.min_p must be in [0, 1], got {self.min_p}")
         if not self.repetition_penalty > 0:
             raise ValueError(f"sampling.repetition_penalty must be positive, got {self.repetition_penalty}")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"sampling.stop_token_ids must be token ids (>= 0), got {self.stop_token_ids}")
+        if any(t < 0 or t > INT32_MAX for t in self.stop_token_ids):
+            raise ValueError(f"sampling.stop_token_ids must be token ids (0 to {INT32_MAX:,}), got {self.stop_token_ids}")
 
     @property
     def penalizes(self) -> bool:

@@ -52,6 +52,10 @@ class SafetensorsCheckpoint:
         self._maps: dict[str | Path, np.ndarray] = {}
         self._remote: dict[str | Path, ranged_file.RangedFile] = {}
         for name in files:
+            if not isinstance(name, str) or os.path.isabs(name) or ".." in Path(name).parts or "://" in name:
+                raise CheckpointError(f"{index}: weight_map names the file {name!r}, which is not inside the model "
+                                      "directory; shard files must be named relative to it (e.g. "
+                                      "model-00001-of-00002.safetensors)")
             file = ranged_file.join(root, name)
             (header_len,) = struct.unpack("<Q", ranged_file.read_range(file, 0, 8))
             header = json.loads(ranged_file.read_range(file, 8, 8 + header_len))

@@ -20,7 +20,8 @@ import draccus
 from engine import EngineConfig, SampleRecord, SamplingConfig
 from orchestrator import exit_codes
 from orchestrator.storage.atomic import atomic_write_text
-from orchestrator.plan.corpus import CorpusConfig, RawRow, Rejection, extract_prompt, loads_row, passthrough, row_id
+from orchestrator.plan.corpus import (CorpusConfig, RawRow, Rejection, extract_prompt, loads_row, lone_surrogate,
+                                   passthrough, row_id)
 from orchestrator.json_out import dumps
 from orchestrator.plan.model_source import resolve_model
 from orchestrator.plan.prompt_checks import out_of_vocabulary, render_chat
@@ -89,6 +90,8 @@ def _parse_line(raw: bytes | dict, line_no: int, tokenizer, vocab_size: int | No
             return ParsedLine(None, error=f"malformed_row: line {line_no} is not valid JSON ({e})")
     if not isinstance(row, dict):
         return ParsedLine(None, error=f"malformed_row: line {line_no} is a JSON {type(row).__name__}, not an object")
+    if (why := lone_surrogate(json.dumps(row, default=str))) is not None:
+        return ParsedLine(None, error=f"undecodable: line {line_no}: {why}")
     pid = row_id(row, "id", None)
     if isinstance(pid, Rejection):
         return ParsedLine(None, error=f"{pid.reason}: {pid.detail}")

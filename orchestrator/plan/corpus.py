@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -200,7 +201,9 @@ def read_rows(shard: Shard) -> Iterator[RawRow]:
     data = _read_bytes(shard)
     if shard.kind == "json" and (doc := _json_document(data)) is not None:
         for record in doc:
-            if isinstance(record, dict):
+            if isinstance(record, dict) and (why := lone_surrogate(json.dumps(record))) is not None:
+                yield RawRow(row, shard.file, None, None, "undecodable", why)
+            elif isinstance(record, dict):
                 yield RawRow(row, shard.file, None, record)
             else:
                 yield RawRow(row, shard.file, None, None, "malformed_row", f"row is a JSON {type(record).__name__}, not an object")
@@ -220,12 +223,30 @@ def read_rows(shard: Shard) -> Iterator[RawRow]:
             except ValueError as e:
                 yield RawRow(row, shard.file, line, None, "malformed_row", f"not valid JSON: {e}")
             else:
-                if isinstance(record, dict):
+                if isinstance(record, dict) and (why := lone_surrogate(text)) is not None:
+                    yield RawRow(row, shard.file, line, None, "undecodable", why)
+                elif isinstance(record, dict):
                     yield RawRow(row, shard.file, line, record)
                 else:
                     yield RawRow(row, shard.file, line, None, "malformed_row",
                                  f"row is a JSON {type(record).__name__}, not an object")
         row += 1
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def lone_surrogate(text: str) -> str | None:
+    """Why a row's JSON text cannot be used, when an escape in it decodes to a lone surrogate ("\\ud800": no
+    character, so no UTF-8 for the tokenizer or the output files), else None. A surrogate pair is a character."""
+    if _SURROGATE_ESCAPE.search(text) is None:  # the cheap test first: almost every row has no such escape
+        return None
+    try:
+        json.dumps(json.loads(text), ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (f"row holds a lone surrogate ({e.object[e.start:e.end].encode('unicode_escape').decode()}), which "
+                "is no character; fix the row's text (write the character, or a complete surrogate pair)")
+    return None
 
 
 def loads_row(text: str):

@@ -345,3 +345,28 @@ def test_generate_reads_a_gs_model_and_samples_exactly_as_from_the_local_copy(tm
     assert f"model read from {url} in " in proc.stderr and "bytes, ranged reads" in proc.stderr
     local, remote = outs["local"].read_text(), outs["gs"].read_text()
     assert local == remote and '"error"' not in local
+
+
+def test_generate_keeps_the_good_lines_when_a_line_holds_a_lone_surrogate_or_a_huge_or_nan_setting(tmp_path, model_dir):
+    """Issue 41 items 3 and 7: a line no run could use (a lone surrogate, max_new_tokens past int32, a temperature
+    that is not a finite number) is one error record; the lines around it still run and their output is kept."""
+    lines = [b'{"id": "ok", "prompt": "Hello there"}',
+             b'{"id": "lone", "prompt": "a\\ud800b"}',
+             b'{"id": "huge", "prompt": "hi", "sampling": {"max_new_tokens": 2147483648}}',
+             b'{"id": "nan", "prompt": "hi", "sampling": {"temperature": NaN}}',
+             b'{"id": "inf", "prompt": "hi", "sampling": {"temperature": Infinity}}',
+             b'{"id": "ok2", "prompt": "General Kenobi"}']
+    (tmp_path / "in.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    out = tmp_path / "out.jsonl"
+    code = generate_main(["--model", str(model_dir), "--input", str(tmp_path / "in.jsonl"), "--output", str(out),
+                          "--sampling.max_new_tokens=3", "--engine.max_seq_len=128", "--engine.max_pages=16",
+                          "--progress=false"])
+    assert code == 0
+    by = {r["prompt_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert list(by) == ["ok", "line-2", "huge", "nan", "inf", "ok2"]
+    assert by["line-2"]["error"].startswith("undecodable: line 2: row holds a lone surrogate (\\ud800)")
+    assert by["huge"]["error"].startswith("bad_sampling: field 'sampling': sampling.max_new_tokens must be at most")
+    assert by["nan"]["error"] == "bad_sampling: field 'sampling': sampling.temperature must be a finite number, got nan"
+    assert by["inf"]["error"] == "bad_sampling: field 'sampling': sampling.temperature must be a finite number, got inf"
+    for pid in ("ok", "ok2"):
+        assert "error" not in by[pid] and len(by[pid]["token_ids"]) >= 1

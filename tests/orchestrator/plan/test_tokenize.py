@@ -117,3 +117,29 @@ def test_rows_keep_their_columns_and_their_own_sampling_is_judged(tiny_model, tm
     assert by["oov"]["reason"] == "out_of_vocabulary" and "stop_token_ids" in by["oov"]["detail"]
     assert by["plain"]["reason"] is None and by["plain"]["sampling"] is None and by["plain"]["max_new_tokens"] == 16
     assert all(r["passthrough"] is None and r["sampling"] is None for r in table if r["reason"])
+
+
+def test_a_row_no_run_can_use_is_one_rejected_row_never_a_dead_shard(tiny_model, tmp_path):
+    """Issue 41 items 3 and 7: a lone surrogate in any string of the row, a per-row max_new_tokens past int32, a
+    temperature or top_p that is NaN or Infinity: each rejects its own row with one line naming it; the rows
+    around it are tokenized as ever (before, the shard raised and the whole plan died)."""
+    lines = ['{"id": "ok", "prompt": "hello world"}',
+             '{"id": "lone", "prompt": "a\\ud800b"}',
+             '{"id": "lone-column", "prompt": "hi", "note": "\\udfff"}',
+             '{"id": "pair", "prompt": "smile \\ud83d\\ude00"}',
+             '{"id": "huge", "prompt": "hi", "sampling": {"max_new_tokens": 2147483648}}',
+             '{"id": "nan", "prompt": "hi", "sampling": {"temperature": NaN}}',
+             '{"id": "inf", "prompt": "hi", "sampling": {"temperature": Infinity}}',
+             '{"id": "top-p", "prompt": "hi", "sampling": {"top_p": NaN}}',
+             '{"id": "ok2", "prompt": "hello again"}']
+    path = tmp_path / "c.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    table = stage(tiny_model).tokenize_shard(Shard(str(path), "jsonl", 0, path.stat().st_size)).to_pylist()
+    got = [(r["prompt_id"], r["reason"]) for r in table]
+    assert got == [("ok", None), (None, "undecodable"), (None, "undecodable"), ("pair", None), ("huge", "bad_sampling"),
+                   ("nan", "bad_sampling"), ("inf", "bad_sampling"), ("top-p", "bad_sampling"), ("ok2", None)]
+    assert "lone surrogate (\\ud800)" in table[1]["detail"] and "lone surrogate (\\udfff)" in table[2]["detail"]
+    assert "sampling.max_new_tokens must be at most 2,147,483,647" in table[4]["detail"]
+    assert table[5]["detail"].endswith("sampling.temperature must be a finite number, got nan")
+    assert table[6]["detail"].endswith("sampling.temperature must be a finite number, got inf")
+    assert all(len(r["detail"].splitlines()) == 1 for r in table if r["reason"])
