@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q -e '.[dev]'
 	@echo "make: building the CPU attention kernel (under a minute, once)"
-	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(VENV)/bin/python -m engine.kernel_build  # the CPU attention kernel, built once here rather than by the first job
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(VENV)/bin/python -m engine.kernels.kernel_build  # the CPU attention kernel, built once here rather than by the first job
 	touch $(STAMP)
 
 # The embedded default: a tiny random Llama (written once by init-model), the bundled corpus of 1,200 prompts,

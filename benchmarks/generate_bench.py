@@ -324,7 +324,7 @@ def main() -> None:
         shutil.rmtree(cache, ignore_errors=True)
         cache_env = {**env, "PAGEFLEET_COMPILE_CACHE": str(cache)}
         # The README's set-up builds the CPU attention kernel into the cache (`make`): timed apart, not a job's.
-        kernel_walls.append(run_timed([sys.executable, "-m", "engine.kernel_build"], cache_env)[0])
+        kernel_walls.append(run_timed([sys.executable, "-m", "engine.kernels.kernel_build"], cache_env)[0])
         for walls in (e_walls, w_walls):
             wall, _ = run_timed(engine_cmd(model, prompt_path, e_out, args.new_tokens, max_seq_len, flags), cache_env)
             walls.append(wall)

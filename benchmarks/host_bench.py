@@ -31,8 +31,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-import engine.multi_step as multi_step_module
-import engine.runner as runner_module
+import engine.device.multi_step as multi_step_module
+import engine.device.runner as runner_module
 from engine import Engine, EngineConfig, Request, SamplingConfig, write_model
 
 CASES = {  # name: (stop strings, decode steps per device call, pipeline_decode)

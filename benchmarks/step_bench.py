@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 
 from engine.config import EngineConfig
-from engine.model_config import ModelConfig
-from engine.presets import write_model
-from engine.runner import ModelRunner, SeqChunk, _logits
-from engine.weights import load_transformer
+from engine.models.model_config import ModelConfig
+from engine.models.presets import write_model
+from engine.device.runner import ModelRunner, SeqChunk, _logits
+from engine.models.weights import load_transformer
 
 PRESET = "llama-40m"
 PAGE_SIZE = 16

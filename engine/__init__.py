@@ -9,51 +9,51 @@ from __future__ import annotations
 
 import importlib
 
-from engine.capacity import check_pool, length_error, max_seq_len, pages_for, pages_needed, stop_ids_error, validate_request
+from engine.sizing.capacity import check_pool, length_error, max_seq_len, pages_for, pages_needed, stop_ids_error, validate_request
 from engine.config import DTYPES, EngineConfig, SamplingConfig, SamplingParams
-from engine.model_bytes import DTYPE_BYTES, GiB, ParamCount, count_params, kv_bytes_per_token
+from engine.sizing.model_bytes import DTYPE_BYTES, GiB, ParamCount, count_params, kv_bytes_per_token
 from engine.record import RECORD_FIELDS, RESERVED_COLUMNS, SampleRecord, arrow_fields, output_record
-from engine.sequence import Request
-from engine.tensor_parallel import MeshError, kv_replicas, sharded_config, tensor_parallel_error, valid_widths
+from engine.scheduling.sequence import Request
+from engine.models.tensor_parallel import MeshError, kv_replicas, sharded_config, tensor_parallel_error, valid_widths
 
 _LAZY = {
     "Engine": "engine.engine",
-    "ModelConfig": "engine.model_config",
-    "UnsupportedModelError": "engine.model_config",
-    "PRESETS": "engine.presets",
-    "Preset": "engine.presets",
-    "write_model": "engine.presets",
-    "load_tokenizer": "engine.tokenizer_cache",
-    "has_tokenizer": "engine.tokenizer_cache",
+    "ModelConfig": "engine.models.model_config",
+    "UnsupportedModelError": "engine.models.model_config",
+    "PRESETS": "engine.models.presets",
+    "Preset": "engine.models.presets",
+    "write_model": "engine.models.presets",
+    "load_tokenizer": "engine.tokenizer.tokenizer_cache",
+    "has_tokenizer": "engine.tokenizer.tokenizer_cache",
     "traces": "engine.trace",
     "initialize_distributed": ("engine.distributed", "initialize"),
     "slice_mesh": "engine.distributed",
     "HostsDisagree": "engine.distributed",
     "hosts_agree": ("engine.distributed", "agree"),
-    "backend_is_cpu_only": "engine.kernel_build",
-    "start_kernel_build": ("engine.kernel_build", "start"),
-    "size_for_machine": "engine.machine_sizing",
-    "this_machine": "engine.machine_sizing",
-    "SIZED_KEYS": "engine.machine_sizing",
-    "check_checkpoint": "engine.checkpoint_check",
-    "CheckpointError": "engine.checkpoint_check",
-    "PoolTooLarge": "engine.host_pool",
+    "backend_is_cpu_only": "engine.kernels.kernel_build",
+    "start_kernel_build": ("engine.kernels.kernel_build", "start"),
+    "size_for_machine": "engine.sizing.machine_sizing",
+    "this_machine": "engine.sizing.machine_sizing",
+    "SIZED_KEYS": "engine.sizing.machine_sizing",
+    "check_checkpoint": "engine.models.checkpoint_check",
+    "CheckpointError": "engine.models.checkpoint_check",
+    "PoolTooLarge": "engine.kv.host_pool",
     "NON_FINITE_ERROR": "engine.engine",
     "prefix_cache_summary": "engine.stats",
     "host_kv_summary": "engine.stats",
     "host_kv_counters": "engine.stats",
     "HOST_KV_SUMS": "engine.stats",
     "HOST_KV_PEAK": "engine.stats",
-    "transfer_summary": "engine.transfers",
-    "transfer_counters": "engine.transfers",
-    "transfer_counter_key": ("engine.transfers", "counter_key"),
-    "TRANSFER_DIRECTIONS": ("engine.transfers", "DIRECTIONS"),
-    "sum_transfer_counters": "engine.transfers",
-    "TPU_TARGETS": ("engine.preflight", "TARGETS"),
-    "LoweringFailed": "engine.preflight",
-    "abstract_mesh": "engine.preflight",
-    "lower_step_programs": "engine.preflight",
-    "sampling_mode": "engine.preflight",
+    "transfer_summary": "engine.device.transfers",
+    "transfer_counters": "engine.device.transfers",
+    "transfer_counter_key": ("engine.device.transfers", "counter_key"),
+    "TRANSFER_DIRECTIONS": ("engine.device.transfers", "DIRECTIONS"),
+    "sum_transfer_counters": "engine.device.transfers",
+    "TPU_TARGETS": ("engine.sizing.preflight", "TARGETS"),
+    "LoweringFailed": "engine.sizing.preflight",
+    "abstract_mesh": "engine.sizing.preflight",
+    "lower_step_programs": "engine.sizing.preflight",
+    "sampling_mode": "engine.sizing.preflight",
 }
 
 __all__ = ["Engine", "DTYPES", "EngineConfig", "SamplingConfig", "SamplingParams", "Request", "SampleRecord", "RECORD_FIELDS", "RESERVED_COLUMNS", "output_record",

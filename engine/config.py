@@ -35,7 +35,7 @@ class EngineConfig:
     kv_memory_gib: float | None = None
     """KV pool size in GiB for an engine sized for the machine (`pagefleet generate`): sets max_pages when
     engine.max_pages is not given. None: a share of the memory available on CPU, of the device's memory less
-    the weights on an accelerator (engine/machine_sizing.py). `pagefleet run` refuses it: a run's capacities
+    the weights on an accelerator (engine/sizing/machine_sizing.py). `pagefleet run` refuses it: a run's capacities
     are explicit and identical on every host (engine.max_pages)."""
     max_seq_len: int | None = None
     """Longest sequence (prompt plus completion) in tokens; defaults to the model's context length."""

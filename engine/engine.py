@@ -16,22 +16,22 @@ from collections.abc import Callable, Iterable
 
 import jax.numpy as jnp
 
-from engine import compile_cache
-from engine.attention import prepare_attention_impl
-from engine.capacity import check_pool, max_seq_len, validate_request
+from engine.device import compile_cache
+from engine.kernels.attention import prepare_attention_impl
+from engine.sizing.capacity import check_pool, max_seq_len, validate_request
 from engine.config import DTYPES, EngineConfig
 from engine.distributed import agree
-from engine.model_config import ModelConfig
+from engine.models.model_config import ModelConfig
 from engine.record import SampleRecord
-from engine.runner import ModelRunner
-from engine.sampler import sample_base_key
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.scheduler_output import RunnerOutput, SchedulerOutput, StepCounts
-from engine.sequence import Request, Sequence
+from engine.device.runner import ModelRunner
+from engine.sampling.sampler import sample_base_key
+from engine.scheduling.scheduler import Scheduler, SchedulerConfig
+from engine.scheduling.scheduler_output import RunnerOutput, SchedulerOutput, StepCounts
+from engine.scheduling.sequence import Request, Sequence
 from engine.stats import EngineStats, StepTimer
-from engine.stop import StopChecker
-from engine.tokenizer_cache import has_tokenizer, load_tokenizer, special_token_texts, text_decoder
-from engine.weights import load_transformer
+from engine.scheduling.stop import StopChecker
+from engine.tokenizer.tokenizer_cache import has_tokenizer, load_tokenizer, special_token_texts, text_decoder
+from engine.models.weights import load_transformer
 
 NON_FINITE_ERROR = ("non_finite: the model produced NaN or Inf logits; the checkpoint's weights (or the dtype's "
                     "range) are at fault, and rerunning will not help")

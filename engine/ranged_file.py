@@ -2,7 +2,7 @@
 the bytes its own devices hold.
 
 A `RangedFile` stands in for the memory map of a local file: a buffer the size of the object (anonymous
-memory, committed only where written) that holds only the byte ranges read so far. `engine.weights` takes
+memory, committed only where written) that holds only the byte ranges read so far. `engine.models.weights` takes
 the same numpy views of it that it takes of a memory-mapped file (a tensor, transposed, reshaped, sliced to
 one device's shard); `ensure(view)` first works out which bytes of the object that view covers and reads
 those that are missing, several ranges at once, each with retries. A byte is read at most once per process,

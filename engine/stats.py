@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from engine.scheduler_output import StepCounts
-from engine.transfers import transfer_summary
+from engine.scheduling.scheduler_output import StepCounts
+from engine.device.transfers import transfer_summary
 
 if TYPE_CHECKING:
-    from engine.transfers import TransferLedger
+    from engine.device.transfers import TransferLedger
 
 
 class DeviceClock:

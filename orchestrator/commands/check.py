@@ -6,8 +6,8 @@ Three questions, answered on any machine before a slice is rented, each by the c
    the mesh against the slice's devices and the model's heads and MLP width, `PackingLimits.resolve`, the
    context length and the KV pool), nothing re-derived.
 2. Do the engine's step programs compile for the target? Every program at every shape bucket is traced
-   and lowered for TPU on an abstract mesh of the slice's devices (`engine/preflight.py`), the Pallas
-   kernel included; the kernel's block sizes and VMEM estimate come with each (`engine/pallas_blocks.py`).
+   and lowered for TPU on an abstract mesh of the slice's devices (`engine/sizing/preflight.py`), the Pallas
+   kernel included; the kernel's block sizes and VMEM estimate come with each (`engine/kernels/pallas_blocks.py`).
 3. Does it fit? Per chip: weights, KV pool and an activation estimate against the chip's HBM, with
    `orchestrator/plan/size.py`'s chip table and formulas; the kernel's VMEM against a TensorCore's VMEM.
 

@@ -151,7 +151,7 @@ def model_tokenizer(model: str):
 def sized_engine(model: str, config: EngineConfig, dtype: str, explicit: frozenset[str],
                  lines: Iterable[tuple[int, bytes | dict]], sampling: SamplingConfig):
     """A new engine for a resolved `model`, its capacities not in `explicit` sized for this machine and for these
-    numbered input lines (engine/machine_sizing.py: the pool holds what the input's longest sequence needs in every
+    numbered input lines (engine/sizing/machine_sizing.py: the pool holds what the input's longest sequence needs in every
     slot, no more). Returns (engine, the lines parsed with the model's tokenizer, loaded once). Raises ValueError
     naming the key to set when the budget cannot hold one sequence."""
     from engine import Engine, ModelConfig, size_for_machine, this_machine
@@ -226,7 +226,7 @@ def url_tokenizer(model: str):
 
 def run_generate(cfg: GenerateConfig, explicit: frozenset[str] = frozenset()) -> int:
     """Generate for every input line. Engine capacities not in `explicit` are sized for this machine
-    (engine/machine_sizing.py)."""
+    (engine/sizing/machine_sizing.py)."""
     from tqdm import tqdm
 
     from engine import SIZED_KEYS

@@ -8,10 +8,10 @@ The rules, per chip of one tensor-parallel group (one engine):
 
 - **Weights.** The engine shards attention (over KV heads) and the MLP over the mesh's `model`
   axis and replicates the rest (token embeddings, an untied lm_head, RMSNorm weights; see
-  `engine/axes.py` TENSOR_PARALLEL), so a chip holds `replicated + sharded / tp` parameters.
+  `engine/models/axes.py` TENSOR_PARALLEL), so a chip holds `replicated + sharded / tp` parameters.
 - **KV.** One token's K and V in every layer take `2 * layers * kv_heads * head_dim * dtype_bytes`
-  bytes (the pool layout of `engine/kv_cache.py`), split over `tp` chips by KV head. When `tp` exceeds the
-  KV heads, each is replicated `tp / kv_heads` times (`engine/tensor_parallel.py`): `kv_heads` is then `tp`
+  bytes (the pool layout of `engine/kv/kv_cache.py`), split over `tp` chips by KV head. When `tp` exceeds the
+  KV heads, each is replicated `tp / kv_heads` times (`engine/models/tensor_parallel.py`): `kv_heads` is then `tp`
   here, and the K and V projections count that many times in the weights per chip.
 - **Pages.** `max_pages = floor((hbm - weights - reserve) / (page_size * kv_bytes_per_token / tp))`,
   where `reserve = reserve_fraction * hbm` is left for activations, logits and XLA's compile
@@ -96,7 +96,7 @@ def activation_bytes_per_chip(cfg: ModelConfig, tokens: int, seqs: int, tp: int)
 
 
 def check_tp(cfg: ModelConfig, tp: int) -> None:
-    """The engine's rule for a tensor-parallel width (`engine.tensor_parallel`), as a SizingError naming --tp."""
+    """The engine's rule for a tensor-parallel width (`engine.models.tensor_parallel`), as a SizingError naming --tp."""
     error = tensor_parallel_error(cfg, tp)
     if error is not None:
         raise SizingError(f"{error}; choose --tp (cluster.mesh.model) accordingly")

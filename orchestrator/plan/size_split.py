@@ -1,7 +1,7 @@
 """`pagefleet size` without `--tp`: every way to split a slice into `cluster.mesh: {data: D, model: T}`, sized by
 `orchestrator/plan/size.py` (one engine of T chips, D of them), with the best one marked.
 
-A split is feasible when the engine takes width T (`engine.tensor_parallel`), T divides the slice's chips and one
+A split is feasible when the engine takes width T (`engine.models.tensor_parallel`), T divides the slice's chips and one
 engine's weights leave room for a sequence's KV. It runs when D is 1 (one engine over every host) or when each
 engine fits one host and D divides over the hosts (host-level data parallelism, docs/slices.md); a split of
 several engines that each span hosts is listed but never chosen. The best runnable split has the highest

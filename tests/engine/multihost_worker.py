@@ -22,7 +22,7 @@ def requests(vocab: int):
     import numpy as np
 
     from engine.config import SamplingConfig
-    from engine.sequence import Request
+    from engine.scheduling.sequence import Request
 
     rng = np.random.default_rng(7)
     lengths = [1, 7, 8, 9, 30, 70]  # page_size 8: partial and full last pages, several prefill chunks
@@ -74,7 +74,7 @@ def swap(args) -> dict:
     from engine.config import EngineConfig, SamplingConfig
     from engine.distributed import slice_mesh
     from engine.engine import Engine
-    from engine.sequence import Request
+    from engine.scheduling.sequence import Request
 
     path, model_axis = args.model[0].rsplit(":", 1)
     rng = np.random.default_rng(11)
@@ -124,7 +124,7 @@ def load(args) -> dict:
     import numpy as np
 
     from engine.distributed import slice_mesh
-    from engine.weights import load_transformer
+    from engine.models.weights import load_transformer
 
     url, model_axis = args.model[0].rsplit(":", 1)
     mesh = slice_mesh(int(model_axis))

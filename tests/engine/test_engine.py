@@ -10,9 +10,9 @@ import pytest
 
 from engine.config import EngineConfig, SamplingConfig
 from engine.engine import Engine
-from engine.presets import write_model
-from engine.sequence import Request
-from tests.engine.hf_reference import varied_prompts
+from engine.models.presets import write_model
+from engine.scheduling.sequence import Request
+from tests.engine.models.hf_reference import varied_prompts
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +193,7 @@ def test_cleanup_modes(tiny_llama, mode):
 def test_decode_rows_are_padded_to_powers_of_four_up_to_the_max_seqs_bucket(max_seqs, expected):
     from types import SimpleNamespace
 
-    from engine.runner import ModelRunner
+    from engine.device.runner import ModelRunner
 
     runner = SimpleNamespace(config=EngineConfig(max_seqs=max_seqs, max_seqs_in_prefill=1))
     assert {n: ModelRunner.decode_bucket(runner, n) for n in expected} == expected

@@ -10,8 +10,8 @@ import pytest
 
 from engine.config import EngineConfig, SamplingConfig
 from engine.engine import Engine
-from engine.presets import write_model
-from engine.sequence import Request
+from engine.models.presets import write_model
+from engine.scheduling.sequence import Request
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ import pytest
 
 from engine.config import EngineConfig, SamplingConfig
 from engine.engine import Engine
-from engine.presets import write_model
-from engine.sequence import Request
+from engine.models.presets import write_model
+from engine.scheduling.sequence import Request
 
 WINDOW = 12  # the sliding-window model's window: shorter than every sequence here
 
@@ -86,7 +86,7 @@ def test_a_full_host_pool_falls_back_to_recompute_with_the_same_tokens(model):
 
 @pytest.mark.parametrize("temperature,n", [(0.0, 1), pytest.param(0.8, 2, marks=pytest.mark.slow)])
 def test_swap_recompute_and_an_ample_pool_give_bit_identical_logprobs(model, temperature, n):
-    """Swapped KV comes back bit for bit (tests/engine/test_kv_swap.py), recomputed KV is the KV the decode steps
+    """Swapped KV comes back bit for bit (tests/engine/kv/test_kv_swap.py), recomputed KV is the KV the decode steps
     wrote, and the model's row tiles keep each row's arithmetic independent of the batch (docs/engine.md): the
     three give the same samples, logprobs included, though they batch differently."""
     ample, recompute, swap, _, _ = _three_ways(model, temperature, n)

@@ -20,8 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine import presets
-
+from engine.models import presets
 pytestmark = pytest.mark.multihost
 
 WORKER = Path(__file__).with_name("multihost_worker.py")
@@ -112,7 +111,7 @@ def test_two_hosts_equal_each_other_and_one_device(tmp_path, models):
 @pytest.mark.slow
 def test_one_kv_head_over_two_hosts_equals_one_device(tmp_path):
     """tiny-mistral has one KV head: at model 2 (data 2 x model 2) and model 4 (across both hosts) each KV head is
-    replicated on every device of its model group (engine/tensor_parallel.py), and the tokens are one device's."""
+    replicated on every device of its model group (engine/models/tensor_parallel.py), and the tokens are one device's."""
     model = presets.write_model("tiny-mistral", tmp_path / "tiny-mistral")
     assert len(two_hosts_and_one_device(tmp_path, [f"{model}:2", f"{model}:4"])) == 2
 

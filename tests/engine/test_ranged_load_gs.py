@@ -11,9 +11,9 @@ import pytest
 from jax.sharding import Mesh
 
 from engine import ranged_file
-from engine.presets import write_model
-from engine.weights import SafetensorsCheckpoint, _build, load_transformer, sharding
-from engine.model_config import ModelConfig
+from engine.models.presets import write_model
+from engine.models.weights import SafetensorsCheckpoint, _build, load_transformer, sharding
+from engine.models.model_config import ModelConfig
 from tests.gcs_emulator import assert_loaded_alike, upload
 
 

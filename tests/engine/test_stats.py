@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from engine.stats import DeviceClock, EngineStats, StepTimer, host_kv_counters, host_kv_summary
-from engine.transfers import TransferLedger, transfer_summary
+from engine.device.transfers import TransferLedger, transfer_summary
 
 
 def test_wall_time_splits_into_device_calls_and_host_work():

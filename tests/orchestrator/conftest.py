@@ -83,7 +83,7 @@ def poison_batch(run_dir, batch_id: str = "b000001"):
 @pytest.fixture(scope="session")
 def run_model(tmp_path_factory) -> str:
     """The tiny-llama preset as `pagefleet init-model` writes it (real weights, tokenizer, chat template)."""
-    from engine.presets import write_model
+    from engine.models.presets import write_model
 
     return str(write_model("tiny-llama", tmp_path_factory.mktemp("tiny-llama")))
 

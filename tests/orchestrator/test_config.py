@@ -85,7 +85,7 @@ def test_the_model_dtypes_are_the_engines():
 
 
 def test_a_host_pool_on_a_multi_host_slice_loads(tmp_path):
-    """Each host moves its own shards of the pool (engine/host_pool.py): the head no longer refuses it."""
+    """Each host moves its own shards of the pool (engine/kv/host_pool.py): the head no longer refuses it."""
     yaml = tmp_path / "run.yaml"
     yaml.write_text("name: x\n")
     cfg = load_run_config(yaml, ["--engine.host_kv_pages=8", "--engine.preemption=swap", "--cluster.hosts_per_slice=2"])

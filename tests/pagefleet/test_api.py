@@ -7,7 +7,7 @@ import json
 import pytest
 
 import pagefleet
-from engine.presets import write_model
+from engine.models.presets import write_model
 from orchestrator.config import ConfigError, RunConfig
 from orchestrator.commands.generate import main as generate_main
 from orchestrator.run.rundir import PlanMismatch
@@ -85,7 +85,7 @@ def test_import_is_cheap_and_versioned():
 def test_run_plans_and_runs_like_the_command(tmp_path):
     import yaml
 
-    from engine.presets import write_model as write
+    from engine.models.presets import write_model as write
     from orchestrator import exit_codes
     from tests.orchestrator.conftest import run_args, write_run_corpus
 

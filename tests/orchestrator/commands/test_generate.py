@@ -11,9 +11,9 @@ import pytest
 import torch
 import transformers
 
-from engine.presets import write_model
+from engine.models.presets import write_model
 from orchestrator.commands.generate import main as generate_main
-from tests.engine.hf_reference import hf_greedy, varied_prompts
+from tests.engine.models.hf_reference import hf_greedy, varied_prompts
 
 MIN_GAP = 1e-3
 

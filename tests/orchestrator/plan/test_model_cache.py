@@ -55,7 +55,7 @@ def test_sharded_load_from_the_bucket_equals_the_local_load(gcs_bucket, run_mode
     import jax
     from jax.sharding import Mesh
 
-    from engine.weights import load_transformer
+    from engine.models.weights import load_transformer
 
     url = upload(run_model, f"{gcs_bucket}/models/tiny")
     mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "model"))

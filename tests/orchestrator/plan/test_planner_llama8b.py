@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.tokenizer_builder import write_tokenizer
+from engine.tokenizer.tokenizer_builder import write_tokenizer
 from orchestrator.config import load_run_config
 from orchestrator.run.manifest import read_manifest
 from orchestrator.plan.planner import plan

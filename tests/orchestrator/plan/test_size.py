@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.model_config import ModelConfig
+from engine.models.model_config import ModelConfig
 from orchestrator.commands.cli import main
 from orchestrator.plan.size import CHIPS, GiB, SizingError, count_params, kv_bytes_per_token, read_model_config, size
 from tests.orchestrator.plan.llama31_8b import LLAMA_31_8B_CONFIG, write_llama31_8b_config

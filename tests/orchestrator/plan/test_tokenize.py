@@ -66,7 +66,7 @@ def test_every_line_is_one_row_with_one_outcome(tiny_model, tmp_path_factory, pi
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2"])
 def test_preset_tokenizers_render_chats_like_transformers(preset, tmp_path):
-    from engine.presets import write_model
+    from engine.models.presets import write_model
 
     model = str(write_model(preset, tmp_path / preset))
     messages = [{"role": "user", "content": "Write two sentences about the sea."}]

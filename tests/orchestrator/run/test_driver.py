@@ -30,7 +30,7 @@ def reference(model: str, run_dir: Path, cfg) -> dict[tuple[str, int], list[int]
     """Every sample of the plan computed by one engine in this process, with other capacities."""
     from engine.config import EngineConfig
     from engine.engine import Engine
-    from engine.sequence import Request
+    from engine.scheduling.sequence import Request
 
     requests = []
     for path in sorted((run_dir / "batches").glob("*.parquet")):
@@ -58,7 +58,7 @@ def logprobs(run_dir: Path) -> dict[tuple[str, int], list[float]]:
 def reference_logprobs(model: str, run_dir: Path, cfg) -> dict[tuple[str, int], list[float]]:
     """Every sample's logprobs computed by one single-device engine in this process, with the run's capacities."""
     from engine.engine import Engine
-    from engine.sequence import Request
+    from engine.scheduling.sequence import Request
 
     requests = []
     for path in sorted((run_dir / "batches").glob("*.parquet")):
@@ -70,7 +70,7 @@ def reference_logprobs(model: str, run_dir: Path, cfg) -> dict[tuple[str, int], 
 
 
 def assert_logprobs(run_dir: Path, model: str, cfg) -> None:
-    """Bit-identical to one engine's when each engine has one device (engine/row_tiles.py: a row's bits never
+    """Bit-identical to one engine's when each engine has one device (engine/device/row_tiles.py: a row's bits never
     depend on the rows beside it); within 1e-4 under tensor parallelism (sharded contractions sum in another
     order)."""
     got, want = logprobs(run_dir), reference_logprobs(model, run_dir, cfg)
@@ -375,7 +375,7 @@ def test_run_applies_each_row_s_own_sampling_settings(ray_local, run_model, tmp_
     one engine given the same per-row settings."""
     from engine.config import EngineConfig
     from engine.engine import Engine
-    from engine.sequence import Request
+    from engine.scheduling.sequence import Request
     from orchestrator.plan.row_sampling import apply
 
     own = [{"max_new_tokens": 3}, {"temperature": 0.9, "seed": 7, "top_k": 30},

@@ -173,7 +173,7 @@ def test_hung_host_times_out_and_the_slice_comes_back(ray_local, run_model, tmp_
 def test_one_kv_head_over_a_two_host_slice_equals_one_process(ray_local, tmp_path, model_axis):
     """tiny-mistral has one KV head: at model 2 (data 2 x model 2 over the 4 devices) and model 4 (across both
     hosts) each device holds a copy of it; seeded samples, n = 2, every one once, one device's tokens."""
-    from engine.presets import write_model
+    from engine.models.presets import write_model
 
     model = str(write_model("tiny-mistral", tmp_path / "tiny-mistral"))
     corpus = write_run_corpus(tmp_path / "corpus.jsonl", 12, seed=13)

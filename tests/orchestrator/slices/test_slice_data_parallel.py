@@ -53,7 +53,7 @@ def test_data_parallel_engines_sample_as_one_engine(run_model, one_engine, mesh,
     assert out["samples"].keys() == one_engine["samples"].keys()
     for key, (tokens, logprobs) in one_engine["samples"].items():
         assert out["samples"][key][0] == tokens, key
-        if mesh["model"] == 1:  # row tiles (engine/row_tiles.py): a row's bits never depend on the rows beside it
+        if mesh["model"] == 1:  # row tiles (engine/device/row_tiles.py): a row's bits never depend on the rows beside it
             assert out["samples"][key][1] == logprobs, key
         else:  # sharded contractions (T=2) sum in another order: 1e-4
             assert out["samples"][key][1] == pytest.approx(logprobs, abs=1e-4, rel=0), key

@@ -1,0 +1,1 @@
+"""The device runner: the jitted step programs, multi-step calls and host-device transfers."""

@@ -1,0 +1,59 @@
+"""What the runner's device calls share, single steps and multi-step calls alike: shape buckets, outputs pinned
+for the host to read, and picking each row's token and logprob on the device."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from engine.models.model import StepSettings
+from engine.device.row_tiles import by_row_tiles
+from engine.sampling.sampler import greedy_sample, penalize, position_keys, sample
+
+MIN_TOKEN_BUCKET = 16
+MIN_SEQ_BUCKET = 4
+
+
+def bucket(n: int, minimum: int) -> int:
+    """Smallest power of two >= n (and >= minimum): the few shapes the step is compiled for."""
+    return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+def replicated(x: jax.Array, mesh: Mesh | None) -> jax.Array:
+    """Pin an output the host reads to every device of the mesh: each host process then reads it from
+    its own devices (no cross-host fetch, no leader), and never depends on the compiler's choice."""
+    return x if mesh is None else jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P()))
+
+
+def pick_rows(settings: StepSettings, logits: jax.Array, mode: str, *rows):
+    """`pick` on tiles of `settings.sample_row_tile` rows (`row_tiles`): a row's logprob does not depend on
+    how many rows the step samples."""
+    return by_row_tiles(lambda logits, *rows: pick(logits, mode, *rows), settings.sample_row_tile, logits, *rows)
+
+
+def pick(logits: jax.Array, mode: str, temperature, top_k, top_p, min_p, base_keys, positions, penalties=None):
+    """(tokens, logprobs) of `sample`, from a program with only what `mode` needs: for `greedy` the argmax
+    alone, for `sample` no top-k/top-p sort, min-p only with `+min_p`, penalties only with `+penalties`
+    (`penalties` = (in_prompt bool[S, V], counts i32[S, V], repetition, presence, frequency f32[S])). Each gives
+    every row the token and logprob `sample` gives it; logprobs are the raw model's, penalties or not."""
+    kind = mode.split("+")[0]
+    raw = logits
+    if penalties is not None:
+        logits = penalize(raw, *penalties)
+    if kind == "greedy":
+        if penalties is None:
+            return greedy_sample(raw)
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        raw_logprobs = jax.nn.log_softmax(raw.astype(jnp.float32), axis=-1)
+        return tokens, jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    return sample(logits, temperature, top_k, top_p, position_keys(base_keys, positions), truncation=kind == "truncate",
+                  min_p=min_p if "+min_p" in mode else None, raw_logits=None if penalties is None else raw)
+
+
+def host_arrays(penalties: tuple | None) -> tuple[np.ndarray, ...]:
+    """The host arrays among a call's penalty arguments (its token state is on the device already)."""
+    return () if penalties is None else tuple(a for a in penalties if isinstance(a, np.ndarray))

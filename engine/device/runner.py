@@ -1,0 +1,281 @@
+"""The device side of a step: `ModelRunner.run(SchedulerOutput) -> RunnerOutput`.
+
+The runner owns the model, the KV pool and the device calls, and makes no scheduling decisions: the
+scheduler's output says which new tokens of which sequences to process, in which pages, and how many decode
+steps a call may take; the runner pads them to a shape bucket, calls the jitted programs and returns the
+sampled tokens, their logprobs and (for a multi-step call) each row's step count decided on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from engine.kernels.attention import resolve_attention_impl
+from engine.sizing.capacity import pages_for
+from engine.config import EngineConfig
+# Callers size shapes with `runner.bucket` and the MIN_* buckets (engine/sizing/preflight.py).
+from engine.device.device_calls import MIN_SEQ_BUCKET, MIN_TOKEN_BUCKET, bucket, host_arrays, pick_rows, replicated
+from engine.kv.kv_cache import KVCache
+from engine.models.model import StepSettings, Transformer, unstack_layers
+from engine.device.multi_step import DecodeRow, MultiStepCalls, PendingSteps
+# Bound here and in engine/device/multi_step.py: tests patch `_sampling_mode` in both; callers build rows as
+# `runner.RowSampling`.
+from engine.sampling.row_sampling import RowSampling, sampling_arrays as _sampling_arrays
+from engine.sampling.row_sampling import sampling_mode as _sampling_mode
+from engine.sampling.sampler import penalty_state
+from engine.scheduling.scheduler_output import RunnerOutput, SchedulerOutput
+from engine.stats import DeviceClock
+from engine.device.step_inputs import StepInputs
+from engine.device.transfers import TransferLedger
+
+# On the CPU, every matmul takes at least this many rows (StepSettings.min_matmul_rows) and sampling runs
+# in tiles of exactly CPU_SAMPLE_ROW_TILE rows: XLA's CPU kernels round a row by the call's row count, and these
+# keep each row's bits independent of the step around it (engine/device/row_tiles.py). Elsewhere 0: no rule.
+CPU_MIN_MATMUL_ROWS = 64
+CPU_SAMPLE_ROW_TILE = 8
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """New tokens of one sequence for one step."""
+
+    token_ids: Sequence[int]
+    start: int  # position of the first new token = tokens of this sequence already in the cache
+    pages: Sequence[int]  # the sequence's pages, covering at least start + len(token_ids) tokens
+
+
+def is_decode_only(chunks: Sequence[SeqChunk]) -> bool:
+    """One new token per sequence: tokens are padded like sequences and attention uses 1-query tiles."""
+    return all(len(c.token_ids) == 1 for c in chunks)
+
+
+def _forward(model: Transformer, pool, inputs: StepInputs, settings: StepSettings):
+    pool, logits = model(pool, inputs, settings)
+    return pool, hax.named(replicated(logits.array, settings.mesh), logits.axes)
+
+
+def _forward_sample(model: Transformer, pool, inputs: StepInputs, settings: StepSettings, mode: str,
+                    temperature, top_k, top_p, min_p, base_keys, positions, penalties=None):
+    """Forward and sample on the device: only tokens i32[S] and logprobs f32[S] come back to the host.
+    `mode` (static, `_sampling_mode`) leaves out of the program what no row of the step needs; `penalties`
+    (`_penalties`) is None unless the mode penalizes."""
+    pool, logits = model(pool, inputs, settings)
+    tokens, logprobs = pick_rows(settings, logits.array, mode, temperature, top_k, top_p, min_p, base_keys, positions,
+                                 penalties)
+    return pool, replicated(tokens, settings.mesh), replicated(logprobs, settings.mesh)
+
+
+# Module-level, so every runner with the same model structure and shapes reuses compiled programs.
+_logits = jax.jit(_forward, donate_argnums=(1,), static_argnums=(3,))
+_step_sample = jax.jit(_forward_sample, donate_argnums=(1,), static_argnums=(3, 4))
+_penalty_state = jax.jit(penalty_state, static_argnums=(2,))
+
+
+def step_settings(config: EngineConfig, impl: str, mesh, platform: str) -> dict[int, StepSettings]:
+    """The forward pass's static settings by query tile (1 for decode-only steps), for `platform`."""
+    cpu = platform == "cpu"
+    return {bq: StepSettings(impl, config.attn_pages_per_block, bq, config.max_pages, mesh,
+                                  config.attn_tiles_per_group, config.attn_decode_pages_per_block,
+                                  CPU_MIN_MATMUL_ROWS if cpu else 0, CPU_SAMPLE_ROW_TILE if cpu else 0)
+            for bq in (1, config.attn_queries_per_block)}
+
+
+class ModelRunner(MultiStepCalls):
+    def __init__(self, model: Transformer, config: EngineConfig, max_seq_len: int, stop_ids: Sequence[int] = (),
+                 mesh: Mesh | None = None, kv_dtype=jnp.float32) -> None:
+        """`stop_ids`: the token ids that end a sample (EOS), checked on the device in multi-step calls."""
+        platform = jax.default_backend()
+        self.model = unstack_layers(model) if platform == "cpu" else model  # see unstack_layers
+        self.config = config
+        self.max_seq_len = max_seq_len
+        self.stop_ids = sorted(stop_ids)
+        self.pages_per_seq = pages_for(max_seq_len, config.page_size)  # page-table width
+        self.transfers = TransferLedger()  # every read of a device output and every host input below goes through it
+        self.kv = KVCache(model.config, config.max_pages, config.page_size, self.transfers, kv_dtype, mesh,
+                          host_pages=config.host_kv_pages)
+        self.clock = DeviceClock()  # every dispatch and every wait for outputs below is timed on it
+        impl = resolve_attention_impl(config.attention_impl, kv_dtype)
+        self._settings = step_settings(config, impl, mesh, platform)
+        self._ahead: PendingSteps | None = None  # the multi-step call dispatched ahead of the host's read
+
+    def run(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run the device call the scheduler decided (see SchedulerOutput and DecodeCall): its swaps first (the
+        page-outs read the pages before the step reuses them, and land in the host pool after it), then the call."""
+        if out.swap_out[0] or out.swap_in[0] or out.swap_in_ahead[0] or self.kv.has_page_ins_ahead:
+            with self.clock.timing():
+                self.kv.land_page_ins()  # the last step's page-ins ahead: this step reads them
+                self.kv.page_out(*out.swap_out)
+                self.kv.page_in(*out.swap_in)
+                self.kv.page_in_ahead(*out.swap_in_ahead)  # for the next step: the copy runs behind this one
+        result = self._run(out)
+        if out.swap_out[0]:
+            with self.clock.timing():
+                self.kv.finish_page_outs()
+        return result
+
+    def _run(self, out: SchedulerOutput) -> RunnerOutput:
+        call = out.decode
+        if call is None:
+            self._ahead = None
+            tokens, logprobs = self.step_sample([SeqChunk(c.token_ids, c.start, c.pages) for c in out.chunks],
+                                                out.row_sampling, out.row_chunk)
+            self.kv.copy_pages(*out.copies)  # forked siblings' partial last pages, written by this step
+            return RunnerOutput(tokens, logprobs)
+        if call.resume:
+            pending = self._ahead
+        else:
+            rows = [DecodeRow(*row) for row in zip(call.token_ids, call.starts, call.pages, call.limits, call.sampling)]
+            pending = self.dispatch_multi_step(rows, self.stop_ids, self.config.decode_steps, call.budgets)
+        self._ahead = (None if call.chain_pages is None
+                       else self.chain_multi_step(pending, call.chain_pages, self.config.decode_steps))
+        return RunnerOutput(*self.fetch_multi_step(pending))
+
+    def reset(self, physical: bool) -> None:
+        """Forget a call dispatched ahead; zero the pool when `physical`, or when a step that failed after
+        donating the pool left it deleted (an abort)."""
+        self._ahead = None
+        if physical or self.kv.pool.array.is_deleted():
+            self.kv.zero()  # dispatched page-outs are forgotten too
+        else:
+            self.kv.finish_page_outs()  # the prefix cache's host tier may outlive a settle
+            self.kv.land_page_ins()
+
+    def decode_bucket(self, n: int) -> int:
+        """Rows of a decode-only step or a multi-step call for n sequences: a power of four, at most the
+        steps with prompt chunks' max_seqs bucket. Half as many programs to compile as powers of two; an
+        extra decode row costs little next to reading every weight once per step."""
+        cap = bucket(self.config.max_seqs, MIN_SEQ_BUCKET)
+        rows = MIN_SEQ_BUCKET
+        while rows < n:
+            rows *= 4
+        return max(min(rows, cap), bucket(n, MIN_SEQ_BUCKET))
+
+    def build_inputs(self, chunks: Sequence[SeqChunk], row_chunk: Sequence[int] | None = None) -> StepInputs:
+        """Pack chunks into padded host arrays (see StepInputs for the layout).
+
+        `row_chunk[r]` names the chunk whose last token's logits feed output row r (default: one row per
+        chunk); several rows may read one chunk (the samples of one prompt).
+        """
+        ps = self.config.page_size
+        n_tokens = sum(len(c.token_ids) for c in chunks)
+        # Decode-only steps (one token a sequence) pad tokens like sequences: no padding tiles in attention.
+        # Steps with prompt chunks always take max_seqs sequence rows, so their compiled shapes vary in T
+        # alone (a few programs, not one per (T, S) pair); attention skips the empty rows.
+        decode_only = is_decode_only(chunks)
+        S = self.decode_bucket(len(chunks)) if decode_only else bucket(self.config.max_seqs, MIN_SEQ_BUCKET)
+        T = S if decode_only else bucket(n_tokens, MIN_TOKEN_BUCKET)
+        token_ids = np.zeros(T, np.int32)
+        positions = np.zeros(T, np.int32)
+        slots = np.full(T, self.config.max_pages * ps, np.int32)  # out of range: dropped
+        cu = np.full(S + 1, n_tokens, np.int32)
+        kv_lens = np.zeros(S, np.int32)
+        pages = np.zeros((S, self.pages_per_seq), np.int32)
+        last_of_chunk = np.zeros(len(chunks), np.int32)
+        row = 0
+        if decode_only:  # the common step on a fast device: filled from lists, not per-sequence numpy ops
+            self._fill_decode(chunks, token_ids, positions, slots, cu, kv_lens, pages, last_of_chunk)
+        for s, c in enumerate(() if decode_only else chunks):
+            n = len(c.token_ids)
+            end = c.start + n
+            if n == 0 or end > self.max_seq_len or pages_for(end, ps) > len(c.pages):
+                raise ValueError(f"chunk {s}: {n} tokens at position {c.start} with {len(c.pages)} pages "
+                                 f"(page_size {ps}, max_seq_len {self.max_seq_len})")
+            pos = np.arange(c.start, end)
+            token_ids[row:row + n] = c.token_ids
+            positions[row:row + n] = pos
+            seq_pages = np.asarray(c.pages, np.int32)
+            slots[row:row + n] = seq_pages[pos // ps] * ps + pos % ps
+            cu[s] = row
+            kv_lens[s] = end
+            pages[s, :len(seq_pages)] = seq_pages
+            row += n
+            last_of_chunk[s] = row - 1
+        row_chunk = list(range(len(chunks))) if row_chunk is None else list(row_chunk)
+        last = np.zeros(max(S, bucket(len(row_chunk), MIN_SEQ_BUCKET)), np.int32)
+        last[:len(row_chunk)] = last_of_chunk[row_chunk]
+        return StepInputs(token_ids, positions, slots, cu, kv_lens, pages, np.array([len(chunks)], np.int32), last)
+
+    def _fill_decode(self, chunks: Sequence[SeqChunk], token_ids: np.ndarray, positions: np.ndarray,
+                     slots: np.ndarray, cu: np.ndarray, kv_lens: np.ndarray, pages: np.ndarray,
+                     last_of_chunk: np.ndarray) -> None:
+        """build_inputs' arrays for chunks of one token each: chunk s is token row s."""
+        ps, n = self.config.page_size, len(chunks)
+        starts = [c.start for c in chunks]
+        for s, (c, start) in enumerate(zip(chunks, starts)):
+            if start + 1 > self.max_seq_len or start // ps >= len(c.pages):
+                raise ValueError(f"chunk {s}: 1 token at position {start} with {len(c.pages)} pages "
+                                 f"(page_size {ps}, max_seq_len {self.max_seq_len})")
+            pages[s, :len(c.pages)] = c.pages
+        token_ids[:n] = [c.token_ids[0] for c in chunks]
+        positions[:n] = starts
+        slots[:n] = [c.pages[start // ps] * ps + start % ps for c, start in zip(chunks, starts)]
+        cu[:n] = last_of_chunk[:] = range(n)
+        kv_lens[:n] = [start + 1 for start in starts]
+
+    def _settings_for(self, chunks: Sequence[SeqChunk]) -> StepSettings:
+        return self._settings[1 if is_decode_only(chunks) else self.config.attn_queries_per_block]
+
+    def logits(self, chunks: Sequence[SeqChunk]) -> np.ndarray:
+        """Process the chunks; returns f32[len(chunks), vocab] logits of each chunk's last token. Not the
+        engine's path (it samples on the device): for checks against a reference model and step timings."""
+        inputs = self.build_inputs(chunks)  # host arrays: the jitted call copies them (cheaper than jnp.asarray)
+        with self.clock.timing():
+            with self.transfers.sending(**_sent(inputs)):
+                self.kv.pool, logits = _logits(self.model, self.kv.pool, inputs, self._settings_for(chunks))
+            return self.transfers.read(logits=logits.array)[0][:len(chunks)]  # the local replica, sliced on the host
+
+    def step_sample(self, chunks: Sequence[SeqChunk], rows: Sequence[RowSampling],
+                    row_chunk: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Process the chunks and pick a next token per row: (tokens i32[rows], logprobs f32[rows])."""
+        inputs = self.build_inputs(chunks, row_chunk)
+        S = inputs.logits_indices.shape[0]
+        positions = np.array([r.position for r in rows] + [0] * (S - len(rows)), np.int32)
+        mode, sampling = _sampling_mode(rows, self.model.config.vocab_size), _sampling_arrays(rows, S)
+        n = len(rows)
+        with self.clock.timing():
+            penalties = self._penalties(rows, S, mode)
+            with self.transfers.sending(**_sent(inputs), sampling=(*sampling, positions, *host_arrays(penalties))):
+                self.kv.pool, tokens, logprobs = _step_sample(self.model, self.kv.pool, inputs,
+                                                              self._settings_for(chunks), mode, *sampling, positions,
+                                                              penalties)
+            tokens, logprobs = self.transfers.read(tokens=tokens, logprobs=logprobs)
+            return tokens[:n], logprobs[:n]
+
+    def _penalties(self, rows: Sequence[RowSampling], size: int, mode: str) -> tuple | None:
+        """The `penalties` of a call whose mode penalizes (None otherwise): each row's prompt tokens and
+        completion counts, built on the device from its token history (padded to a power of two: few programs)."""
+        if "+penalties" not in mode:
+            return None
+        width = bucket(max(len(r.history) for r in rows), MIN_TOKEN_BUCKET)
+        history = np.full((size, width), -1, np.int32)
+        for r, row in enumerate(rows):
+            history[r, :len(row.history)] = row.history
+        prompt_lens = np.zeros(size, np.int32)
+        prompt_lens[:len(rows)] = [row.num_prompt_tokens for row in rows]
+        # Placed as the step's other device inputs (replicated over the mesh), so the state lands there too.
+        mesh = self._settings[1].mesh
+        placement = self.kv.pool.array.sharding if mesh is None else NamedSharding(mesh, P())
+        with self.transfers.sending(sampling=(history, prompt_lens)):
+            history, prompt_lens = (jax.make_array_from_process_local_data(placement, x) for x in (history, prompt_lens))
+        in_prompt, counts = _penalty_state(history, prompt_lens, self.model.config.vocab_size)
+        pad = size - len(rows)
+        return (in_prompt, counts, np.array([r.repetition_penalty for r in rows] + [1.0] * pad, np.float32),
+                np.array([r.presence_penalty for r in rows] + [0.0] * pad, np.float32),
+                np.array([r.frequency_penalty for r in rows] + [0.0] * pad, np.float32))
+
+
+
+def _sent(inputs: StepInputs) -> dict[str, tuple[np.ndarray, ...]]:
+    """A step's host arrays by transfer category (engine.transfers): its page table, and the rest."""
+    rest = (inputs.token_ids, inputs.positions, inputs.slot_mapping, inputs.cu_q_lens, inputs.kv_lens, inputs.num_seqs,
+            inputs.logits_indices)
+    return {"step_inputs": rest, "page_tables": (inputs.page_indices,)}
+
+

@@ -1,0 +1,81 @@
+"""Ragged paged attention on the CPU as a native kernel (`cpu_kernel/ragged_paged_attention.cc`).
+
+The kernel is an XLA FFI custom call compiled on first use with the machine's C++ compiler (`CXX`,
+else `g++`) for this CPU (`-march=native`); `kernel_build.py` builds it (a few seconds, once per
+machine) and says where it is kept.
+
+It takes float32 queries and a float32 pool; the engine falls back to the plain-JAX reference for
+other dtypes, or when no compiler is found (logged once, with the reason).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from engine.kernels.kernel_build import TEMP_PREFIX, KernelUnavailable, build
+
+__all__ = ["KernelUnavailable", "build", "load", "prepare_in_background", "ragged_paged_attention", "supports",
+           "unavailable_reason"]
+
+TARGET = "pagefleet_ragged_paged_attention_f32"
+
+
+_load_lock = threading.Lock()
+_outcome: list[str | None] = []  # once decided: [None] (ready) or [why not], for the life of the process
+
+
+def unavailable_reason() -> str | None:
+    """None when the kernel is built, loaded and registered with XLA in this process (done on the first
+    call), else why it is not. A build started by prepare_in_background() is waited for, not repeated."""
+    with _load_lock:
+        if not _outcome:
+            try:
+                library = build()
+                _load(library)
+                _outcome.append(None)
+                if library.parent.name.startswith(TEMP_PREFIX):  # no cache: the loaded library needs no file
+                    shutil.rmtree(library.parent, ignore_errors=True)
+            except (KernelUnavailable, OSError, subprocess.SubprocessError) as err:
+                _outcome.append(str(err))
+        return _outcome[0]
+
+
+def load() -> None:
+    """Make the kernel ready (see unavailable_reason); raises KernelUnavailable with the reason."""
+    reason = unavailable_reason()
+    if reason is not None:
+        raise KernelUnavailable(reason)
+
+
+def _load(library: Path) -> None:
+    try:
+        handler = ctypes.cdll.LoadLibrary(str(library)).PagefleetRaggedPagedAttentionF32
+    except (OSError, AttributeError) as err:
+        raise KernelUnavailable(f"loading {library} failed: {err}") from err
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+
+
+def prepare_in_background() -> None:
+    """Start building and loading the kernel on a thread, so that the compiler runs while the caller does
+    other start-up work (reading weights, importing the tokenizer); later calls find it ready or wait."""
+    threading.Thread(target=unavailable_reason, name="pagefleet-kernel-build", daemon=True).start()
+
+
+def supports(q_dtype, kv_dtype) -> bool:
+    return jnp.dtype(q_dtype) == jnp.float32 and jnp.dtype(kv_dtype) == jnp.float32
+
+
+def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale: float,
+                           sliding_window: int | None) -> jax.Array:
+    """Same contract as `attention.reference_ragged_paged_attention` (float32 only); `load()` first."""
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    return call(q, kv_pages, kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32), cu_q_lens.astype(jnp.int32),
+                num_seqs.astype(jnp.int32), sm_scale=np.float32(sm_scale), sliding_window=np.int32(sliding_window or 0))

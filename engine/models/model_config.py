@@ -1,0 +1,157 @@
+"""The model's architecture, read from a Hugging Face `config.json`; unsupported settings are refused by name."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.models.model_family import FamilyConfigError
+from engine.models.model_registry import FAMILIES, model_family
+
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)  # one file per family: engine/models/model_registry.py
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint asks for something pagefleet does not implement; the message names the field."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3 frequency scaling (`rope_type: llama3`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int | None
+    """The model's context length; None when config.json has none (engine.max_seq_len must say it then)."""
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    sliding_window: int | None
+    """Tokens a query may look back (inclusive of itself); None means full causal attention."""
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def rope_inv_freq(self) -> list[float]:
+        """Inverse frequencies (radians per position) of each rotary pair, llama3 scaling applied."""
+        inv = [1.0 / (self.rope_theta ** (2 * i / self.head_dim)) for i in range(self.head_dim // 2)]
+        s = self.rope_scaling
+        if s is None:
+            return inv
+        low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+        high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+        out = []
+        for f in inv:
+            wavelen = 2 * math.pi / f
+            if wavelen < high_wavelen:
+                out.append(f)
+            elif wavelen > low_wavelen:
+                out.append(f / s.factor)
+            else:
+                smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+                    s.high_freq_factor - s.low_freq_factor
+                )
+                out.append((1 - smooth) * f / s.factor + smooth * f)
+        return out
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> "ModelConfig":
+        from engine import ranged_file
+
+        config_path = ranged_file.join(path if ranged_file.is_url(path) else Path(path), "config.json")
+        if not ranged_file.exists(config_path):
+            raise FileNotFoundError(f"{config_path} not found: model.path must be a Hugging Face checkpoint directory")
+        return cls.from_hf(json.loads(ranged_file.read_text(config_path)))
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "ModelConfig":
+        model_type = hf.get("model_type")
+        family = model_family(model_type)
+        if family is None:
+            raise UnsupportedModelError(
+                f"config.json model_type={model_type!r} is not supported; pagefleet runs {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"config.json hidden_act={act!r} is not supported; only 'silu'")
+        if hf.get("mlp_bias", False):
+            raise UnsupportedModelError("config.json mlp_bias=true is not supported")
+        missing = [k for k in ("num_attention_heads", "hidden_size", "num_hidden_layers", "intermediate_size",
+                               "vocab_size") if k not in hf]
+        if missing:
+            raise UnsupportedModelError(f"config.json has no {', '.join(missing)}; a Llama-family checkpoint's "
+                                        "config.json names them (is this the model's own config.json?)")
+        num_heads = hf["num_attention_heads"]
+        num_kv_heads = hf.get("num_key_value_heads") or num_heads
+        if num_heads % num_kv_heads:
+            raise UnsupportedModelError(
+                f"config.json num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
+            )
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        # transformers 5 writes `rope_parameters` (with rope_theta inside); released checkpoints
+        # carry top-level `rope_theta` and `rope_scaling`. Accept both.
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"config.json rope_scaling.rope_type={rope_type!r} is not supported; pagefleet runs "
+                f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        scaling = None
+        if rope_type == "llama3":
+            scaling = RopeScaling(
+                factor=float(rope["factor"]),
+                low_freq_factor=float(rope["low_freq_factor"]),
+                high_freq_factor=float(rope["high_freq_factor"]),
+                original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+            )
+        try:
+            attention = family.attention(hf)  # what the family sets in the shared layers
+        except FamilyConfigError as e:
+            raise UnsupportedModelError(str(e)) from None
+        qkv_bias, window = attention.qkv_bias, attention.sliding_window
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            model_type=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=hf.get("max_position_embeddings"),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            sliding_window=int(window) if window else None,
+            eos_token_ids=eos_ids,
+            bos_token_id=hf.get("bos_token_id"),
+        )

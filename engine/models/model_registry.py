@@ -1,0 +1,16 @@
+"""The model families the engine runs, by config.json's `model_type`: one line per family file. No JAX here."""
+
+from __future__ import annotations
+
+from engine.models.llama import LLAMA
+from engine.models.mistral import MISTRAL
+from engine.models.model_family import ModelFamily
+from engine.models.qwen2 import QWEN2
+
+FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (LLAMA, MISTRAL, QWEN2)}
+"""Every supported family, keyed by `model_type`, in the order the error messages list them."""
+
+
+def model_family(model_type: str | None) -> ModelFamily | None:
+    """The family of a config.json's `model_type`, or None when the engine does not run it."""
+    return FAMILIES.get(model_type) if model_type is not None else None

@@ -1,0 +1,71 @@
+"""How each row of a step picks its next token, on the host side: a sequence's settings (`RowSampling`), the
+program variant a step needs (`sampling_mode`) and the padded per-row arrays the device reads
+(`sampling_arrays`). The device side is engine/sampling/sampler.py; engine/device/runner.py calls both. No device work here."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.config import penalizes
+from engine.scheduling.sequence import Sequence as Seq
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """How to pick the next token of one sequence (a row of the step)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    base_key: np.ndarray  # u32[2] from (seed, prompt_id, generation_index)
+    position: int  # index the new token will take in its sequence (prompt included)
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()  # the row's own stop ids, besides the engine's (multi-step calls)
+    history: tuple[int, ...] = ()  # prompt then generated tokens (`position` of them); read only when penalizing
+    num_prompt_tokens: int = 0
+
+    @property
+    def penalizes(self) -> bool:
+        return penalizes(self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
+
+
+def row_sampling(seq: Seq) -> RowSampling:
+    """How the sequence's next token (at index len(token_ids)) is drawn."""
+    s = seq.request.sampling
+    return RowSampling(s.temperature, s.top_k, s.top_p, seq.base_key, len(seq.token_ids), s.min_p,
+                       s.repetition_penalty, s.presence_penalty, s.frequency_penalty, tuple(s.stop_token_ids),
+                       tuple(seq.token_ids) if s.penalizes else (), seq.num_prompt_tokens)
+
+
+def sampling_mode(rows: Sequence[RowSampling], vocab_size: int) -> str:
+    """What a step's program must be able to do: `greedy` (every row is greedy), `sample` (no sampled row
+    truncates) or `truncate` (top-k or top-p). A job's steps all share one mode, so it compiles one variant;
+    the sampler is about half of a step program's compile time, the sort most of that. A row truncates by
+    the test `sample` applies on the device (`truncates`). `+min_p` adds min-p (a sampled row has it) and
+    `+penalties` the penalties (a row has one); without them the programs are those of a run without either."""
+    penalties = "+penalties" if any(r.penalizes for r in rows) else ""
+    sampled = [r for r in rows if r.temperature > 0]
+    if not sampled:
+        return "greedy" + penalties
+    min_p = "+min_p" if any(r.min_p > 0 for r in sampled) else ""
+    if min_p or any(0 < r.top_k < vocab_size or r.top_p < 1.0 for r in sampled):
+        return "truncate" + min_p + penalties
+    return "sample" + penalties
+
+
+def sampling_arrays(rows: Sequence[RowSampling], size: int) -> tuple[np.ndarray, ...]:
+    """Temperature f32[size], top_k i32[size], top_p f32[size], min_p f32[size] and base keys u32[size, 2] of the
+    rows, padded with greedy rows (their tokens are never read)."""
+    pad = size - len(rows)
+    keys = np.zeros((size, 2), np.uint32)
+    keys[:len(rows)] = [r.base_key for r in rows]
+    return (np.array([r.temperature for r in rows] + [0.0] * pad, np.float32),
+            np.array([r.top_k for r in rows] + [0] * pad, np.int32),
+            np.array([r.top_p for r in rows] + [1.0] * pad, np.float32),
+            np.array([r.min_p for r in rows] + [0.0] * pad, np.float32), keys)

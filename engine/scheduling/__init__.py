@@ -1,0 +1,1 @@
+"""Scheduling: sequences, the scheduler and its plain-data output for the runner."""

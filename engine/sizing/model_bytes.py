@@ -1,0 +1,50 @@
+"""What a model's weights and KV cache weigh, from its config alone: the one place for these formulas
+(`pagefleet size`, `pagefleet check` and the engine's sizing for the machine all use them). No JAX here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.models.model_config import ModelConfig
+
+GiB = 2**30
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+"""Bytes per parameter and per KV element for each `model.dtype`."""
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    """Parameters split by how the engine places them on a tensor-parallel mesh."""
+
+    replicated: int
+    """Held whole by every chip: token embeddings, untied lm_head, RMSNorm weights."""
+    sharded: int
+    """Split over the `model` axis: q/k/v/o projections (and QKV biases) and the MLP."""
+
+    @property
+    def total(self) -> int:
+        return self.replicated + self.sharded
+
+    def per_chip(self, tp: int) -> int:
+        return self.replicated + self.sharded // tp
+
+
+def count_params(cfg: ModelConfig) -> ParamCount:
+    """Parameters of a Llama-family decoder (Llama, Mistral, Qwen2) from its config."""
+    hidden, head_dim = cfg.hidden_size, cfg.head_dim
+    q_out, kv_out = cfg.num_heads * head_dim, cfg.num_kv_heads * head_dim
+    attention = hidden * q_out + 2 * hidden * kv_out + q_out * hidden  # q, k, v, o
+    if cfg.qkv_bias:
+        attention += q_out + 2 * kv_out
+    mlp = 3 * hidden * cfg.intermediate_size  # gate, up, down
+    norms_per_layer = 2 * hidden  # input and post-attention RMSNorm
+    embeddings = cfg.vocab_size * hidden * (1 if cfg.tie_word_embeddings else 2)
+    return ParamCount(
+        replicated=embeddings + cfg.num_layers * norms_per_layer + hidden,  # + final norm
+        sharded=cfg.num_layers * (attention + mlp),
+    )
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int) -> int:
+    """K and V of one token in every layer: 2 * layers * kv_heads * head_dim * dtype_bytes."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes

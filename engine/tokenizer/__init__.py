@@ -1,0 +1,1 @@
+"""Tokenizers: loading, caching and building them."""

@@ -1,0 +1,73 @@
+"""The CPU attention kernel gives the same bits on an x86 CPU without AVX-512 (each 16-lane vector is a pair of
+AVX registers) as on one with it, so a run resumed on, or spread over, machines of either kind samples the same
+tokens and logprobs. Each build runs in its own process: both register the same XLA target name."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.kernels import kernel_build
+# (head_dim, kv_heads, group, page_size, sliding_window): the compiled head sizes, a partial block of 16 (72), a
+# head wider than the registers hold (272), pages longer than 16 keys, and a window.
+CASES = [(64, 4, 2, 16, 0), (128, 2, 1, 16, 0), (72, 2, 3, 4, 0), (8, 1, 4, 32, 0), (272, 1, 2, 4, 0),
+         (64, 4, 2, 16, 20)]
+
+WORKER = """
+import math, sys
+from pathlib import Path
+import jax.numpy as jnp
+import numpy as np
+from engine.kernels import cpu_attention
+cpu_attention._load(Path(sys.argv[1]))
+out = {}
+for head_dim, kv_heads, group, page_size, window in %r:
+    rng = np.random.default_rng(head_dim + group + window)
+    q_lens = np.array([1, 16, 1, 5, 30, 1, 1, 3])  # decoding tokens (the all-heads path) and prompt chunks (rows in lanes)
+    ctx = np.array([90, 70, 33, 90, 64, 17, 120, 40])
+    pages_per_seq = math.ceil(ctx.max() / page_size)
+    num_pages = len(ctx) * pages_per_seq + 1
+    pool = rng.standard_normal((num_pages, page_size, 2 * kv_heads, head_dim)).astype(np.float32)
+    pages = rng.permutation(num_pages)[:len(ctx) * pages_per_seq].reshape(len(ctx), -1).astype(np.int32)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = rng.standard_normal((cu[-1], kv_heads * group, head_dim)).astype(np.float32)
+    got = cpu_attention.ragged_paged_attention(
+        jnp.asarray(q), jnp.asarray(pool), jnp.asarray(ctx, jnp.int32), jnp.asarray(pages), jnp.asarray(cu),
+        jnp.array([len(ctx)], jnp.int32), sm_scale=head_dim**-0.5, sliding_window=window or None)
+    out[f"{head_dim}-{kv_heads}-{group}-{page_size}-{window}"] = np.asarray(got)
+np.savez(sys.argv[2], **out)
+""" % (CASES,)
+
+
+def _has_avx512() -> bool:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return False
+    return "avx512f" in flags.split() and "avx2" in flags.split()
+
+
+def _outputs(library: Path, tmp_path: Path) -> dict[str, np.ndarray]:
+    out = tmp_path / f"{library.stem}.npz"
+    subprocess.run([sys.executable, "-c", WORKER, str(library), str(out)], check=True,
+                   cwd=Path(__file__).resolve().parents[3])
+    with np.load(out) as arrays:
+        return dict(arrays)
+
+
+@pytest.mark.skipif(not _has_avx512(), reason="needs an x86 CPU with AVX-512 to build and run both variants")
+def test_cpu_kernel_without_avx512_gives_the_same_bits(tmp_path):
+    native = kernel_build.build()
+    cmd, _ = kernel_build._plan()
+    avx2 = tmp_path / "avx2.so"
+    subprocess.run([*cmd, "-mno-avx512f", "-o", str(avx2)], check=True, capture_output=True)
+    assert avx2.read_bytes() != native.read_bytes(), "the two builds are the same code: the test shows nothing"
+    wide, narrow = _outputs(native, tmp_path), _outputs(avx2, tmp_path)
+    assert wide.keys() == narrow.keys() and len(wide) == len(CASES)
+    for case, a in wide.items():
+        assert np.isfinite(a).all(), case
+        np.testing.assert_array_equal(narrow[case], a, err_msg=case)
