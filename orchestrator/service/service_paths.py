@@ -9,7 +9,11 @@ names is checked before anything opens it:
   data root (`--data-root`, repeatable; default the runs root's parent); for a corpus, every file it lists, and
   for a model or tokenizer directory, every entry, must resolve under a root too (a link inside a root that
   points out of it is refused);
-- a URL (anything fsspec would read with a protocol: `gs://`, `http://`, `file://`, `memory://`, a `::` chain)
+- a path fsspec reads from the local file system in another spelling (`file:/x`, `file:///x`, `local:/x`,
+  `file:~/x`) is resolved the way the opener resolves it (`storage.local_path`, fsspec's own `url_to_fs`) and
+  checked as a local path; a model path that is not a local directory is resolved as the planner resolves a Hub
+  id (its snapshot in the local Hub cache) and that snapshot must lie under a root;
+- a URL (anything else fsspec would read with a protocol: `gs://`, `http://`, `memory://`, a `::` chain)
   is refused unless the operator allowed its scheme and bucket (`--allow-url gs://bucket`); the bucket (URL
   host) must match exactly.
 
@@ -25,9 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from fsspec.core import split_protocol
-
 from orchestrator.config import ConfigError, RunConfig
+from orchestrator.plan.corpus import list_files
+from orchestrator.plan.model_source import resolve_model
+from orchestrator.storage.storage import local_path
 
 
 class PathRefused(ConfigError):
@@ -60,29 +65,38 @@ class DataPolicy:
         local = self._local("corpus.path", value)
         if local is None:
             return
-        from orchestrator.plan.corpus import list_files
-
-        try:
-            files = list_files(value if os.path.isabs(value) else str(self.base / value))
+        try:  # the files the planner will list (a directory's, a glob's), each of which may be a link
+            files = list_files(str(local))
         except (OSError, ValueError):
-            return  # nothing readable there; the run reports it when it plans
+            return  # nothing readable there (its path itself is under a root); the run reports it when it plans
         for file in files:
             self._under_roots("corpus.path", value, file, f"its file {os.path.basename(file)}")
 
     def _check_directory(self, key: str, value: str) -> None:
         local = self._local(key, value)
-        if local is None or not local.is_dir():
+        if local is None:
+            return
+        if not local.exists():  # not a local directory: the planner takes it for a Hub id in the local Hub cache
+            try:
+                resolved = resolve_model(value, key)
+            except (OSError, ValueError) as e:
+                raise ConfigError(str(e)) from None
+            local = self._under_roots(key, value, resolved, "its Hub cache snapshot")
+        if not local.is_dir():
             return
         for entry in os.scandir(local):  # config.json, weights and tokenizer files: each may be a link
             self._under_roots(key, value, entry.path, f"its entry {entry.name}")
 
     def _local(self, key: str, value: str) -> Path | None:
-        """The resolved local path (checked under the roots), or None for an allowed URL."""
-        protocol, _ = split_protocol(value)
-        if "::" in value or protocol is not None:
+        """The resolved local path (checked under the roots), or None for an allowed URL. `file:`, `local:` and
+        `file:~` paths are local: resolved as the opener resolves them (storage.local_path), relative paths against
+        the service's working directory."""
+        path = local_path(value if value.startswith(("/", "~")) or "://" in value or ":" in value.split("/")[0]
+                          else str(self.base / value))
+        if path is None:
             self._check_url(key, value)
             return None
-        return self._under_roots(key, value, value, "it")
+        return self._under_roots(key, value, path, "it")
 
     def _under_roots(self, key: str, value: str, path: str, what: str) -> Path:
         resolved = Path(os.path.realpath(self.base / os.path.expanduser(path)))

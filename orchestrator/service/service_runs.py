@@ -125,7 +125,13 @@ class RunRegistry:
         self._lock = threading.Lock()
 
     def run_dir(self, name: str) -> RunDir:
-        return RunDir(self.root / check_name(name))
+        """The run's directory: a real directory directly under the runs root, never one reached through a link
+        (a link there would put the run's writes wherever it points)."""
+        path = self.root / check_name(name)
+        if path.is_symlink() or (path.exists() and not path.is_dir()):
+            raise RunNameError(f"run {name}: {path} is a link or a file, not a directory; the service keeps runs only "
+                               "in real directories under its runs root: remove it, or choose another name")
+        return RunDir(path)
 
     # -- starting and stopping -------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fsspec.core import split_protocol, url_to_fs
+from fsspec.implementations.local import LocalFileSystem
 
 from orchestrator.storage.atomic import atomic_write_bytes
 
@@ -29,6 +30,20 @@ OBJECT_STORES = ("gs", "gcs")
 def is_url(path: str | os.PathLike) -> bool:
     """A protocol-qualified location (`gs://...`, `memory://...`), as opposed to a local path."""
     return split_protocol(str(path))[0] is not None
+
+
+def local_path(path: str | os.PathLike) -> str | None:
+    """The absolute local path fsspec opens for `path`, or None when fsspec reads it from elsewhere.
+
+    fsspec reads `file:/x`, `local:/x`, `file:~/x` and `file:///x` from the local file system although
+    `split_protocol` sees no protocol in the first three; a check of what a path may read must resolve it the way
+    the opener does, so both go through `url_to_fs`. Relative paths resolve against the working directory.
+    A `::` chain (a cache in front of another file system) is not local."""
+    text = str(path)
+    if "::" in text:
+        return None
+    fs, stripped = url_to_fs(text)
+    return stripped if isinstance(fs, LocalFileSystem) else None
 
 
 def is_object_store(path: str | os.PathLike) -> bool:

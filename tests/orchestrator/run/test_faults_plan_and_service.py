@@ -96,7 +96,7 @@ def confined_service(ray_local, tmp_path_factory):
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     cfg = ServiceConfig(runs_root=str(runs_root), max_body_bytes=64 * 1024, data_roots=(str(data_root),),
-                        allow_urls=("gs://allowed-bucket",))
+                        allow_urls=("gs://allowed-bucket",), workdir=str(data_root))  # relative paths: under a root
     serve.run(service_app(cfg, TOKEN), name="pagefleet-faults", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 60
@@ -172,12 +172,49 @@ def test_service_reads_only_under_its_data_roots(confined_service, run_model, tm
         time.sleep(1.0)
         server.shutdown()
     assert _Counting.hits == 0
+    # The local file system in fsspec's other spellings: resolved as the planner opens them, not as relative paths
+    # under the working directory (which lies under a root here).
+    for spelling in (f"file:{secret_outside}", f"local:{secret_outside}", f"file://{secret_outside}",
+                     "file:~/pagefleet-creds.jsonl"):
+        one_line_400(submit(url, {**good, "corpus": {"path": spelling}}), "corpus.path")
     assert not (runs_root / "confined").exists()
     # What the operator allowed passes the same check (no network here, so it is checked without a run).
     policy = DataPolicy.build([str(data_root)], ["gs://allowed-bucket"], str(tmp_path))
     policy.check(load_run_config(None, [f"--model.path={run_model}", "--corpus.path=gs://allowed-bucket/c/*.jsonl"]))
     with pytest.raises(PathRefused, match="corpus.path"):
         policy.check(load_run_config(None, [f"--model.path={run_model}", "--corpus.path=gs://allowed-bucketx/c"]))
+
+
+def test_a_hub_id_must_resolve_under_a_data_root(run_model, tmp_path, monkeypatch):
+    """A model path that is no local directory is a Hub id to the planner, read from the local Hub cache: its
+    snapshot, not the id's spelling, must lie under a root."""
+    cache = tmp_path / "outside" / "hub"
+    snapshot = cache / "models--org--secret" / "snapshots" / ("0" * 40)
+    shutil.copytree(run_model, snapshot)
+    (cache / "models--org--secret" / "refs").mkdir()
+    (cache / "models--org--secret" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    root = tmp_path / "root"
+    root.mkdir()
+    policy = DataPolicy.build([str(root)], [], str(root))
+    with pytest.raises(PathRefused, match="model.path 'org/secret': its Hub cache snapshot resolves outside"):
+        policy.check(load_run_config(None, ["--model.path=org/secret", f"--corpus.path={root}"]))
+    monkeypatch.setenv("HF_HUB_CACHE", str(root / "hub"))  # the same snapshot under the root passes
+    shutil.copytree(cache, root / "hub")
+    policy.check(load_run_config(None, ["--model.path=org/secret", f"--corpus.path={root}"]))
+
+
+def test_a_link_in_the_runs_root_is_no_run_directory(confined_service, run_model, tmp_path):
+    url, runs_root, _ = confined_service
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    os.symlink(elsewhere, runs_root / "evil")
+    corpus = write_run_corpus(tmp_path / "corpus.jsonl", 4)
+    detail = one_line_400(submit(url, config("evil", run_model, corpus)), "evil")
+    assert "link" in detail
+    r = requests.get(f"{url}/runs/evil", headers=AUTH, timeout=30)
+    assert r.status_code == 400, (r.status_code, r.text)
+    assert list(elsewhere.iterdir()) == []
 
 
 def test_service_refuses_alias_bombs_and_mistyped_stop_strings(confined_service, run_model, tmp_path):
