@@ -19,6 +19,31 @@ class UnsupportedModelError(ValueError):
     """The checkpoint asks for something pagefleet does not implement; the message names the field."""
 
 
+# The largest value each size field of config.json may take: far above any released model (Llama-3.1-405B has
+# 126 layers, 128 heads, 16,384 wide; Gemma 3's vocabulary is 262,144), low enough that nothing sized from them
+# (expected tensor shapes, KV pools, rotary tables) is allocated for a typo or a hostile file.
+SIZE_LIMITS = {"num_hidden_layers": 4096, "num_attention_heads": 4096, "num_key_value_heads": 4096,
+               "hidden_size": 1 << 18, "intermediate_size": 1 << 21, "vocab_size": 1 << 23, "head_dim": 4096,
+               "max_position_embeddings": 1 << 26, "sliding_window": 1 << 26}
+
+
+def _check_sizes(hf: dict) -> None:
+    """Each size field present is an integer from 1 to its limit (one line naming the field), before anything
+    is computed or allocated from it."""
+    for key, limit in SIZE_LIMITS.items():
+        value = hf.get(key)
+        if value is None or (key == "sliding_window" and value is False):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+            raise UnsupportedModelError(f"config.json {key}={value!r}: must be a whole number from 1 to {limit:,} "
+                                        "(is this the model's own config.json?)")
+    for key in ("rms_norm_eps", "rope_theta"):
+        value = hf.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value <= 0):
+            raise UnsupportedModelError(f"config.json {key}={value!r}: must be a finite positive number")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """Llama 3 frequency scaling (`rope_type: llama3`)."""
@@ -104,6 +129,7 @@ class ModelConfig:
         if missing:
             raise UnsupportedModelError(f"config.json has no {', '.join(missing)}; a Llama-family checkpoint's "
                                         "config.json names them (is this the model's own config.json?)")
+        _check_sizes(hf)
         num_heads = hf["num_attention_heads"]
         num_kv_heads = hf.get("num_key_value_heads") or num_heads
         if num_heads % num_kv_heads:
@@ -111,6 +137,9 @@ class ModelConfig:
                 f"config.json num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
             )
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        if head_dim < 1:
+            raise UnsupportedModelError(f"config.json hidden_size={hf['hidden_size']} is smaller than "
+                                        f"num_attention_heads={num_heads}, and there is no head_dim")
         # transformers 5 writes `rope_parameters` (with rope_theta inside); released checkpoints
         # carry top-level `rope_theta` and `rope_scaling`. Accept both.
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}

@@ -12,6 +12,7 @@ import transformers
 
 from engine.config import EngineConfig
 from engine.models.presets import write_model
+from engine.models.checkpoint_check import check_checkpoint
 from engine.models.model_config import ModelConfig, UnsupportedModelError
 from engine.kv.kv_cache_config import KVCacheConfig
 from engine.kv.kv_cache_manager import KVCacheManager
@@ -168,6 +169,23 @@ def test_unsupported_configs_name_the_field(tmp_path):
     # A config.json without the fields a decoder needs is named in one line, not a KeyError.
     with pytest.raises(UnsupportedModelError, match="config.json has no num_attention_heads, num_hidden_layers"):
         ModelConfig.from_hf({k: v for k, v in base.items() if k not in ("num_attention_heads", "num_hidden_layers")})
+
+
+@pytest.mark.parametrize("field, value", [("num_hidden_layers", 1e9), ("num_hidden_layers", 10**9),
+                                          ("num_attention_heads", 0), ("num_key_value_heads", -2),
+                                          ("vocab_size", "512"), ("hidden_size", True), ("intermediate_size", 2.5),
+                                          ("max_position_embeddings", -1), ("rope_theta", float("nan")),
+                                          ("rms_norm_eps", 0)])
+def test_config_sizes_are_bounded_before_anything_is_sized_from_them(tmp_path, field, value):
+    """A size that no model has (a typo, a hostile file) is one line naming the field, before shapes, pools or
+    rotary tables are built from it: 1e9 layers made the checkpoint check build a billion layers' shapes."""
+    base = {"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 8,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1}
+    with pytest.raises(UnsupportedModelError, match=f"config.json {field}="):
+        ModelConfig.from_hf({**base, field: value})
+    (tmp_path / "config.json").write_text(json.dumps({**base, field: value}))
+    with pytest.raises(UnsupportedModelError, match=f"config.json {field}="):
+        check_checkpoint(tmp_path)
 
 
 def test_released_checkpoint_rope_fields_are_read():
