@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from ray import serve
 
 from orchestrator.config import ConfigError
+from orchestrator.run.manifest import CorruptRunFile
 from orchestrator.service.service_auth import BearerAuth, token_digest
 from orchestrator.service.service_paths import DataPolicy
 from orchestrator.service.service_runs import RunConflict, RunNameError, RunRegistry, UnknownRun, check_name, parse_run_config
@@ -56,7 +57,8 @@ class BodyTooLarge(Exception):
 
 
 _ERRORS: dict[type[Exception], int] = {ConfigError: 400, RunNameError: 400, UnknownRun: 404, RunConflict: 409,
-                                       BodyTooLarge: 413}
+                                       CorruptRunFile: 409, BodyTooLarge: 413}
+"""CorruptRunFile: a run whose files cannot be read as written (the detail names the file and the fix)."""
 
 _CONFIG_BODY = {"requestBody": {"required": True, "description": "A run config (the keys of docs/config.md) as JSON or "
                                 "YAML; `name` is required and `run_dir` is set by the service.", "content": {

@@ -91,6 +91,9 @@ class DataPolicy:
         """The resolved local path (checked under the roots), or None for an allowed URL. `file:`, `local:` and
         `file:~` paths are local: resolved as the opener resolves them (storage.local_path), relative paths against
         the service's working directory."""
+        if not value.isprintable():  # NUL and other control characters (Cc), unpaired surrogates (Cs)
+            raise PathRefused(f"{key} {value!r}: not a path (a NUL byte, a control character or an unpaired "
+                              "surrogate); give the file's path as plain text")
         path = local_path(value if value.startswith(("/", "~")) or "://" in value or ":" in value.split("/")[0]
                           else str(self.base / value))
         if path is None:

@@ -217,6 +217,22 @@ def test_a_link_in_the_runs_root_is_no_run_directory(confined_service, run_model
     assert list(elsewhere.iterdir()) == []
 
 
+def test_bad_path_text_and_corrupt_run_files_are_4xx_naming_them(confined_service, run_model, tmp_path):
+    """A NUL byte or an unpaired surrogate in a path is 400 (it was a 500 from realpath); a run whose run.json
+    does not parse is 409 naming the file (it was a 500)."""
+    url, runs_root, _ = confined_service
+    corpus = write_run_corpus(tmp_path / "corpus.jsonl", 4)
+    for bad in (f"{corpus}\x00.jsonl", f"{tmp_path}/\ud800.jsonl"):
+        detail = one_line_400(submit(url, config("badpath", run_model, bad)), "corpus.path")
+        assert "not a path" in detail
+        one_line_400(submit(url, {**config("badpath", run_model, corpus), "model": {"path": bad}}), "model.path")
+    (runs_root / "corrupt").mkdir()
+    (runs_root / "corrupt" / "run.json").write_text('{"config": ')
+    r = requests.post(f"{url}/runs/corrupt/resume", headers=AUTH, timeout=30)
+    assert r.status_code == 409, (r.status_code, r.text)
+    assert "run.json" in r.json()["detail"] and len(r.json()["detail"].splitlines()) == 1
+
+
 def test_service_refuses_alias_bombs_and_mistyped_stop_strings(confined_service, run_model, tmp_path):
     url, runs_root, _ = confined_service
     corpus = str(tmp_path / "not-yet-written.jsonl")  # nothing is read: the config is refused before that
