@@ -84,9 +84,13 @@ class SafetensorsCheckpoint:
         """`values` (read from tensor `name`) unchanged; raises CheckpointError naming the tensor and its file when
         they hold NaN or Inf, which would make every sample garbage (all-zero tokens, NaN logprobs)."""
         if (values.dtype.kind == "f" or values.dtype == ml_dtypes.bfloat16) and not np.isfinite(values).all():
-            bad = np.argwhere(~np.isfinite(np.asarray(values, dtype=np.float32)))
-            raise CheckpointError(f"{self.file_of(name)}: tensor {name} holds {len(bad):,} NaN or Inf values (first at "
-                                  f"index {tuple(int(i) for i in bad[0])} of the part read); the checkpoint is corrupt")
+            # Counted and located in the tensor as stored (its shape in the file), not in `values`, which may be
+            # a device's transposed or reshaped part of it; the error path alone pays this pass.
+            stored = np.asarray(self.get(name))
+            bad = np.argwhere(~np.isfinite(stored))
+            raise CheckpointError(f"{self.file_of(name)}: tensor {name} {list(stored.shape)} holds {len(bad):,} NaN or "
+                                  f"Inf values (first at index {[int(i) for i in bad[0]]}); the checkpoint is corrupt: "
+                                  "write or download it again")
         return values
 
     def read(self, name: str, select: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
