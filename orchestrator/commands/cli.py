@@ -230,8 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # a full disk (DiskFull names the file and the fix), a permission, a device
         if os.environ.get("PAGEFLEET_DEBUG"):
             raise
-        print(f"pagefleet {command}: {e.strerror or e}" if e.errno in (errno.ENOSPC, errno.EDQUOT)
-              else f"pagefleet {command}: {e}", file=sys.stderr)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            print(f"pagefleet {command}: {e.strerror or e}", file=sys.stderr)
+        elif e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            print(f"pagefleet {command}: {e.filename or e}: {e.strerror}; make it writable by this user, or give "
+                  "another location (run_dir, --output)", file=sys.stderr)
+        else:
+            print(f"pagefleet {command}: {e}", file=sys.stderr)
         return FAULT
     except Exception as e:  # noqa: BLE001 - a fault of pagefleet itself: exit FAULT, never "a batch failed"
         if os.environ.get("PAGEFLEET_DEBUG"):

@@ -65,3 +65,23 @@ def test_a_failed_start_is_one_line_and_leaves_no_run_directory(tmp_path, capsys
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("errno_name", ["EACCES", "EROFS"])
+def test_an_unwritable_location_names_the_file_and_the_fix(monkeypatch, capsys, errno_name):
+    """A read-only run directory (or output) named the file but not what to do (root ignores modes, so the
+    refusal is raised where the command writes)."""
+    import errno
+    import os
+
+    from orchestrator.commands import cli
+
+    def refuse(argv):
+        code = getattr(errno, errno_name)
+        raise PermissionError(code, os.strerror(code), "/runs/demo/batches.jsonl")
+
+    monkeypatch.setitem(cli.COMMANDS, "status", refuse)
+    assert main(["status", "/runs/demo"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err]
+    assert "/runs/demo/batches.jsonl" in err and "make it writable by this user, or give another location" in err
