@@ -158,7 +158,9 @@ def test_generate_with_no_engine_flags_sizes_its_context_to_the_input(tmp_path, 
 
 def test_generate_judges_bad_lines_as_a_run_judges_corpus_rows(tmp_path, model_dir):
     """Each bad line becomes a record naming the reason `pagefleet run` writes to rejected.jsonl; nothing is
-    repaired (a line that is not UTF-8 is not decoded with replacement characters) and the good lines run."""
+    repaired (a line that is not UTF-8 is not decoded with replacement characters) and the good lines run. A line
+    no run could use (a lone surrogate, max_new_tokens past int32, a temperature that is not a finite number) is
+    one such record too, not the end of the call."""
     lines = [b'{"id": "ok", "prompt": "Hello there"}',
              b'{"id": "bytes", "prompt": "caf\xe9"}',  # Latin-1, not UTF-8: not even its id is read
              b'{"id": "blank", "prompt": "   "}',
@@ -169,7 +171,11 @@ def test_generate_judges_bad_lines_as_a_run_judges_corpus_rows(tmp_path, model_d
              b'{"id": "nochat", "messages": []}',
              b'{"id": "nofield", "text": "hi"}',
              b'{"id": "bools", "prompt_token_ids": [true, false]}',
-             b'{"id": 7, "prompt_token_ids": [5, 6, 7], "prompt": "token ids win"}']
+             b'{"id": 7, "prompt_token_ids": [5, 6, 7], "prompt": "token ids win"}',
+             b'{"id": "lone", "prompt": "a\\ud800b"}',
+             b'{"id": "huge", "prompt": "hi", "sampling": {"max_new_tokens": 2147483648}}',
+             b'{"id": "nan", "prompt": "hi", "sampling": {"temperature": NaN}}',
+             b'{"id": "inf", "prompt": "hi", "sampling": {"temperature": Infinity}}']
     (tmp_path / "in.jsonl").write_bytes(b"\n".join(lines) + b"\n")
     out = tmp_path / "out.jsonl"
     code = generate_main(["--model", str(model_dir), "--input", str(tmp_path / "in.jsonl"), "--output", str(out),
@@ -177,7 +183,8 @@ def test_generate_judges_bad_lines_as_a_run_judges_corpus_rows(tmp_path, model_d
                           "--progress=false"])
     assert code == 0
     by = {r["prompt_id"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert list(by) == ["ok", "line-2", "blank", "line-4", "line-5", "num", "both", "nochat", "nofield", "bools", 7]
+    assert list(by) == ["ok", "line-2", "blank", "line-4", "line-5", "num", "both", "nochat", "nofield", "bools", 7,
+                        "line-12", "huge", "nan", "inf"]
     expected = {"line-2": "undecodable: line 2 is not UTF-8 (invalid continuation byte at byte 30)",
                 "blank": "empty_prompt: field 'prompt' is empty",
                 "line-4": "malformed_row: line 4 is a JSON list, not an object",
@@ -186,8 +193,12 @@ def test_generate_judges_bad_lines_as_a_run_judges_corpus_rows(tmp_path, model_d
                 "both": "malformed_row: row has both 'prompt' and 'messages'",
                 "nochat": "empty_prompt: field 'messages' is an empty list",
                 "nofield": "missing_field: row has no 'prompt' or 'messages' field",
-                "bools": "wrong_type: prompt_token_ids must be a list of integers"}
+                "bools": "wrong_type: prompt_token_ids must be a list of integers",
+                "nan": "bad_sampling: field 'sampling': sampling.temperature must be a finite number, got nan",
+                "inf": "bad_sampling: field 'sampling': sampling.temperature must be a finite number, got inf"}
     assert {pid: r.get("error") for pid, r in by.items() if pid in expected} == expected
+    assert by["line-12"]["error"].startswith("undecodable: line 12: row holds a lone surrogate (\\ud800)")
+    assert by["huge"]["error"].startswith("bad_sampling: field 'sampling': sampling.max_new_tokens must be at most")
     for pid in expected:
         assert by[pid]["token_ids"] == [] and by[pid]["finish_reason"] is None
     for pid in ("ok", 7):
@@ -345,28 +356,3 @@ def test_generate_reads_a_gs_model_and_samples_exactly_as_from_the_local_copy(tm
     assert f"model read from {url} in " in proc.stderr and "bytes, ranged reads" in proc.stderr
     local, remote = outs["local"].read_text(), outs["gs"].read_text()
     assert local == remote and '"error"' not in local
-
-
-def test_generate_keeps_the_good_lines_when_a_line_holds_a_lone_surrogate_or_a_huge_or_nan_setting(tmp_path, model_dir):
-    """Issue 41 items 3 and 7: a line no run could use (a lone surrogate, max_new_tokens past int32, a temperature
-    that is not a finite number) is one error record; the lines around it still run and their output is kept."""
-    lines = [b'{"id": "ok", "prompt": "Hello there"}',
-             b'{"id": "lone", "prompt": "a\\ud800b"}',
-             b'{"id": "huge", "prompt": "hi", "sampling": {"max_new_tokens": 2147483648}}',
-             b'{"id": "nan", "prompt": "hi", "sampling": {"temperature": NaN}}',
-             b'{"id": "inf", "prompt": "hi", "sampling": {"temperature": Infinity}}',
-             b'{"id": "ok2", "prompt": "General Kenobi"}']
-    (tmp_path / "in.jsonl").write_bytes(b"\n".join(lines) + b"\n")
-    out = tmp_path / "out.jsonl"
-    code = generate_main(["--model", str(model_dir), "--input", str(tmp_path / "in.jsonl"), "--output", str(out),
-                          "--sampling.max_new_tokens=3", "--engine.max_seq_len=128", "--engine.max_pages=16",
-                          "--progress=false"])
-    assert code == 0
-    by = {r["prompt_id"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert list(by) == ["ok", "line-2", "huge", "nan", "inf", "ok2"]
-    assert by["line-2"]["error"].startswith("undecodable: line 2: row holds a lone surrogate (\\ud800)")
-    assert by["huge"]["error"].startswith("bad_sampling: field 'sampling': sampling.max_new_tokens must be at most")
-    assert by["nan"]["error"] == "bad_sampling: field 'sampling': sampling.temperature must be a finite number, got nan"
-    assert by["inf"]["error"] == "bad_sampling: field 'sampling': sampling.temperature must be a finite number, got inf"
-    for pid in ("ok", "ok2"):
-        assert "error" not in by[pid] and len(by[pid]["token_ids"]) >= 1
