@@ -23,6 +23,7 @@ from typing import Any
 
 from orchestrator.slices.cluster import host_level
 from orchestrator.config import RunConfig
+from orchestrator.plan.weights_identity import WeightsChanged
 from orchestrator.run.faults import slice_environment
 from orchestrator.run.results import BatchWork, Result
 from orchestrator.slices.slice import SliceSpec, SliceWorker
@@ -166,7 +167,6 @@ class SliceGang:
             except ray.exceptions.RayError as e:
                 from engine import CheckpointError, PoolTooLarge, MeshError
                 from engine import UnsupportedModelError
-                from orchestrator.plan.weights_identity import WeightsChanged
                 from orchestrator.run.batch_files import RunDirUnreachable
 
                 cause = getattr(e, "cause", None)
