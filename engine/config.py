@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
+
+from engine.sampling.structured_spec import Spec, spec_of
 
 
 INT32_MAX = 2**31 - 1
@@ -139,6 +141,15 @@ class SamplingConfig:
     """Stop strings (excluded from the completion); the tokenizer's EOS always stops."""
     logprobs: bool = False
     """Return the chosen tokens' log-probabilities."""
+    json_schema: dict[str, Any] | str | None = None
+    """Structured output: every completion is JSON valid under this JSON Schema (a mapping in YAML, JSON text on the
+    command line), or ends with finish_reason `length`. One at most of json_schema, regex, choice, grammar."""
+    regex: str | None = None
+    """Structured output: every completion matches this regular expression (Rust regex syntax, whole text)."""
+    choice: list[str] | None = None
+    """Structured output: every completion is one of these strings."""
+    grammar: str | None = None
+    """Structured output: every completion is a sentence of this grammar (llguidance's Lark syntax)."""
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
@@ -161,8 +172,14 @@ class SamplingConfig:
             raise ValueError(f"sampling.min_p must be in [0, 1], got {self.min_p}")
         if not self.repetition_penalty > 0:
             raise ValueError(f"sampling.repetition_penalty must be positive, got {self.repetition_penalty}")
+        spec_of(self.json_schema, self.regex, self.choice, self.grammar)  # one at most, each of its type
         if any(t < 0 or t > INT32_MAX for t in self.stop_token_ids):
             raise ValueError(f"sampling.stop_token_ids must be token ids (0 to {INT32_MAX:,}), got {self.stop_token_ids}")
+
+    @property
+    def structured(self) -> Spec | None:
+        """The sample's structured output as (kind, text), or None (engine/sampling/structured_spec.py)."""
+        return spec_of(self.json_schema, self.regex, self.choice, self.grammar)
 
     @property
     def penalizes(self) -> bool:

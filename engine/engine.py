@@ -25,6 +25,7 @@ from engine.models.model_config import ModelConfig
 from engine.record import SampleRecord
 from engine.device.runner import ModelRunner
 from engine.sampling.sampler import sample_base_key
+from engine.sampling.structured import Compiler, compiler_for
 from engine.scheduling.scheduler import Scheduler, SchedulerConfig
 from engine.scheduling.scheduler_output import RunnerOutput, SchedulerOutput, StepCounts
 from engine.scheduling.sequence import Request, Sequence
@@ -90,6 +91,7 @@ class Engine:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.tokenizer = tokenizer
+        self._grammars: Compiler | None = None
         # Completions leave special tokens out (`<|end|>` is markup, not text); a request whose stop string
         # names a special token decodes them, so that its stop string can fire.
         self._decode = (lambda ids: "") if tokenizer is None else text_decoder(tokenizer, skip_special_tokens=True)
@@ -104,8 +106,22 @@ class Engine:
     def validate(self, request: Request) -> str | None:
         """Why the request cannot run, or None; the message starts with the reason a run writes to
         rejected.jsonl (`too_long: ...`) where there is one."""
-        return validate_request(request.prompt_token_ids, request.sampling, self.max_seq_len, self.vocab_size,
-                                self.tokenizer is not None)
+        error = validate_request(request.prompt_token_ids, request.sampling, self.max_seq_len, self.vocab_size,
+                                 self.tokenizer is not None)
+        spec = request.sampling.structured
+        if error is not None or spec is None:
+            return error
+        if self.tokenizer is None:
+            return f"invalid_grammar: sampling.{spec[0]} needs the model's tokenizer, and this engine has none"
+        why = self.grammars.error(spec)
+        return None if why is None else f"invalid_grammar: sampling.{spec[0]}: {why}"
+
+    @property
+    def grammars(self) -> Compiler:
+        """The structured outputs' grammars for this engine's tokenizer, each compiled once per process."""
+        if self._grammars is None:  # serialising the tokenizer to find the process's compiler costs milliseconds
+            self._grammars = compiler_for(self.tokenizer, self.vocab_size)
+        return self._grammars
 
     def add_request(self, request: Request) -> SampleRecord | None:
         """Queue a request; a request that cannot run comes straight back as a record with `error`."""
@@ -122,9 +138,11 @@ class Engine:
                            max_new_tokens=s.max_new_tokens,
                            decode=self._decode_special if names_special else self._decode,
                            start=len(request.prompt_token_ids))
+        spec = s.structured
         self.scheduler.add(Sequence(request, self._arrivals, sample_base_key(s.seed, request.prompt_id,
                                                                              request.generation_index),
-                                    stop, token_ids=list(request.prompt_token_ids)))
+                                    stop, token_ids=list(request.prompt_token_ids),
+                                    constraint=None if spec is None else self.grammars.constraint(spec)))
         self._arrivals += 1
         return None
 

@@ -35,12 +35,25 @@ def pick_rows(settings: StepSettings, logits: jax.Array, mode: str, *rows):
     return by_row_tiles(lambda logits, *rows: pick(logits, mode, *rows), settings.sample_row_tile, logits, *rows)
 
 
-def pick(logits: jax.Array, mode: str, temperature, top_k, top_p, min_p, base_keys, positions, penalties=None):
+def allowed_logits(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """`logits` f32[S, V] with every token the row's bitmask `mask` (i32[S, ceil(V / 32)], bit t % 32 of word
+    t // 32) does not allow set to -inf: the constrained distribution's logits (structured outputs)."""
+    bits = (mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # i32[S, W, 32]
+    allowed = bits.reshape(mask.shape[0], -1)[:, :logits.shape[-1]] != 0  # bool[S, V]
+    return jnp.where(allowed, logits.astype(jnp.float32), -jnp.inf)
+
+
+def pick(logits: jax.Array, mode: str, temperature, top_k, top_p, min_p, base_keys, positions, penalties=None,
+         mask=None):
     """(tokens, logprobs) of `sample`, from a program with only what `mode` needs: for `greedy` the argmax
     alone, for `sample` no top-k/top-p sort, min-p only with `+min_p`, penalties only with `+penalties`
     (`penalties` = (in_prompt bool[S, V], counts i32[S, V], repetition, presence, frequency f32[S])). Each gives
-    every row the token and logprob `sample` gives it; logprobs are the raw model's, penalties or not."""
+    every row the token and logprob `sample` gives it; logprobs are the raw model's, penalties or not. `mask`
+    (`+mask`: i32[S, W], `allowed_logits`) limits each row to the tokens its structured output allows: its
+    logprobs are then those of that constrained distribution."""
     kind = mode.split("+")[0]
+    if mask is not None:
+        logits = allowed_logits(logits, mask)
     raw = logits
     if penalties is not None:
         logits = penalize(raw, *penalties)

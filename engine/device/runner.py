@@ -30,6 +30,7 @@ from engine.device.multi_step import DecodeRow, MultiStepCalls, PendingSteps
 from engine.sampling.row_sampling import RowSampling, sampling_arrays as _sampling_arrays
 from engine.sampling.row_sampling import sampling_mode as _sampling_mode
 from engine.sampling.sampler import penalty_state
+from engine.sampling.structured import Constraint, mask_words
 from engine.scheduling.scheduler_output import RunnerOutput, SchedulerOutput
 from engine.stats import DeviceClock
 from engine.device.step_inputs import StepInputs
@@ -72,8 +73,18 @@ def _forward_sample(model: Transformer, pool, inputs: StepInputs, settings: Step
     return pool, replicated(tokens, settings.mesh), replicated(logprobs, settings.mesh)
 
 
+def _pick_masked(settings: StepSettings, logits, mode: str, temperature, top_k, top_p, min_p, base_keys, positions,
+                 penalties, mask):
+    """The sampling half of `_forward_sample` for a step with structured outputs, on logits f32[S, V] already on
+    the device: the host fills the rows' masks (i32[S, W]) while the forward pass runs."""
+    tokens, logprobs = pick_rows(settings, logits, mode, temperature, top_k, top_p, min_p, base_keys, positions,
+                                 penalties, mask)
+    return replicated(tokens, settings.mesh), replicated(logprobs, settings.mesh)
+
+
 # Module-level, so every runner with the same model structure and shapes reuses compiled programs.
 _logits = jax.jit(_forward, donate_argnums=(1,), static_argnums=(3,))
+_masked_pick = jax.jit(_pick_masked, static_argnums=(0, 2))
 _step_sample = jax.jit(_forward_sample, donate_argnums=(1,), static_argnums=(3, 4))
 _penalty_state = jax.jit(penalty_state, static_argnums=(2,))
 
@@ -239,12 +250,34 @@ class ModelRunner(MultiStepCalls):
         positions = np.array([r.position for r in rows] + [0] * (S - len(rows)), np.int32)
         mode, sampling = _sampling_mode(rows, self.model.config.vocab_size), _sampling_arrays(rows, S)
         n = len(rows)
+        if "+mask" in mode:
+            return self._step_sample_masked(chunks, inputs, rows, mode, sampling, positions)
         with self.clock.timing():
             penalties = self._penalties(rows, S, mode)
             with self.transfers.sending(**_sent(inputs), sampling=(*sampling, positions, *host_arrays(penalties))):
                 self.kv.pool, tokens, logprobs = _step_sample(self.model, self.kv.pool, inputs,
                                                               self._settings_for(chunks), mode, *sampling, positions,
                                                               penalties)
+            tokens, logprobs = self.transfers.read(tokens=tokens, logprobs=logprobs)
+            return tokens[:n], logprobs[:n]
+
+    def _step_sample_masked(self, chunks: Sequence[SeqChunk], inputs: StepInputs, rows: Sequence[RowSampling],
+                            mode: str, sampling: tuple, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`step_sample` for a step with structured outputs: the forward pass is dispatched first, each constrained
+        row's allowed tokens are computed on the host while it runs, then the mask goes to the device and the
+        rows are sampled from the masked logits. Unconstrained rows get an all-ones mask (their logits as they are)."""
+        S = inputs.logits_indices.shape[0]
+        settings = self._settings_for(chunks)
+        with self.clock.timing():
+            penalties = self._penalties(rows, S, mode)
+            with self.transfers.sending(**_sent(inputs)):
+                self.kv.pool, logits = _logits(self.model, self.kv.pool, inputs, settings)
+        mask = np.full((S, mask_words(self.model.config.vocab_size)), -1, np.int32)
+        Constraint.fill_masks([r.constraint for r in rows], mask)  # overlaps the forward pass
+        n = len(rows)
+        with self.clock.timing():
+            with self.transfers.sending(sampling=(*sampling, positions, *host_arrays(penalties)), token_mask=mask):
+                tokens, logprobs = _masked_pick(settings, logits.array, mode, *sampling, positions, penalties, mask)
             tokens, logprobs = self.transfers.read(tokens=tokens, logprobs=logprobs)
             return tokens[:n], logprobs[:n]
 

@@ -5,11 +5,12 @@ program variant a step needs (`sampling_mode`) and the padded per-row arrays the
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from engine.config import penalizes
+from engine.sampling.structured import Constraint
 from engine.scheduling.sequence import Sequence as Seq
 
 
@@ -29,6 +30,7 @@ class RowSampling:
     stop_token_ids: tuple[int, ...] = ()  # the row's own stop ids, besides the engine's (multi-step calls)
     history: tuple[int, ...] = ()  # prompt then generated tokens (`position` of them); read only when penalizing
     num_prompt_tokens: int = 0
+    constraint: Constraint | None = field(default=None, compare=False)  # the row's grammar state (structured outputs)
 
     @property
     def penalizes(self) -> bool:
@@ -40,7 +42,7 @@ def row_sampling(seq: Seq) -> RowSampling:
     s = seq.request.sampling
     return RowSampling(s.temperature, s.top_k, s.top_p, seq.base_key, len(seq.token_ids), s.min_p,
                        s.repetition_penalty, s.presence_penalty, s.frequency_penalty, tuple(s.stop_token_ids),
-                       tuple(seq.token_ids) if s.penalizes else (), seq.num_prompt_tokens)
+                       tuple(seq.token_ids) if s.penalizes else (), seq.num_prompt_tokens, seq.constraint)
 
 
 def sampling_mode(rows: Sequence[RowSampling], vocab_size: int) -> str:
@@ -48,8 +50,10 @@ def sampling_mode(rows: Sequence[RowSampling], vocab_size: int) -> str:
     truncates) or `truncate` (top-k or top-p). A job's steps all share one mode, so it compiles one variant;
     the sampler is about half of a step program's compile time, the sort most of that. A row truncates by
     the test `sample` applies on the device (`truncates`). `+min_p` adds min-p (a sampled row has it) and
-    `+penalties` the penalties (a row has one); without them the programs are those of a run without either."""
-    penalties = "+penalties" if any(r.penalizes for r in rows) else ""
+    `+penalties` the penalties (a row has one) and `+mask` an allowed-token mask (a row has a structured output);
+    without them the programs are those of a run without any."""
+    penalties = ("+penalties" if any(r.penalizes for r in rows) else "") + (
+        "+mask" if any(r.constraint is not None for r in rows) else "")
     sampled = [r for r in rows if r.temperature > 0]
     if not sampled:
         return "greedy" + penalties

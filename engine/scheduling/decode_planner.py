@@ -65,12 +65,14 @@ class DecodePlanner:
 
     def reserve(self, chunks: list[Chunk], head_has_slots: bool) -> list[int] | None:
         """Decode steps each sequence may take in one device call, its pages for them allocated; None when
-        this step must be a single one (not decode-only, a waiting sequence could be admitted now, or the
+        this step must be a single one (not decode-only, a row has a structured output, a waiting sequence could be admitted now, or the
         pages are not free: the single step's scheduling preempts where it must)."""
         K = self.decode_steps
         if K == 1 or head_has_slots or not chunks:
             return None
         if not all(c.num_tokens == 1 and c.completes and not c.seq.siblings for c in chunks):
+            return None
+        if any(c.seq.constraint is not None for c in chunks):  # each token's mask needs the token before it
             return None
         limits = [min(K, c.seq.tokens_left(self.max_seq_len)) for c in chunks]
         needs = [c.seq.pages_short(limit, self.page_size) for c, limit in zip(chunks, limits)]

@@ -8,6 +8,7 @@ import numpy as np
 
 from engine.sizing.capacity import pages_for
 from engine.config import SamplingConfig
+from engine.sampling.structured import Constraint
 from engine.scheduling.stop import StopChecker, StopDecision
 
 
@@ -58,6 +59,8 @@ class Sequence:
     staged_hits: list[int] = field(default_factory=list)
     """The prefix cache's host-tier uids a staged sequence paged in: cached on the device again at its
     admission (not before: the data lands only then)."""
+    constraint: Constraint | None = None
+    """The sample's grammar state (sampling.json_schema, regex, choice or grammar), fed each generated token."""
     caching: bool = True
     """False once a page of this sequence could not be cached (another page holds its key): later pages would
     chain from an uncached parent, so they are not cached either."""
@@ -79,7 +82,11 @@ class Sequence:
         """Add one generated token; returns the stop decision when it ends the sample."""
         self.token_ids.append(token_id)
         self.logprobs.append(logprob)
-        return self.stop.push(self.token_ids)
+        decision = self.stop.push(self.token_ids)
+        if self.constraint is not None and (decision is None or decision.finish_reason == "length"):
+            if self.constraint.advance(token_id):  # the grammar is complete: nothing more may follow
+                return self.stop.grammar_complete(decision)
+        return decision
 
     def tokens_left(self, max_seq_len: int) -> int:
         """Tokens the sequence may still generate: a decode step at position p (< max_seq_len) generates the

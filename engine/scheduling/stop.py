@@ -169,6 +169,15 @@ class StopChecker:
         if self._max_stop_len > 1:
             self._tail = (self._tail + new_text)[-(self._max_stop_len - 1):]
 
+    def grammar_complete(self, decision: StopDecision | None) -> StopDecision:
+        """The decision after the newest id (`push` returned `decision`) completed the sample's grammar, so that
+        nothing more may follow: `stop`, even at max_new_tokens (a stop string found on the same id still cuts)."""
+        if decision is None:
+            return self._finish("stop", flush=True)
+        if decision.finish_reason == "length":
+            self._decision = StopDecision("stop", decision.num_tokens, decision.completion)
+        return self._decision
+
     def _finish(self, reason: Literal["stop", "length"], *, cut: int | None = None,
                 flush: bool = False) -> StopDecision:
         if flush:
