@@ -14,6 +14,7 @@ from engine.config import DTYPES, EngineConfig, SamplingConfig, SamplingParams
 from engine.sizing.model_bytes import DTYPE_BYTES, GiB, ParamCount, count_params, kv_bytes_per_token
 from engine.record import RECORD_FIELDS, RESERVED_COLUMNS, SampleRecord, arrow_fields, output_record
 from engine.scheduling.sequence import Request
+from engine.sampling.structured import structured_error
 from engine.models.tensor_parallel import MeshError, kv_replicas, sharded_config, tensor_parallel_error, valid_widths
 
 _LAZY = {

@@ -93,6 +93,16 @@ def compiler_for(tokenizer, vocab_size: int) -> Compiler:
     return _COMPILERS[key]
 
 
+def structured_error(tokenizer, vocab_size: int, sampling) -> str | None:
+    """Why the structured output `sampling` (a SamplingConfig) sets cannot be compiled for this tokenizer and
+    vocabulary (`sampling.KEY: llguidance's reason`, one line), or None (also when it sets none)."""
+    spec = sampling.structured
+    if spec is None:
+        return None
+    why = compiler_for(tokenizer, vocab_size).error(spec)
+    return None if why is None else f"sampling.{spec[0]}: {why}"
+
+
 _EXECUTOR: list[llguidance.LLExecutor] = []  # one thread pool per process, made on first use
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import draccus
 
-from engine import EngineConfig, SampleRecord, SamplingConfig
+from engine import EngineConfig, SampleRecord, SamplingConfig, structured_error
 from orchestrator import exit_codes
 from orchestrator.storage.atomic import atomic_write_text
 from orchestrator.plan.corpus import (CorpusConfig, RawRow, Rejection, extract_prompt, loads_row, lone_surrogate,
@@ -26,6 +26,7 @@ from orchestrator.json_out import dumps
 from orchestrator.plan.model_source import resolve_model
 from orchestrator.plan.prompt_checks import out_of_vocabulary, render_chat
 from orchestrator.observe.timeline import format_host_kv, format_prefix_cache, format_transfers
+from orchestrator.plan.response_format import with_response_format
 from orchestrator.plan.row_sampling import apply, row_overrides
 
 
@@ -100,6 +101,8 @@ def _parse_line(raw: bytes | dict, line_no: int, tokenizer, vocab_size: int | No
         typed = None if pid is None else json.dumps({"prompt_id": row["id"]}, ensure_ascii=False)
         return ParsedLine(pid, error=f"{kept.reason}: {kept.detail}", passthrough=typed)
     own = row_overrides(row.get("sampling"), sampling, "sampling")
+    if not isinstance(own, Rejection):
+        own = with_response_format(own, row.get("response_format"), "response_format", sampling)
     if isinstance(own, Rejection):
         return ParsedLine(pid, error=f"{own.reason}: {own.detail}", passthrough=kept)
     line = ParsedLine(pid, passthrough=kept, sampling=own)
@@ -243,6 +246,12 @@ def run_generate(cfg: GenerateConfig, explicit: frozenset[str] = frozenset()) ->
     except ValueError as e:
         print(f"pagefleet generate: {e}", file=sys.stderr)
         return exit_codes.FAULT
+    if cfg.sampling.structured is not None:  # the run's structured output: one line before any sample
+        why = ("the model directory has no tokenizer" if engine.tokenizer is None
+               else structured_error(engine.tokenizer, engine.vocab_size, cfg.sampling))
+        if why is not None:
+            print(f"pagefleet generate: {why}; fix it (it applies to every line)", file=sys.stderr)
+            return exit_codes.FAULT
     engine_cfg = engine.config
     if engine.load_report["bytes_read"]:
         print(f"model read from {model} in {engine.load_report['load_s']:.1f} s "

@@ -37,6 +37,10 @@ class CorpusConfig:
     sampling_field: str | None = "sampling"
     """Field holding a row's own sampling settings, an object of `sampling.*` keys (all but `n`) that override the
     run's for that row (docs/records.md); rows without it use the run's."""
+    response_format_field: str | None = None
+    """Field holding a row's OpenAI-style response_format (`{"type": "json_schema", "json_schema": {"schema": ...}}`,
+    `{"type": "json_object"}` or `{"type": "text"}`): that row's structured output, replacing the run's
+    sampling.json_schema / regex / choice / grammar (docs/structured-outputs.md); null reads none."""
     shard_bytes: int = 16 * 2**20
     """Target bytes per shard read by one worker task (does not change the plan)."""
 

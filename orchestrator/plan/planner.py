@@ -28,7 +28,9 @@ from orchestrator.plan.corpus import corpus_fingerprint, count_rows, list_files,
 from orchestrator.json_out import dumps
 from orchestrator.run.lock import run_lock
 from orchestrator.run.manifest import BatchRecord, batch_id, write_manifest
-from orchestrator.plan.model_source import max_seq_len, model_config, model_fingerprint, tokenizer_fingerprint
+from engine import structured_error
+from orchestrator.plan.model_source import (load_tokenizer, max_seq_len, model_config, model_fingerprint,
+                                            tokenizer_fingerprint)
 from orchestrator.plan.packing import PackingLimits, lower_bound, pack, shareable_prompt_tokens
 from orchestrator.plan.report import PlanStats
 from orchestrator.plan.output_plan import first_foreign, plan_fingerprint
@@ -95,6 +97,11 @@ def refuse_impossible(cfg: RunConfig) -> None:
     if (why := limits.why_unfit(1)) is not None:
         raise NothingToRun(f"no prompt can fit: even a one-token prompt {why}; lower sampling.max_new_tokens or "
                            "sampling.n, or raise the budget")
+    if cfg.sampling.structured is not None:  # the run's structured output: compiled once here, before any slice
+        tokenizer = load_tokenizer(cfg.model)
+        vocab_size = model_config(cfg.model).get("vocab_size") or len(tokenizer)
+        if (why := structured_error(tokenizer, vocab_size, cfg.sampling)) is not None:
+            raise NothingToRun(f"{why}; fix it (the run's structured output applies to every prompt)")
 
 
 def _is_empty(url: str) -> bool:

@@ -18,8 +18,11 @@ from engine import SamplingConfig
 from orchestrator.plan.corpus import Rejection, a_type
 
 ROW_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-            "frequency_penalty", "stop", "stop_token_ids", "seed", "logprobs")
+            "frequency_penalty", "stop", "stop_token_ids", "seed", "logprobs", "json_schema", "regex", "choice", "grammar")
 """The `sampling.*` keys a row may set for itself."""
+
+STRUCTURED = ("json_schema", "regex", "choice", "grammar")
+"""The keys of a structured output (one at most): a row that sets one replaces the run's."""
 
 _INTS = ("max_new_tokens", "top_k", "seed")
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
@@ -39,6 +42,12 @@ def _type_error(key: str, value: Any) -> str | None:
         return "stop_token_ids must be a list of integers"
     if key == "logprobs" and not isinstance(value, bool):
         return f"logprobs is {a_type(value)}, not a boolean"
+    if key == "json_schema" and not isinstance(value, (dict, bool)):
+        return f"json_schema is {a_type(value)}, not a JSON Schema object"
+    if key in ("regex", "grammar") and not isinstance(value, str):
+        return f"{key} is {a_type(value)}, not a string"
+    if key == "choice" and not (isinstance(value, list) and all(isinstance(s, str) for s in value)):
+        return "choice must be a list of strings"
     return None
 
 
@@ -57,7 +66,7 @@ def row_overrides(value: Any, base: SamplingConfig, field: str) -> dict | Reject
         if (why := _type_error(key, item)) is not None:
             return Rejection("bad_sampling", f"field {field!r}: {why}")
     try:
-        dataclasses.replace(base, **value)
+        apply(base, value)
     except ValueError as err:
         return Rejection("bad_sampling", f"field {field!r}: {err}")
     return dict(value)
@@ -72,7 +81,10 @@ def apply(base: SamplingConfig, overrides: str | dict | None) -> SamplingConfig:
     """`base` with a row's overrides (`overrides_json` text or the dict) applied."""
     if not overrides:
         return base
-    return dataclasses.replace(base, **(json.loads(overrides) if isinstance(overrides, str) else overrides))
+    own = json.loads(overrides) if isinstance(overrides, str) else overrides
+    if any(k in own for k in STRUCTURED):  # the row's structured output replaces the run's
+        own = {**{k: None for k in STRUCTURED}, **own}
+    return dataclasses.replace(base, **own)
 
 
 def max_new_tokens(prompts, base: SamplingConfig):

@@ -19,18 +19,19 @@ import numpy as np
 import pyarrow as pa
 
 from engine import SamplingConfig, length_error
-from engine import stop_ids_error
+from engine import stop_ids_error, structured_error
 from orchestrator.plan.corpus import (CorpusConfig, Prompt, RawRow, Rejection, Shard, extract_prompt, passthrough,
                                  read_rows, row_id)
 from orchestrator.plan.model_source import ModelSourceConfig, load_tokenizer
 from orchestrator.plan.packing import PackingLimits, leading_page_keys
 from orchestrator.plan.prompt_checks import out_of_vocabulary, render_chat
+from orchestrator.plan.response_format import with_response_format
 from orchestrator.plan.row_sampling import apply, overrides_json, row_overrides
 
 # Rejection reasons (rejected.jsonl `reason`).
 REASONS = ("malformed_row", "undecodable", "missing_field", "wrong_type", "empty_prompt", "no_chat_template",
            "out_of_vocabulary", "too_long", "exceeds_budget", "duplicate_id", "reserved_column",
-           "bad_sampling")
+           "bad_sampling", "bad_response_format", "invalid_grammar")
 
 SCHEMA = pa.schema([
     ("row", pa.int64()),  # row number in corpus order
@@ -102,8 +103,11 @@ class PromptTokenizer:
             return problem
         if (why := self.limits.why_unfit(len(tokens), new)) is not None:
             return "exceeds_budget", f"prompt {why}"
-        if (why := stop_ids_error(apply(self.sampling, overrides).stop_token_ids, self.vocab_size)) is not None:
+        sampling = apply(self.sampling, overrides)
+        if (why := stop_ids_error(sampling.stop_token_ids, self.vocab_size)) is not None:
             return "out_of_vocabulary", why
+        if (why := structured_error(self.tokenizer, self.vocab_size or len(self.tokenizer), sampling)) is not None:
+            return "invalid_grammar", why
         return None
 
     def __call__(self, batch: dict[str, np.ndarray]) -> pa.Table:
@@ -126,6 +130,9 @@ class PromptTokenizer:
         field = self.corpus.sampling_field
         overrides = [row_overrides(raw.record.get(field), self.sampling, field) if isinstance(p, Prompt) and field
                      else {} for raw, p in zip(raw_rows, parsed)]
+        if (rf := self.corpus.response_format_field):
+            overrides = [with_response_format(o, raw.record.get(rf), rf, self.sampling) if isinstance(o, dict)
+                         and isinstance(p, Prompt) else o for raw, p, o in zip(raw_rows, parsed, overrides)]
         parsed = [o if isinstance(o, Rejection) else p for p, o in zip(parsed, overrides)]
         overrides = [o if isinstance(o, dict) else {} for o in overrides]
         ok = [i for i, p in enumerate(parsed) if isinstance(p, Prompt)]
