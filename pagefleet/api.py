@@ -45,7 +45,9 @@ def generate(model: str | Engine, prompts: Sequence[Prompt], *, engine: Mapping[
     `model`: a checkpoint directory, a Hub id in the local Hub cache, or an `Engine` (reused: no reload).
     `engine`: engine keys (`{"max_seqs": 8}`, the `engine.*` keys of docs/config.md), for a new engine only;
     the capacities not given are sized for this machine, as `pagefleet generate` sizes them.
-    `sampling`: the `sampling.*` keys (`max_new_tokens=32, temperature=0.7, n=2, seed=1, stop=["\\n"]`).
+    `sampling`: the `sampling.*` keys (`max_new_tokens=32, temperature=0.7, n=2, seed=1, stop=["\\n"]`), structured
+    outputs included (`json_schema={...}`, `regex=...`, `choice=[...]`, `grammar=...`; a row dict may carry its own
+    `response_format`).
     A prompt that cannot run gives records with `error` set (as `pagefleet generate` writes them); a bad
     key raises ValueError naming it."""
     if isinstance(prompts, (str, bytes)):
@@ -56,7 +58,7 @@ def generate(model: str | Engine, prompts: Sequence[Prompt], *, engine: Mapping[
 
 def _generate(model: str | Engine, prompts: Sequence[Prompt], engine: Mapping[str, Any] | None, dtype: str,
               sampling: dict[str, Any]) -> list[dict]:
-    from engine import Engine, EngineConfig, SamplingConfig
+    from engine import Engine, EngineConfig, SamplingConfig, structured_error
     from orchestrator.commands.generate import parse_lines, sample_records, sized_engine
     from orchestrator.plan.model_source import resolve_model
 
@@ -72,6 +74,11 @@ def _generate(model: str | Engine, prompts: Sequence[Prompt], engine: Mapping[st
         # Sized for this machine and these prompts as `pagefleet generate` sizes its engine; the keys given are kept.
         eng, parsed = sized_engine(path, _build(EngineConfig, given, "engine"), dtype, frozenset(given), lines,
                                    sampling_cfg)
+    if sampling_cfg.structured is not None:  # the call's structured output applies to every prompt: refused at once
+        why = ("the model has no tokenizer" if eng.tokenizer is None
+               else structured_error(eng.tokenizer, eng.vocab_size, sampling_cfg))
+        if why is not None:
+            raise ValueError(why)
     return sample_records(eng, parsed, sampling_cfg)
 
 
