@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test bench bench-plan bench-export bench-host bench-generate bench-peer bench-swap bench-ab
+.PHONY: demo test bench bench-plan bench-export bench-host bench-generate bench-peer bench-swap bench-ab bench-structured
 
 # pip is quiet (-q: pages of resolver output otherwise), so each step says first what it does and how long it takes.
 $(STAMP): pyproject.toml
@@ -48,6 +48,10 @@ bench-swap: $(STAMP)
 # pagefleet against vLLM's CPU build on the same token ids (installs vLLM once into .peer/vllm-venv).
 bench-peer: $(STAMP)
 	$(VENV)/bin/python benchmarks/peer_bench.py --repeats 3
+
+# structured outputs: generate throughput with a permissive constraint against none, and where the rest goes
+bench-structured: $(STAMP)
+	$(VENV)/bin/python benchmarks/structured_bench.py --repeats 3
 
 # two revisions of pagefleet alternated on bench-peer's workloads: make bench-ab BASE=<commit> [NEW=<commit>]
 BASE ?= HEAD
