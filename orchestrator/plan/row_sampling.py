@@ -3,7 +3,8 @@
 
     {"id": 7, "prompt": "...", "sampling": {"max_new_tokens": 64, "temperature": 0.7, "stop_token_ids": [13]}}
 
-Keys: ROW_KEYS (every `sampling.*` key but `n`: a prompt's sample count is the run's). Values are typed as the
+Keys: ROW_KEYS (every `sampling.*` key but `n`: a prompt's sample count is the run's); a row's structured output
+(json_schema, regex, choice, grammar) replaces the run's. Values are typed as the
 config keys are; a bad object rejects its row (`bad_sampling`) with one line naming the key, never repaired. The
 validated overrides travel as canonical JSON (batch files, `overrides_json`) and are applied with `apply`.
 """
