@@ -12,7 +12,8 @@ untimed warm-up of each (compiles excluded). Permissive: every token of valid UT
 Printed: output tokens/s of each and their ratio (target >= 0.8), and where the constrained run's extra time
 goes: the host filling masks (llguidance), the device calls (a constrained step is a single step, so more calls
 of one forward pass each: mean forward passes per call), and the rest of the host loop. On a shared 2-core
-machine the numbers are noisy; report medians.
+machine the numbers are noisy; report medians. `--decode-steps 1` runs the unconstrained side one decode step per
+call too, which isolates the masks' own cost from the multi-step calls a constrained step gives up.
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ def main() -> None:
     p.add_argument("--preset", default="llama-40m")
     p.add_argument("--constraint", choices=sorted(CONSTRAINTS), default="any-text")
     p.add_argument("--max-seqs", type=int, default=64)
+    p.add_argument("--decode-steps", type=int, default=EngineConfig.decode_steps,
+                   help="engine.decode_steps; 1 compares against single-step unconstrained decoding (the mask's own cost)")
     args = p.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="structured-bench-"))
@@ -78,7 +81,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     engine = Engine(model, EngineConfig(max_seqs=args.max_seqs, max_prefill_size=1024, max_seqs_in_prefill=8,
                                         page_size=16, max_pages=args.max_seqs * ((args.max_len + args.new_tokens) // 16 + 1),
-                                        max_seq_len=args.max_len + args.new_tokens))
+                                        max_seq_len=args.max_len + args.new_tokens, decode_steps=args.decode_steps))
     vocab = engine.vocab_size
     prompts = [rng.integers(6, vocab, int(n)).tolist()
                for n in rng.integers(args.min_len, args.max_len + 1, args.prompts)]
@@ -96,7 +99,7 @@ def main() -> None:
         return statistics.median(r[key] for r in results[name])
 
     print(f"{args.prompts} prompts of {args.min_len}-{args.max_len} tokens, {args.new_tokens} new tokens, greedy, "
-          f"{args.preset}, engine.max_seqs={args.max_seqs}, constraint {args.constraint}, {args.repeats} repeats "
+          f"{args.preset}, engine.max_seqs={args.max_seqs}, engine.decode_steps={args.decode_steps}, constraint {args.constraint}, {args.repeats} repeats "
           "(medians)")
     for name in ("plain", "constrained"):
         print(f"  {name:12s} {med(name, 'tokens_per_s'):8.1f} tokens/s  ({med(name, 'tokens'):.0f} tokens in "
