@@ -142,27 +142,32 @@ def test_a_permissive_grammar_leaves_greedy_tokens_alone(engine):
 
 def test_constrained_rows_do_not_depend_on_their_batch(tiny_llama):
     """Tokens and logprobs (the same bits, on the CPU: docs/records.md) of constrained rows alone, shuffled among
-    unconstrained ones, with prompts in several chunks, and under a pool small enough to preempt (recompute)."""
+    unconstrained ones, with prompts in several chunks, two samples of a prompt forked off one prefill, and under
+    a pool small enough to preempt (recompute, then swap)."""
     prompts = varied_prompts(256, count=15, seed=7)  # 1 to 400 tokens: prompts in several chunks
     requests = []
     for i, p in enumerate(prompts):
         kind = i % 3
         sampling = SamplingConfig(max_new_tokens=30, temperature=0.9, seed=5, logprobs=True,
                                   json_schema=SCHEMA if kind == 0 else None, regex=REGEX if kind == 1 else None)
-        requests.append(Request(f"r{i}", tuple(p), sampling))
+        for g in range(2 if i < 6 else 1):
+            requests.append(Request(f"r{i}", tuple(p), sampling, generation_index=g))
     alone = Engine(tiny_llama, EngineConfig(max_pages=64, max_seq_len=512))
-    reference = {r.prompt_id: alone.generate([r])[0] for r in requests[:9]}
-    configs = (EngineConfig(max_pages=256, max_seqs=16, max_seq_len=512),
-               EngineConfig(max_pages=48, max_seqs=12, max_seqs_in_prefill=3, max_prefill_size=64, max_seq_len=512))
+    reference = {(r.prompt_id, r.generation_index): alone.generate([r])[0] for r in requests[:12]}
+    small = dict(max_pages=48, max_seqs=12, max_seqs_in_prefill=3, max_prefill_size=64, max_seq_len=512)
+    configs = (EngineConfig(max_pages=256, max_seqs=16, max_seq_len=512), EngineConfig(**small),
+               EngineConfig(**small, preemption="swap", host_kv_pages=256))
     for config in configs:
         shuffled = list(requests)
         np.random.default_rng(3).shuffle(shuffled)
         engine = Engine(tiny_llama, config)
-        got = {r.prompt_id: r for r in engine.generate(shuffled)}
-        for pid, ref in reference.items():
-            assert (got[pid].token_ids, got[pid].logprobs, got[pid].finish_reason) == \
-                (ref.token_ids, ref.logprobs, ref.finish_reason), f"{pid} under {config}"
-    assert engine.scheduler.num_preemptions > 0  # the small pool preempted
+        got = {(r.prompt_id, r.generation_index): r for r in engine.generate(shuffled)}
+        for key, ref in reference.items():
+            assert (got[key].token_ids, got[key].logprobs, got[key].finish_reason) == \
+                (ref.token_ids, ref.logprobs, ref.finish_reason), f"{key} under {config}"
+        if config.max_pages == 48:
+            assert engine.scheduler.num_preemptions > 0  # the small pool preempted
+    assert engine.snapshot()["num_swaps"] > 0  # and the last engine swapped
 
 
 def test_a_grammar_that_does_not_compile_is_the_request_error(engine):
