@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 from orchestrator.exit_codes import FAULT, OK
+from orchestrator.plan.planner import refuse_bad_structured_output
 
 TARGETS = ("tpu-v5p", "tpu-v6e", "tpu-v5e", "cpu")
 MiB, GiB = 2**20, 2**30
@@ -73,6 +74,7 @@ def run_check(config_path: str, overrides: list[str], target: str | None) -> str
     try:
         cfg = load_run_config(config_path, overrides)
         model_cfg, context = head_validation(cfg)
+        refuse_bad_structured_output(cfg)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         raise Refused(f"the head rejects the config: {e}") from None
     target = target or default_target(cfg.cluster.slice_head_resource)

@@ -97,11 +97,18 @@ def refuse_impossible(cfg: RunConfig) -> None:
     if (why := limits.why_unfit(1)) is not None:
         raise NothingToRun(f"no prompt can fit: even a one-token prompt {why}; lower sampling.max_new_tokens or "
                            "sampling.n, or raise the budget")
-    if cfg.sampling.structured is not None:  # the run's structured output: compiled once here, before any slice
-        tokenizer = load_tokenizer(cfg.model)
-        vocab_size = model_config(cfg.model).get("vocab_size") or len(tokenizer)
-        if (why := structured_error(tokenizer, vocab_size, cfg.sampling)) is not None:
-            raise NothingToRun(f"{why}; fix it (the run's structured output applies to every prompt)")
+    refuse_bad_structured_output(cfg)
+
+
+def refuse_bad_structured_output(cfg: RunConfig) -> None:
+    """Raise NothingToRun when the run's structured output (sampling.json_schema / regex / choice / grammar) does
+    not compile for the model's tokenizer: found at the head, before any slice (`run`, `plan`, `check`)."""
+    if cfg.sampling.structured is None:
+        return
+    tokenizer = load_tokenizer(cfg.model)
+    vocab_size = model_config(cfg.model).get("vocab_size") or len(tokenizer)
+    if (why := structured_error(tokenizer, vocab_size, cfg.sampling)) is not None:
+        raise NothingToRun(f"{why}; fix it (the run's structured output applies to every prompt)")
 
 
 def _is_empty(url: str) -> bool:

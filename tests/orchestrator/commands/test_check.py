@@ -102,3 +102,14 @@ def test_the_shipped_llama_configs_pass_for_their_targets(config, programs, hbm,
     assert main([str(REPO / "configs" / config), f"--model.path={REPO / 'configs/models/llama-3.1-8b'}"]) == OK
     out = capsys.readouterr().out
     assert f"step programs: {programs} lowered for tpu" in out and hbm in out and "Pallas kernel VMEM" in out
+
+
+def test_a_structured_output_that_does_not_compile_is_refused_by_the_head(run_model, tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text(f"name: s\nmodel:\n  path: {run_model}\n  dtype: float32\n"
+                      "sampling:\n  json_schema:\n    type: nonsense\n")
+    code = main([str(config), "--target", "cpu", "--engine.max_seq_len=128", "--engine.max_pages=64"])
+    err = capsys.readouterr().err.strip()
+    assert code == FAULT and "\n" not in err, err
+    assert err.startswith("pagefleet check: refused: the head rejects the config: sampling.json_schema: ")
+    assert "nonsense" in err
