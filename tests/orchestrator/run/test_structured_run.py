@@ -72,3 +72,23 @@ def test_a_run_wide_schema_that_does_not_compile_is_one_line_before_any_slice(ru
     err = capsys.readouterr().err.strip()
     assert code != exit_codes.OK and "sampling.json_schema" in err and "minimum" in err and "\n" not in err, err
     assert not (run_dir / "events.log").exists()
+
+
+def test_a_run_wide_schema_from_yaml_runs_and_resumes(ray_local, run_model, tmp_path):
+    """The run config's own schema (a YAML mapping) reaches every prompt; the run directory's plan holds it, so a
+    second run of the same config finds every batch done."""
+    corpus = write_run_corpus(tmp_path / "corpus.jsonl", 6)
+    run_dir = tmp_path / "run"
+    config = tmp_path / "run.yaml"
+    config.write_text("name: yaml-schema\nsampling:\n  json_schema:\n    type: object\n    properties:\n"
+                      "      ok: {type: boolean}\n    required: [ok]\n    additionalProperties: false\n")
+    args = run_args(run_model, corpus, run_dir, "--cluster.num_slices=1", "--sampling.max_new_tokens=40")
+    cfg = load_run_config(str(config), args)
+    assert Driver(cfg, show_progress=False).run().exit_code == 0
+    records = pa.concat_tables([pq.read_table(p) for p in sorted((run_dir / "outputs").glob("*.parquet"))]).to_pylist()
+    assert len(records) == 6
+    for r in records:
+        assert r["finish_reason"] == "stop" and json.loads(r["completion"]) in ({"ok": True}, {"ok": False})
+    stamps = {p.name: p.stat().st_mtime_ns for p in (run_dir / "outputs").iterdir()}
+    assert Driver(load_run_config(str(config), args), show_progress=False).run().exit_code == 0
+    assert {p.name: p.stat().st_mtime_ns for p in (run_dir / "outputs").iterdir()} == stamps
