@@ -189,3 +189,21 @@ def test_an_unknown_trace_is_refused_in_one_line_naming_the_valid_ones(tiny_llam
     assert main(["status", str(tiny_llama)]) == FAULT  # refused before the command runs
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "valid: transfers" in err
+
+
+@pytest.mark.parametrize("mesh", [None, "two devices"])
+def test_structured_outputs_send_their_masks_through_the_ledger(tiny_llama, mesh):
+    """Constrained rows beside unconstrained ones: under the guard the samples are those given without it, and the
+    allowed-token bitmasks are the ledger's `token_mask` bytes: 4 bytes per 32 vocabulary entries of a step's rows."""
+    engine = Engine(tiny_llama, CONFIG, mesh=None if mesh is None else two_device_mesh())
+    choice = SamplingConfig(max_new_tokens=12, temperature=0.9, seed=2, n=2, logprobs=True, choice=["yes", "no"])
+    mixed = requests(choice) + requests(SAMPLINGS[0], lengths=(9, 30))
+    mixed = [dataclasses.replace(r, prompt_id=f"{r.prompt_id}-{i // 6}") for i, r in enumerate(mixed)]
+    free = engine.generate(mixed)
+    with only_ledger_transfers():
+        guarded = engine.generate(mixed)
+    assert [(r.token_ids, r.logprobs) for r in guarded] == [(r.token_ids, r.logprobs) for r in free]
+    assert all(r.completion in ("yes", "no") for r in guarded[:6])
+    s = engine.stats.summary(CONFIG.max_seqs)
+    words = -(-engine.vocab_size // 32)
+    assert s["host_to_device_bytes_token_mask"] > 0 and s["host_to_device_bytes_token_mask"] % (4 * words) == 0
