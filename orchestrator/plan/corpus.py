@@ -18,6 +18,8 @@ from typing import Any
 
 import fsspec
 
+from engine import RESERVED_COLUMNS
+from orchestrator.json_out import finite
 from orchestrator.surface import setting
 
 EXTENSIONS = (".jsonl", ".json", ".parquet")
@@ -302,8 +304,6 @@ def passthrough(record: dict, id_field: str | None) -> str | Rejection:
     column, plus `prompt_id` holding the id as typed (when the row has one), as JSON object text. A value JSON
     cannot hold (a parquet timestamp, bytes) is written as its text. A column named like a field of the sample
     record rejects the row (`reserved_column`): its value would be lost in the output."""
-    from engine import RESERVED_COLUMNS
-
     clash = sorted(name for name in record if name != id_field and name in RESERVED_COLUMNS)
     if clash:
         return Rejection("reserved_column", f"column {clash[0]!r} has the name of a sample record field (its output "
@@ -315,7 +315,6 @@ def passthrough(record: dict, id_field: str | None) -> str | Rejection:
     try:
         return json.dumps(kept, default=str, allow_nan=False, ensure_ascii=False)
     except ValueError:  # NaN or infinity in a column: JSON has none, so null (as every JSON pagefleet writes)
-        from orchestrator.json_out import finite
 
         return json.dumps(finite(kept), default=str, ensure_ascii=False)
 

@@ -22,20 +22,22 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from orchestrator.storage import location, object_append, storage
-from orchestrator.config import RunConfig
-from orchestrator.plan.corpus import corpus_fingerprint, count_rows, list_files, number_shards, split_shards
+from orchestrator.config import RunConfig, plan_changes
 from orchestrator.json_out import dumps
-from orchestrator.run.lock import run_lock
-from orchestrator.run.manifest import BatchRecord, batch_id, write_manifest
+from orchestrator.observe.ray_noise import quiet_ray_data
+from orchestrator.plan.corpus import corpus_fingerprint, count_rows, list_files, number_shards, split_shards
 from orchestrator.plan.model_source import max_seq_len, model_config, model_fingerprint, tokenizer_fingerprint
 from orchestrator.plan.packing import PackingLimits, lower_bound, pack, shareable_prompt_tokens
 from orchestrator.plan.report import PlanStats
-from orchestrator.plan.output_plan import first_foreign, plan_fingerprint
-from orchestrator.plan.weights_identity import check_weights, weights_digest, weights_identity
-from orchestrator.run.rundir import PlanMismatch, RunDir, check_same_plan, config_hash, versions
-from orchestrator.storage.atomic import atomic_write_parquet, atomic_write_text
 from orchestrator.plan.tokenize import PromptTokenizer, shard_item
+from orchestrator.plan.weights_identity import check_weights, weights_digest, weights_identity
+from orchestrator.slices.cluster import ensure_ray
+from orchestrator.state.manifest import BatchRecord, batch_id, write_manifest
+from orchestrator.state.output_plan import first_foreign, plan_fingerprint
+from orchestrator.state.run_lock import run_lock
+from orchestrator.state.rundir import PlanMismatch, RunDir, config_hash, versions
+from orchestrator.storage import location, object_append, storage
+from orchestrator.storage.atomic import atomic_write_parquet, atomic_write_text
 from orchestrator.surface import setting
 
 log = logging.getLogger(__name__)
@@ -178,9 +180,6 @@ def _nothing_accepted(stats: PlanStats, run_dir: RunDir, cfg: RunConfig) -> str:
 def _plan_into(cfg: RunConfig, run_dir: RunDir, files: list[str]) -> tuple[PlanStats, list[BatchRecord]]:
     import ray
     from ray.data import DataContext
-
-    from orchestrator.slices.cluster import ensure_ray
-    from orchestrator.observe.ray_noise import quiet_ray_data
 
     ensure_ray(cfg.cluster)
     quiet_ray_data()
@@ -330,3 +329,18 @@ def _write_batch_files(tokenized, assignment_ref, batches_dir: str, num_batches:
     if count != num_batches:
         raise RuntimeError(f"internal error: wrote {count} batch files for {num_batches} batches")
     os.sync()  # one durability barrier for every batch file, before the manifest refers to them
+
+
+def check_same_plan(run_dir: RunDir, cfg: RunConfig, fingerprints: dict[str, str]) -> None:
+    """Refuse to reuse a planned run directory for different samples (capacities may differ: see retune)."""
+    old = run_dir.read_run_json()
+    problems = plan_changes(old["sample_affecting"], cfg)
+    for name in ("corpus", "tokenizer", "model"):
+        if old["fingerprints"].get(name) != fingerprints.get(name):
+            problems.append(f"the {name} changed since planning ({name} fingerprint differs)")
+    if problems:
+        raise PlanMismatch(
+            f"run directory {run_dir.root} was planned for different samples:\n  " + "\n  ".join(problems)
+            + "\nTo continue that run, use its original config and inputs. To start a new run, pass a new "
+            f"{setting('name', 'NAME')} (or {setting('run_dir', 'DIR')})."
+        )

@@ -6,11 +6,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from orchestrator.config import load_run_config
-from orchestrator.run.lock import RunDirLocked, RunLock
-from orchestrator.run.manifest import read_manifest
+from orchestrator.state.lock import RunDirLocked, RunLock
+from orchestrator.state.manifest import read_manifest
 from orchestrator.plan.packing import PackingLimits
 from orchestrator.plan.planner import plan
-from orchestrator.run.rundir import PlanMismatch
+from orchestrator.state.rundir import PlanMismatch
 
 DEMO = Path(__file__).resolve().parents[3] / "configs" / "demo.yaml"
 

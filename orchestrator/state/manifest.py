@@ -8,10 +8,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
+from orchestrator.json_out import dumps
+from orchestrator.state.lock import RunDirLocked
 from orchestrator.storage import generations, storage
 from orchestrator.storage.atomic import atomic_write_text
-from orchestrator.json_out import dumps
-from orchestrator.run.lock import RunDirLocked
 
 Status = Literal["pending", "running", "done", "failed"]
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
-from orchestrator.run.manifest import BatchRecord, CorruptRunFile
-from orchestrator.run.rundir import RunDir
+from orchestrator.state.manifest import BatchRecord, CorruptRunFile
+from orchestrator.state.rundir import RunDir
 from orchestrator.storage import parquet_io
 
 STATUSES = ("pending", "running", "done", "failed")

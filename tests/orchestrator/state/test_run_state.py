@@ -5,11 +5,11 @@ from collections import Counter
 import pyarrow as pa
 
 from orchestrator.storage.atomic import atomic_write_parquet
-from orchestrator.run.manifest import BatchRecord, read_manifest, write_manifest
-from orchestrator.plan.output_plan import stamp
-from orchestrator.run.results import SAMPLE_SCHEMA, BatchStats, with_stats
-from orchestrator.run.run_state import RunState
-from orchestrator.run.rundir import RunDir
+from orchestrator.state.manifest import BatchRecord, read_manifest, write_manifest
+from orchestrator.state.output_plan import stamp
+from orchestrator.state.results import SAMPLE_SCHEMA, BatchStats, with_stats
+from orchestrator.state.run_state import RunState
+from orchestrator.state.rundir import RunDir
 
 
 PLAN = "plan-fingerprint"

@@ -7,6 +7,9 @@ import ipaddress
 import os
 import signal
 import time
+from orchestrator.service.service import service_app, ServiceConfig
+from orchestrator.service.service_auth import DEFAULT_TOKEN_FILE, resolve_token, TOKEN_ENV
+from orchestrator.slices.cluster import ClusterConfig, ensure_ray
 
 
 def is_loopback(host: str) -> bool:
@@ -19,8 +22,6 @@ def is_loopback(host: str) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    from orchestrator.service.service_auth import DEFAULT_TOKEN_FILE, TOKEN_ENV
-
     parser = argparse.ArgumentParser(prog="pagefleet serve", description="The HTTP control plane (Ray Serve): submit, "
                                      "watch, read, cancel and resume runs.")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -42,10 +43,6 @@ def main(argv: list[str]) -> int:
                          "it is opt-in; pass --allow-remote (and put TLS in front of it), or bind 127.0.0.1")
 
     from ray import serve
-
-    from orchestrator.slices.cluster import ClusterConfig, ensure_ray
-    from orchestrator.service.service import ServiceConfig, service_app
-    from orchestrator.service.service_auth import resolve_token
 
     token, source = resolve_token(args.token, args.token_file)
     cfg = ServiceConfig(runs_root=os.path.abspath(args.runs_root), max_body_bytes=args.max_body_bytes,

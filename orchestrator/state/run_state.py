@@ -17,14 +17,14 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from orchestrator.state.faults import crash_point
+from orchestrator.state.manifest import BatchRecord, read_manifest_generation, write_manifest
+from orchestrator.state.manifest_check import reconcile
+from orchestrator.state.output_plan import belongs
+from orchestrator.state.results import BatchStats, stats_of
+from orchestrator.state.rundir import RunDir
 from orchestrator.storage import object_append, parquet_io
 from orchestrator.storage.atomic import remove_stale_temporaries
-from orchestrator.run.faults import crash_point
-from orchestrator.run.manifest import BatchRecord, read_manifest_generation, write_manifest
-from orchestrator.run.manifest_check import reconcile
-from orchestrator.plan.output_plan import belongs
-from orchestrator.run.results import BatchStats, stats_of
-from orchestrator.run.rundir import RunDir
 
 
 class RunState:
