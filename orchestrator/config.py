@@ -36,7 +36,7 @@ PLAN_ENGINE_KEYS = ("page_size", "max_seq_len")
 # resumed with others (e.g. on other hardware); pending batches are re-packed when they no longer fit.
 CAPACITY_ENGINE_KEYS = ("max_pages", "max_seqs", "max_seqs_in_prefill", "max_prefill_size")
 # Keys that never change the samples or the plan.
-NOT_SAMPLE_AFFECTING = ("corpus.shard_bytes", "model.cache_dir")
+NOT_SAMPLE_AFFECTING = ("corpus.shard_bytes", "corpus.in_process_bytes", "model.cache_dir")
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,9 @@ class CorpusConfig:
     run's for that row (docs/records.md); rows without it use the run's."""
     shard_bytes: int = 16 * 2**20
     """Target bytes per shard read by one worker task (does not change the plan)."""
+    in_process_bytes: int = 16 * 2**20
+    """A corpus of at most this many bytes (as stored) is read and tokenized in the head's own process rather than on
+    Ray Data, whose start-up takes seconds; 0: always Ray Data. The same code runs either way: the plan is the same."""
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,10 @@ safetensors headers, or NaN/Inf found by a slice as it loads) and a full disk st
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from engine import check_checkpoint
 from orchestrator import exit_codes
@@ -40,6 +38,7 @@ from orchestrator.slices.slice_gang import POLL_S, SliceGang
 from orchestrator.slices.slice_layout import check_mesh, validate
 from orchestrator.slices.waiting import WaitingReport
 from orchestrator.state.batch_files import BatchFileError, read_batch
+from orchestrator.state.disk_full import disk_full
 from orchestrator.state.faults import crash_point
 from orchestrator.state.lock import RunDirLocked
 from orchestrator.state.output_plan import plan_fingerprint, stamp
@@ -76,18 +75,6 @@ class RunOutcome:
     summary: dict
     fault: str | None = None
     """With FAULT: why the run stopped, in one line that names the file or key and the fix."""
-
-
-class DiskFull(OSError):
-    """The disk (or quota) holding the run directory is full; the message names the file and the recovery."""
-
-
-def disk_full(e: OSError, where: Path) -> DiskFull | None:
-    """A DiskFull for an out-of-space error `e`, None for any other error."""
-    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-        return None
-    return DiskFull(e.errno, f"out of disk space writing {e.filename or where} ({e.strerror}); free space there and "
-                    "rerun the same command: the run resumes where it stopped, losing nothing written")
 
 
 class Driver:

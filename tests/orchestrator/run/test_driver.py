@@ -405,13 +405,13 @@ def test_run_applies_each_row_s_own_sampling_settings(ray_local, run_model, tmp_
 
 def test_sigterm_before_the_slices_start_is_a_clean_interrupt(tmp_path, run_model, monkeypatch, capsys):
     """`ray job stop` while the head plans: the command's one line and exit 130, not a stack dump."""
-    from orchestrator.plan import planner
+    from orchestrator.run import driver
 
     def plan_then_get_stopped(cfg):  # planning is where SIGTERM arrives (Ray Data tokenizing)
         os.kill(os.getpid(), signal.SIGTERM)
         raise AssertionError("SIGTERM did not stop planning")
 
-    monkeypatch.setattr(planner, "plan_locked", plan_then_get_stopped)
+    monkeypatch.setattr(driver, "plan_locked", plan_then_get_stopped)
     corpus = write_run_corpus(tmp_path / "c.jsonl", 4)
     before = signal.getsignal(signal.SIGTERM)  # the default, or Ray's once an earlier test started Ray here
     assert main(["run", str(Path(__file__).resolve().parents[3] / "configs" / "demo.yaml"),

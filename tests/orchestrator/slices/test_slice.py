@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from engine.config import EngineConfig, SamplingConfig
-from orchestrator.plan.planner import BATCH_SCHEMA
+from orchestrator.plan.tokenized import BATCH_SCHEMA
 from orchestrator.plan.weights_identity import WeightsChanged, weights_identity
 from orchestrator.state.batch_files import RunDirUnreachable
 from orchestrator.state.results import BatchWork, Completed, Failed
