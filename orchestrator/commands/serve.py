@@ -6,10 +6,12 @@ import argparse
 import ipaddress
 import os
 import signal
+import sys
 import time
 from orchestrator.service.service import service_app, ServiceConfig
 from orchestrator.service.service_auth import DEFAULT_TOKEN_FILE, resolve_token, TOKEN_ENV
-from orchestrator.slices.cluster import ClusterConfig, ensure_ray
+from orchestrator.exit_codes import FAULT
+from orchestrator.slices.cluster import ClusterConfig, ClusterGone, ensure_ray
 
 
 def is_loopback(host: str) -> bool:
@@ -49,7 +51,11 @@ def main(argv: list[str]) -> int:
                         workdir=os.getcwd(), data_roots=tuple(os.path.abspath(d) for d in args.data_root),
                         allow_urls=tuple(args.allow_url))
     policy = cfg.policy()  # a malformed --allow-url is refused here, before Ray starts
-    ensure_ray(ClusterConfig())
+    try:
+        ensure_ray(ClusterConfig())
+    except ClusterGone as e:
+        print(f"pagefleet serve: {e}", file=sys.stderr)
+        return FAULT
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(service_app(cfg, token), name="pagefleet", route_prefix="/", blocking=False)
     url = f"http://{args.host}:{args.port}"
