@@ -120,6 +120,24 @@ def list_names(directory: str | os.PathLike, suffix: str = "") -> list[str]:
     return sorted(e["name"].rsplit("/", 1)[-1] for e in entries if e["type"] == "file" and e["name"].endswith(suffix))
 
 
+def list_sizes(directory: str | os.PathLike, suffix: str = "") -> dict[str, int]:
+    """{name: bytes} of the files directly in `directory` ending in `suffix`, from one listing (paged on an object
+    store); {} if it is absent."""
+    if not is_url(directory):
+        try:
+            with os.scandir(directory) as entries:
+                return {e.name: e.stat().st_size for e in entries if e.name.endswith(suffix) and e.is_file()}
+        except FileNotFoundError:
+            return {}
+    fs, p = filesystem(directory)
+    try:
+        entries = fs.ls(p, detail=True)
+    except FileNotFoundError:
+        return {}
+    return {e["name"].rsplit("/", 1)[-1]: int(e["size"]) for e in entries
+            if e["type"] == "file" and e["name"].endswith(suffix)}
+
+
 def remove_tree(path: str | os.PathLike) -> None:
     """Remove a directory (locally) or every object under a prefix (object store)."""
     if not is_url(path):

@@ -47,7 +47,7 @@ from orchestrator.state.run_events import EventStream, ReadySlice, SlicesReady, 
 from orchestrator.state.run_lock import run_lock
 from orchestrator.state.run_state import RunState
 from orchestrator.state.rundir import RunDir
-from orchestrator.storage import location, object_append
+from orchestrator.storage import location, object_append, storage
 from orchestrator.storage.atomic import atomic_write_parquet
 
 
@@ -333,7 +333,8 @@ class Driver:
         atomic_write_parquet(self.run_dir.output_file(result.batch_id), stamp(samples, self._plan, prompt_ids),
                              before_replace=lambda: crash_point("output_tmp"))
         crash_point("output_written")
-        record = self._state.mark_done(result.batch_id, result.stats, slot.name)
+        record = self._state.mark_done(result.batch_id, result.stats, slot.name,
+                                       output_bytes=storage.file_size(self.run_dir.output_file(result.batch_id)))
         done = self._state.counts["done"]
         self._progress.batch_done(record, done, self._state.counts["failed"])
         s = result.stats

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Literal
 
@@ -40,6 +41,17 @@ class BatchRecord:
     """Time in the slice's engine, first request in to last sample out."""
     occupancy: float | None = None
     """Mean live sequences per engine step while the batch ran, as a fraction of engine.max_seqs."""
+    output_bytes: int | None = None
+    """The size of the output as the head wrote it (None in records older than the field): a resume checks each
+    done batch's output against it from one listing of outputs/, instead of reading a million footers."""
+
+
+FIELDS = tuple(f.name for f in fields(BatchRecord))
+
+
+def digest_path(path: str | Path) -> str:
+    """Where the head keeps the sha256 of the manifest it last wrote: batches.jsonl.sha256 beside it."""
+    return f"{path}.sha256"
 
 
 def batch_id(index: int, num_batches: int) -> str:
@@ -61,20 +73,26 @@ def write_manifest(path: str | Path, records: list[BatchRecord], before_replace=
     manifest must not exist yet, as when planning): a second head that wrote in between (this one
     stalled and lost its lock) makes this raise ManifestConflict instead of being overwritten.
     """
-    data = "".join(dumps(asdict(r)) + "\n" for r in records)
+    data = "".join(dumps({name: getattr(r, name) for name in FIELDS}) + "\n" for r in records).encode()
+    written = None
     if not storage.is_object_store(path):
-        atomic_write_text(path, data, before_replace=before_replace)
-        return None
-    if before_replace is not None:
-        before_replace()
-    try:
-        if generation is None:
-            return generations.create_if_absent(str(path), data.encode())
-        return generations.replace_if_generation(str(path), data.encode(), generation)
-    except generations.PreconditionFailed:
-        expected = "absent" if generation is None else f"at generation {generation}"
-        raise ManifestConflict(f"{path} was written by another head (this head expected it {expected}); stopping "
-                               "without overwriting it: the other head owns the run now") from None
+        atomic_write_text(path, data.decode(), before_replace=before_replace)
+    else:
+        if before_replace is not None:
+            before_replace()
+        try:
+            if generation is None:
+                written = generations.create_if_absent(str(path), data)
+            else:
+                written = generations.replace_if_generation(str(path), data, generation)
+        except generations.PreconditionFailed:
+            expected = "absent" if generation is None else f"at generation {generation}"
+            raise ManifestConflict(f"{path} was written by another head (this head expected it {expected}); stopping "
+                                   "without overwriting it: the other head owns the run now") from None
+    # After the manifest: a crash in between leaves a digest that does not match, and the next resume checks the
+    # manifest line by line, as it checks one somebody edited.
+    storage.write_atomic(digest_path(path), hashlib.sha256(data).hexdigest().encode())
+    return written
 
 
 class CorruptRunFile(ValueError):
@@ -92,6 +110,14 @@ def read_manifest(path: str | Path) -> list[BatchRecord]:
 
 def read_manifest_generation(path: str | Path) -> tuple[list[BatchRecord], int | None]:
     """The records and, on an object store, the generation they were read from (None locally)."""
+    records, generation, _ = read_manifest_as_written(path)
+    return records, generation
+
+
+def read_manifest_as_written(path: str | Path) -> tuple[list[BatchRecord], int | None, bool]:
+    """The records, the generation (object stores), and whether the manifest is byte for byte the one the head last
+    wrote (its digest matches batches.jsonl.sha256): then nobody edited it since, and what the head checked when it
+    wrote it holds."""
     generation = None
     if storage.is_object_store(path):
         found = generations.read_with_generation(str(path))  # bytes and generation in one request: they agree
@@ -102,8 +128,10 @@ def read_manifest_generation(path: str | Path) -> tuple[list[BatchRecord], int |
     else:
         f = open(path, "rb")  # streamed: a manifest of a million batches is not held twice
     records = []
+    digest = hashlib.sha256()
     with f:
         for line_no, line in enumerate(f, 1):
+            digest.update(line)
             if not line.strip():
                 continue
             try:
@@ -111,4 +139,8 @@ def read_manifest_generation(path: str | Path) -> tuple[list[BatchRecord], int |
             except (ValueError, TypeError, RecursionError) as e:  # cut short, not JSON, or not a record's fields
                 raise CorruptRunFile(f"{path} line {line_no} is corrupt ({type(e).__name__}: {e}); {RECOVER}") \
                     from None
-    return records, generation
+    try:
+        recorded = storage.read_text(digest_path(path)).strip()
+    except FileNotFoundError:
+        recorded = None
+    return records, generation, recorded == digest.hexdigest()

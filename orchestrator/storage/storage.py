@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import os
 
-from engine.files import (OBJECT_STORES, exists, filesystem, is_object_store, is_url, join, list_names, local_path,
-                          makedirs, open_file, read_bytes, read_text, remove, remove_tree, upload_file)
+from engine.files import (OBJECT_STORES, exists, file_size, filesystem, is_object_store, is_url, join, list_names,
+                          list_sizes, local_path, makedirs, open_file, read_bytes, read_text, remove, remove_tree,
+                          upload_file)
 from orchestrator.storage.atomic import atomic_write_bytes
 
-__all__ = ["OBJECT_STORES", "exists", "filesystem", "is_object_store", "is_url", "join", "list_names", "local_path",
-           "makedirs", "open_file", "read_bytes", "read_text", "remove", "remove_tree", "upload_file", "write_atomic"]
+__all__ = ["OBJECT_STORES", "exists", "file_size", "filesystem", "is_object_store", "is_url", "join", "list_names",
+           "list_sizes", "local_path", "makedirs", "open_file", "read_bytes", "read_text", "remove", "remove_tree", "upload_file", "write_atomic"]
 
 
 def write_atomic(path: str | os.PathLike, data: bytes) -> None:
