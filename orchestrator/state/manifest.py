@@ -95,6 +95,27 @@ def write_manifest(path: str | Path, records: list[BatchRecord], before_replace=
     return written
 
 
+_CHUNK_LINES = 4096
+
+
+def _parse(path: str | Path, lines: list[tuple[int, bytes]]) -> list[BatchRecord]:
+    """The records of some numbered lines: parsed as one JSON array (one C loop), or, when that fails or does not give
+    one object a line, line by line to name the line that is corrupt."""
+    try:
+        values = json.loads(b"[" + b",".join(line for _, line in lines) + b"]")
+        if len(values) == len(lines):
+            return [BatchRecord(**v) for v in values]
+    except (ValueError, TypeError, RecursionError):
+        pass
+    records = []
+    for line_no, line in lines:
+        try:
+            records.append(BatchRecord(**json.loads(line)))
+        except (ValueError, TypeError, RecursionError) as e:  # cut short, not JSON, or not a record's fields
+            raise CorruptRunFile(f"{path} line {line_no} is corrupt ({type(e).__name__}: {e}); {RECOVER}") from None
+    return records
+
+
 class CorruptRunFile(ValueError):
     """batches.jsonl or run.json cannot be read; the message names the file, the line and the recovery."""
 
@@ -127,18 +148,18 @@ def read_manifest_as_written(path: str | Path) -> tuple[list[BatchRecord], int |
         f = io.BytesIO(data)
     else:
         f = open(path, "rb")  # streamed: a manifest of a million batches is not held twice
-    records = []
+    records: list[BatchRecord] = []
     digest = hashlib.sha256()
     with f:
+        chunk: list[tuple[int, bytes]] = []
         for line_no, line in enumerate(f, 1):
             digest.update(line)
-            if not line.strip():
-                continue
-            try:
-                records.append(BatchRecord(**json.loads(line)))
-            except (ValueError, TypeError, RecursionError) as e:  # cut short, not JSON, or not a record's fields
-                raise CorruptRunFile(f"{path} line {line_no} is corrupt ({type(e).__name__}: {e}); {RECOVER}") \
-                    from None
+            if line.strip():
+                chunk.append((line_no, line))
+            if len(chunk) == _CHUNK_LINES:
+                records += _parse(path, chunk)
+                chunk = []
+        records += _parse(path, chunk)
     try:
         recorded = storage.read_text(digest_path(path)).strip()
     except FileNotFoundError:
