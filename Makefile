@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test bench bench-plan bench-export bench-host bench-generate bench-peer bench-swap bench-ab bench-structured
+.PHONY: demo test bench bench-plan bench-export bench-host bench-generate bench-peer bench-swap bench-ab bench-resume bench-structured
 
 # pip is quiet (-q: pages of resolver output otherwise), so each step says first what it does and how long it takes.
 $(STAMP): pyproject.toml
@@ -31,6 +31,9 @@ bench: $(STAMP)
 
 bench-plan: $(STAMP)
 	JAX_PLATFORMS=cpu RAY_AUTH_MODE=disabled $(VENV)/bin/python benchmarks/plan_bench.py --num-prompts 1000000 --num-cpus 2
+
+bench-resume: $(STAMP)
+	$(VENV)/bin/python benchmarks/resume_bench.py --batches 100000 --repeats 3
 
 bench-export: $(STAMP)
 	$(VENV)/bin/python benchmarks/export_bench.py --samples 1000000 --memory-gb 0.25 --repeats 3

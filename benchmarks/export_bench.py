@@ -32,8 +32,8 @@ def make_run(root: Path, num_samples: int, per_batch: int, seed: int) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from orchestrator.run.manifest import BatchRecord, batch_id, write_manifest
-    from orchestrator.run.results import SAMPLE_SCHEMA
+    from orchestrator.state.manifest import BatchRecord, batch_id, write_manifest
+    from orchestrator.state.results import SAMPLE_SCHEMA
 
     rng = np.random.default_rng(seed)
     rows = rng.permutation(num_samples)

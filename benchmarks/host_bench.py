@@ -4,8 +4,8 @@ On a TPU a decode step of a large model takes milliseconds, the same order as th
 it, feeds the sampled tokens to each sample's stop checker and builds the next step's inputs. This
 reproduces that regime on a CPU with the `tiny-llama` preset (its steps take about a millisecond) and
 times `Engine.generate` twice per case:
-- once with each jitted step program timed from its call until its outputs are ready (through a wrapper
-  that blocks on them): the device time, and the host time beside it when nothing overlaps
+- once with each device call the runner makes timed from its call until its outputs are ready (the engine's
+  `DeviceClock.serial` hook): the device time, and the host time beside it when nothing overlaps
   (scheduling, stop checks, detokenization, input packing, finishing samples);
 - once as it runs: the loop's wall time, where the host's work overlaps device calls dispatched ahead
   (`engine.pipeline_decode`).
@@ -28,11 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import jax
 import numpy as np
 
-import engine.device.multi_step as multi_step_module
-import engine.device.runner as runner_module
 from engine import Engine, EngineConfig, Request, SamplingConfig, write_model
 
 CASES = {  # name: (stop strings, decode steps per device call, pipeline_decode)
@@ -42,19 +39,6 @@ CASES = {  # name: (stop strings, decode steps per device call, pipeline_decode)
     "no stop strings, 1 step/call": ([], 1, True),
 }
 
-_device_s = [0.0]
-_timing = [False]
-
-
-def _timed(program):
-    def call(*args, **kwargs):
-        if not _timing[0]:
-            return program(*args, **kwargs)
-        start = time.perf_counter()
-        out = jax.block_until_ready(program(*args, **kwargs))
-        _device_s[0] += time.perf_counter() - start
-        return out
-    return call
 
 
 def _requests(num: int, stop: list[str], new_tokens: int) -> list[Request]:
@@ -76,12 +60,14 @@ def run_case(model: Path, stop: list[str], decode_steps: int, pipeline: bool, nu
     engine = engines[key]
     result = {}
     for timing in (True, False):
-        _timing[0], _device_s[0] = timing, 0.0
+        clock = engine.runner.clock  # the benchmarking hook: serial device time (engine/stats.py DeviceClock)
+        clock.serial, before = timing, clock.total_s
         start = time.perf_counter()
         done = engine.generate(_requests(num, stop, new_tokens))
         result["serial" if timing else "wall"] = time.perf_counter() - start
+        clock.serial = False
         if timing:
-            result["device"] = _device_s[0]
+            result["device"] = clock.total_s - before
     errors = [c.error for c in done if c.error]
     if errors:
         raise SystemExit(f"{len(errors)} requests failed, e.g. {errors[0]}")
@@ -96,8 +82,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
-    runner_module._step_sample = _timed(runner_module._step_sample)
-    multi_step_module._steps_sample = _timed(multi_step_module._steps_sample)
     engines: dict = {}
     results: dict[str, list[dict]] = {name: [] for name in CASES}
     with tempfile.TemporaryDirectory(prefix="pagefleet-hostbench-") as tmp:
@@ -108,7 +92,7 @@ def main() -> None:
 
     print(f"engine loop on tiny-llama: {args.prompts} prompts of 8-63 tokens, {args.new_tokens} new tokens, "
           f"greedy, 64 slots; medians of {args.repeats}")
-    print("  device: the step programs, each timed to its outputs; host: the rest of that timed run; wall: the loop "
+    print("  device: the runner's device calls, each timed to its outputs; host: the rest of that timed run; wall: the loop "
           "untimed (host work overlapping calls dispatched ahead)")
     print(f"  {'case':32s} {'device s':>9s} {'host s':>7s} {'wall s':>7s} {'loop tok/s':>11s} "
           f"{'device tok/s':>13s} {'ratio':>6s}")

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from engine.config import EngineConfig
 from engine.models.model_config import ModelConfig
 from engine.models.presets import write_model
-from engine.device.runner import ModelRunner, SeqChunk, _logits
+from engine.device.runner import ModelRunner, SeqChunk
 from engine.models.weights import load_transformer
 
 PRESET = "llama-40m"
@@ -133,9 +133,6 @@ class ShapeBench:
         self.inputs = jax.tree.map(jnp.asarray, runner.build_inputs(self.chunks))
         self.padded_tokens, self.padded_seqs = self.inputs.token_ids.shape[0], self.inputs.kv_lens.shape[0]
         self.first_call_s = seconds(lambda: runner.logits(self.chunks))  # compiles unless an earlier shape had the same buckets
-        # The settings runner.step picks: one query per tile for decode-only steps.
-        bq = 1 if shape.kind == "decode" else runner.config.attn_queries_per_block
-        self.settings = runner._settings[bq]
         self.host_times: list[float] = []
         self.device_times: list[float] = []
         self._device_step()  # the device-only call has its own input placement; keep it out of the timings
@@ -146,9 +143,7 @@ class ShapeBench:
         return max(0.0, self.first_call_s - statistics.median(self.host_times))
 
     def _device_step(self) -> None:
-        r = self.runner
-        r.kv.pool, logits = _logits(r.model, r.kv.pool, self.inputs, self.settings)
-        logits.array.block_until_ready()
+        self.runner.logits_on_device(self.inputs, self.chunks).block_until_ready()
 
     def time_once(self) -> None:
         self.host_times.append(seconds(lambda: self.runner.logits(self.chunks)))

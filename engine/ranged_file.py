@@ -11,19 +11,18 @@ however many of its devices need it.
 Ranges closer together than `merge_gap` bytes are read as one request (a tensor split along its columns is a
 run of short, evenly spaced ranges, one per row): a few extra bytes instead of thousands of requests. With
 `merge_gap=0` exactly the bytes of the shards are read. Local paths go through the same helpers (`file_size`,
-`read_range`, `read_text`), so the header checks read either kind.
+`read_range`, `read_text` of engine/files.py), so the header checks read either kind.
 """
 
 from __future__ import annotations
 
 import mmap
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
-import tenacity
+
+from engine.files import file_size, read_range
 
 MERGE_GAP = 1 << 20
 """Ranges of one file closer than this many bytes are read as one request."""
@@ -31,56 +30,6 @@ CHUNK = 32 << 20
 """Longer ranges are split into requests of at most this many bytes, read concurrently."""
 WORKERS = 16
 """Requests in flight at once, per file."""
-ATTEMPTS = 5
-"""Tries per request (exponential backoff between them) before the load fails naming the object."""
-
-
-def is_url(path: str | os.PathLike) -> bool:
-    return "://" in str(path)
-
-
-def join(root: str | os.PathLike, name: str) -> str | Path:
-    """`root/name` for a local directory (a Path) or a URL (a string that keeps its `//`)."""
-    return f"{str(root).rstrip('/')}/{name}" if is_url(root) else Path(root) / name
-
-
-def _fs(url: str):
-    import fsspec
-
-    return fsspec.core.url_to_fs(url)
-
-
-def exists(path: str | os.PathLike) -> bool:
-    if not is_url(path):
-        return Path(path).exists()
-    fs, p = _fs(str(path))
-    return fs.exists(p)
-
-
-def file_size(path: str | os.PathLike) -> int:
-    """Bytes in the file or object; FileNotFoundError when there is none."""
-    if not is_url(path):
-        return Path(path).stat().st_size
-    fs, p = _fs(str(path))
-    return int(fs.size(p))
-
-
-@tenacity.retry(stop=tenacity.stop_after_attempt(ATTEMPTS), wait=tenacity.wait_exponential(multiplier=0.2, max=5),
-                retry=tenacity.retry_if_not_exception_type((FileNotFoundError, PermissionError)), reraise=True)
-def read_range(path: str | os.PathLike, start: int, end: int) -> bytes:
-    """Bytes [start, end) of the file or object (fewer only past its end); an object store request is retried."""
-    if not is_url(path):
-        with open(path, "rb") as f:
-            f.seek(start)
-            return f.read(end - start)
-    fs, p = _fs(str(path))
-    return fs.cat_file(p, start=start, end=end)
-
-
-def read_text(path: str | os.PathLike) -> str:
-    if not is_url(path):
-        return Path(path).read_text()
-    return read_range(path, 0, file_size(path)).decode("utf-8")
 
 
 def byte_ranges(view: np.ndarray, base: np.ndarray) -> list[tuple[int, int]]:

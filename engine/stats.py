@@ -27,6 +27,9 @@ class DeviceClock:
 
     def __init__(self) -> None:
         self.total_s = 0.0
+        self.serial = False
+        """The benchmarking hook (benchmarks/host_bench.py): True makes each call wait for its outputs inside its
+        timing, so `total_s` is the device's serial time; the engine leaves it False (calls overlap the host)."""
 
     @contextmanager
     def timing(self) -> Iterator[None]:

@@ -17,6 +17,8 @@ import textwrap
 import typing
 from dataclasses import dataclass
 from typing import Any
+from orchestrator.config import RunConfig
+from orchestrator.local.generate import GenerateConfig
 
 
 
@@ -106,9 +108,6 @@ def _cell(text: str) -> str:
 
 def markdown() -> str:
     """docs/config.md: the run config's keys, then `pagefleet generate`'s own."""
-    from orchestrator.config import RunConfig
-    from orchestrator.commands.generate import GenerateConfig
-
     lines = [
         "# Configuration keys",
         "",

@@ -24,7 +24,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from orchestrator.config import KEYS_DOC, ConfigError
+from orchestrator.config_errors import KEYS_DOC, ConfigError
 
 # What YAML 1.2 reads as a float (PyYAML, which follows YAML 1.1, reads `1e-3` as a string).
 _DECIMAL = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?")

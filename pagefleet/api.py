@@ -11,11 +11,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engine import Engine, EngineConfig, SamplingConfig, structured_error
+from orchestrator.config import ConfigError, RunConfig, check_yaml, config_error
+from orchestrator.local.generate import parse_lines, sample_records, sized_engine
+from orchestrator.plan.model_source import resolve_model
+from orchestrator.run.driver import Driver
 from orchestrator.surface import surface
 
 if TYPE_CHECKING:
-    from engine import Engine
-    from orchestrator.config import RunConfig
     from orchestrator.run.driver import RunOutcome
 
 Prompt = str | Sequence[Mapping[str, str]] | Sequence[int] | Mapping[str, Any]
@@ -58,10 +61,6 @@ def generate(model: str | Engine, prompts: Sequence[Prompt], *, engine: Mapping[
 
 def _generate(model: str | Engine, prompts: Sequence[Prompt], engine: Mapping[str, Any] | None, dtype: str,
               sampling: dict[str, Any]) -> list[dict]:
-    from engine import Engine, EngineConfig, SamplingConfig, structured_error
-    from orchestrator.commands.generate import parse_lines, sample_records, sized_engine
-    from orchestrator.plan.model_source import resolve_model
-
     sampling_cfg = _build(SamplingConfig, sampling, "sampling")
     lines = [(i + 1, _row(p, i)) for i, p in enumerate(prompts)]
     if isinstance(model, Engine):
@@ -104,8 +103,6 @@ def load_config(config: str | Path | RunConfig | Mapping[str, Any] | None = None
 def _load_config(config: str | Path | RunConfig | Mapping[str, Any] | None, overrides: dict[str, Any]) -> RunConfig:
     import draccus
     import yaml
-
-    from orchestrator.config import ConfigError, RunConfig, check_yaml, config_error
 
     source: str | None = None
     if config is None:
@@ -154,8 +151,6 @@ def run(config: str | Path | RunConfig | Mapping[str, Any], *, progress: bool = 
     cluster in RAY_ADDRESS, else a local one started in this process); resumes a stopped run. Returns the
     outcome: `exit_code` (orchestrator/exit_codes.py) and `summary` (the figures `pagefleet run` prints).
     `config` and `overrides` as for `load_config`."""
-    from orchestrator.run.driver import Driver
-
     cfg = load_config(config, **overrides)
     with surface("python"):
         return Driver(cfg, show_progress=progress).run()

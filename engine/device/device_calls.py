@@ -18,6 +18,12 @@ MIN_TOKEN_BUCKET = 16
 MIN_SEQ_BUCKET = 4
 
 
+def settle(clock, outputs) -> None:
+    """Inside a call's timing: wait for its outputs when the clock asks for serial device time (DeviceClock.serial)."""
+    if clock.serial:
+        jax.block_until_ready(outputs)
+
+
 def bucket(n: int, minimum: int) -> int:
     """Smallest power of two >= n (and >= minimum): the few shapes the step is compiled for."""
     return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from engine.models.axes import PAGE_SLOT
 from engine.sizing.capacity import pages_for
-from engine.device.device_calls import bucket, host_arrays, pick_rows, replicated
+from engine.device.device_calls import bucket, host_arrays, pick_rows, replicated, settle
 from engine.models.model import StepSettings, Transformer
 # Bound here and in engine/device/runner.py: tests patch `_sampling_mode` in both to force a sampling program.
 from engine.sampling.row_sampling import RowSampling, sampling_arrays as _sampling_arrays, sampling_mode as _sampling_mode
@@ -195,6 +195,7 @@ class MultiStepCalls:
             self.kv.pool, tokens, logprobs, steps, counts = _steps_sample(
                 self.model, self.kv.pool, self._settings[1], num_steps, mode, token_ids, starts, limits, page_array,
                 num_seqs, *sampling, stops, penalties)
+            settle(self.clock, (tokens, logprobs, steps, counts))
         after = None if penalties is None else (penalties[0], counts, *penalties[2:])
         return PendingSteps(tokens, logprobs, steps, token_ids, starts, limits, remaining, mode, sampling, stops,
                             num_rows, after)

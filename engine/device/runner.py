@@ -21,7 +21,8 @@ from engine.kernels.attention import resolve_attention_impl
 from engine.sizing.capacity import pages_for
 from engine.config import EngineConfig
 # Callers size shapes with `runner.bucket` and the MIN_* buckets (engine/sizing/preflight.py).
-from engine.device.device_calls import MIN_SEQ_BUCKET, MIN_TOKEN_BUCKET, bucket, host_arrays, pick_rows, replicated
+from engine.device.device_calls import (MIN_SEQ_BUCKET, MIN_TOKEN_BUCKET, bucket, host_arrays, pick_rows, replicated,
+                                        settle)
 from engine.kv.kv_cache import KVCache
 from engine.models.model import StepSettings, Transformer, unstack_layers
 from engine.device.multi_step import DecodeRow, MultiStepCalls, PendingSteps
@@ -240,7 +241,14 @@ class ModelRunner(MultiStepCalls):
         with self.clock.timing():
             with self.transfers.sending(**_sent(inputs)):
                 self.kv.pool, logits = _logits(self.model, self.kv.pool, inputs, self._settings_for(chunks))
+                settle(self.clock, logits.array)
             return self.transfers.read(logits=logits.array)[0][:len(chunks)]  # the local replica, sliced on the host
+
+    def logits_on_device(self, inputs: StepInputs, chunks: Sequence[SeqChunk]) -> jax.Array:
+        """The logits program alone, on inputs already on the device, with nothing copied or timed around it: the
+        benchmarking hook benchmarks/step_bench.py times the device with (`logits` is the host-side path)."""
+        self.kv.pool, logits = _logits(self.model, self.kv.pool, inputs, self._settings_for(chunks))
+        return logits.array
 
     def step_sample(self, chunks: Sequence[SeqChunk], rows: Sequence[RowSampling],
                     row_chunk: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -258,6 +266,7 @@ class ModelRunner(MultiStepCalls):
                 self.kv.pool, tokens, logprobs = _step_sample(self.model, self.kv.pool, inputs,
                                                               self._settings_for(chunks), mode, *sampling, positions,
                                                               penalties)
+                settle(self.clock, (tokens, logprobs))
             tokens, logprobs = self.transfers.read(tokens=tokens, logprobs=logprobs)
             return tokens[:n], logprobs[:n]
 

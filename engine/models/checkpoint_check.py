@@ -16,7 +16,7 @@ import os
 import struct
 from pathlib import Path
 
-from engine import ranged_file
+import engine.files as files
 from engine.models.model_config import ModelConfig
 
 
@@ -30,8 +30,8 @@ def read_header(file: str | Path) -> tuple[dict, int]:
     an object (`gs://...`, two ranged reads); raises CheckpointError naming the file when the header is cut short
     or is not JSON."""
     try:
-        size = ranged_file.file_size(file)
-        raw_len = ranged_file.read_range(file, 0, 8)
+        size = files.file_size(file)
+        raw_len = files.read_range(file, 0, 8)
         if len(raw_len) < 8:
             raise CheckpointError(f"{file}: truncated safetensors file ({size} bytes, no header); "
                                   "copy or download it again")
@@ -39,7 +39,7 @@ def read_header(file: str | Path) -> tuple[dict, int]:
         if 8 + header_len > size:
             raise CheckpointError(f"{file}: truncated safetensors file: its header alone claims {header_len:,} "
                                   f"bytes of {size:,}; copy or download it again")
-        header = json.loads(ranged_file.read_range(file, 8, 8 + header_len))
+        header = json.loads(files.read_range(file, 8, 8 + header_len))
     except FileNotFoundError:
         raise CheckpointError(f"{file} is missing: the checkpoint's index names it; copy or download it") from None
     except (UnicodeDecodeError, ValueError) as e:
@@ -82,26 +82,26 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[
 
 
 def checkpoint_files(root: str | Path) -> list[str | Path]:
-    index = ranged_file.join(root, "model.safetensors.index.json")
-    if ranged_file.exists(index):
+    index = files.join(root, "model.safetensors.index.json")
+    if files.exists(index):
         try:
-            weight_map = json.loads(ranged_file.read_text(index))["weight_map"]
+            weight_map = json.loads(files.read_text(index))["weight_map"]
         except (ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index} is not a safetensors index (a JSON object with weight_map): {e}") from None
-        return [ranged_file.join(root, name) for name in sorted(set(weight_map.values()))]
-    if ranged_file.exists(ranged_file.join(root, "model.safetensors")):
-        return [ranged_file.join(root, "model.safetensors")]
+        return [files.join(root, name) for name in sorted(set(weight_map.values()))]
+    if files.exists(files.join(root, "model.safetensors")):
+        return [files.join(root, "model.safetensors")]
     raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {root}")
 
 
 def check_checkpoint(path: str | os.PathLike, config: ModelConfig | None = None) -> None:
     """Raise CheckpointError for the first fault the headers show (see the module docstring); reads no tensor."""
-    root = str(path) if ranged_file.is_url(path) else Path(path)
+    root = str(path) if files.is_url(path) else Path(path)
     cfg = config or ModelConfig.from_pretrained(root)
     where: dict[str, tuple[str | Path, list[int]]] = {}
     for file in checkpoint_files(root):
         header, data_start = read_header(file)
-        size = ranged_file.file_size(file)
+        size = files.file_size(file)
         end = max((int(meta["data_offsets"][1]) for meta in header.values() if isinstance(meta, dict)
                    and "data_offsets" in meta), default=0)
         if data_start + end > size:

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import engine.files as files
 from engine.models.model_family import FamilyConfigError
 from engine.models.model_registry import FAMILIES, model_family
 
@@ -104,12 +105,10 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "ModelConfig":
-        from engine import ranged_file
-
-        config_path = ranged_file.join(path if ranged_file.is_url(path) else Path(path), "config.json")
-        if not ranged_file.exists(config_path):
+        config_path = files.join(path if files.is_url(path) else Path(path), "config.json")
+        if not files.exists(config_path):
             raise FileNotFoundError(f"{config_path} not found: model.path must be a Hugging Face checkpoint directory")
-        return cls.from_hf(json.loads(ranged_file.read_text(config_path)))
+        return cls.from_hf(json.loads(files.read_text(config_path)))
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":

@@ -25,6 +25,7 @@ from haliax import NamedArray
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from engine import ranged_file
+import engine.files as files
 from engine.models.axes import TENSOR_PARALLEL, ModelAxes
 from engine.models.checkpoint_check import CheckpointError, check_checkpoint
 from engine.models.model import Attention, DecoderLayer, Transformer
@@ -40,26 +41,26 @@ class SafetensorsCheckpoint:
     byte ranges from an object store (`gs://...`, engine/ranged_file.py) with nothing copied to disk."""
 
     def __init__(self, path: str | os.PathLike, merge_gap: int = ranged_file.MERGE_GAP) -> None:
-        root = str(path) if ranged_file.is_url(path) else Path(path)
-        index = ranged_file.join(root, "model.safetensors.index.json")
-        if ranged_file.exists(index):
-            files = sorted(set(json.loads(ranged_file.read_text(index))["weight_map"].values()))
-        elif ranged_file.exists(ranged_file.join(root, "model.safetensors")):
-            files = ["model.safetensors"]
+        root = str(path) if files.is_url(path) else Path(path)
+        index = files.join(root, "model.safetensors.index.json")
+        if files.exists(index):
+            names = sorted(set(json.loads(files.read_text(index))["weight_map"].values()))
+        elif files.exists(files.join(root, "model.safetensors")):
+            names = ["model.safetensors"]
         else:
             raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {root}")
         self._tensors: dict[str, tuple[str | Path, str, tuple[int, ...], int]] = {}
         self._maps: dict[str | Path, np.ndarray] = {}
         self._remote: dict[str | Path, ranged_file.RangedFile] = {}
-        for name in files:
+        for name in names:
             if not isinstance(name, str) or os.path.isabs(name) or ".." in Path(name).parts or "://" in name:
                 raise CheckpointError(f"{index}: weight_map names the file {name!r}, which is not inside the model "
                                       "directory; shard files must be named relative to it (e.g. "
                                       "model-00001-of-00002.safetensors)")
-            file = ranged_file.join(root, name)
-            (header_len,) = struct.unpack("<Q", ranged_file.read_range(file, 0, 8))
-            header = json.loads(ranged_file.read_range(file, 8, 8 + header_len))
-            if ranged_file.is_url(file):
+            file = files.join(root, name)
+            (header_len,) = struct.unpack("<Q", files.read_range(file, 0, 8))
+            header = json.loads(files.read_range(file, 8, 8 + header_len))
+            if files.is_url(file):
                 self._remote[file] = ranged_file.RangedFile(str(file), merge_gap)
                 self._maps[file] = self._remote[file].buffer
             for key, meta in header.items():

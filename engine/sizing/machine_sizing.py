@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from engine.sizing.capacity import max_seq_len, pages_for
 from engine.config import EngineConfig
-from engine.sizing.model_bytes import DTYPE_BYTES, GiB, count_params, kv_bytes_per_token
+from engine.sizing.model_bytes import DTYPE_BYTES, GiB, count_params, kv_page_bytes
 from engine.models.model_config import ModelConfig
 
 
@@ -112,7 +112,7 @@ def size_for_machine(config: EngineConfig, model: ModelConfig, dtype: str, machi
     max_pages = config.max_pages
     if "max_pages" not in explicit:
         budget = kv_memory_bytes(config, model, dtype, machine)
-        max_pages = max(0, budget) // (config.page_size * kv_bytes_per_token(model, DTYPE_BYTES[dtype]))
+        max_pages = max(0, budget) // kv_page_bytes(model, DTYPE_BYTES[dtype], config.page_size)
         if max_pages < seq_pages:
             raise ValueError(
                 f"a KV budget of {budget / GiB:.2f} GiB holds {max_pages} pages of {config.page_size} tokens, fewer "

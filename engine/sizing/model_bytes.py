@@ -48,3 +48,10 @@ def count_params(cfg: ModelConfig) -> ParamCount:
 def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int) -> int:
     """K and V of one token in every layer: 2 * layers * kv_heads * head_dim * dtype_bytes."""
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
+
+
+def kv_page_bytes(cfg: ModelConfig, dtype_bytes: int, page_size: int, tp: int = 1) -> int:
+    """One KV page (`page_size` tokens of every layer) on one device of a `model` axis `tp` wide; `cfg` as the engine
+    holds it (`sharded_config`: KV heads replicated when tp exceeds them). A pool of P pages is P times this: the
+    one formula `pagefleet size`, `pagefleet check` and the engine's sizing for the machine use."""
+    return page_size * (kv_bytes_per_token(cfg, dtype_bytes) // tp)

@@ -8,12 +8,12 @@ import socket
 import sys
 import time
 
+from orchestrator.json_out import dumps
 from orchestrator.observe.run_summary import eta_s
+from orchestrator.state.manifest import BatchRecord
+from orchestrator.state.rundir import RunDir
 from orchestrator.storage import object_append
 from orchestrator.storage.atomic import atomic_write_text
-from orchestrator.json_out import dumps
-from orchestrator.run.manifest import BatchRecord
-from orchestrator.run.rundir import RunDir
 
 PROGRESS_EVERY_S = 5.0
 LINE_EVERY_ENV = "PAGEFLEET_PROGRESS_EVERY_S"

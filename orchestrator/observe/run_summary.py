@@ -24,8 +24,8 @@ from typing import Any
 
 from orchestrator.observe.timeline import (engine_time, figure_lines, host_kv, mean_occupancy, prefix_cache, read_timeline,
                                            transfers)
-from orchestrator.run.manifest import BatchRecord, read_manifest
-from orchestrator.run.rundir import RunDir
+from orchestrator.state.manifest import BatchRecord, read_manifest
+from orchestrator.state.rundir import RunDir
 
 STATUSES = ("pending", "running", "done", "failed")
 _READ = object()  # RunSummary.read's default session: read progress.json

@@ -10,17 +10,16 @@ from pathlib import Path
 
 from orchestrator.observe.run_summary import RunSummary
 from orchestrator.observe.timeline import figure_lines
-from orchestrator.run.manifest import read_manifest
-from orchestrator.run.manifest_check import check_manifest
-from orchestrator.run.rundir import RunDir
+from orchestrator.state.manifest import read_manifest
+from orchestrator.state.manifest_check import check_manifest
+from orchestrator.state.object_lock import holder
+from orchestrator.state.rundir import RunDir
 from orchestrator.storage.location import Location, location
 
 
 def head_holding(run_dir: RunDir) -> dict | None:
     """The head that holds the run directory's lock now ({pid, host, since}), or None."""
     if isinstance(run_dir.root, Location):
-        from orchestrator.run.object_lock import holder
-
         return holder(str(run_dir.root))
     path = run_dir.root / ".lock"
     if not path.exists():

@@ -7,7 +7,7 @@ import json
 
 from engine import (HOST_KV_PEAK, TRANSFER_DIRECTIONS, host_kv_summary, prefix_cache_summary, sum_transfer_counters,
                     transfer_counter_key, transfer_summary)
-from orchestrator.run.rundir import RunDir
+from orchestrator.state.rundir import RunDir
 from orchestrator.storage import storage
 
 

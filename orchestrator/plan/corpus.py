@@ -18,6 +18,8 @@ from typing import Any
 
 import fsspec
 
+from engine import RESERVED_COLUMNS
+from orchestrator.json_out import finite
 from orchestrator.surface import setting
 
 EXTENSIONS = (".jsonl", ".json", ".parquet")
@@ -43,6 +45,9 @@ class CorpusConfig:
     sampling.json_schema / regex / choice / grammar (docs/structured-outputs.md); null reads none."""
     shard_bytes: int = 16 * 2**20
     """Target bytes per shard read by one worker task (does not change the plan)."""
+    in_process_bytes: int = 16 * 2**20
+    """A corpus of at most this many bytes (as stored) is read and tokenized in the head's own process rather than on
+    Ray Data, whose start-up takes seconds; 0: always Ray Data. The same code runs either way: the plan is the same."""
 
 
 @dataclass(frozen=True)
@@ -306,8 +311,6 @@ def passthrough(record: dict, id_field: str | None) -> str | Rejection:
     column, plus `prompt_id` holding the id as typed (when the row has one), as JSON object text. A value JSON
     cannot hold (a parquet timestamp, bytes) is written as its text. A column named like a field of the sample
     record rejects the row (`reserved_column`): its value would be lost in the output."""
-    from engine import RESERVED_COLUMNS
-
     clash = sorted(name for name in record if name != id_field and name in RESERVED_COLUMNS)
     if clash:
         return Rejection("reserved_column", f"column {clash[0]!r} has the name of a sample record field (its output "
@@ -319,7 +322,6 @@ def passthrough(record: dict, id_field: str | None) -> str | Rejection:
     try:
         return json.dumps(kept, default=str, allow_nan=False, ensure_ascii=False)
     except ValueError:  # NaN or infinity in a column: JSON has none, so null (as every JSON pagefleet writes)
-        from orchestrator.json_out import finite
 
         return json.dumps(finite(kept), default=str, ensure_ascii=False)
 

@@ -14,7 +14,8 @@ from typing import Literal
 import fsspec
 
 import engine as capacity
-from engine import EngineConfig
+from engine import EngineConfig, load_tokenizer as load
+from orchestrator.plan.model_cache import local_copy
 from orchestrator.surface import setting
 
 # Files that make up a tokenizer (hashed for the tokenizer fingerprint).
@@ -126,9 +127,6 @@ def max_seq_len(source: ModelSourceConfig, engine: EngineConfig) -> int:
 
 def load_tokenizer(source: ModelSourceConfig):
     """The tokenizer as transformers' AutoTokenizer builds it (local directory; never the Hugging Face hub)."""
-    from engine import load_tokenizer as load
-    from orchestrator.plan.model_cache import local_copy
-
     # A gs:// tokenizer: only its own files (and config.json) are copied, never the weights.
     path = local_copy(source.tokenizer_path, source.cache_dir, names=(*TOKENIZER_FILES, "config.json")).local_path
     return load(path, local_files_only=True)

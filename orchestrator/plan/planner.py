@@ -1,9 +1,9 @@
-"""Planning a run: read and tokenize the corpus on Ray, pack, and write the run directory.
+"""Planning a run: read and tokenize the corpus, pack, and write the run directory.
 
-Streaming: Ray Data tokenizes shard by shard into the object store (spilling to disk when large);
-the head only pulls per-row summaries (row, id, token count, reason), packs them, and Ray workers
-then group the token ids by batch and write one parquet file per batch. The head never holds the
-token ids.
+Streaming: a large corpus is tokenized by Ray Data shard by shard into the object store (spilling to disk when
+large); the head only pulls per-row summaries (row, id, token count, reason), packs them, and Ray workers then
+group the token ids by batch and write one parquet file per batch, so the head never holds the token ids. A corpus
+of at most `corpus.in_process_bytes` goes through the same steps in the head's own process (tokenized.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import logging
 import os
 import shutil
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,33 +21,26 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from orchestrator.storage import location, object_append, storage
-from orchestrator.config import RunConfig
-from orchestrator.plan.corpus import corpus_fingerprint, count_rows, list_files, number_shards, split_shards
-from orchestrator.json_out import dumps
-from orchestrator.run.lock import run_lock
-from orchestrator.run.manifest import BatchRecord, batch_id, write_manifest
 from engine import structured_error
+from orchestrator.config import RunConfig, plan_changes
+from orchestrator.json_out import dumps
+from orchestrator.plan.corpus import corpus_fingerprint, list_files, split_shards
 from orchestrator.plan.model_source import (load_tokenizer, max_seq_len, model_config, model_fingerprint,
                                             tokenizer_fingerprint)
 from orchestrator.plan.packing import PackingLimits, lower_bound, pack, shareable_prompt_tokens
 from orchestrator.plan.report import PlanStats
-from orchestrator.plan.output_plan import first_foreign, plan_fingerprint
+from orchestrator.plan.tokenized import SUMMARY_COLUMNS, corpus_bytes, tokenize
 from orchestrator.plan.weights_identity import check_weights, weights_digest, weights_identity
-from orchestrator.run.rundir import PlanMismatch, RunDir, check_same_plan, config_hash, versions
-from orchestrator.storage.atomic import atomic_write_parquet, atomic_write_text
-from orchestrator.plan.tokenize import PromptTokenizer, shard_item
+from orchestrator.state.disk_full import disk_full
+from orchestrator.state.manifest import BatchRecord, batch_id, write_manifest
+from orchestrator.state.output_plan import first_foreign, plan_fingerprint
+from orchestrator.state.run_lock import run_lock
+from orchestrator.state.rundir import PlanMismatch, RunDir, config_hash, versions
+from orchestrator.storage import location, object_append, storage
+from orchestrator.storage.atomic import atomic_write_text
 from orchestrator.surface import setting
 
 log = logging.getLogger(__name__)
-
-SUMMARY_COLUMNS = ["row", "prompt_id", "num_tokens", "reason", "detail", "file_index", "line", "page_keys",
-                   "max_new_tokens"]
-BATCH_SCHEMA = pa.schema([("prompt_id", pa.string()), ("row", pa.int64()), ("token_ids", pa.list_(pa.int32())),
-                          ("passthrough", pa.string()), ("sampling", pa.string())])
-"""batches/<id>.parquet. `passthrough` (SampleRecord.passthrough: the row's other columns and typed id) and
-`sampling` (the row's own sampling overrides, orchestrator.plan.row_sampling) are absent from plans older than them."""
-
 
 class NothingToRun(ValueError):
     """The run can produce no sample: an empty corpus, every row rejected, or a config that no prompt fits.
@@ -139,7 +131,13 @@ def plan_locked(cfg: RunConfig) -> PlanResult:
     weights = weights_identity(cfg.model.require_path())
     prints["weights"] = weights_digest(weights)
     _refuse_foreign_outputs(run_dir, plan_fingerprint(prints))
-    stats, records = _plan_into(cfg, run_dir, files)
+    try:
+        stats, records = _plan_into(cfg, run_dir, files)
+    except Exception as e:  # noqa: BLE001 - only a full disk is turned into its one line; the rest is re-raised
+        full = disk_full(e, run_dir.root)
+        if full is None:
+            raise
+        raise full from None
     if stats.accepted == 0:  # rejected.jsonl stays for the user to read; no plan, so a fixed corpus replans
         shutil.rmtree(run_dir.batches, ignore_errors=True)
         with object_append.open_append(run_dir.events) as events:
@@ -190,17 +188,6 @@ def _nothing_accepted(stats: PlanStats, run_dir: RunDir, cfg: RunConfig) -> str:
 
 
 def _plan_into(cfg: RunConfig, run_dir: RunDir, files: list[str]) -> tuple[PlanStats, list[BatchRecord]]:
-    import ray
-    from ray.data import DataContext
-
-    from orchestrator.slices.cluster import ensure_ray
-    from orchestrator.observe.ray_noise import quiet_ray_data
-
-    ensure_ray(cfg.cluster)
-    quiet_ray_data()
-    data_context = DataContext.get_current()
-    data_context.enable_progress_bars = False  # the capacity report is the output; phases are logged
-    data_context.print_on_execution_start = False
     limits = PackingLimits.resolve(cfg.packing, cfg.engine, cfg.sampling)
     context = max_seq_len(cfg.model, cfg.engine)
     if run_dir.batches.exists():  # leftovers of an interrupted plan
@@ -215,27 +202,13 @@ def _plan_into(cfg: RunConfig, run_dir: RunDir, files: list[str]) -> tuple[PlanS
         clock = time.perf_counter()
 
     shards = split_shards(files, cfg.corpus.shard_bytes)
-    count = ray.remote(num_cpus=1)(count_rows)
-    counts = ray.get([count.remote(s) for s in shards])
-    shards = number_shards(shards, counts)
-    phase(f"counting rows of {len(shards)} shards")
+    in_process = corpus_bytes(files) <= cfg.corpus.in_process_bytes
+    tokenizer_args = (cfg.model, cfg.corpus, limits, context, model_config(cfg.model).get("vocab_size"), cfg.sampling)
+    tokenized, counts = tokenize(shards, tokenizer_args, cfg.cluster, in_process)
+    phase(f"counting and tokenizing the rows of {len(shards)} shards " + ("here" if in_process else "on Ray Data"))
     if sum(rows for rows, _ in counts) == 0:  # e.g. only blank lines: nothing to tokenize
         return PlanStats.build(0, [], np.zeros(0, np.int64), pack(np.zeros(0, np.int64), limits), 0), []
-    workers = max(1, min(len(shards), int(ray.available_resources().get("CPU", 1))))
-    with warnings.catch_warnings():  # max_restarts has no named parameter in map_batches (Ray 2.60)
-        warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
-        tokenized = ray.data.from_items([shard_item(s) for s in shards], override_num_blocks=len(shards)).map_batches(
-            PromptTokenizer, fn_constructor_args=(cfg.model, cfg.corpus, limits, context,
-                                                  model_config(cfg.model).get("vocab_size"), cfg.sampling),
-            batch_size=1, compute=ray.data.ActorPoolStrategy(size=workers), batch_format="numpy",
-            # No actor restarts: Ray Data hands its actors their arguments as object refs, which a restart may not
-            # recover (Ray says so in an E-level core_worker line on every plan). A lost tokenizer fails the plan,
-            # and rerunning plans afresh.
-            max_restarts=0,
-        ).materialize()
-
-    phase("tokenizing")
-    summary = _summaries(tokenized)
+    summary = _summaries(tokenized.summaries())
     summary = _reject_duplicates(summary)
     accepted = summary.filter(pc.is_null(summary["reason"]))
     rejected = summary.filter(pc.is_valid(summary["reason"]))
@@ -256,11 +229,12 @@ def _plan_into(cfg: RunConfig, run_dir: RunDir, files: list[str]) -> tuple[PlanS
     batch_of_row[rows] = packing.batch_of_item()
     position_of_row[rows[packing.order]] = np.arange(len(packing.order), dtype=np.int32)
     phase(f"packing into {packing.num_batches} batches")
-    # Hash partitions of about 32 MiB of token ids each, at least one per worker.
-    partitions = max(workers, min(256, int(lengths.sum()) * 4 // 2**25))
-    _write_batch_files(tokenized, ray.put((batch_of_row, position_of_row)), str(run_dir.batches), num_batches,
-                       min(partitions, max(1, num_batches)))
-
+    if num_batches:
+        written = tokenized.write_batches(batch_of_row, position_of_row, str(run_dir.batches), num_batches,
+                                          int(lengths.sum()))
+        if written != num_batches:
+            raise RuntimeError(f"internal error: wrote {written} batch files for {num_batches} batches")
+        os.sync()  # one durability barrier for every batch file, before the manifest refers to them
     phase(f"writing {num_batches} batch files")
     records = [
         BatchRecord(batch_id(b, num_batches), num_prompts=int(packing.offsets[b + 1] - packing.offsets[b]),
@@ -284,8 +258,7 @@ def _page_keys(accepted: pa.Table) -> tuple[np.ndarray, np.ndarray]:
     return first, flat
 
 
-def _summaries(tokenized) -> pa.Table:
-    parts = list(tokenized.select_columns(SUMMARY_COLUMNS).iter_batches(batch_format="pyarrow", batch_size=None))
+def _summaries(parts: list[pa.Table]) -> pa.Table:
     table = pa.concat_tables(parts) if parts else pa.table({c: [] for c in SUMMARY_COLUMNS})
     table = table.sort_by("row")
     if not np.array_equal(table["row"].to_numpy(), np.arange(table.num_rows)):
@@ -316,31 +289,17 @@ def _write_rejected(run_dir: RunDir, rejected: pa.Table, files: list[str]) -> No
     atomic_write_text(run_dir.rejected, "".join(line + "\n" for line in lines))
 
 
-def _write_batch_files(tokenized, assignment_ref, batches_dir: str, num_batches: int, partitions: int) -> None:
-    """Group token ids by batch on Ray workers and write batches/<id>.parquet, prompts longest first."""
-    if num_batches == 0:
-        return
 
-    def assign(table: pa.Table) -> pa.Table:
-        import ray
-
-        batch_of_row, position_of_row = ray.get(assignment_ref)
-        rows = table["row"].to_numpy()
-        table = table.select(BATCH_SCHEMA.names)
-        table = table.append_column("batch", pa.array(batch_of_row[rows]))
-        table = table.append_column("position", pa.array(position_of_row[rows]))
-        return table.filter(pc.greater_equal(table["batch"], 0))
-
-    def write(group: pa.Table) -> pa.Table:
-        group = group.sort_by("position")
-        index = int(group["batch"][0].as_py())
-        path = f"{batches_dir}/{batch_id(index, num_batches)}.parquet"
-        atomic_write_parquet(path, group.select(BATCH_SCHEMA.names).cast(BATCH_SCHEMA), fsync=False)
-        return pa.table({"batch": [index], "num_prompts": [group.num_rows]})
-
-    written = tokenized.map_batches(assign, batch_format="pyarrow", batch_size=None) \
-        .groupby("batch", num_partitions=partitions).map_groups(write, batch_format="pyarrow")
-    count = sum(t.num_rows for t in written.iter_batches(batch_format="pyarrow", batch_size=None))
-    if count != num_batches:
-        raise RuntimeError(f"internal error: wrote {count} batch files for {num_batches} batches")
-    os.sync()  # one durability barrier for every batch file, before the manifest refers to them
+def check_same_plan(run_dir: RunDir, cfg: RunConfig, fingerprints: dict[str, str]) -> None:
+    """Refuse to reuse a planned run directory for different samples (capacities may differ: see retune)."""
+    old = run_dir.read_run_json()
+    problems = plan_changes(old["sample_affecting"], cfg)
+    for name in ("corpus", "tokenizer", "model"):
+        if old["fingerprints"].get(name) != fingerprints.get(name):
+            problems.append(f"the {name} changed since planning ({name} fingerprint differs)")
+    if problems:
+        raise PlanMismatch(
+            f"run directory {run_dir.root} was planned for different samples:\n  " + "\n  ".join(problems)
+            + "\nTo continue that run, use its original config and inputs. To start a new run, pass a new "
+            f"{setting('name', 'NAME')} (or {setting('run_dir', 'DIR')})."
+        )

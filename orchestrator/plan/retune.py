@@ -15,17 +15,16 @@ import re
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from engine import SamplingConfig
-from orchestrator.storage import parquet_io
-from orchestrator.storage.atomic import atomic_write_parquet
 from orchestrator.config import RunConfig, diff_keys
-from orchestrator.run.manifest import BatchRecord, batch_id
 from orchestrator.plan.packing import PackingLimits, pack
 from orchestrator.plan.row_sampling import max_new_tokens
-from orchestrator.run.run_state import RunState
-from orchestrator.run.rundir import PlanMismatch, RunDir
+from orchestrator.state.manifest import BatchRecord, batch_id
+from orchestrator.state.run_state import RunState
+from orchestrator.state.rundir import PlanMismatch, RunDir
+from orchestrator.storage import parquet_io
+from orchestrator.storage.atomic import atomic_write_parquet
 from orchestrator.surface import setting
 
 _GENERATION = re.compile(r"-r(\d+)$")

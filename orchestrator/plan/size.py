@@ -30,12 +30,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import (DTYPE_BYTES, GiB, ModelConfig, ParamCount, count_params, kv_bytes_per_token, sharded_config,
-                    tensor_parallel_error)
+from engine import (DTYPE_BYTES, GiB, ModelConfig, count_params, kv_bytes_per_token, kv_page_bytes, pages_for,
+                    sharded_config, tensor_parallel_error)
 
 
 @dataclass(frozen=True)
@@ -233,8 +232,8 @@ def size(cfg: ModelConfig, *, hbm_gib: float, hbm_gb_per_s: float, tp: int = 1, 
     budget = hbm - reserve - weights
     kv_token = kv_bytes_per_token(held, nbytes)
     kv_token_chip = kv_token // tp
-    page_bytes = page_size * kv_token_chip
-    pages_per_seq = math.ceil(seq_len / page_size)
+    page_bytes = kv_page_bytes(held, nbytes, page_size, tp)
+    pages_per_seq = pages_for(seq_len, page_size)
     if budget < pages_per_seq * page_bytes:
         raise SizingError(
             f"weights take {weights / GiB:.2f} GiB per chip and the reserve {reserve / GiB:.2f} GiB of "

@@ -25,7 +25,7 @@ from typing import Any
 
 import fsspec
 
-from orchestrator.run.rundir import PlanMismatch
+from orchestrator.state.rundir import PlanMismatch
 
 CONTENT_HASH_LIMIT_BYTES = 4 * 2**30
 """Checkpoints up to this size (all weight files together) get a content hash per file at plan time."""

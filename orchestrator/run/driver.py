@@ -17,33 +17,38 @@ safetensors headers, or NaN/Inf found by a slice as it loads) and a full disk st
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
-import signal
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
+from engine import check_checkpoint
 from orchestrator import exit_codes
-from orchestrator.storage import location, object_append
-from orchestrator.storage.atomic import atomic_write_parquet
-from orchestrator.run.batch_files import BatchFileError, read_batch
 from orchestrator.config import RunConfig
-from orchestrator.run.faults import crash_point
-from orchestrator.run.lock import RunDirLocked, run_lock
-from orchestrator.plan.output_plan import plan_fingerprint, stamp
+from orchestrator.observe.plot import write_plot
 from orchestrator.observe.progress import RunProgress
 from orchestrator.observe.run_summary import RunSummary
 from orchestrator.observe.timeline import read_timeline
-from orchestrator.run.results import Completed, Failed
+from orchestrator.observe.tracking import make_tracker
+from orchestrator.plan.planner import plan_locked, refuse_impossible
 from orchestrator.plan.retune import retune
-from orchestrator.run.run_events import EventStream, ReadySlice, SlicesReady, SliceStarted
-from orchestrator.run.run_state import RunState
-from orchestrator.run.rundir import RunDir
+from orchestrator.run.signals import interrupt_on_signals, on_signals, restore_signals
+from orchestrator.slices.cluster import ensure_ray
 from orchestrator.slices.slice_gang import POLL_S, SliceGang
 from orchestrator.slices.slice_layout import check_mesh, validate
 from orchestrator.slices.waiting import WaitingReport
+from orchestrator.state.batch_files import BatchFileError, read_batch
+from orchestrator.state.disk_full import disk_full
+from orchestrator.state.faults import crash_point
+from orchestrator.state.lock import RunDirLocked
+from orchestrator.state.output_plan import plan_fingerprint, stamp
+from orchestrator.state.results import Completed, Failed
+from orchestrator.state.run_events import EventStream, ReadySlice, SlicesReady, SliceStarted
+from orchestrator.state.run_lock import run_lock
+from orchestrator.state.run_state import RunState
+from orchestrator.state.rundir import RunDir
+from orchestrator.storage import location, object_append, storage
+from orchestrator.storage.atomic import atomic_write_parquet
 
 
 @dataclass
@@ -72,18 +77,6 @@ class RunOutcome:
     """With FAULT: why the run stopped, in one line that names the file or key and the fix."""
 
 
-class DiskFull(OSError):
-    """The disk (or quota) holding the run directory is full; the message names the file and the recovery."""
-
-
-def disk_full(e: OSError, where: Path) -> DiskFull | None:
-    """A DiskFull for an out-of-space error `e`, None for any other error."""
-    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-        return None
-    return DiskFull(e.errno, f"out of disk space writing {e.filename or where} ({e.strerror}); free space there and "
-                    "rerun the same command: the run resumes where it stopped, losing nothing written")
-
-
 class Driver:
     def __init__(self, cfg: RunConfig, show_progress: bool = True, stop: threading.Event | None = None) -> None:
         check_mesh(cfg)  # no model needed: a config error before the run directory is touched
@@ -103,10 +96,7 @@ class Driver:
     def run(self) -> RunOutcome:
         model = self.cfg.model.require_path()
         if not self.run_dir.is_planned():
-            from orchestrator.plan.planner import refuse_impossible
-
             refuse_impossible(self.cfg)  # before the run directory or Ray exists
-        from engine import check_checkpoint
 
         check_checkpoint(model)  # headers only (ranged reads on gs://), before planning: a bad one stops the run once
         validate(self.cfg)  # the mesh against the devices and the model, the capacities: before any slice starts
@@ -122,16 +112,13 @@ class Driver:
                 raise full from None
 
     def _run_locked(self) -> RunOutcome:
-        previous = _interrupt_on_signals()  # until the slices start: `ray job stop` (SIGTERM) stops like Ctrl-C
+        previous = interrupt_on_signals()  # until the slices start: `ray job stop` (SIGTERM) stops like Ctrl-C
         try:
             return self._plan_and_execute()
         finally:
-            _restore_signals(previous)
+            restore_signals(previous)
 
     def _plan_and_execute(self) -> RunOutcome:
-        from orchestrator.slices.cluster import ensure_ray
-        from orchestrator.plan.planner import plan_locked
-
         planned = plan_locked(self.cfg)  # starts Ray only when there is something to plan
         self._lock.check()
         if not planned.already_planned:
@@ -162,8 +149,6 @@ class Driver:
                     raise
 
     def _execute(self, state: RunState, todo: list[str]) -> RunOutcome:
-        from orchestrator.observe.tracking import make_tracker
-
         tracker = make_tracker(self.cfg.tracker, self.run_dir.root, self.cfg.name,
                                json.loads(json.dumps(dataclasses.asdict(self.cfg))))
         progress = RunProgress(self.run_dir, list(state.records.values()), self.show_progress)
@@ -173,7 +158,7 @@ class Driver:
         self.events.subscribe(lambda event: state.event(event.line()))
         state.event(f"run started: {len(todo)} of {len(state.records)} batches to do, "
                     f"{self.cfg.cluster.num_slices} slices")
-        previous = _on_signals(self.stop)
+        previous = on_signals(self.stop)
         try:
             self.slots = [_Slot(SliceGang(i, self.cfg)) for i in range(self.cfg.cluster.num_slices)]
             for slot in self.slots:
@@ -191,7 +176,7 @@ class Driver:
             progress.bar.close()
             raise
         finally:
-            _restore_signals(previous)
+            restore_signals(previous)
             if not self._lock_lost:
                 summary, stopped = self._wind_down(state, progress, tracker)
         if self._fault is not None:
@@ -348,7 +333,8 @@ class Driver:
         atomic_write_parquet(self.run_dir.output_file(result.batch_id), stamp(samples, self._plan, prompt_ids),
                              before_replace=lambda: crash_point("output_tmp"))
         crash_point("output_written")
-        record = self._state.mark_done(result.batch_id, result.stats, slot.name)
+        record = self._state.mark_done(result.batch_id, result.stats, slot.name,
+                                       output_bytes=storage.file_size(self.run_dir.output_file(result.batch_id)))
         done = self._state.counts["done"]
         self._progress.batch_done(record, done, self._state.counts["failed"])
         s = result.stats
@@ -368,8 +354,6 @@ class Driver:
 
     def _plot(self, timeline: list[dict], mean_tokens_per_s: float | None) -> None:
         try:
-            from orchestrator.observe.plot import write_plot
-
             t0 = min((b["t"] for b in timeline), default=0.0)
             write_plot(self.run_dir.plot, [{**b, "t": b["t"] - t0} for b in timeline], mean_tokens_per_s)
         except Exception as e:  # noqa: BLE001 - the plot is a report, never a reason to fail the run
@@ -388,28 +372,3 @@ def _best_effort_event(run_dir: RunDir, text: str) -> None:
     except OSError:
         pass
 
-
-def _on_signals(stop: threading.Event):
-    """SIGINT/SIGTERM stop the run cleanly (resumable) instead of killing it mid-write."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    handler = lambda signum, frame: stop.set()  # noqa: E731
-    return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-
-def _interrupt_on_signals():
-    """Before the slices start (planning, re-packing), SIGINT and SIGTERM raise KeyboardInterrupt: a clean stop
-    (the command's one line and exit 130) rather than Ray's C-level stack dump for SIGTERM. Nothing is left
-    half-done that a rerun does not redo: the plan is written last (batches.jsonl)."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    return {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-
-def _restore_signals(previous) -> None:
-    for sig, handler in (previous or {}).items():
-        signal.signal(sig, handler)

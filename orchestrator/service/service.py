@@ -20,10 +20,10 @@ from fastapi.responses import JSONResponse
 from ray import serve
 
 from orchestrator.config import ConfigError
-from orchestrator.run.manifest import CorruptRunFile
 from orchestrator.service.service_auth import BearerAuth, token_digest
 from orchestrator.service.service_paths import DataPolicy
 from orchestrator.service.service_runs import RunConflict, RunNameError, RunRegistry, UnknownRun, check_name, parse_run_config
+from orchestrator.state.manifest import CorruptRunFile
 
 MAX_OFFSET = 10**12
 

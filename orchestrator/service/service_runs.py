@@ -22,11 +22,14 @@ from typing import Any
 import yaml
 
 from orchestrator.config import ConfigError, RunConfig, load_run_config, plan_changes
+from orchestrator.export.export import done_outputs, page
+from orchestrator.observe.status import head_holding, status
 from orchestrator.run.driver import Driver, RunOutcome
-from orchestrator.run.rundir import RunDir
 from orchestrator.service.service_body import BodyTooLargeWhenExpanded, load_body
 from orchestrator.service.service_paths import DataPolicy
 from orchestrator.slices.slice_layout import validate
+from orchestrator.state.manifest import read_manifest
+from orchestrator.state.rundir import RunDir
 from orchestrator.surface import surface
 
 log = logging.getLogger(__name__)
@@ -141,8 +144,6 @@ class RunRegistry:
             return self._submit(cfg)
 
     def _submit(self, cfg: RunConfig) -> dict[str, Any]:
-        from orchestrator.observe.status import head_holding
-
         name = check_name(cfg.name)
         run_dir = self.run_dir(name)
         self.policy.check(cfg)  # before anything opens the corpus or model (PathRefused: HTTP 400)
@@ -224,8 +225,6 @@ class RunRegistry:
 
     def describe(self, name: str) -> dict[str, Any]:
         """The run's state (running | done | failed | cancelled | incomplete) and `status` figures once planned."""
-        from orchestrator.observe.status import status
-
         run_dir = self.run_dir(name)
         with self._lock:
             run = self._runs.get(name)
@@ -238,16 +237,12 @@ class RunRegistry:
         return {**out, **figures}
 
     def batches(self, name: str) -> list[dict[str, Any]]:
-        from orchestrator.run.manifest import read_manifest
-
         self.describe(name)  # 404 for an unknown name
         manifest = self.run_dir(name).manifest
         return [dataclasses.asdict(r) for r in read_manifest(manifest)] if manifest.exists() else []
 
     def samples(self, name: str, offset: int, limit: int) -> dict[str, Any]:
         """Samples of the done batches in corpus order, then generation index: `limit` of them from `offset`."""
-        from orchestrator.commands.export import done_outputs, page
-
         self.describe(name)
         run_dir = self.run_dir(name)
         if not run_dir.manifest.exists():

@@ -97,6 +97,11 @@ class ClusterGone(RuntimeError):
     """The cluster pagefleet would join does not answer; the message says where its address came from and the fix."""
 
 
+class RayDidNotStart(ClusterGone):
+    """ray.init failed (a start-up timeout, a raylet that died, a cluster that refused us): what Ray said, in one line,
+    and the fix."""
+
+
 ANSWER_TIMEOUT_S = 5.0
 """How long the cluster's GCS port has to accept a connection before the cluster is reported gone."""
 
@@ -151,14 +156,25 @@ def ensure_ray(cluster: ClusterConfig) -> None:
         # Ray starts its processes with subprocess (fork, then exec at once): JAX's warning that a fork of its
         # threads may deadlock does not apply, and with JAX loaded (pagefleet.generate first) it printed twice.
         warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
-        if address:
-            if cluster.local_num_cpus is not None:
-                log.warning("connecting to the existing Ray cluster at %s: cluster.local_num_cpus=%d is ignored (it "
-                            "sizes only a Ray started in-process)", address, cluster.local_num_cpus)
-            ray.init(address=address, log_to_driver=False)
-        else:
-            ray.init(num_cpus=cluster.local_num_cpus, include_dashboard=False, log_to_driver=False,
-                     _temp_dir=local_ray_temp_dir())
+        if address and cluster.local_num_cpus is not None:
+            log.warning("connecting to the existing Ray cluster at %s: cluster.local_num_cpus=%d is ignored (it "
+                        "sizes only a Ray started in-process)", address, cluster.local_num_cpus)
+        temp_dir = None if address else local_ray_temp_dir()
+        try:
+            if address:
+                ray.init(address=address, log_to_driver=False)
+            else:
+                ray.init(num_cpus=cluster.local_num_cpus, include_dashboard=False, log_to_driver=False,
+                         _temp_dir=temp_dir)
+        except Exception as e:  # noqa: BLE001 - whatever kept Ray from starting, as one line with the fix
+            said = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            if address:
+                raise RayDidNotStart(f"could not join the Ray cluster at {address} ({type(e).__name__}: {said}); "
+                                     "check that it is up (`ray status` there), or unset RAY_ADDRESS to start a local "
+                                     "Ray") from None
+            raise RayDidNotStart(f"a local Ray did not start ({type(e).__name__}: {said}); this machine may be short "
+                                 f"of memory, CPU or disk (Ray's session files are under {temp_dir or 'RAY_TMPDIR'}): "
+                                 "free some and rerun, or set RAY_ADDRESS to a running cluster") from None
 
 
 @contextmanager

@@ -24,14 +24,17 @@ import threading
 import time
 import traceback
 
+from engine import Engine, initialize_distributed
+from orchestrator.plan.model_cache import local_copy
+from orchestrator.plan.model_source import load_tokenizer, ModelSourceConfig
 from orchestrator.plan.weights_identity import check_weights
-from orchestrator.run.batch_files import BatchFileError, check_reachable, on_hosts, prefetch
-from orchestrator.run.faults import crash_point
-from orchestrator.run.results import BatchWork, Failed, Result
 from orchestrator.slices.slice_batches import LiveBatches, batch_requests, batch_result
 from orchestrator.slices.slice_inbox import Inbox
 from orchestrator.slices.slice_spec import SliceSpec, engine_mesh
 from orchestrator.slices.slice_timeline import Timeline
+from orchestrator.state.batch_files import BatchFileError, check_reachable, on_hosts, prefetch
+from orchestrator.state.faults import crash_point
+from orchestrator.state.results import BatchWork, Failed, Result
 
 
 class SliceWorker:
@@ -86,11 +89,7 @@ class SliceWorker:
         if self.spec.batches_dir is not None:
             check_reachable(self.spec.batches_dir, self.spec.name)
         if self.spec.spmd:
-            from engine import initialize_distributed
-
             initialize_distributed(coordinator, self.spec.num_hosts, self.spec.host_index, self.spec.devices_per_host)
-        from orchestrator.plan.model_cache import local_copy
-        from orchestrator.plan.model_source import ModelSourceConfig, load_tokenizer
 
         if self.spec.weights is not None:  # weights changed in place since planning are refused, never mixed
             check_weights(self.spec.model_path, self.spec.weights)
@@ -116,8 +115,6 @@ class SliceWorker:
                 "modules": sorted(sys.modules)}  # what this process imported to run its engines (run_events)
 
     def _start_engine(self, model_path: str, tokenizer) -> None:
-        from engine import Engine
-
         mesh = engine_mesh(self.spec, lane=self._parent is not None)
         self.engine = Engine(model_path, self.spec.engine, dtype=self.spec.dtype, mesh=mesh, tokenizer=tokenizer)
         name = f"{self.spec.name}-engine" + (f"-{self._lane}" if self._parent else "")

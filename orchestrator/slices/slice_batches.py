@@ -12,8 +12,8 @@ import pyarrow as pa
 
 from engine import RECORD_FIELDS, Request, SamplingConfig
 from orchestrator.plan.row_sampling import apply
-from orchestrator.run.results import SAMPLE_SCHEMA, BatchStats, BatchWork, Completed, Failed, Result, with_stats
 from orchestrator.slices.slice_spec import SliceSpec
+from orchestrator.state.results import SAMPLE_SCHEMA, BatchStats, BatchWork, Completed, Failed, Result, with_stats
 
 
 def batch_requests(prompts: pa.Table, sampling: SamplingConfig) -> list[Request]:

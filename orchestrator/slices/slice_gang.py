@@ -16,18 +16,21 @@ start within it, is reported as failed too.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.slices.cluster import host_level
+from engine import CheckpointError, MeshError, PoolTooLarge, UnsupportedModelError
 from orchestrator.config import RunConfig
 from orchestrator.plan.weights_identity import WeightsChanged
-from orchestrator.run.faults import slice_environment
-from orchestrator.run.results import BatchWork, Result
+from orchestrator.slices.cluster import host_level
 from orchestrator.slices.slice import SliceSpec, SliceWorker
 from orchestrator.slices.tpu_placement import SLICE_NAME_LABEL, single_host_tpu_env, slice_name
+from orchestrator.state.batch_files import RunDirUnreachable
+from orchestrator.state.faults import slice_environment
+from orchestrator.state.results import BatchWork, Result
+from orchestrator.state.rundir import RunDir
+from orchestrator.storage import location
 
 POLL_S = 1.0
 
@@ -165,10 +168,6 @@ class SliceGang:
             try:
                 self._infos[host] = ray.get(ref)
             except ray.exceptions.RayError as e:
-                from engine import CheckpointError, PoolTooLarge, MeshError
-                from engine import UnsupportedModelError
-                from orchestrator.run.batch_files import RunDirUnreachable
-
                 cause = getattr(e, "cause", None)
                 # Deterministic faults (a checkpoint it cannot load, or changed since planning, a mesh or model it
                 # cannot run, a run directory it cannot see, a host KV pool larger than the host's memory): every
@@ -212,9 +211,6 @@ class SliceGang:
     @property
     def run_dir(self):
         """The run directory as a slice names it (absolute: a slice's working directory is not the head's)."""
-        from orchestrator.storage import location
-        from orchestrator.run.rundir import RunDir
-
         root = location.location(self.cfg.resolved_run_dir)
         return RunDir(root if isinstance(root, location.Location) else root.absolute())
 

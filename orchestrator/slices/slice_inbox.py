@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from orchestrator.run.results import BatchWork
+from orchestrator.state.results import BatchWork
 
 
 class Inbox:

@@ -8,7 +8,10 @@ slice is ever started (so nothing is retried).
 
 from __future__ import annotations
 
+from engine import check_pool, ModelConfig, tensor_parallel_error
 from orchestrator.config import RunConfig
+from orchestrator.plan.model_source import max_seq_len, model_config
+from orchestrator.plan.packing import PackingLimits
 
 MESH_AXES = ("data", "model")
 
@@ -55,10 +58,6 @@ def check_mesh(cfg: RunConfig) -> None:
 
 def validate(cfg: RunConfig) -> tuple:
     """Every check of the head, in order; returns the model's config and the engine's context length."""
-    from engine import ModelConfig, check_pool, tensor_parallel_error
-    from orchestrator.plan.model_source import max_seq_len, model_config
-    from orchestrator.plan.packing import PackingLimits
-
     check_mesh(cfg)
     PackingLimits.resolve(cfg.packing, cfg.engine, cfg.sampling)
     model = ModelConfig.from_hf(model_config(cfg.model))

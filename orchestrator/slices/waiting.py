@@ -12,11 +12,12 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from orchestrator.observe.progress import line_every_s
 from orchestrator.slices.cluster import ClusterConfig
 
 if TYPE_CHECKING:
     from orchestrator.observe.progress import RunProgress
-    from orchestrator.run.run_state import RunState
+    from orchestrator.state.run_state import RunState
 
 WAIT_CHECK_S = 5.0
 """How often the head checks whether slices wait for resources."""
@@ -84,8 +85,6 @@ class WaitingReport:
     def check(self, num_waiting: int, num_live: int, progress: RunProgress, state: RunState) -> None:
         """`num_waiting` of the `num_live` slices have not started."""
         import ray
-
-        from orchestrator.observe.progress import line_every_s
 
         now = time.monotonic()
         if now < self._next_check:

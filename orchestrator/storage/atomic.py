@@ -10,6 +10,10 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
+from engine.files import is_object_store, upload_file
+
 
 def _umask() -> int:
     mask = os.umask(0)
@@ -58,21 +62,17 @@ def atomic_write(path: str | Path, write: Callable[[str], None], fsync: bool = T
 
 
 def _is_object(path) -> bool:
-    from orchestrator.storage import storage
-
-    return storage.is_object_store(str(path))
+    return is_object_store(str(path))
 
 
 def _write_object(url: str, write: Callable[[str], None], before_replace: Callable[[], None] | None) -> None:
-    from orchestrator.storage import storage
-
     fd, tmp = tempfile.mkstemp(prefix=".pagefleet-upload-", suffix=".tmp")
     os.close(fd)
     try:
         write(tmp)
         if before_replace is not None:
             before_replace()
-        storage.upload_file(tmp, url)
+        upload_file(tmp, url)
     finally:
         os.unlink(tmp)
 
@@ -87,8 +87,6 @@ def atomic_write_text(path: str | Path, text: str, before_replace: Callable[[], 
 
 def atomic_write_parquet(path: str | Path, table, fsync: bool = True,
                          before_replace: Callable[[], None] | None = None) -> None:
-    import pyarrow.parquet as pq
-
     atomic_write(path, lambda tmp: pq.write_table(table, tmp), fsync=fsync, before_replace=before_replace)
 
 

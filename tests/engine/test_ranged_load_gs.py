@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from engine import ranged_file
+from engine import files, ranged_file
 from engine.models.presets import write_model
 from engine.models.weights import SafetensorsCheckpoint, _build, load_transformer, sharding
 from engine.models.model_config import ModelConfig
@@ -111,7 +111,7 @@ def test_a_sharded_load_from_the_bucket_equals_the_local_load_and_reads_each_byt
 
 def test_a_failed_range_request_is_retried(gcs_bucket, tiny, monkeypatch):
     url = upload(os.path.join(tiny, "config.json"), f"{gcs_bucket}/c.json")
-    real, calls = ranged_file._fs, []
+    real, calls = files.filesystem, []
 
     class Flaky:
         def __init__(self, fs):
@@ -123,7 +123,7 @@ def test_a_failed_range_request_is_retried(gcs_bucket, tiny, monkeypatch):
                 raise ConnectionError("connection reset by peer")
             return self.fs.cat_file(path, start=start, end=end)
 
-    monkeypatch.setattr(ranged_file, "_fs", lambda u: (Flaky(real(u)[0]), real(u)[1]))
+    monkeypatch.setattr(files, "filesystem", lambda u: (Flaky(real(u)[0]), real(u)[1]))
     with open(os.path.join(tiny, "config.json"), "rb") as f:
-        assert ranged_file.read_range(url, 2, 40) == f.read()[2:40]
+        assert files.read_range(url, 2, 40) == f.read()[2:40]
     assert calls == [(2, 40), (2, 40)]

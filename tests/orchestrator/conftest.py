@@ -192,6 +192,7 @@ def ray_head_env(tmp_path):
 def tracker_summaries(monkeypatch) -> list[dict]:
     """The final summaries the run's tracker is given (`finish`), in a list filled as the run ends."""
     import orchestrator.observe.tracking as tracking
+    import orchestrator.run.driver as driver
 
     finished, make = [], tracking.make_tracker
 
@@ -200,5 +201,5 @@ def tracker_summaries(monkeypatch) -> list[dict]:
         tracker.finish = finished.append
         return tracker
 
-    monkeypatch.setattr(tracking, "make_tracker", recording_tracker)
+    monkeypatch.setattr(driver, "make_tracker", recording_tracker)  # where the head calls it
     return finished

@@ -9,7 +9,7 @@ import pytest
 
 from orchestrator.config import RunConfig
 from orchestrator.config_reference import MissingDocstring, keys, markdown
-from orchestrator.commands.generate import GenerateConfig
+from orchestrator.local.generate import GenerateConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

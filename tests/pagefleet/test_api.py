@@ -10,7 +10,7 @@ import pagefleet
 from engine.models.presets import write_model
 from orchestrator.config import ConfigError, RunConfig
 from orchestrator.commands.generate import main as generate_main
-from orchestrator.run.rundir import PlanMismatch
+from orchestrator.state.rundir import PlanMismatch
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,8 @@ import pytest
 
 from engine.sizing.capacity import pages_for
 from engine.config import EngineConfig
-from engine.sizing.machine_sizing import GiB, Machine, kv_bytes_per_token, size_for_machine, weight_bytes
+from engine.sizing.machine_sizing import GiB, Machine, size_for_machine, weight_bytes
+from engine.sizing.model_bytes import kv_bytes_per_token
 from engine.models.model_config import ModelConfig
 
 LLAMA_40M = ModelConfig.from_hf({"model_type": "llama", "hidden_size": 512, "intermediate_size": 1536,

@@ -80,7 +80,7 @@ def test_an_unwritable_location_names_the_file_and_the_fix(monkeypatch, capsys, 
         code = getattr(errno, errno_name)
         raise PermissionError(code, os.strerror(code), "/runs/demo/batches.jsonl")
 
-    monkeypatch.setitem(cli.COMMANDS, "status", refuse)
+    monkeypatch.setattr(cli, "_command_main", lambda command: refuse)
     assert main(["status", "/runs/demo"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [err]

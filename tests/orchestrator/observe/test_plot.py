@@ -89,7 +89,7 @@ def test_the_plot_draws_the_summary_rate_and_says_why_it_differs_from_the_peak(t
 
 
 def test_a_gs_run_directory_gets_its_plot(gcs_bucket):
-    from orchestrator.run.rundir import RunDir
+    from orchestrator.state.rundir import RunDir
     from orchestrator.storage import storage
     from orchestrator.storage.location import location
 

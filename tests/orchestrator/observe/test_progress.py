@@ -5,9 +5,9 @@ import re
 
 import pytest
 
-from orchestrator.run.manifest import BatchRecord
+from orchestrator.state.manifest import BatchRecord
 from orchestrator.observe.progress import RunProgress
-from orchestrator.run.rundir import RunDir
+from orchestrator.state.rundir import RunDir
 
 
 class Terminal(io.StringIO):

@@ -10,9 +10,9 @@ from orchestrator import exit_codes
 from orchestrator.commands.cli import main
 from orchestrator.observe.run_summary import RunSummary
 from orchestrator.observe.status import format_status, status
-from orchestrator.run.lock import RunLock
-from orchestrator.run.manifest import BatchRecord, write_manifest
-from orchestrator.run.rundir import RunDir
+from orchestrator.state.lock import RunLock
+from orchestrator.state.manifest import BatchRecord, write_manifest
+from orchestrator.state.rundir import RunDir
 
 from ..conftest import poison_batch, run_args, tracker_summaries, write_run_corpus
 

@@ -1,7 +1,7 @@
 import json
 
-from orchestrator.run.lock import RunLock
-from orchestrator.run.manifest import BatchRecord, write_manifest
+from orchestrator.state.lock import RunLock
+from orchestrator.state.manifest import BatchRecord, write_manifest
 from orchestrator.observe.status import format_status, status
 
 

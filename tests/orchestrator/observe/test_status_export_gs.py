@@ -9,10 +9,10 @@ import sys
 import pytest
 
 from orchestrator.storage import storage
-from orchestrator.run.object_lock import ObjectRunLock
+from orchestrator.state.object_lock import ObjectRunLock
 from tests.gcs_emulator import upload
 
-from ..commands.test_export import approx, make_run, read_output
+from ..export.test_export import approx, make_run, read_output
 
 
 def pagefleet(*args: str) -> subprocess.CompletedProcess:

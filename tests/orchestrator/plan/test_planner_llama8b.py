@@ -7,7 +7,7 @@ import pytest
 
 from engine.tokenizer.tokenizer_builder import write_tokenizer
 from orchestrator.config import load_run_config
-from orchestrator.run.manifest import read_manifest
+from orchestrator.state.manifest import read_manifest
 from orchestrator.plan.planner import plan
 from tests.orchestrator.plan.llama31_8b import write_llama31_8b_config
 

@@ -6,9 +6,9 @@ import pytest
 
 from orchestrator.config import load_run_config
 from orchestrator.run.driver import Driver
-from orchestrator.run.manifest import read_manifest
-from orchestrator.run.run_state import RunState
-from orchestrator.run.rundir import PlanMismatch
+from orchestrator.state.manifest import read_manifest
+from orchestrator.state.run_state import RunState
+from orchestrator.state.rundir import PlanMismatch
 
 from ..conftest import run_args, write_run_corpus
 from ..run.test_driver import reference, samples

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.plan.weights_identity import WeightsChanged, check_weights, weights_digest, weights_identity
-from orchestrator.run.rundir import PlanMismatch
+from orchestrator.state.rundir import PlanMismatch
 
 
 @pytest.fixture

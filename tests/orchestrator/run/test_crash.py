@@ -1,7 +1,7 @@
 """Crash safety: `pagefleet run` SIGKILLed at named points, then rerun, loses, duplicates and recomputes nothing.
 
 Each chain runs the real command in a subprocess (its own local Ray), kills it at one point after
-another (`PAGEFLEET_CRASH_AT`, see orchestrator/run/faults.py), checks the run directory after each kill,
+another (`PAGEFLEET_CRASH_AT`, see orchestrator/state/faults.py), checks the run directory after each kill,
 and finally lets it finish; the export must equal an uninterrupted run's, field for field.
 """
 
@@ -16,8 +16,8 @@ import pytest
 
 from orchestrator.config import load_run_config
 from orchestrator.run.driver import Driver
-from orchestrator.commands.export import collect
-from orchestrator.run.manifest import read_manifest
+from orchestrator.export.export import collect
+from orchestrator.state.manifest import read_manifest
 
 from ..conftest import run_args, write_run_corpus
 

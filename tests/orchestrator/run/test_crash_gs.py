@@ -9,7 +9,7 @@ import pytest
 from orchestrator.storage import generations, storage
 from orchestrator.config import load_run_config
 from orchestrator.run.driver import Driver
-from orchestrator.run.manifest import read_manifest
+from orchestrator.state.manifest import read_manifest
 from tests.gcs_emulator import upload
 
 from ..conftest import run_args, write_run_corpus

@@ -14,11 +14,11 @@ from orchestrator import exit_codes
 from orchestrator.commands.cli import main
 from orchestrator.config import load_run_config
 from orchestrator.run.driver import Driver
-from orchestrator.commands.export import collect
-from orchestrator.run.lock import RunLock
-from orchestrator.run.manifest import read_manifest
+from orchestrator.export.export import collect
+from orchestrator.state.lock import RunLock
+from orchestrator.state.manifest import read_manifest
 from orchestrator.plan.planner import plan
-from orchestrator.run.run_events import SlicesReady, SliceStarted
+from orchestrator.state.run_events import SlicesReady, SliceStarted
 from orchestrator.observe.status import format_status, status
 
 from ..conftest import poison_batch, run_args, tracker_summaries, write_run_corpus
@@ -297,7 +297,7 @@ def test_the_transfer_counters_reach_the_summary_status_and_wandb(counters_run):
     the run into the head's summary, the tracker's final summary (W&B) and `pagefleet status`, with the bytes
     per generated token; a bucket from before the ledger (no counters) is left out of both sums."""
     from orchestrator.observe.timeline import read_timeline
-    from orchestrator.run.rundir import RunDir
+    from orchestrator.state.rundir import RunDir
 
     run_dir, outcome, finished, _ = counters_run
     session = [b for b in read_timeline(RunDir(run_dir)) if b["t"] > 2.0]
@@ -341,7 +341,7 @@ def test_run_passes_input_columns_through_to_the_export(ray_local, run_model, tm
     """Item 10 for `pagefleet run`: the planner keeps each row's other columns and typed id in its batch file, the
     slice writes them into the samples, and export spreads them; a column named like a record field rejects its
     row with the reason. Seeds still read ids as strings: the samples equal one engine's on the string ids."""
-    from orchestrator.commands.export import export
+    from orchestrator.export.export import export
 
     rows = [{"id": i, "prompt": f"the sea {'and the fox ' * i}", "meta": {"k": i, "src": "web"}} for i in range(6)]
     rows.append({"id": "x", "prompt": "hello world", "token_ids": [1]})  # `token_ids` is a record field
@@ -405,13 +405,13 @@ def test_run_applies_each_row_s_own_sampling_settings(ray_local, run_model, tmp_
 
 def test_sigterm_before_the_slices_start_is_a_clean_interrupt(tmp_path, run_model, monkeypatch, capsys):
     """`ray job stop` while the head plans: the command's one line and exit 130, not a stack dump."""
-    from orchestrator.plan import planner
+    from orchestrator.run import driver
 
     def plan_then_get_stopped(cfg):  # planning is where SIGTERM arrives (Ray Data tokenizing)
         os.kill(os.getpid(), signal.SIGTERM)
         raise AssertionError("SIGTERM did not stop planning")
 
-    monkeypatch.setattr(planner, "plan_locked", plan_then_get_stopped)
+    monkeypatch.setattr(driver, "plan_locked", plan_then_get_stopped)
     corpus = write_run_corpus(tmp_path / "c.jsonl", 4)
     before = signal.getsignal(signal.SIGTERM)  # the default, or Ray's once an earlier test started Ray here
     assert main(["run", str(Path(__file__).resolve().parents[3] / "configs" / "demo.yaml"),

@@ -19,8 +19,8 @@ import requests
 from orchestrator.commands.cli import main
 from orchestrator.config import load_run_config
 from orchestrator.exit_codes import FAULT, OK
-from orchestrator.commands.export import collect
-from orchestrator.plan.output_plan import PLAN_KEY, PROMPT_IDS_KEY
+from orchestrator.export.export import collect
+from orchestrator.state.output_plan import PLAN_KEY, PROMPT_IDS_KEY
 from orchestrator.service.service_paths import DataPolicy, PathRefused
 
 from ..conftest import run_args, write_run_corpus

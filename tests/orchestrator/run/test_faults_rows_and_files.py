@@ -25,9 +25,9 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from orchestrator import exit_codes
-from orchestrator.run import faults
+from orchestrator.state import faults
 from orchestrator.commands.cli import main
-from orchestrator.run.manifest import read_manifest
+from orchestrator.state.manifest import read_manifest
 
 from ..conftest import run_args, write_run_corpus, write_tiny_model
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.commands.export import collect
-from orchestrator.run.manifest import read_manifest
+from orchestrator.export.export import collect
+from orchestrator.state.manifest import read_manifest
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[3]

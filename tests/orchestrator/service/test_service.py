@@ -10,8 +10,8 @@ import pytest
 import requests
 
 from engine import output_record
-from orchestrator.commands.export import RECORD_FIELDS, collect
-from orchestrator.commands.serve_command import main as serve_main
+from orchestrator.export.export import RECORD_FIELDS, collect
+from orchestrator.commands.serve import main as serve_main
 from orchestrator.service.service_auth import resolve_token
 
 from ..conftest import write_run_corpus

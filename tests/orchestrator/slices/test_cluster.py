@@ -24,7 +24,8 @@ def test_plan_joins_a_local_ray_start_cluster_despite_local_num_cpus(ray_head_en
     # No RAY_ADDRESS: ray.init() finds the `ray start` cluster on its own, where num_cpus may not be given.
     plan = subprocess.run([sys.executable, "-m", "orchestrator", "plan", str(ROOT / "configs" / "demo.yaml"),
                            f"--model.path={tiny_model}", f"--corpus.path={corpus}", f"--run_dir={tmp_path / 'run'}",
-                           "--cluster.local_num_cpus=2"], env=env, capture_output=True, text=True, timeout=600)
+                           "--cluster.local_num_cpus=2", "--corpus.in_process_bytes=0"],  # planned on the cluster
+                          env=env, capture_output=True, text=True, timeout=600)
     assert plan.returncode == 0, plan.stderr[-3000:]
     assert "Connecting to existing Ray cluster" in plan.stderr
     assert "cluster.local_num_cpus=2 is ignored" in plan.stderr
@@ -120,3 +121,27 @@ def test_jax_fork_warnings_from_starting_ray_are_not_shown(monkeypatch, recwarn)
     monkeypatch.setenv("RAY_ADDRESS", "local")
     ensure_ray(ClusterConfig())
     assert not [w for w in recwarn if "os.fork()" in str(w.message)]
+
+
+@pytest.mark.parametrize("address", ["local", "10.0.0.1:6379"])
+def test_a_ray_that_does_not_start_is_one_line_naming_the_fix(monkeypatch, address):
+    """ray.init's own failures (here the start-up timeout Ray raises on a loaded machine) were `internal error`."""
+    import ray
+
+    from orchestrator.slices import cluster
+    from orchestrator.slices.cluster import ClusterConfig, RayDidNotStart, ensure_ray
+
+    def timed_out(**kwargs):
+        raise TimeoutError("Timed out after 30 seconds while waiting for node to startup. Did not find socket name "
+                           "/tmp/ray/session/sockets/plasma_store in the list of object store socket names.")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", timed_out)
+    monkeypatch.setattr(cluster, "check_answers", lambda address: None)
+    monkeypatch.setenv("RAY_ADDRESS", address)
+    with pytest.raises(RayDidNotStart) as e:
+        ensure_ray(ClusterConfig())
+    message = str(e.value)
+    assert "\n" not in message and "TimeoutError: Timed out after 30 seconds" in message
+    assert ("a local Ray did not start" in message and "set RAY_ADDRESS" in message) if address == "local" else \
+        ("could not join the Ray cluster at 10.0.0.1:6379" in message and "ray status" in message)

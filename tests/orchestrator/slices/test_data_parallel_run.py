@@ -8,7 +8,7 @@ import pytest
 
 from orchestrator.config import load_run_config
 from orchestrator.run.driver import Driver
-from orchestrator.run.manifest import read_manifest
+from orchestrator.state.manifest import read_manifest
 
 from ..conftest import run_args, write_run_corpus
 from ..run.test_crash import pagefleet_run

@@ -7,7 +7,7 @@ import pytest
 
 from orchestrator.config import load_run_config
 from orchestrator.run.driver import Driver
-from orchestrator.run.manifest import read_manifest
+from orchestrator.state.manifest import read_manifest
 from orchestrator.slices.tpu_placement import single_host_tpu_env
 
 from ..conftest import run_args, write_run_corpus

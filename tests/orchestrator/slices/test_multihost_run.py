@@ -16,8 +16,8 @@ import orchestrator.slices.slice_gang as slice_gang
 from orchestrator import exit_codes
 from orchestrator.config import load_run_config
 from orchestrator.run.driver import Driver
-from orchestrator.run.manifest import read_manifest
-from orchestrator.run.run_events import SlicesReady
+from orchestrator.state.manifest import read_manifest
+from orchestrator.state.run_events import SlicesReady
 
 from ..conftest import run_args, write_run_corpus
 from ..run.test_driver import reference, samples, start_together

@@ -13,10 +13,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from engine.config import EngineConfig, SamplingConfig
-from orchestrator.plan.planner import BATCH_SCHEMA
+from orchestrator.plan.tokenized import BATCH_SCHEMA
 from orchestrator.plan.weights_identity import WeightsChanged, weights_identity
-from orchestrator.run.batch_files import RunDirUnreachable
-from orchestrator.run.results import BatchWork, Completed, Failed
+from orchestrator.state.batch_files import RunDirUnreachable
+from orchestrator.state.results import BatchWork, Completed, Failed
 from orchestrator.slices.slice import SliceSpec, SliceWorker
 
 N = 2  # samples per prompt

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from engine.config import EngineConfig, SamplingConfig
-from orchestrator.run.results import Completed
+from orchestrator.state.results import Completed
 from orchestrator.slices.slice import SliceSpec, SliceWorker
 
 from .test_slice import batch, poll_until_done

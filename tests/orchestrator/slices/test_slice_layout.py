@@ -69,10 +69,11 @@ def test_layouts_that_cannot_work_are_named(mqa_model, extra, needles):
 def test_a_mesh_the_model_cannot_use_ends_the_run_before_any_slice(run_model, tmp_path, capsys, monkeypatch):
     """tiny-llama (2 KV heads, 4 attention heads) at model 3: exit FAULT in one line; Ray never started, the run
     directory never made (before this check, three slice restarts each met the sharding error)."""
-    from orchestrator.slices import cluster
+    from orchestrator.plan import tokenized
 
-    started = []  # an earlier test of the session may have left Ray running: watch this run's own call
-    monkeypatch.setattr(cluster, "ensure_ray", lambda *a, **k: started.append((a, k)))
+    started = []  # an earlier test of the session may have left Ray running: watch this run's own calls
+    for module in (driver_module, tokenized):  # every caller of ensure_ray on the way to a slice
+        monkeypatch.setattr(module, "ensure_ray", lambda *a, **k: started.append((a, k)))
     corpus = write_run_corpus(tmp_path / "corpus.jsonl", 4)
     run_dir = tmp_path / "run"
     config = tmp_path / "run.yaml"

@@ -7,8 +7,9 @@ directory: a gs:// URL, or a path that every machine running a slice mounts.
 
 from __future__ import annotations
 
+from engine import hosts_agree, HostsDisagree
+from orchestrator.state.rundir import RunDir
 from orchestrator.storage import location, parquet_io, storage
-from orchestrator.run.rundir import RunDir
 
 
 class BatchFileError(Exception):
@@ -52,8 +53,6 @@ def on_hosts(loaded, path: str, batch_id: str, spmd: bool):
     (Engine)."""
     error = loaded if isinstance(loaded, BatchFileError) else None
     if spmd:
-        from engine import HostsDisagree, hosts_agree
-
         try:
             hosts_agree({"batch_file": f"{batch_id}: {'unreadable' if error else 'read'}"})
         except HostsDisagree as e:

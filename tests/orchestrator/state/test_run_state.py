@@ -5,11 +5,11 @@ from collections import Counter
 import pyarrow as pa
 
 from orchestrator.storage.atomic import atomic_write_parquet
-from orchestrator.run.manifest import BatchRecord, read_manifest, write_manifest
-from orchestrator.plan.output_plan import stamp
-from orchestrator.run.results import SAMPLE_SCHEMA, BatchStats, with_stats
-from orchestrator.run.run_state import RunState
-from orchestrator.run.rundir import RunDir
+from orchestrator.state.manifest import BatchRecord, read_manifest, write_manifest
+from orchestrator.state.output_plan import stamp
+from orchestrator.state.results import SAMPLE_SCHEMA, BatchStats, with_stats
+from orchestrator.state.run_state import RunState
+from orchestrator.state.rundir import RunDir
 
 
 PLAN = "plan-fingerprint"
@@ -132,3 +132,50 @@ def test_run_state_alone_knows_what_is_pending_running_and_tried(tmp_path):
     assert [state.next_due(failed_at + 1e6, wait)] == ["b0"]  # b1 waits behind b0, which failed first
     state.mark_done("b2", BatchStats(1, 1, 0.1, 1, 1.0, 1), "slice-0")
     assert state.running_on("slice-0") == [] and state.counts["running"] == 0
+
+
+def test_a_resume_trusts_what_the_head_wrote_and_checks_what_it_did_not(tmp_path, monkeypatch):
+    """At a million batches a resume read a footer per batch file and per done output (20 minutes before the first
+    batch). A manifest byte for byte as the head wrote it (its sha256 beside it) needs no batch file read, and a
+    done output is checked against the size the head recorded, from one listing; an edited manifest, or a record
+    without a size, is checked file by file as before."""
+    from orchestrator.storage import parquet_io
+
+    run_dir = RunDir(tmp_path)
+    run_dir.outputs.mkdir()
+    for b in ("b0", "b1", "b2"):
+        batch_file(run_dir, b, 2)
+    output(run_dir, "b0", 2)
+    output(run_dir, "b1", 2)
+    sizes = {b: run_dir.output_file(b).stat().st_size for b in ("b0", "b1")}
+    write_manifest(run_dir.manifest, [
+        BatchRecord("b0", "done", num_prompts=2, output="outputs/b0.parquet", output_bytes=sizes["b0"]),
+        BatchRecord("b1", "done", num_prompts=2, output="outputs/b1.parquet", output_bytes=sizes["b1"]),
+        BatchRecord("b2", num_prompts=2)])
+    (tmp_path / "run.json").write_text('{"plan": {"accepted": 6}, "fingerprints": {}, "sample_affecting": {}}')
+    reads = []
+    real = parquet_io.read_parquet_metadata
+    monkeypatch.setattr(parquet_io, "read_parquet_metadata", lambda path: reads.append(path) or real(path))
+
+    RunState.recover(run_dir, 1, PLAN).close()
+    assert reads == []  # no batch file's footer, no done output's: the listing's sizes match the records
+
+    # An output replaced by another file (here b1's samples, a valid parquet file of the same rows) is recomputed.
+    run_dir.output_file("b0").write_bytes(run_dir.output_file("b1").read_bytes() + b"\0")
+    state = RunState.recover(run_dir, 1, PLAN)
+    assert state.records["b0"].status == "pending" and not run_dir.output_file("b0").exists()
+    assert state.records["b1"].status == "done" and reads == []
+    state.close()
+
+    # Edited by hand: the digest no longer matches, every batch file is read and the edit is found.
+    text = run_dir.manifest.read_text()
+    run_dir.manifest.write_text(text.replace('"batch_id": "b2", "status": "pending", "num_prompts": 2',
+                                             '"batch_id": "b2", "status": "pending", "num_prompts": 3'))
+    (tmp_path / "run.json").write_text('{"plan": {"accepted": 7}, "fingerprints": {}, "sample_affecting": {}}')
+    try:
+        RunState.recover(run_dir, 1, PLAN)
+    except ValueError as e:
+        assert "b2 has num_prompts 3 but its batch file b2.parquet holds 2 prompts" in str(e)
+    else:
+        raise AssertionError("an edited num_prompts was not found")
+    assert reads

@@ -68,14 +68,3 @@ def holder_text(raw: str) -> str:
         info["since"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(info["since"]))
     return json.dumps(info)
 
-
-def run_lock(run_dir: str | Path, stale_after_s: float = 60.0):
-    """The lock for `run_dir`: `flock` on a local directory, an object with generation preconditions on an
-    object store (orchestrator/run/object_lock.py), stale after `stale_after_s` without a refresh."""
-    from orchestrator.storage import storage
-
-    if storage.is_object_store(run_dir):
-        from orchestrator.run.object_lock import ObjectRunLock
-
-        return ObjectRunLock(str(run_dir), stale_after_s=stale_after_s, refresh_s=stale_after_s / 6)
-    return RunLock(run_dir)

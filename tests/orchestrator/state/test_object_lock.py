@@ -10,12 +10,12 @@ import time
 import pytest
 
 from orchestrator.storage import storage
-from orchestrator.run.lock import RunDirLocked
-from orchestrator.run.object_lock import ObjectRunLock
+from orchestrator.state.lock import RunDirLocked
+from orchestrator.state.object_lock import ObjectRunLock
 
 HOLD = """
 import sys, time
-from orchestrator.run.object_lock import ObjectRunLock
+from orchestrator.state.object_lock import ObjectRunLock
 with ObjectRunLock(sys.argv[1], stale_after_s=float(sys.argv[2]), refresh_s=float(sys.argv[3])) as lock:
     print("took over from " + str(lock.took_over_from) if lock.took_over_from else "locked", flush=True)
     time.sleep(float(sys.argv[4]))

@@ -6,6 +6,7 @@ import argparse
 import json
 
 from orchestrator.plan.size import CHIPS, DTYPE_BYTES, SizingError, read_model_config, size
+from orchestrator.plan.size_split import format_table, split_table
 
 
 def main(argv: list[str]) -> int:
@@ -44,8 +45,6 @@ def main(argv: list[str]) -> int:
                   max_seqs_cap=args.max_seqs_cap, model_name=name, chip=args.chip,
                   peak_tflops=chip.peak_bf16_tflops if chip and args.dtype != "float32" else None)
     if args.tp is None and args.chips is not None:
-        from orchestrator.plan.size_split import format_table, split_table
-
         per_host = args.chips_per_host or (chip.chips_per_host(args.chips) if chip else args.chips)
         rows = split_table(cfg, chips=args.chips, chips_per_host=per_host, **common)
         print(json.dumps([r.to_json() for r in rows], indent=2) if args.json else

@@ -6,7 +6,12 @@ import argparse
 import ipaddress
 import os
 import signal
+import sys
 import time
+from orchestrator.service.service import service_app, ServiceConfig
+from orchestrator.service.service_auth import DEFAULT_TOKEN_FILE, resolve_token, TOKEN_ENV
+from orchestrator.exit_codes import FAULT
+from orchestrator.slices.cluster import ClusterConfig, ClusterGone, ensure_ray
 
 
 def is_loopback(host: str) -> bool:
@@ -19,8 +24,6 @@ def is_loopback(host: str) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    from orchestrator.service.service_auth import DEFAULT_TOKEN_FILE, TOKEN_ENV
-
     parser = argparse.ArgumentParser(prog="pagefleet serve", description="The HTTP control plane (Ray Serve): submit, "
                                      "watch, read, cancel and resume runs.")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -43,16 +46,16 @@ def main(argv: list[str]) -> int:
 
     from ray import serve
 
-    from orchestrator.slices.cluster import ClusterConfig, ensure_ray
-    from orchestrator.service.service import ServiceConfig, service_app
-    from orchestrator.service.service_auth import resolve_token
-
     token, source = resolve_token(args.token, args.token_file)
     cfg = ServiceConfig(runs_root=os.path.abspath(args.runs_root), max_body_bytes=args.max_body_bytes,
                         workdir=os.getcwd(), data_roots=tuple(os.path.abspath(d) for d in args.data_root),
                         allow_urls=tuple(args.allow_url))
     policy = cfg.policy()  # a malformed --allow-url is refused here, before Ray starts
-    ensure_ray(ClusterConfig())
+    try:
+        ensure_ray(ClusterConfig())
+    except ClusterGone as e:
+        print(f"pagefleet serve: {e}", file=sys.stderr)
+        return FAULT
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(service_app(cfg, token), name="pagefleet", route_prefix="/", blocking=False)
     url = f"http://{args.host}:{args.port}"

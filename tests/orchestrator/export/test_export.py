@@ -13,9 +13,9 @@ import pytest
 
 from engine import output_record
 from orchestrator.commands import cli
-from orchestrator.commands.export import RECORD_FIELDS, done_outputs, export, page
-from orchestrator.run.manifest import BatchRecord, batch_id, write_manifest
-from orchestrator.run.results import SAMPLE_SCHEMA
+from orchestrator.export.export import RECORD_FIELDS, done_outputs, export, page
+from orchestrator.state.manifest import BatchRecord, batch_id, write_manifest
+from orchestrator.state.results import SAMPLE_SCHEMA
 
 
 def make_run(root: Path, num_rows: int = 240, n: int = 3, num_batches: int = 14, seed: int = 0,
@@ -130,7 +130,7 @@ def test_export_command_with_a_small_budget(tmp_path, capsys):
 def test_export_out_of_disk_says_what_needs_the_space_and_leaves_nothing(tmp_path, capsys, monkeypatch):
     import errno
 
-    from orchestrator.commands import export as export_module
+    from orchestrator.export import sort as export_module
 
     make_run(tmp_path / "run", seed=5)
     real = export_module._write_sorted_runs

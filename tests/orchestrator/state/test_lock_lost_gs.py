@@ -12,10 +12,10 @@ import time
 import pytest
 
 from orchestrator.storage import generations, storage
-from orchestrator.run.manifest import read_manifest
+from orchestrator.state.manifest import read_manifest
 
 from ..conftest import run_args, write_run_corpus
-from .test_crash import ROOT
+from ..run.test_crash import ROOT
 
 STALE_S = 3.0  # refreshed every 0.5 s
 

@@ -17,14 +17,14 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from orchestrator.storage import object_append, parquet_io
+from orchestrator.state.faults import crash_point
+from orchestrator.state.manifest import BatchRecord, read_manifest_as_written, write_manifest
+from orchestrator.state.manifest_check import reconcile
+from orchestrator.state.output_plan import belongs
+from orchestrator.state.results import BatchStats, stats_of
+from orchestrator.state.rundir import RunDir
+from orchestrator.storage import object_append, parquet_io, storage
 from orchestrator.storage.atomic import remove_stale_temporaries
-from orchestrator.run.faults import crash_point
-from orchestrator.run.manifest import BatchRecord, read_manifest_generation, write_manifest
-from orchestrator.run.manifest_check import reconcile
-from orchestrator.plan.output_plan import belongs
-from orchestrator.run.results import BatchStats, stats_of
-from orchestrator.run.rundir import RunDir
 
 
 class RunState:
@@ -65,34 +65,37 @@ class RunState:
         """
         removed = sum(remove_stale_temporaries(d) for d in (run_dir.root, run_dir.outputs))
         run_dir.outputs.mkdir(exist_ok=True)
-        records, generation = read_manifest_generation(run_dir.manifest)
-        records, repairs = reconcile(run_dir, records)  # checked against the plan; ManifestMismatch if it cannot be
+        records, generation, as_written = read_manifest_as_written(run_dir.manifest)
+        records, repairs = reconcile(run_dir, records, as_written)  # against the plan; ManifestMismatch if it cannot be
         state = cls(run_dir, records, flush_interval_s, manifest_generation=generation)
         if removed:
             state.event(f"removed {removed} unfinished temporary files left by a crash")
         for repair in repairs:
             state.event(f"batches.jsonl repaired from the plan: {repair}")
         state._dirty = bool(repairs)
+        sizes = storage.list_sizes(run_dir.outputs, ".parquet")  # one listing, not a request per batch
         for r in list(state.records.values()):
             output = run_dir.outputs / f"{r.batch_id}.parquet"
+            size = sizes.get(output.name)
             if r.status == "done":
-                if not output.exists():
+                if size is None:
                     state.update(r.batch_id, status="pending", output=None)
                     state.event(f"{r.batch_id} was done but {output.name} is missing; it will be recomputed")
-                elif _complete(output, r.num_prompts * samples_per_prompt)[0] is None:
+                elif size != r.output_bytes if r.output_bytes is not None else \
+                        _complete(output, r.num_prompts * samples_per_prompt)[0] is None:
                     # Written atomically, so only something outside pagefleet cut or damaged it (a copy, a disk).
                     output.unlink()
                     state.update(r.batch_id, status="pending", output=None)
                     state.event(f"{r.batch_id} was done but {output} is corrupt or truncated; removed it, and the "
                                 "batch will be recomputed")
                 continue
-            if output.exists() and not run_dir.batch_file(r.batch_id).exists():
+            if size is not None and not run_dir.batch_file(r.batch_id).exists():
                 state.event(f"{r.batch_id}: kept {output.name} but did not adopt it: its batch file is missing, so "
                             "nothing shows it holds this batch's prompts")
-            elif output.exists():
+            elif size is not None:
                 stats, why = _adoptable(output, samples_per_prompt, r.num_prompts, plan, run_dir.batch_file(r.batch_id))
                 if stats is not None:
-                    state.mark_done(r.batch_id, stats, slice=r.slice, adopted=True)
+                    state.mark_done(r.batch_id, stats, slice=r.slice, adopted=True, output_bytes=size)
                     continue
                 output.unlink()
                 state.event(f"{r.batch_id}: removed {output.name}, which does not hold the batch's samples ({why})")
@@ -129,9 +132,12 @@ class RunState:
         self.event(f"{batch_id} running on {slice} (attempt {record.attempts})")
         return record
 
-    def mark_done(self, batch_id: str, stats: BatchStats, slice: str | None, adopted: bool = False) -> BatchRecord:
+    def mark_done(self, batch_id: str, stats: BatchStats, slice: str | None, adopted: bool = False,
+                  output_bytes: int | None = None) -> BatchRecord:
+        """The batch is done: its output, of `output_bytes`, is written (the next resume checks it against them)."""
         record = self.update(batch_id, status="done", error=None, slice=slice, finished_at=time.time(),
                              output=f"outputs/{batch_id}.parquet", num_samples=stats.num_samples,
+                             output_bytes=output_bytes,
                              num_output_tokens=stats.num_output_tokens, duration_s=round(stats.duration_s, 3),
                              occupancy=round(stats.occupancy, 4))
         how = "adopted the output written before the previous head stopped" if adopted else \

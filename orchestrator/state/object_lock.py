@@ -25,8 +25,8 @@ import socket
 import threading
 import time
 
+from orchestrator.state.lock import RunDirLocked, holder_text
 from orchestrator.storage import generations, storage
-from orchestrator.run.lock import RunDirLocked, holder_text
 
 STALE_AFTER_S = 60.0
 """A lock not refreshed for this long belongs to a head that is gone."""

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.commands.check import default_target, main
+from orchestrator.commands.check import main
+from orchestrator.plan.check import default_target
 from orchestrator.commands.cli import main as cli_main
 from orchestrator.exit_codes import FAULT, OK
 

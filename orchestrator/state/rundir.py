@@ -7,13 +7,10 @@ import json
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from orchestrator.state.manifest import CorruptRunFile, RECOVER
 from orchestrator.storage.atomic import atomic_write_text
-from orchestrator.surface import setting
-
-if TYPE_CHECKING:  # the layout alone imports no config: a slice reads its batch files through it
-    from orchestrator.config import RunConfig
 
 
 class PlanMismatch(RuntimeError):
@@ -74,8 +71,6 @@ class RunDir:
 
     def read_run_json(self) -> dict[str, Any]:
         """run.json; raises CorruptRunFile naming the file and line when it does not parse."""
-        from orchestrator.run.manifest import RECOVER, CorruptRunFile
-
         try:
             info = json.loads(self.run_json.read_bytes())
         except json.JSONDecodeError as e:
@@ -105,19 +100,3 @@ def versions() -> dict[str, str]:
             out[dist] = "not installed"
     return out
 
-
-def check_same_plan(run_dir: RunDir, cfg: RunConfig, fingerprints: dict[str, str]) -> None:
-    """Refuse to reuse a planned run directory for different samples (capacities may differ: see retune)."""
-    from orchestrator.config import plan_changes
-
-    old = run_dir.read_run_json()
-    problems = plan_changes(old["sample_affecting"], cfg)
-    for name in ("corpus", "tokenizer", "model"):
-        if old["fingerprints"].get(name) != fingerprints.get(name):
-            problems.append(f"the {name} changed since planning ({name} fingerprint differs)")
-    if problems:
-        raise PlanMismatch(
-            f"run directory {run_dir.root} was planned for different samples:\n  " + "\n  ".join(problems)
-            + "\nTo continue that run, use its original config and inputs. To start a new run, pass a new "
-            f"{setting('name', 'NAME')} (or {setting('run_dir', 'DIR')})."
-        )

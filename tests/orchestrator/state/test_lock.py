@@ -1,11 +1,11 @@
-"""orchestrator/run/lock.py: the refusal names the holder with a readable time."""
+"""orchestrator/state/lock.py: the refusal names the holder with a readable time."""
 
 import os
 import re
 
 import pytest
 
-from orchestrator.run.lock import RunDirLocked, RunLock, holder_text
+from orchestrator.state.lock import RunDirLocked, RunLock, holder_text
 
 
 def test_the_holder_is_named_with_a_utc_time_not_epoch_seconds(tmp_path):

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from orchestrator.storage import location, storage
-from orchestrator.run.manifest import (BatchRecord, ManifestConflict, read_manifest, read_manifest_generation,
+from orchestrator.state.manifest import (BatchRecord, ManifestConflict, read_manifest, read_manifest_generation,
                                    write_manifest)
 
 
@@ -39,9 +39,9 @@ def test_local_manifest_unchanged(tmp_path):
 
 def test_a_head_whose_manifest_was_replaced_stops_instead_of_overwriting(gcs_bucket):
     """RunState (the head's manifest owner) conditions each flush on the generation it last read or wrote."""
-    from orchestrator.run.lock import RunDirLocked
-    from orchestrator.run.run_state import RunState
-    from orchestrator.run.rundir import RunDir
+    from orchestrator.state.lock import RunDirLocked
+    from orchestrator.state.run_state import RunState
+    from orchestrator.state.rundir import RunDir
 
     run_dir = RunDir(location.location(f"{gcs_bucket}/run"))
     write_manifest(run_dir.manifest, [BatchRecord("b000000", num_prompts=1), BatchRecord("b000001", num_prompts=1)])

@@ -1,0 +1,111 @@
+"""How long a head takes to see where a big run stands: `status` and the resume (RunState.recover) over a synthetic
+run directory of N one-prompt batches, half of them done, against the same at 10,000 batches.
+
+The run directory is real files written with pagefleet's own writers: a batch file per batch, an output per done
+batch (stamped for the plan, with its stats), batches.jsonl and its digest, run.json. Each figure is measured in a
+fresh process (its peak RSS is the process's), median of --repeats. Writing the run directory takes about
+7 ms a batch (minutes at 100,000 batches); pass --keep DIR to write it once and reuse it.
+
+Run from the repository root:
+    PYTHONPATH=$PWD python benchmarks/resume_bench.py [--batches 100000] [--repeats 3] [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pyarrow as pa
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from orchestrator.plan.tokenized import BATCH_SCHEMA  # noqa: E402
+from orchestrator.state.manifest import BatchRecord, batch_id, write_manifest  # noqa: E402
+from orchestrator.state.output_plan import plan_fingerprint, stamp  # noqa: E402
+from orchestrator.state.results import SAMPLE_SCHEMA, BatchStats, with_stats  # noqa: E402
+from orchestrator.storage.atomic import atomic_write_parquet  # noqa: E402
+
+FINGERPRINTS = {"config": "c", "corpus": "k", "tokenizer": "t", "model": "m", "weights": "w"}
+
+MEASURE = """
+import json, resource, sys, time
+from pathlib import Path
+from orchestrator.observe.status import status
+from orchestrator.state.output_plan import plan_fingerprint
+from orchestrator.state.rundir import RunDir
+from orchestrator.state.run_state import RunState
+root, what = Path(sys.argv[1]), sys.argv[2]
+start = time.perf_counter()
+if what == "status":
+    status(str(root))
+else:
+    plan = plan_fingerprint(json.loads((root / "run.json").read_text())["fingerprints"])
+    RunState.recover(RunDir(root), 1, plan).close()
+print(json.dumps({"s": time.perf_counter() - start, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def write_run(root: Path, batches: int) -> None:
+    """N one-prompt batches, the first half done."""
+    if (root / "batches.jsonl").exists():
+        return
+    (root / "batches").mkdir(parents=True, exist_ok=True)
+    (root / "outputs").mkdir(exist_ok=True)
+    plan = plan_fingerprint(FINGERPRINTS)
+    records = []
+    for b in range(batches):
+        bid, pid = batch_id(b, batches), f"p{b}"
+        atomic_write_parquet(root / "batches" / f"{bid}.parquet", pa.table(
+            {"prompt_id": [pid], "row": [b], "token_ids": [[1, 2, 3]], "passthrough": [None], "sampling": [None]},
+            schema=BATCH_SCHEMA), fsync=False)
+        if b < batches // 2:
+            row = {f.name: None for f in SAMPLE_SCHEMA} | {"prompt_id": pid, "generation_index": 0, "row": b,
+                                                           "batch_id": bid, "token_ids": [4], "completion": "x"}
+            table = with_stats(pa.Table.from_pylist([row], schema=SAMPLE_SCHEMA), BatchStats(1, 1, 0.1, 1, 0.5, 1))
+            path = root / "outputs" / f"{bid}.parquet"
+            atomic_write_parquet(path, stamp(table, plan, [pid]), fsync=False)
+            records.append(BatchRecord(bid, "done", num_prompts=1, num_prompt_tokens=3, output=f"outputs/{bid}.parquet",
+                                       num_samples=1, num_output_tokens=1, output_bytes=path.stat().st_size))
+        else:
+            records.append(BatchRecord(bid, num_prompts=1, num_prompt_tokens=3))
+    (root / "run.json").write_text(json.dumps({"fingerprints": FINGERPRINTS, "sample_affecting": {"sampling": {"n": 1}},
+                                               "plan": {"accepted": batches, "rows_read": batches}}))
+    write_manifest(root / "batches.jsonl", records)
+
+
+def measure(root: Path, what: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", MEASURE, str(root), what], capture_output=True, text=True,
+                          cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", type=int, default=100_000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--keep", type=Path, default=None, help="write the run directories here and reuse them")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="pagefleet-resumebench-") as tmp:
+        base = args.keep or Path(tmp)
+        sizes = sorted({10_000, args.batches})
+        for n in sizes:
+            write_run(base / f"run-{n}", n)
+        print(f"status and resume of a run directory of one-prompt batches, half done; medians of {args.repeats}")
+        print(f"  {'batches':>9s} {'status s':>9s} {'RSS MiB':>8s} {'resume s':>9s} {'RSS MiB':>8s}")
+        for n in sizes:
+            runs = {what: [measure(base / f"run-{n}", what) for _ in range(args.repeats)]
+                    for what in ("status", "resume")}
+            med = {what: (statistics.median(r["s"] for r in rs), statistics.median(r["rss"] for r in rs))
+                   for what, rs in runs.items()}
+            print(f"  {n:9,d} {med['status'][0]:9.2f} {med['status'][1]:8.0f} {med['resume'][0]:9.2f} "
+                  f"{med['resume'][1]:8.0f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Exporting a run's records in corpus order."""

@@ -1,0 +1,1 @@
+"""Sampling without Ray in this process: `pagefleet generate` and `pagefleet.generate`."""

@@ -1,0 +1,152 @@
+"""The tokenized corpus, where planning keeps it: in this process for a small corpus, on Ray Data for a large one.
+
+Both run the same code on the same shards (`count_rows`, `PromptTokenizer.tokenize_shard`, `assign_batches`,
+`write_batch`), so a plan does not depend on where it was made; only the place and the start-up differ. Ray Data
+starts an actor pool and loads the tokenizer in each actor (seconds before the first row); a corpus of at most
+`corpus.in_process_bytes` is read, tokenized and grouped into batch files by the head itself instead, which holds
+its token ids (a few bytes per corpus byte) for the length of the plan.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from orchestrator.observe.ray_noise import quiet_ray_data
+from orchestrator.plan.corpus import Shard, count_rows, number_shards
+from orchestrator.plan.tokenize import SCHEMA, PromptTokenizer, shard_item
+from orchestrator.slices.cluster import ClusterConfig, ensure_ray
+from orchestrator.state.faults import crash_point
+from orchestrator.state.manifest import batch_id
+from orchestrator.storage import storage
+from orchestrator.storage.atomic import atomic_write_parquet
+
+SUMMARY_COLUMNS = ["row", "prompt_id", "num_tokens", "reason", "detail", "file_index", "line", "page_keys",
+                   "max_new_tokens"]
+BATCH_SCHEMA = pa.schema([("prompt_id", pa.string()), ("row", pa.int64()), ("token_ids", pa.list_(pa.int32())),
+                          ("passthrough", pa.string()), ("sampling", pa.string())])
+"""batches/<id>.parquet. `passthrough` (SampleRecord.passthrough: the row's other columns and typed id) and
+`sampling` (the row's own sampling overrides, orchestrator.plan.row_sampling) are absent from plans older than them."""
+
+
+def corpus_bytes(files: list[str]) -> int:
+    """The corpus's size on its storage (compressed parquet counts as stored)."""
+    return sum(storage.filesystem(f)[0].size(storage.filesystem(f)[1]) for f in files)
+
+
+def assign_batches(table: pa.Table, batch_of_row: np.ndarray, position_of_row: np.ndarray) -> pa.Table:
+    """The accepted rows of a tokenized table, each with its batch and its position in that batch."""
+    rows = table["row"].to_numpy()
+    table = table.select(BATCH_SCHEMA.names)
+    table = table.append_column("batch", pa.array(batch_of_row[rows]))
+    table = table.append_column("position", pa.array(position_of_row[rows]))
+    return table.filter(pc.greater_equal(table["batch"], 0))
+
+
+def write_batch(group: pa.Table, batches_dir: str, num_batches: int) -> pa.Table:
+    """batches/<id>.parquet of one batch's rows (prompts longest first); its (batch, num_prompts)."""
+    group = group.sort_by("position")
+    index = int(group["batch"][0].as_py())
+    path = f"{batches_dir}/{batch_id(index, num_batches)}.parquet"
+    crash_point("batch_file")
+    atomic_write_parquet(path, group.select(BATCH_SCHEMA.names).cast(BATCH_SCHEMA), fsync=False)
+    return pa.table({"batch": [index], "num_prompts": [group.num_rows]})
+
+
+@dataclass
+class InProcess:
+    """The tokenized corpus as one table in this process."""
+
+    table: pa.Table
+
+    @classmethod
+    def tokenize(cls, shards: list[Shard], tokenizer_args: tuple) -> tuple[InProcess, list[tuple[int, int]]]:
+        counts = [count_rows(s) for s in shards]
+        shards = number_shards(shards, counts)
+        if sum(rows for rows, _ in counts) == 0:
+            return cls(SCHEMA.empty_table()), counts
+        tokenizer = PromptTokenizer(*tokenizer_args)
+        return cls(pa.concat_tables([tokenizer.tokenize_shard(s) for s in shards])), counts
+
+    def summaries(self) -> list[pa.Table]:
+        return [self.table.select(SUMMARY_COLUMNS)]
+
+    def write_batches(self, batch_of_row: np.ndarray, position_of_row: np.ndarray, batches_dir: str,
+                      num_batches: int, tokens: int) -> int:
+        """Write every batch file; returns how many were written."""
+        assigned = assign_batches(self.table, batch_of_row, position_of_row).sort_by("batch")
+        batches = assigned["batch"].to_numpy()
+        starts = np.flatnonzero(np.r_[True, batches[1:] != batches[:-1]]) if len(batches) else np.zeros(0, np.int64)
+        ends = np.r_[starts[1:], len(batches)]
+        for start, end in zip(starts, ends):
+            write_batch(assigned.slice(start, end - start), batches_dir, num_batches)
+        return len(starts)
+
+
+@dataclass
+class OnRayData:
+    """The tokenized corpus as a materialized Ray Data dataset, spread over the cluster's object stores."""
+
+    dataset: object
+    workers: int
+
+    @classmethod
+    def tokenize(cls, shards: list[Shard], tokenizer_args: tuple,
+                 cluster: ClusterConfig) -> tuple[OnRayData, list[tuple[int, int]]]:
+        import ray
+        from ray.data import DataContext
+
+        ensure_ray(cluster)
+        quiet_ray_data()
+        data_context = DataContext.get_current()
+        data_context.enable_progress_bars = False  # the capacity report is the output; phases are logged
+        data_context.print_on_execution_start = False
+        count = ray.remote(num_cpus=1)(count_rows)
+        counts = ray.get([count.remote(s) for s in shards])
+        shards = number_shards(shards, counts)
+        workers = max(1, min(len(shards), int(ray.available_resources().get("CPU", 1))))
+        if sum(rows for rows, _ in counts) == 0:
+            return cls(None, workers), counts
+        with warnings.catch_warnings():  # max_restarts has no named parameter in map_batches (Ray 2.60)
+            warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
+            dataset = ray.data.from_items([shard_item(s) for s in shards], override_num_blocks=len(shards)).map_batches(
+                PromptTokenizer, fn_constructor_args=tokenizer_args,
+                batch_size=1, compute=ray.data.ActorPoolStrategy(size=workers), batch_format="numpy",
+                # No actor restarts: Ray Data hands its actors their arguments as object refs, which a restart may
+                # not recover (Ray says so in an E-level core_worker line on every plan). A lost tokenizer fails the
+                # plan, and rerunning plans afresh.
+                max_restarts=0,
+            ).materialize()
+        return cls(dataset, workers), counts
+
+    def summaries(self) -> list[pa.Table]:
+        return list(self.dataset.select_columns(SUMMARY_COLUMNS).iter_batches(batch_format="pyarrow", batch_size=None))
+
+    def write_batches(self, batch_of_row: np.ndarray, position_of_row: np.ndarray, batches_dir: str,
+                      num_batches: int, tokens: int) -> int:
+        """Group the `tokens` accepted token ids by batch on Ray workers (hash partitions of about 32 MiB of them
+        each, at least one per worker) and write the batch files there; returns how many were written."""
+        import ray
+
+        assignment = ray.put((batch_of_row, position_of_row))
+        partitions = min(max(self.workers, min(256, tokens * 4 // 2**25)), max(1, num_batches))
+
+        def assign(table: pa.Table) -> pa.Table:
+            return assign_batches(table, *ray.get(assignment))
+
+        written = self.dataset.map_batches(assign, batch_format="pyarrow", batch_size=None) \
+            .groupby("batch", num_partitions=partitions) \
+            .map_groups(lambda group: write_batch(group, batches_dir, num_batches), batch_format="pyarrow")
+        return sum(t.num_rows for t in written.iter_batches(batch_format="pyarrow", batch_size=None))
+
+
+def tokenize(shards: list[Shard], tokenizer_args: tuple, cluster: ClusterConfig,
+             in_process: bool) -> tuple[InProcess | OnRayData, list[tuple[int, int]]]:
+    """The tokenized corpus (here or on Ray Data) and each shard's (rows, lines)."""
+    if in_process:
+        return InProcess.tokenize(shards, tokenizer_args)
+    return OnRayData.tokenize(shards, tokenizer_args, cluster)

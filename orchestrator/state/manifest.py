@@ -1,0 +1,167 @@
+"""The manifest, `batches.jsonl`: one record per batch, the resume point; the head is its only writer."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Literal
+
+from orchestrator.json_out import dumps
+from orchestrator.state.lock import RunDirLocked
+from orchestrator.storage import generations, storage
+from orchestrator.storage.atomic import atomic_write_text
+
+Status = Literal["pending", "running", "done", "failed"]
+
+
+@dataclass(frozen=True)
+class BatchRecord:
+    batch_id: str
+    status: Status = "pending"
+    num_prompts: int = 0
+    num_prompt_tokens: int = 0
+    num_pages: int = 0
+    """KV pages reserved for the batch (worst case, every sample at full length)."""
+    attempts: int = 0
+    error: str | None = None
+    slice: str | None = None
+    """Who ran it last."""
+    started_at: float | None = None
+    finished_at: float | None = None
+    output: str | None = None
+    """outputs/<id>.parquet relative to the run directory, once done."""
+    num_samples: int = 0
+    """Samples written (num_prompts * sampling.n once done)."""
+    num_output_tokens: int = 0
+    """Completion tokens over the batch's samples."""
+    duration_s: float | None = None
+    """Time in the slice's engine, first request in to last sample out."""
+    occupancy: float | None = None
+    """Mean live sequences per engine step while the batch ran, as a fraction of engine.max_seqs."""
+    output_bytes: int | None = None
+    """The size of the output as the head wrote it (None in records older than the field): a resume checks each
+    done batch's output against it from one listing of outputs/, instead of reading a million footers."""
+
+
+FIELDS = tuple(f.name for f in fields(BatchRecord))
+
+
+def digest_path(path: str | Path) -> str:
+    """Where the head keeps the sha256 of the manifest it last wrote: batches.jsonl.sha256 beside it."""
+    return f"{path}.sha256"
+
+
+def batch_id(index: int, num_batches: int) -> str:
+    """Zero-padded so ids sort in batch order: b000000, b000001, ..."""
+    return f"b{index:0{max(6, len(str(max(num_batches - 1, 0))))}d}"
+
+
+class ManifestConflict(RunDirLocked):
+    """Another head replaced batches.jsonl on the object store since this head last wrote it: this head lost the
+    run directory (`pagefleet run` stops with the message, exit status 2)."""
+
+
+def write_manifest(path: str | Path, records: list[BatchRecord], before_replace=None,
+                   generation: int | None = None) -> int | None:
+    """Replace the manifest atomically; on an object store, returns the generation written.
+
+    Locally a temporary file and a rename (the `flock` keeps other heads out). On an object store one
+    whole-object write conditioned on `generation`, the one this head last read or wrote (None: the
+    manifest must not exist yet, as when planning): a second head that wrote in between (this one
+    stalled and lost its lock) makes this raise ManifestConflict instead of being overwritten.
+    """
+    data = "".join(dumps({name: getattr(r, name) for name in FIELDS}) + "\n" for r in records).encode()
+    written = None
+    if not storage.is_object_store(path):
+        atomic_write_text(path, data.decode(), before_replace=before_replace)
+    else:
+        if before_replace is not None:
+            before_replace()
+        try:
+            if generation is None:
+                written = generations.create_if_absent(str(path), data)
+            else:
+                written = generations.replace_if_generation(str(path), data, generation)
+        except generations.PreconditionFailed:
+            expected = "absent" if generation is None else f"at generation {generation}"
+            raise ManifestConflict(f"{path} was written by another head (this head expected it {expected}); stopping "
+                                   "without overwriting it: the other head owns the run now") from None
+    # After the manifest: a crash in between leaves a digest that does not match, and the next resume checks the
+    # manifest line by line, as it checks one somebody edited.
+    storage.write_atomic(digest_path(path), hashlib.sha256(data).hexdigest().encode())
+    return written
+
+
+_CHUNK_LINES = 4096
+
+
+def _parse(path: str | Path, lines: list[tuple[int, bytes]]) -> list[BatchRecord]:
+    """The records of some numbered lines: parsed as one JSON array (one C loop), or, when that fails or does not give
+    one object a line, line by line to name the line that is corrupt."""
+    try:
+        values = json.loads(b"[" + b",".join(line for _, line in lines) + b"]")
+        if len(values) == len(lines):
+            return [BatchRecord(**v) for v in values]
+    except (ValueError, TypeError, RecursionError):
+        pass
+    records = []
+    for line_no, line in lines:
+        try:
+            records.append(BatchRecord(**json.loads(line)))
+        except (ValueError, TypeError, RecursionError) as e:  # cut short, not JSON, or not a record's fields
+            raise CorruptRunFile(f"{path} line {line_no} is corrupt ({type(e).__name__}: {e}); {RECOVER}") from None
+    return records
+
+
+class CorruptRunFile(ValueError):
+    """batches.jsonl or run.json cannot be read; the message names the file, the line and the recovery."""
+
+
+RECOVER = ("remove it and rerun `pagefleet run` with the same config: the plan is rebuilt and the outputs "
+           "already written are adopted")
+
+
+def read_manifest(path: str | Path) -> list[BatchRecord]:
+    """The records; raises CorruptRunFile naming the file and line of a record that does not parse."""
+    return read_manifest_generation(path)[0]
+
+
+def read_manifest_generation(path: str | Path) -> tuple[list[BatchRecord], int | None]:
+    """The records and, on an object store, the generation they were read from (None locally)."""
+    records, generation, _ = read_manifest_as_written(path)
+    return records, generation
+
+
+def read_manifest_as_written(path: str | Path) -> tuple[list[BatchRecord], int | None, bool]:
+    """The records, the generation (object stores), and whether the manifest is byte for byte the one the head last
+    wrote (its digest matches batches.jsonl.sha256): then nobody edited it since, and what the head checked when it
+    wrote it holds."""
+    generation = None
+    if storage.is_object_store(path):
+        found = generations.read_with_generation(str(path))  # bytes and generation in one request: they agree
+        if found is None:
+            raise FileNotFoundError(f"{path} does not exist")
+        data, generation = found
+        f = io.BytesIO(data)
+    else:
+        f = open(path, "rb")  # streamed: a manifest of a million batches is not held twice
+    records: list[BatchRecord] = []
+    digest = hashlib.sha256()
+    with f:
+        chunk: list[tuple[int, bytes]] = []
+        for line_no, line in enumerate(f, 1):
+            digest.update(line)
+            if line.strip():
+                chunk.append((line_no, line))
+            if len(chunk) == _CHUNK_LINES:
+                records += _parse(path, chunk)
+                chunk = []
+        records += _parse(path, chunk)
+    try:
+        recorded = storage.read_text(digest_path(path)).strip()
+    except FileNotFoundError:
+        recorded = None
+    return records, generation, recorded == digest.hexdigest()

@@ -1,0 +1,77 @@
+"""A small corpus is planned in the head's own process, a large one on Ray Data: the same code on the same shards,
+so the plan is the same either way (batch files, manifest, rejections), byte for byte."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from orchestrator.config import load_run_config
+from orchestrator.plan import tokenized
+from orchestrator.plan.planner import plan
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _corpus(path: Path) -> None:
+    lines = [{"id": f"p{i}", "prompt": "word " * (1 + (i * 7) % 40)} for i in range(60)]
+    lines += [{"id": "p3", "prompt": "a duplicate id"}, {"id": "bad"}, {"id": "shared", "prompt": "word " * 40}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines) + "not json\n")
+
+
+def _plan_of(run_dir: Path) -> dict[str, object]:
+    """Everything a plan writes that does not name its own config: batch files, manifest, rejections."""
+    batches = {p.name: pq.read_table(p).to_pylist() for p in sorted((run_dir / "batches").glob("*.parquet"))}
+    return {"batches": batches, "manifest": (run_dir / "batches.jsonl").read_text(),
+            "rejected": (run_dir / "rejected.jsonl").read_text()}
+
+
+def test_a_plan_made_here_equals_the_plan_made_on_ray_data(tiny_model, tmp_path, monkeypatch, ray_local):
+    corpus = tmp_path / "corpus.jsonl"
+    _corpus(corpus)
+    where = []
+    real = tokenized.tokenize
+    monkeypatch.setattr("orchestrator.plan.planner.tokenize",
+                        lambda *args: where.append(args[-1]) or real(*args))
+    results = {}
+    for name, limit in (("here", 2**20), ("ray", 0)):
+        cfg = load_run_config(None, [f"--name={name}", f"--run_dir={tmp_path / name}", f"--corpus.path={corpus}",
+                                     f"--model.path={tiny_model}", "--engine.max_seqs=4", "--engine.max_pages=64",
+                                     "--engine.page_size=4", "--sampling.max_new_tokens=4",
+                                     "--corpus.shard_bytes=400", f"--corpus.in_process_bytes={limit}"])
+        plan(cfg)
+        results[name] = _plan_of(tmp_path / name)
+    assert where == [True, False]  # one plan each way
+    assert len(results["here"]["batches"]) > 1 and "duplicate_id" in results["here"]["rejected"]
+    assert results["here"] == results["ray"]
+
+
+@pytest.mark.parametrize("in_process_bytes", [2**20, pytest.param(0, marks=pytest.mark.slow)], ids=["here", "ray-data"])
+def test_a_full_disk_while_planning_is_one_line_naming_the_file_and_a_rerun_plans(tiny_model, tmp_path,
+                                                                                  in_process_bytes):
+    """A full disk while a batch file is written: in the head, or in a Ray Data worker, whose error came back as
+    Ray's HashShuffle traceback and `internal error`."""
+    corpus = tmp_path / "corpus.jsonl"
+    _corpus(corpus)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "RAY_AUTH_MODE": "disabled",
+           "PAGEFLEET_DISK_FULL_AT": "batch_file:2"}
+    env.pop("RAY_ADDRESS", None)
+    command = [sys.executable, "-m", "orchestrator", "plan", str(ROOT / "configs" / "demo.yaml"),
+               f"--model.path={tiny_model}", f"--corpus.path={corpus}", f"--run_dir={tmp_path / 'run'}",
+               "--engine.max_seqs=4", "--engine.page_size=4", "--sampling.max_new_tokens=4",
+               f"--corpus.in_process_bytes={in_process_bytes}"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("pagefleet plan:")]
+    assert len(lines) == 1 and "out of disk space writing" in lines[0] and str(tmp_path / "run") in lines[0], \
+        done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "internal error" not in done.stderr, done.stderr[-3000:]
+    env.pop("PAGEFLEET_DISK_FULL_AT")
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
