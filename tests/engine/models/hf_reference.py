@@ -19,13 +19,26 @@ FAMILIES = {
     "mistral": dict(cls="MistralConfig", rope_theta=10000.0, sliding_window=None, rms_norm_eps=1e-6),
     "qwen2": dict(cls="Qwen2Config", rope_theta=1000000.0, tie_word_embeddings=True, rms_norm_eps=1e-6,
                   use_sliding_window=False),
+    # Gemma: a window shorter than most test prompts, the first layer sliding and the second full (Gemma 2's
+    # default), caps low enough to bend real scores and logits, query_pre_attn_scalar other than head_dim.
+    "gemma2": dict(cls="Gemma2Config", tie_word_embeddings=True, rms_norm_eps=1e-6, sliding_window=24,
+                   query_pre_attn_scalar=24, attn_logit_softcapping=3.0, final_logit_softcapping=12.0),
+    # Gemma 3: sliding, sliding, full (layer_types written out), two RoPEs: the global one linearly scaled.
+    "gemma3_text": dict(cls="Gemma3TextConfig", tie_word_embeddings=True, rms_norm_eps=1e-6, sliding_window=24,
+                        query_pre_attn_scalar=24, final_logit_softcapping=12.0, layers=3,
+                        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                            "rope_theta": 1000000.0},
+                                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
 }
+GEMMA_NORMS = ("gemma2", "gemma3_text")  # RMSNorm as (1 + weight): weights drawn around 0, not 1
 
 
 def make_hf_model(family: str, out: Path, *, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16,
                   intermediate=128, vocab=256, seed=0, max_shard_size=None, **overrides):
     spec = dict(FAMILIES[family])
     cls = getattr(transformers, spec.pop("cls"))
+    layers = spec.pop("layers", layers)
     config = cls(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                  num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=intermediate,
                  vocab_size=vocab, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
@@ -36,7 +49,7 @@ def make_hf_model(family: str, out: Path, *, hidden=64, layers=2, heads=4, kv_he
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                value = 1.0 + 0.1 * rng.standard_normal(p.shape)
+                value = (0.0 if family in GEMMA_NORMS else 1.0) + 0.1 * rng.standard_normal(p.shape)
             elif name.endswith("bias"):
                 value = 0.1 * rng.standard_normal(p.shape)
             elif "embed_tokens" in name:
