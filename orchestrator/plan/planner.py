@@ -28,7 +28,7 @@ from orchestrator.plan.corpus import corpus_fingerprint, count_rows, list_files,
 from orchestrator.json_out import dumps
 from orchestrator.run.lock import run_lock
 from orchestrator.run.manifest import BatchRecord, batch_id, write_manifest
-from orchestrator.plan.model_source import max_seq_len, model_config, model_fingerprint, tokenizer_fingerprint
+from orchestrator.plan.model_source import decoder_config, max_seq_len, model_fingerprint, tokenizer_fingerprint
 from orchestrator.plan.packing import PackingLimits, lower_bound, pack, shareable_prompt_tokens
 from orchestrator.plan.report import PlanStats
 from orchestrator.plan.output_plan import first_foreign, plan_fingerprint
@@ -212,7 +212,7 @@ def _plan_into(cfg: RunConfig, run_dir: RunDir, files: list[str]) -> tuple[PlanS
         warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
         tokenized = ray.data.from_items([shard_item(s) for s in shards], override_num_blocks=len(shards)).map_batches(
             PromptTokenizer, fn_constructor_args=(cfg.model, cfg.corpus, limits, context,
-                                                  model_config(cfg.model).get("vocab_size"), cfg.sampling),
+                                                  decoder_config(cfg.model).get("vocab_size"), cfg.sampling),
             batch_size=1, compute=ray.data.ActorPoolStrategy(size=workers), batch_format="numpy",
             # No actor restarts: Ray Data hands its actors their arguments as object refs, which a restart may not
             # recover (Ray says so in an E-level core_worker line on every plan). A lost tokenizer fails the plan,
