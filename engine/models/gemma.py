@@ -18,6 +18,7 @@ each family fills in its config class's defaults first.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from engine.models.model_family import LAYER_TYPES, FamilyAttention, FamilyConfigError, LayerStyle, ModelFamily
@@ -138,6 +139,11 @@ class Gemma3(Gemma3Text):
         outer = {k: hf[k] for k in _OUTER_FIELDS if hf.get(k) is not None}
         image = hf.get("image_token_index", hf.get("image_token_id", 262144))
         return {**super().text_config({**text, **outer}), "image_token_index": image}
+
+    def style(self, hf: dict) -> LayerStyle:
+        # transformers' Gemma3ForConditionalGeneration never applies text_config's final_logit_softcapping (only
+        # Gemma3ForCausalLM does); the released configs leave it null.
+        return dataclasses.replace(super().style(hf), final_logit_softcap=None)
 
 
 GEMMA2 = Gemma2("gemma2", "Gemma2ForCausalLM")

@@ -4,18 +4,29 @@ the layer, the multimodal checkpoint's text model, and config.json read in both 
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import haliax as hax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import safetensors.numpy
 import torch
 import transformers
 
+from engine.config import EngineConfig, SamplingConfig
+from engine.device.runner import ModelRunner
+from engine.engine import Engine
 from engine.models.axes import EMBED
+from engine.models.checkpoint_check import check_checkpoint
 from engine.models.gemma_model import gemma_rms_norm
+from engine.models.model_config import LinearRopeScaling, ModelConfig, UnsupportedModelError
+from engine.models.weights import load_transformer
+from engine.scheduling.sequence import Request
 from orchestrator.commands.generate import main as generate_main
-from tests.engine.models.hf_reference import make_hf_model
+from tests.engine.models.hf_reference import make_hf_gemma3_multimodal, make_hf_model
+from tests.engine.models.test_model import PagedSequences, make_prompts
 
 GEMMAS = ["gemma2", "gemma3_text"]
 VOCAB = 512
@@ -83,3 +94,82 @@ def test_gemma_rms_norm_equals_transformers():
     T, E = hax.Axis("token", 5), hax.Axis(EMBED, 64)
     got = gemma_rms_norm(hax.named(jnp.asarray(x), (T, E)), hax.named(jnp.asarray(w), (E,)), 1e-6)
     np.testing.assert_allclose(np.asarray(got.array), ref, atol=1e-5, rtol=0)
+
+
+def test_a_multimodal_gemma3_checkpoint_runs_its_text_model_and_refuses_image_tokens(tmp_path):
+    """Gemma3ForConditionalGeneration as transformers saves it: config.json nests text_config, and the text tensors
+    sit under language_model.model. (what transformers 5 writes, as the released checkpoints have them; its
+    modules' own names, model.language_model., load too). The engine's logits are transformers' (text only)
+    within 1e-4, and a prompt holding the image token is refused in one line naming it."""
+    hf = make_hf_gemma3_multimodal(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model_type"] == "gemma3" and "text_config" in config and "vocab_size" not in config
+    stored = safetensors.numpy.load_file(tmp_path / "model.safetensors")
+    assert "language_model.model.layers.0.self_attn.q_norm.weight" in stored
+    assert not any(name.startswith("model.") for name in stored)
+    prompts = make_prompts(500, seed=2)[:5]
+    with torch.no_grad():
+        refs = [hf(input_ids=torch.tensor([prompt])).logits[0, -1].numpy() for prompt in prompts]
+    (tmp_path / "renamed").mkdir()
+    (tmp_path / "renamed" / "config.json").write_text(json.dumps(config))
+    safetensors.numpy.save_file({name.replace("language_model.model.", "model.language_model."): value
+                                 for name, value in stored.items()}, tmp_path / "renamed" / "model.safetensors")
+    for path in (tmp_path, tmp_path / "renamed"):
+        runner = ModelRunner(load_transformer(path), EngineConfig(page_size=4, max_pages=200), max_seq_len=512)
+        logits = PagedSequences(runner, prompts).prefill(chunk_tokens=40, step_tokens=100)
+        for s, ref in enumerate(refs):
+            np.testing.assert_allclose(logits[s], ref, atol=1e-4, rtol=0, err_msg=f"{path} prompt {s}")
+    engine = Engine(tmp_path, EngineConfig(max_pages=64, max_seq_len=256))
+    sampling = SamplingConfig(max_new_tokens=4)
+    image, text = engine.generate([Request("img", (10, 511, 12), sampling), Request("txt", (10, 11, 12), sampling)])
+    assert image.error == ("image_input: the prompt holds the image token 511; pagefleet runs the text model of "
+                           "this multimodal checkpoint only: send text prompts")
+    assert text.error is None and len(text.token_ids) == 4
+    assert engine.eos_token_ids >= {2, 7}  # the outer config.json's eos_token_id
+
+
+RELEASED_27B = Path(__file__).resolve().parents[3] / "configs" / "models" / "gemma-3-27b-it"
+
+
+def test_released_and_transformers5_config_forms_read_the_same():
+    """Gemma-3-27B's published config.json (released form: rope_scaling, no rope_local_base_freq, no vocab_size)
+    and the one transformers 5 writes for it (rope_parameters per layer type, every field) give one ModelConfig,
+    and it is what transformers itself reads."""
+    released = ModelConfig.from_pretrained(RELEASED_27B)
+    t5 = transformers.AutoConfig.from_pretrained(RELEASED_27B)
+    rewritten = ModelConfig.from_hf(t5.to_dict())
+    assert rewritten == released
+    text = t5.text_config
+    assert (released.vocab_size, released.num_layers, released.head_dim) == (text.vocab_size, 62, 128)
+    assert released.style.layer_types == tuple(text.layer_types) and released.sliding_window == 1024
+    assert released.rope_scaling == LinearRopeScaling(8.0) and released.rope_theta == 1e6
+    assert released.style.local_rope_theta == 1e4 and released.attn_scale == 168**-0.5
+    assert released.eos_token_ids == (1, 106) and released.image_token_id == 262144
+    assert sum(t == "full_attention" for t in released.style.layer_types) == 10
+
+
+BASE = {"model_type": "gemma3_text", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 8,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4}
+
+
+@pytest.mark.parametrize("extra, field", [
+    ({"hidden_activation": "gelu"}, "config.json hidden_activation='gelu'"),
+    ({"use_bidirectional_attention": True}, "config.json use_bidirectional_attention=true"),
+    ({"attention_bias": True}, "config.json attention_bias=true"),
+    ({"layer_types": ["full_attention"]}, "config.json layer_types"),
+    ({"layer_types": ["full_attention", "chunked_attention"]}, "config.json layer_types"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 4.0}}}, "rope_type='yarn'"),
+    ({"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
+     "rope_parameters.sliding_attention.rope_type='linear'"),
+    ({"final_logit_softcapping": -1.0}, "config.json final_logit_softcapping=-1.0"),
+    ({"sliding_window_pattern": 0}, "config.json sliding_window_pattern=0"),
+    ({"model_type": "gemma3", "vision_config": {}}, "config.json of a gemma3 checkpoint has no text_config"),
+])
+def test_unsupported_gemma_configs_are_refused_in_one_line_naming_the_field(tmp_path, extra, field):
+    """Before any tensor is read: `check_checkpoint` (the head's check) refuses from config.json alone."""
+    with pytest.raises(UnsupportedModelError, match=re.escape(field)) as err:
+        ModelConfig.from_hf({**BASE, **extra})
+    assert "\n" not in str(err.value)
+    (tmp_path / "config.json").write_text(json.dumps({**BASE, **extra}))
+    with pytest.raises(UnsupportedModelError, match=re.escape(field)):
+        check_checkpoint(tmp_path)  # no safetensors file here: the config alone is refused
