@@ -24,7 +24,10 @@ from engine.models.gemma_model import gemma_rms_norm
 from engine.models.model_config import LinearRopeScaling, ModelConfig, UnsupportedModelError
 from engine.models.weights import load_transformer
 from engine.scheduling.sequence import Request
+from orchestrator.commands.check import main as check_main
 from orchestrator.commands.generate import main as generate_main
+from orchestrator.commands.size_command import main as size_main
+from orchestrator.exit_codes import OK
 from tests.engine.models.hf_reference import make_hf_gemma3_multimodal, make_hf_model
 from tests.engine.models.test_model import PagedSequences, make_prompts
 
@@ -173,3 +176,22 @@ def test_unsupported_gemma_configs_are_refused_in_one_line_naming_the_field(tmp_
     (tmp_path / "config.json").write_text(json.dumps({**BASE, **extra}))
     with pytest.raises(UnsupportedModelError, match=re.escape(field)):
         check_checkpoint(tmp_path)  # no safetensors file here: the config alone is refused
+
+
+def test_pagefleet_size_counts_gemma_3_27b(capsys):
+    """The published config: 27.0B parameters (its text model), its 62 layers' KV, a split on a v6e-8."""
+    assert size_main(["--model", str(RELEASED_27B), "--chip", "v6e", "--chips", "8", "--tp", "8",
+                      "--prompt-tokens", "2048", "--new-tokens", "1024"]) == OK
+    out = capsys.readouterr().out
+    assert "parameters: 27,009,346,304" in out and "KV per token: 507,904 bytes" in out
+    assert "engine.max_pages: 17698" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, programs, hbm", [("gemma3-27b-v5p-8.yaml", 20, "of 95.00 GiB"),
+                                                   ("gemma3-27b-v6e-8.yaml", 17, "of 29.80 GiB")])
+def test_the_shipped_gemma_configs_pass_check_for_their_targets(config, programs, hbm, capsys):
+    """Several minutes each on a CPU host: the step programs of 62 unrolled layers lowered for the slice's TPU."""
+    assert check_main([str(RELEASED_27B.parents[1] / config), f"--model.path={RELEASED_27B}"]) == OK
+    out = capsys.readouterr().out
+    assert f"step programs: {programs} lowered for tpu" in out and hbm in out and "fits" in out
