@@ -71,7 +71,8 @@ class Engine:
         """`load_s` and `bytes_read` (from an object store: only this host's shards; 0 for a local checkpoint)."""
         model = load_transformer(model_path, dtype=jdtype, mesh=mesh, config=self.model_config, report=self.load_report)
         runner = ModelRunner(model, config, self.max_seq_len, eos_token_ids, mesh=mesh, kv_dtype=jdtype)
-        self._setup(config, runner, self.model_config.vocab_size, eos_token_ids, tokenizer)
+        self._setup(config, runner, self.model_config.vocab_size, eos_token_ids, tokenizer,
+                    self.model_config.image_token_id)
 
     @classmethod
     def from_runner(cls, runner, config: EngineConfig, vocab_size: int, eos_token_ids: Iterable[int],
@@ -84,8 +85,10 @@ class Engine:
         engine._setup(config, runner, vocab_size, set(eos_token_ids), tokenizer)
         return engine
 
-    def _setup(self, config: EngineConfig, runner, vocab_size: int, eos_token_ids: set[int], tokenizer) -> None:
+    def _setup(self, config: EngineConfig, runner, vocab_size: int, eos_token_ids: set[int], tokenizer,
+               image_token_id: int | None = None) -> None:
         self.config = config
+        self.image_token_id = image_token_id  # a multimodal checkpoint's image placeholder: refused in prompts
         self.runner = runner
         self.max_seq_len = runner.max_seq_len
         self.vocab_size = vocab_size
@@ -107,7 +110,7 @@ class Engine:
         """Why the request cannot run, or None; the message starts with the reason a run writes to
         rejected.jsonl (`too_long: ...`) where there is one."""
         error = validate_request(request.prompt_token_ids, request.sampling, self.max_seq_len, self.vocab_size,
-                                 self.tokenizer is not None)
+                                 self.tokenizer is not None, image_token_id=self.image_token_id)
         spec = request.sampling.structured
         if error is not None or spec is None:
             return error

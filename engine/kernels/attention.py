@@ -10,6 +10,8 @@ Layout (the same as the Pallas TPU kernel that ships with JAX, so dispatch needs
 Query head h reads KV head h // (num_heads // num_kv_heads), as in Hugging Face's GQA.
 A query at position p (its sequence's new tokens sit at the end of its kv_len) attends to cached
 positions k <= p, and with a sliding window W only to p - k < W.
+Scores are computed in one order in every implementation: s = (q * sm_scale) . k, then with logit
+soft-capping (Gemma 2's `attn_logit_softcapping`, C) s = C * tanh(s / C), then the mask.
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ def write_kv(kv_pages: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.
     return flat.reshape(kv_pages.shape)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "pages_per_block", "queries_per_block",
-                                             "tiles_per_group", "decode_pages_per_block"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "pages_per_block",
+                                             "queries_per_block", "tiles_per_group", "decode_pages_per_block"))
 def reference_ragged_paged_attention(
     q: jax.Array,
     kv_pages: jax.Array,
@@ -50,6 +52,7 @@ def reference_ragged_paged_attention(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
     pages_per_block: int = 8,
     queries_per_block: int = 16,
     tiles_per_group: int = 8,
@@ -73,7 +76,7 @@ def reference_ragged_paged_attention(
     num_tokens = q.shape[0]
     max_seqs = page_indices.shape[0]
     present = jnp.arange(max_seqs) < num_seqs[0]
-    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, tiles_per_group=tiles_per_group)
+    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, tiles_per_group=tiles_per_group)
     one = dict(kw, queries_per_block=1, pages_per_block=decode_pages_per_block or pages_per_block)
     if queries_per_block == 1:  # a decode-only step: one tile per token
         return _attend(q, kv_pages, kv_lens, page_indices, cu_q_lens, present, max_tiles=num_tokens, **one)
@@ -87,7 +90,7 @@ def reference_ragged_paged_attention(
     return decoding + chunks  # each is zero on the other's rows
 
 
-def _attend(q, kv_pages, kv_lens, page_indices, cu_q_lens, included, *, sm_scale, sliding_window,
+def _attend(q, kv_pages, kv_lens, page_indices, cu_q_lens, included, *, sm_scale, sliding_window, soft_cap,
             pages_per_block, queries_per_block, tiles_per_group, max_tiles) -> jax.Array:
     """Attention for the `included` sequences' query rows (the other rows stay zero), in tiles of
     `queries_per_block` rows, at most `max_tiles` of them."""
@@ -152,6 +155,8 @@ def _attend(q, kv_pages, kv_lens, page_indices, cu_q_lens, included, *, sm_scale
         k = kv_split[pages, :, :, 0].reshape(group, block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
         v = kv_split[pages, :, :, 1].reshape(group, block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
         s = jnp.einsum("tqhgd,tkhd->thgqk", mine(qt), k)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
         kv_pos = block[:, None] * block_tokens + jnp.arange(block_tokens)  # [group, blk]
         pos = mine(pos_s)
         mask = ((kv_pos[:, None, :] <= pos[:, :, None]) & (kv_pos[:, None, :] < mine(kv_len_s)[:, None, None])
@@ -239,6 +244,7 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None,
     impl: str,
+    soft_cap: float | None = None,
     pages_per_block: int,
     queries_per_block: int,
     tiles_per_group: int = 8,
@@ -250,17 +256,18 @@ def ragged_paged_attention(
     if impl == "cpu_kernel":
         from engine.kernels import cpu_attention
         return cpu_attention.ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                                                    sm_scale=sm_scale, sliding_window=sliding_window)
+                                                    sm_scale=sm_scale, sliding_window=sliding_window,
+                                                    soft_cap=soft_cap)
     if impl == "pallas_tpu":
         from engine.kernels.pallas_blocks import kernel_blocks
         from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention as kernel
 
         blocks = kernel_blocks(q.shape, q.dtype, kv_pages.shape, kv_pages.dtype, page_indices.shape[1])
         return kernel(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
-                      sliding_window=sliding_window, num_kv_pages_per_block=blocks.kv_pages_per_block,
+                      sliding_window=sliding_window, soft_cap=soft_cap, num_kv_pages_per_block=blocks.kv_pages_per_block,
                       num_queries_per_block=blocks.queries_per_block)
     return reference_ragged_paged_attention(
         q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
-        pages_per_block=pages_per_block, queries_per_block=queries_per_block, tiles_per_group=tiles_per_group,
+        soft_cap=soft_cap, pages_per_block=pages_per_block, queries_per_block=queries_per_block, tiles_per_group=tiles_per_group,
         decode_pages_per_block=decode_pages_per_block,
     )

@@ -74,8 +74,9 @@ def supports(q_dtype, kv_dtype) -> bool:
 
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale: float,
-                           sliding_window: int | None) -> jax.Array:
+                           sliding_window: int | None, soft_cap: float | None = None) -> jax.Array:
     """Same contract as `attention.reference_ragged_paged_attention` (float32 only); `load()` first."""
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(q, kv_pages, kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32), cu_q_lens.astype(jnp.int32),
-                num_seqs.astype(jnp.int32), sm_scale=np.float32(sm_scale), sliding_window=np.int32(sliding_window or 0))
+                num_seqs.astype(jnp.int32), sm_scale=np.float32(sm_scale), sliding_window=np.int32(sliding_window or 0),
+                soft_cap=np.float32(soft_cap or 0.0))

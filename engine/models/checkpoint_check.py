@@ -78,7 +78,25 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[
         if cfg.qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": ((q,), (q_f,)), p + "self_attn.k_proj.bias": ((kv,), (kv_f,)),
                            p + "self_attn.v_proj.bias": ((kv,), (kv_f,))})
+        if cfg.style.gemma_norms:
+            shapes.update({p + "pre_feedforward_layernorm.weight": ((e,), ("hidden_size",)),
+                           p + "post_feedforward_layernorm.weight": ((e,), ("hidden_size",))})
+        if cfg.style.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": ((cfg.head_dim,), ("head_dim",)),
+                           p + "self_attn.k_norm.weight": ((cfg.head_dim,), ("head_dim",))})
     return shapes
+
+
+def canonical_names(stored: list[str], prefixes: tuple[tuple[str, str], ...]) -> dict[str, str]:
+    """The engine's name of each stored tensor -> its name in the checkpoint: the name itself, and for each
+    (engine prefix, stored prefix) of `prefixes` (ModelConfig.weight_prefixes) the stored name with the engine's
+    prefix instead (a multimodal checkpoint's `model.language_model.layers.0...` is `model.layers.0...`)."""
+    names = {name: name for name in stored}
+    for ours, theirs in prefixes:
+        for name in stored:
+            if name.startswith(theirs):
+                names.setdefault(ours + name[len(theirs):], name)
+    return names
 
 
 def checkpoint_files(root: str | Path) -> list[str | Path]:
@@ -109,6 +127,7 @@ def check_checkpoint(path: str | os.PathLike, config: ModelConfig | None = None)
                                   f"{data_start + end:,}; copy or download it again")
         for name, meta in header.items():
             where[name] = (file, list(meta.get("shape", [])) if isinstance(meta, dict) else [])
+    where = {ours: where[name] for ours, name in canonical_names(list(where), cfg.weight_prefixes).items()}
     for name, (shape, fields) in expected_shapes(cfg).items():
         if name not in where:
             raise CheckpointError(f"{root}: the checkpoint has no tensor {name}, which config.json "

@@ -91,7 +91,8 @@ class Transformer(eqx.Module):
         def layer_step(carry, layer: DecoderLayer, layer_index: NamedArray):
             x, pool = carry
             q, k, v = by_token_rows(lambda x: _qkv(layer.attn, rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), ax), x)
-            attn, pool = _attention(q, k, v, pool, layer_index.array, cos, sin, inputs, cfg, ax, settings)
+            attn, pool = _attention(q, k, v, pool, layer_index.array, cos, sin, inputs, cfg, ax, settings,
+                                    cfg.sliding_window)
 
             def out_and_mlp(x: NamedArray, attn: NamedArray) -> NamedArray:
                 x = x + hax.dot(attn, layer.attn.wo, axis=(ax.KVHeads, ax.QPerKV, ax.HeadSize))
@@ -141,9 +142,10 @@ def rms_norm(x: NamedArray, weight: NamedArray, eps: float) -> NamedArray:
     return weight * (x32 * hax.rsqrt(variance + eps)).astype(x.dtype)
 
 
-def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos, sin: f32[T, head_dim] in Hugging Face's rotate-half layout (the frequencies repeated twice)."""
-    inv_freq = jnp.asarray(np.asarray(cfg.rope_inv_freq(), np.float32))  # f32[head_dim / 2]
+def rope_tables(cfg: ModelConfig, positions: jax.Array, sliding: bool = False) -> tuple[jax.Array, jax.Array]:
+    """cos, sin: f32[T, head_dim] in Hugging Face's rotate-half layout (the frequencies repeated twice); `sliding`:
+    those of the sliding-window layers (ModelConfig.rope_inv_freq)."""
+    inv_freq = jnp.asarray(np.asarray(cfg.rope_inv_freq(sliding), np.float32))  # f32[head_dim / 2]
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
@@ -169,9 +171,11 @@ def _qkv(attn: Attention, h: NamedArray, ax: ModelAxes) -> tuple[NamedArray, Nam
 
 
 def _attention(q: NamedArray, k: NamedArray, v: NamedArray, pool: NamedArray, layer: jax.Array, cos, sin,
-               inputs: StepInputs, cfg: ModelConfig, ax: ModelAxes, settings: StepSettings
+               inputs: StepInputs, cfg: ModelConfig, ax: ModelAxes, settings: StepSettings, window: int | None
                ) -> tuple[NamedArray, NamedArray]:
-    """Attention outputs [token, kv_heads, q_per_kv, head_size] (before `wo`) and the pool with this step's KV."""
+    """Attention outputs [token, kv_heads, q_per_kv, head_size] (before `wo`) and the pool with this step's KV;
+    queries see `window` tokens back (None: all), scores scaled by `cfg.attn_scale` and soft-capped as the
+    family says."""
     Token = q.resolve_axis(TOKEN)
     q = _rotate(q.rearrange((Token, ax.KVHeads, ax.QPerKV, ax.HeadSize)).array, cos, sin)
     q = q.reshape(Token.size, cfg.num_heads, cfg.head_dim)  # [T, H, d]; head = kv_head * q_per_kv + g
@@ -187,8 +191,8 @@ def _attention(q: NamedArray, k: NamedArray, v: NamedArray, pool: NamedArray, la
     def attend(q, k, v, kv, slots, kv_lens, pages, cu_q_lens, num_seqs):
         kv = write_kv(kv, k, v, slots)
         out = ragged_paged_attention(
-            q, kv, kv_lens, pages, cu_q_lens, num_seqs, sm_scale=cfg.head_dim**-0.5,
-            sliding_window=cfg.sliding_window, impl=settings.impl, pages_per_block=settings.pages_per_block,
+            q, kv, kv_lens, pages, cu_q_lens, num_seqs, sm_scale=cfg.attn_scale, sliding_window=window,
+            soft_cap=cfg.style.attn_logit_softcap, impl=settings.impl, pages_per_block=settings.pages_per_block,
             queries_per_block=settings.queries_per_block, tiles_per_group=settings.tiles_per_group,
             decode_pages_per_block=settings.decode_pages_per_block)
         return out, kv

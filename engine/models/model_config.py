@@ -9,11 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import engine.files as files
-from engine.models.model_family import FamilyConfigError
+from engine.models.model_family import FamilyConfigError, LayerStyle
 from engine.models.model_registry import FAMILIES, model_family
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)  # one file per family: engine/models/model_registry.py
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 class UnsupportedModelError(ValueError):
@@ -56,6 +57,13 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class LinearRopeScaling:
+    """Linear position interpolation (`rope_type: linear`): every frequency divided by `factor`."""
+
+    factor: float
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -69,24 +77,53 @@ class ModelConfig:
     """The model's context length; None when config.json has none (engine.max_seq_len must say it then)."""
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: RopeScaling | None
+    rope_scaling: RopeScaling | LinearRopeScaling | None
     tie_word_embeddings: bool
     qkv_bias: bool
     sliding_window: int | None
     """Tokens a query may look back (inclusive of itself); None means full causal attention."""
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    hidden_act: str = "silu"
+    """The MLP's gate activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (Gemma's GeGLU)."""
+    style: LayerStyle = LayerStyle()
+    """What the family's layer does beyond Llama's (engine/models/model_family.py)."""
+    weight_prefixes: tuple[tuple[str, str], ...] = ()
+    """Where the checkpoint may keep the tensors instead (ModelFamily.weight_prefixes)."""
+    image_token_id: int | None = None
+    """A multimodal checkpoint's image placeholder token: the engine runs its text model only, so a prompt holding
+    it is refused."""
 
     @property
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
-    def rope_inv_freq(self) -> list[float]:
-        """Inverse frequencies (radians per position) of each rotary pair, llama3 scaling applied."""
+    @property
+    def attn_scale(self) -> float:
+        """The factor on q . k: head_dim ** -0.5, or Gemma's query_pre_attn_scalar ** -0.5."""
+        return (self.style.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether layer `layer` attends within `sliding_window` (every layer when the family gives no layer types)."""
+        types = self.style.layer_types
+        return self.sliding_window is not None and (types is None or types[layer] == "sliding_attention")
+
+    def layer_window(self, layer: int) -> int | None:
+        """Tokens layer `layer`'s queries see (their own included); None: the whole context."""
+        return self.sliding_window if self.is_sliding(layer) else None
+
+    def rope_inv_freq(self, sliding: bool = False) -> list[float]:
+        """Inverse frequencies (radians per position) of each rotary pair, scaling applied; `sliding`: those of
+        the sliding-window layers, which Gemma 3 gives their own base (`style.local_rope_theta`), unscaled."""
+        local = self.style.local_rope_theta
+        if sliding and local is not None:
+            return [1.0 / (local ** (2 * i / self.head_dim)) for i in range(self.head_dim // 2)]
         inv = [1.0 / (self.rope_theta ** (2 * i / self.head_dim)) for i in range(self.head_dim // 2)]
         s = self.rope_scaling
         if s is None:
             return inv
+        if isinstance(s, LinearRopeScaling):
+            return [f / s.factor for f in inv]
         low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
         high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
         out = []
@@ -118,9 +155,15 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"config.json model_type={model_type!r} is not supported; pagefleet runs {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        act = hf.get("hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedModelError(f"config.json hidden_act={act!r} is not supported; only 'silu'")
+        try:
+            hf = family.text_config(hf)  # a multimodal checkpoint's text model; transformers' defaults filled in
+        except FamilyConfigError as e:
+            raise UnsupportedModelError(str(e)) from None
+        act = family.activation(hf)
+        if act not in SUPPORTED_ACTIVATIONS:
+            field = "hidden_activation" if "hidden_activation" in hf else "hidden_act"
+            raise UnsupportedModelError(f"config.json {field}={act!r} is not supported for model_type={model_type}; "
+                                        f"pagefleet runs {', '.join(SUPPORTED_ACTIVATIONS)}")
         if hf.get("mlp_bias", False):
             raise UnsupportedModelError("config.json mlp_bias=true is not supported")
         missing = [k for k in ("num_attention_heads", "hidden_size", "num_hidden_layers", "intermediate_size",
@@ -157,8 +200,11 @@ class ModelConfig:
                 high_freq_factor=float(rope["high_freq_factor"]),
                 original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
             )
+        elif rope_type == "linear":
+            scaling = LinearRopeScaling(factor=float(rope["factor"]))
         try:
             attention = family.attention(hf)  # what the family sets in the shared layers
+            style = family.style(hf)
         except FamilyConfigError as e:
             raise UnsupportedModelError(str(e)) from None
         qkv_bias, window = attention.qkv_bias, attention.sliding_window
@@ -182,4 +228,8 @@ class ModelConfig:
             sliding_window=int(window) if window else None,
             eos_token_ids=eos_ids,
             bos_token_id=hf.get("bos_token_id"),
+            hidden_act=act,
+            style=style,
+            weight_prefixes=family.weight_prefixes,
+            image_token_id=hf.get("image_token_index"),
         )

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from engine.models.gemma import GEMMA2, GEMMA3, GEMMA3_TEXT
 from engine.models.llama import LLAMA
 from engine.models.mistral import MISTRAL
 from engine.models.model_family import ModelFamily
 from engine.models.qwen2 import QWEN2
 
-FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (LLAMA, MISTRAL, QWEN2)}
+FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (LLAMA, MISTRAL, QWEN2, GEMMA2, GEMMA3_TEXT, GEMMA3)}
 """Every supported family, keyed by `model_type`, in the order the error messages list them."""
 
 

@@ -27,7 +27,8 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P, 
 from engine import ranged_file
 import engine.files as files
 from engine.models.axes import TENSOR_PARALLEL, ModelAxes
-from engine.models.checkpoint_check import CheckpointError, check_checkpoint
+from engine.models.checkpoint_check import CheckpointError, canonical_names, check_checkpoint
+from engine.models.gemma_model import GemmaLayer, GemmaTransformer
 from engine.models.model import Attention, DecoderLayer, Transformer
 from engine.models.model_config import ModelConfig
 from engine.models.tensor_parallel import MeshError, kv_replicas, sharded_config
@@ -40,7 +41,9 @@ class SafetensorsCheckpoint:
     """The tensors of a checkpoint directory, by Hugging Face name: memory-mapped from a local directory, or read by
     byte ranges from an object store (`gs://...`, engine/ranged_file.py) with nothing copied to disk."""
 
-    def __init__(self, path: str | os.PathLike, merge_gap: int = ranged_file.MERGE_GAP) -> None:
+    def __init__(self, path: str | os.PathLike, merge_gap: int = ranged_file.MERGE_GAP,
+                 prefixes: tuple[tuple[str, str], ...] = ()) -> None:
+        """`prefixes`: where the checkpoint may keep the engine's names instead (ModelConfig.weight_prefixes)."""
         root = str(path) if files.is_url(path) else Path(path)
         index = files.join(root, "model.safetensors.index.json")
         if files.exists(index):
@@ -69,6 +72,7 @@ class SafetensorsCheckpoint:
                 if meta["dtype"] not in _DTYPES:
                     raise ValueError(f"{file}: tensor {key} has unsupported dtype {meta['dtype']}")
                 self._tensors[key] = (file, meta["dtype"], tuple(meta["shape"]), 8 + header_len + meta["data_offsets"][0])
+        self._tensors = {ours: self._tensors[name] for ours, name in canonical_names(list(self._tensors), prefixes).items()}
 
     @property
     def bytes_read(self) -> int:
@@ -155,7 +159,7 @@ def load_transformer(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | No
     t0 = time.perf_counter()
     cfg = config or ModelConfig.from_pretrained(path)
     check_checkpoint(path, cfg)  # headers only: a missing, truncated or misshapen tensor is named before any read
-    ckpt = SafetensorsCheckpoint(path, merge_gap)
+    ckpt = SafetensorsCheckpoint(path, merge_gap, cfg.weight_prefixes)
     np_dtype = np.dtype(jnp.dtype(dtype))
 
     def one(name: str, axes, to_named: Callable[[np.ndarray], np.ndarray]) -> NamedArray:
@@ -190,7 +194,7 @@ def _model_width(mesh: Mesh | AbstractMesh | None) -> int:
     return 1 if mesh is None else mesh.shape.get("model", 1)
 
 
-def _build(checkpoint_cfg: ModelConfig, one: Callable, stacked: Callable, tp: int) -> Transformer:
+def _build(checkpoint_cfg: ModelConfig, one: Callable, stacked: Callable, tp: int) -> Transformer | GemmaTransformer:
     """The model's parameters by Hugging Face name, axes and layout: `one(name, axes, to_named)` makes a
     parameter, `stacked(suffix, axes, to_named)` one stacked over layers (axes include `layers`). At a
     tensor-parallel width `tp` beyond the KV heads, K and V (and their biases) are read with each KV head
@@ -212,6 +216,8 @@ def _build(checkpoint_cfg: ModelConfig, one: Callable, stacked: Callable, tp: in
         bk=stacked("self_attn.k_proj.bias", (L, KV, D), copies(lambda b: b.reshape(kv0, D.size), 0)) if bias else None,
         bv=stacked("self_attn.v_proj.bias", (L, KV, D), copies(lambda b: b.reshape(kv0, D.size), 0)) if bias else None,
     )
+    if cfg.style.gemma_norms:
+        return _build_gemma(cfg, one, stacked, attn)
     layers = DecoderLayer(
         attn_norm=stacked("input_layernorm.weight", (L, E), lambda w: w),
         attn=attn,
@@ -221,6 +227,35 @@ def _build(checkpoint_cfg: ModelConfig, one: Callable, stacked: Callable, tp: in
         w_down=stacked("mlp.down_proj.weight", (L, M, E), t),
     )
     return Transformer(
+        config=cfg,
+        embed=one("model.embed_tokens.weight", (V, E), lambda w: w),
+        layers=layers,
+        final_norm=one("model.norm.weight", (E,), lambda w: w),
+        lm_head=None if cfg.tie_word_embeddings else one("lm_head.weight", (V, E), lambda w: w),
+    )
+
+
+def _build_gemma(cfg: ModelConfig, one: Callable, stacked: Callable, attn: Attention) -> GemmaTransformer:
+    """Gemma's layer by Hugging Face name: its four norms (transformers' `post_attention_layernorm` is the norm on
+    the attention's output; `pre_feedforward_layernorm` the one before the MLP) and Gemma 3's QK-norm."""
+    ax = ModelAxes.of(cfg)
+    L, E, V, M, D = ax.Layers, ax.Embed, ax.Vocab, ax.Mlp, ax.HeadSize
+    t = lambda w: w.T  # noqa: E731
+    norm = lambda suffix, axis=E: stacked(suffix, (L, axis), lambda w: w)  # noqa: E731
+    qk = cfg.style.qk_norm
+    layers = GemmaLayer(
+        attn_norm=norm("input_layernorm.weight"),
+        attn=attn,
+        q_norm=norm("self_attn.q_norm.weight", D) if qk else None,
+        k_norm=norm("self_attn.k_norm.weight", D) if qk else None,
+        post_attn_norm=norm("post_attention_layernorm.weight"),
+        mlp_norm=norm("pre_feedforward_layernorm.weight"),
+        post_mlp_norm=norm("post_feedforward_layernorm.weight"),
+        w_gate=stacked("mlp.gate_proj.weight", (L, E, M), t),
+        w_up=stacked("mlp.up_proj.weight", (L, E, M), t),
+        w_down=stacked("mlp.down_proj.weight", (L, M, E), t),
+    )
+    return GemmaTransformer(
         config=cfg,
         embed=one("model.embed_tokens.weight", (V, E), lambda w: w),
         layers=layers,

@@ -64,13 +64,17 @@ def stop_ids_error(stop_token_ids: Sequence[int], vocab_size: int | None) -> str
 
 
 def validate_request(prompt_token_ids: Sequence[int], sampling: SamplingConfig, max_seq_len: int,
-                     vocab_size: int, has_tokenizer: bool) -> str | None:
+                     vocab_size: int, has_tokenizer: bool, image_token_id: int | None = None) -> str | None:
     """Why a request cannot run on the engine, or None; the message starts with the reason a run writes to
-    rejected.jsonl (`too_long: ...`) where there is one."""
+    rejected.jsonl (`too_long: ...`) where there is one. `image_token_id`: a multimodal checkpoint's image
+    placeholder, which the engine (a text model) cannot fill."""
     if (error := length_error(len(prompt_token_ids), sampling.max_new_tokens, max_seq_len)) is not None:
         return f"{error[0]}: {error[1]}"
     if any(not 0 <= t < vocab_size for t in prompt_token_ids):
         return f"out_of_vocabulary: prompt token ids must lie in [0, {vocab_size}) (the model's vocab_size)"
+    if image_token_id is not None and image_token_id in prompt_token_ids:
+        return (f"image_input: the prompt holds the image token {image_token_id}; pagefleet runs the text model of "
+                "this multimodal checkpoint only: send text prompts")
     if (why := stop_ids_error(sampling.stop_token_ids, vocab_size)) is not None:
         return f"out_of_vocabulary: {why}"
     if sampling.stop and not has_tokenizer:

@@ -14,7 +14,7 @@ from typing import Literal
 import fsspec
 
 import engine as capacity
-from engine import EngineConfig, load_tokenizer as load
+from engine import EngineConfig, load_tokenizer as load, model_family
 from orchestrator.plan.model_cache import local_copy
 from orchestrator.surface import setting
 
@@ -118,11 +118,19 @@ def model_config(source: ModelSourceConfig) -> dict:
         raise FileNotFoundError(f"{url} not found: model.path must be an HF-format checkpoint directory") from None
 
 
+def decoder_config(source: ModelSourceConfig) -> dict:
+    """config.json's decoder fields: a multimodal checkpoint's `text_config`, transformers' defaults filled in
+    where the family's config class has them (the family's `text_config`)."""
+    hf = model_config(source)
+    family = model_family(hf.get("model_type"))
+    return hf if family is None else family.text_config(hf)
+
+
 def max_seq_len(source: ModelSourceConfig, engine: EngineConfig) -> int:
     """Longest sequence (prompt plus completion), by the engine's rule (engine.capacity.max_seq_len)."""
     if engine.max_seq_len is not None:  # no need to read config.json
         return capacity.max_seq_len(engine, None)
-    return capacity.max_seq_len(engine, model_config(source).get("max_position_embeddings"), source.path)
+    return capacity.max_seq_len(engine, decoder_config(source).get("max_position_embeddings"), source.path)
 
 
 def load_tokenizer(source: ModelSourceConfig):

@@ -25,7 +25,7 @@ from engine import structured_error
 from orchestrator.config import RunConfig, plan_changes
 from orchestrator.json_out import dumps
 from orchestrator.plan.corpus import corpus_fingerprint, list_files, split_shards
-from orchestrator.plan.model_source import (load_tokenizer, max_seq_len, model_config, model_fingerprint,
+from orchestrator.plan.model_source import (decoder_config, load_tokenizer, max_seq_len, model_fingerprint,
                                             tokenizer_fingerprint)
 from orchestrator.plan.packing import PackingLimits, lower_bound, pack, shareable_prompt_tokens
 from orchestrator.plan.report import PlanStats
@@ -98,7 +98,7 @@ def refuse_bad_structured_output(cfg: RunConfig) -> None:
     if cfg.sampling.structured is None:
         return
     tokenizer = load_tokenizer(cfg.model)
-    vocab_size = model_config(cfg.model).get("vocab_size") or len(tokenizer)
+    vocab_size = decoder_config(cfg.model).get("vocab_size") or len(tokenizer)
     if (why := structured_error(tokenizer, vocab_size, cfg.sampling)) is not None:
         raise NothingToRun(f"{why}; fix it (the run's structured output applies to every prompt)")
 
@@ -203,7 +203,7 @@ def _plan_into(cfg: RunConfig, run_dir: RunDir, files: list[str]) -> tuple[PlanS
 
     shards = split_shards(files, cfg.corpus.shard_bytes)
     in_process = corpus_bytes(files) <= cfg.corpus.in_process_bytes
-    tokenizer_args = (cfg.model, cfg.corpus, limits, context, model_config(cfg.model).get("vocab_size"), cfg.sampling)
+    tokenizer_args = (cfg.model, cfg.corpus, limits, context, decoder_config(cfg.model).get("vocab_size"), cfg.sampling)
     tokenized, counts = tokenize(shards, tokenizer_args, cfg.cluster, in_process)
     phase(f"counting and tokenizing the rows of {len(shards)} shards " + ("here" if in_process else "on Ray Data"))
     if sum(rows for rows, _ in counts) == 0:  # e.g. only blank lines: nothing to tokenize

@@ -8,7 +8,10 @@
 //   cu_q_lens    i32[S + 1]              sequence s owns q rows cu_q_lens[s]:cu_q_lens[s+1]
 //   num_seqs     i32[1]
 // Returns f32[T, H, D]; rows of no sequence are zero. Query head h reads KV head h / (H / KVH); a query
-// at position p sees cached positions k <= p (and p - k < window when window > 0).
+// at position p sees cached positions k <= p (and p - k < window when window > 0). With soft_cap C > 0
+// (Gemma 2's attention logit soft-capping) each score s becomes C * tanh(s / C) before the mask, as in
+// the reference; both paths below call the one out-of-line `soft_cap_scores`, so a row's bits do not
+// depend on the path its item takes.
 //
 // Why it exists: the plain-JAX reference must gather every KV block into a dense copy before XLA can
 // multiply it, and on a CPU that copy (plus tiny batched matmuls) was most of a step. Here each work item
@@ -62,6 +65,7 @@ struct Problem {
   int64_t num_heads, head_dim, page_size, num_kv_heads, pages_per_seq;
   float scale;
   int32_t window;  // <= 0: none
+  float soft_cap;  // <= 0: none
 };
 
 struct Item {
@@ -103,6 +107,14 @@ inline vf fma(vf a, vf b, vf c) {
 }
 inline vi splat_i(int32_t x) { return vi{} + x; }
 const vi lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+// C * tanh(s / C) lane by lane (the reference's order: divide, tanh, multiply). Out of line, so that both
+// paths run the same instructions whatever the compiler would do with it inlined.
+__attribute__((noinline)) vf soft_cap_scores(vf s, float cap) {
+  vf r;
+  for (int i = 0; i < kLanes; ++i) r[i] = cap * std::tanh(s[i] / cap);
+  return r;
+}
 
 // The score tree's last steps (see the top): partial sums P[0..15] of one score per lane -> the score.
 inline vf tree16(vf* P) {
@@ -252,6 +264,7 @@ void run_lanes(const Problem& p, const Item& it, int64_t row0, int64_t rows, int
     vf mx = m;
     for (int32_t j = 0; j < n; ++j) {
       const vi key = splat_i(t0 + j);
+      if (p.soft_cap > 0.f) sc[j] = soft_cap_scores(sc[j], p.soft_cap);
       seen[j] = key <= pos;
       if (p.window > 0) seen[j] &= (pos - key) < splat_i(p.window);
       sc[j] = seen[j] ? sc[j] : splat(kMasked);
@@ -464,6 +477,7 @@ void run_item(const Problem& p, const Item& it) {
       for (int32_t j0 = 0; j0 < n; j0 += kLanes) {
         vf v;
         std::memcpy(&v, &sc[j0], sizeof(v));
+        if (p.soft_cap > 0.f) v = soft_cap_scores(v, p.soft_cap);
         v = visible(j0) ? v : splat(kMasked);
         std::memcpy(&sc[j0], &v, sizeof(v));
         mxv = mxv > v ? mxv : v;
@@ -530,12 +544,13 @@ void work(Shared& st) {
 
 ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kv_pages,
                 ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> cu_q_lens,
-                ffi::Buffer<ffi::S32> num_seqs, ffi::ResultBuffer<ffi::F32> out, float sm_scale, int32_t sliding_window) {
+                ffi::Buffer<ffi::S32> num_seqs, ffi::ResultBuffer<ffi::F32> out, float sm_scale, int32_t sliding_window,
+                float soft_cap) {
   const auto qd = q.dimensions(), kd = kv_pages.dimensions(), pd = page_indices.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || pd.size() != 2) return ffi::Error::InvalidArgument("bad ranks");
   Problem p{q.typed_data(), kv_pages.typed_data(), kv_lens.typed_data(), page_indices.typed_data(),
             cu_q_lens.typed_data(), out->typed_data(), qd[1], qd[2], kd[1], kd[2] / 2, pd[1], sm_scale,
-            sliding_window};
+            sliding_window, soft_cap};
   if (kd[3] != p.head_dim || p.num_heads % p.num_kv_heads != 0)
     return ffi::Error::InvalidArgument("q and kv_pages disagree on head_dim or heads");
   std::memset(p.out, 0, sizeof(float) * qd[0] * qd[1] * qd[2]);
@@ -586,4 +601,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagefleetRaggedPagedAttentionF32, Impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("sm_scale")
-                                  .Attr<int32_t>("sliding_window"));
+                                  .Attr<int32_t>("sliding_window")
+                                  .Attr<float>("soft_cap"));

@@ -24,11 +24,14 @@ def cpu_kernel_built():
     assert cpu_attention.unavailable_reason() is None, cpu_attention.unavailable_reason()
 
 
-def dense_attention(q, k, v, q_positions, window=None):
-    """q: [Q, H, d] at absolute q_positions; k, v: [K, kvh, d] at positions 0..K-1."""
+def dense_attention(q, k, v, q_positions, window=None, soft_cap=None):
+    """q: [Q, H, d] at absolute q_positions; k, v: [K, kvh, d] at positions 0..K-1; scores soft-capped as
+    transformers' Gemma 2 caps them (divide, tanh, multiply) before the mask."""
     k = np.repeat(k, Q_PER_KV, axis=1)
     v = np.repeat(v, Q_PER_KV, axis=1)
     s = np.einsum("qhd,khd->hqk", q, k) * SCALE
+    if soft_cap is not None:
+        s = soft_cap * np.tanh(s / soft_cap)
     kpos = np.arange(k.shape[0])
     mask = kpos[None, :] <= q_positions[:, None]
     if window is not None:
@@ -56,7 +59,7 @@ class PagedBatch:
             used += need
         self.kv_pages = jnp.zeros((num_pages, page_size, 2 * NUM_KV_HEADS, HEAD_DIM), jnp.float32)
 
-    def step(self, chunks, max_seqs, bucket_tokens, impl="reference", sliding_window=None, **blocks):
+    def step(self, chunks, max_seqs, bucket_tokens, impl="reference", sliding_window=None, soft_cap=None, **blocks):
         """chunks: list of (seq, start, end) new tokens; returns per-chunk outputs [end-start, H, d]."""
         q, k, v, slots, cu, kv_lens, pages = [], [], [], [], [0], [], []
         for s, a, b in chunks:
@@ -79,13 +82,13 @@ class PagedBatch:
         blocks = dict(dict(pages_per_block=8, queries_per_block=16), **blocks)
         out = ragged_paged_attention(jnp.asarray(qa), self.kv_pages, jnp.asarray(kvl), jnp.asarray(pg), jnp.asarray(cu_a),
                                      jnp.array([ns], jnp.int32), sm_scale=SCALE, sliding_window=sliding_window,
-                                     impl=impl, **blocks)
+                                     soft_cap=soft_cap, impl=impl, **blocks)
         out = np.asarray(out)
         assert np.all(out[n:] == 0), "padding rows must stay zero"
         return [out[cu[i]:cu[i + 1]] for i in range(ns)]
 
-    def dense(self, s, a, b, window=None):
-        return dense_attention(self.q[s][a:b], self.k[s][:b], self.v[s][:b], np.arange(a, b), window)
+    def dense(self, s, a, b, window=None, soft_cap=None):
+        return dense_attention(self.q[s][a:b], self.k[s][:b], self.v[s][:b], np.arange(a, b), window, soft_cap)
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
@@ -148,6 +151,22 @@ def test_sliding_window(window, impl):
         np.testing.assert_allclose(o, batch.dense(s, a, b, window), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("window", [None, 5])
+def test_soft_capped_scores(window, impl):
+    """Gemma 2's attention logit soft-capping (C * tanh(s / C), before the mask), with and without a window,
+    prompt chunks and single tokens: a cap of 0.7 bends most scores (they are about N(0, 1) here)."""
+    rng = np.random.default_rng(21)
+    batch = PagedBatch(rng, [70, 9, 31], page_size=4, num_pages=40, pages_per_seq=18)
+    for chunks, bucket in (([(0, 0, 30), (1, 0, 8), (2, 0, 31)], 96), ([(0, 30, 69), (1, 8, 9)], 64),
+                           ([(0, 69, 70)], 8)):
+        outs = batch.step(chunks, 4, bucket, impl=impl, sliding_window=window, soft_cap=0.7, pages_per_block=2,
+                          queries_per_block=8)
+        for (s, a, b), o in zip(chunks, outs):
+            np.testing.assert_allclose(o, batch.dense(s, a, b, window, soft_cap=0.7), atol=1e-5, rtol=0)
+            assert np.abs(o - batch.dense(s, a, b, window)).max() > 1e-3  # the cap really changed the result
+
+
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("impl,group", [("reference", 1), ("reference", 3), ("reference", 64), ("cpu_kernel", 1)])
 def test_tile_result_does_not_depend_on_the_other_tiles(impl, group, window):
@@ -195,9 +214,11 @@ def test_cpu_kernel_build_failure_names_the_compiler(monkeypatch, tmp_path):
         cpu_attention.build()
 
 
-def test_cpu_kernel_row_is_bit_identical_in_a_long_chunk_and_alone():
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (7, 0.7)])
+def test_cpu_kernel_row_is_bit_identical_in_a_long_chunk_and_alone(window, soft_cap):
     """A query row gives the same bits whether its work item holds many rows (vector lanes) or one token
-    (the all-heads path): how a prompt is cut into chunks must not change the rounding."""
+    (the all-heads path): how a prompt is cut into chunks must not change the rounding, with a window and
+    soft-capped scores too."""
     rng = np.random.default_rng(11)
     pool = jnp.asarray(rng.standard_normal((16, 4, 2 * NUM_KV_HEADS, HEAD_DIM)).astype(np.float32))
     q = rng.standard_normal((40, NUM_HEADS, HEAD_DIM)).astype(np.float32)
@@ -207,7 +228,8 @@ def test_cpu_kernel_row_is_bit_identical_in_a_long_chunk_and_alone():
         n = len(q_rows)
         return np.asarray(ragged_paged_attention(
             jnp.asarray(q_rows), pool, jnp.array([start + n]), pages, jnp.array([0, n]), jnp.array([1]),
-            sm_scale=SCALE, sliding_window=None, impl="cpu_kernel", pages_per_block=8, queries_per_block=16))
+            sm_scale=SCALE, sliding_window=window, soft_cap=soft_cap, impl="cpu_kernel", pages_per_block=8,
+            queries_per_block=16))
 
     whole = attend(q, 0)
     for t in (0, 17, 39):

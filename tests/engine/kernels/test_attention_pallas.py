@@ -42,13 +42,14 @@ def ragged_batch(seqs: list[tuple[int, int]], page_size: int, max_seqs: int, see
     return args, tokens
 
 
-def check(seqs, page_size, *, sliding_window=None, kv_pages_per_block=2, queries_per_block=8, max_seqs=6):
+def check(seqs, page_size, *, sliding_window=None, soft_cap=None, kv_pages_per_block=2, queries_per_block=8,
+          max_seqs=6):
     args, rows = ragged_batch(seqs, page_size, max_seqs)
     scale = HEAD_DIM**-0.5
     with tpu_interpret():
-        out = kernel(*args, sm_scale=scale, sliding_window=sliding_window,
+        out = kernel(*args, sm_scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
                      num_kv_pages_per_block=kv_pages_per_block, num_queries_per_block=queries_per_block)
-    ref = reference_ragged_paged_attention(*args, sm_scale=scale, sliding_window=sliding_window)
+    ref = reference_ragged_paged_attention(*args, sm_scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
     np.testing.assert_allclose(np.asarray(out)[:rows], np.asarray(ref)[:rows], atol=1e-5, rtol=0)
 
 
@@ -76,3 +77,9 @@ def test_decode_only():
 @pytest.mark.parametrize("page_size", [8, 16])
 def test_sliding_window(page_size):
     check([(12, 40), (1, 37), (3, 3)], page_size=page_size, sliding_window=8)
+
+
+def test_soft_cap_with_a_sliding_window():
+    """Gemma 2's attention: scores soft-capped (C * tanh(s / C)) and a window shorter than the contexts; the
+    kernel's score order (scale, cap, mask) is the reference's."""
+    check([(12, 40), (1, 37), (3, 3)], page_size=16, sliding_window=8, soft_cap=0.7)

@@ -19,37 +19,80 @@ FAMILIES = {
     "mistral": dict(cls="MistralConfig", rope_theta=10000.0, sliding_window=None, rms_norm_eps=1e-6),
     "qwen2": dict(cls="Qwen2Config", rope_theta=1000000.0, tie_word_embeddings=True, rms_norm_eps=1e-6,
                   use_sliding_window=False),
+    # Gemma: a window shorter than most test prompts, the first layer sliding and the second full (Gemma 2's
+    # default), caps low enough to bend real scores and logits, query_pre_attn_scalar other than head_dim.
+    "gemma2": dict(cls="Gemma2Config", tie_word_embeddings=True, rms_norm_eps=1e-6, sliding_window=24,
+                   query_pre_attn_scalar=24, attn_logit_softcapping=3.0, final_logit_softcapping=12.0),
+    # Gemma 3: sliding, sliding, full (layer_types written out), two RoPEs: the global one linearly scaled.
+    "gemma3_text": dict(cls="Gemma3TextConfig", tie_word_embeddings=True, rms_norm_eps=1e-6, sliding_window=24,
+                        query_pre_attn_scalar=24, final_logit_softcapping=12.0, layers=3,
+                        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                            "rope_theta": 1000000.0},
+                                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
 }
+GEMMA_NORMS = ("gemma2", "gemma3_text")  # RMSNorm as (1 + weight): weights drawn around 0, not 1
 
 
 def make_hf_model(family: str, out: Path, *, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16,
                   intermediate=128, vocab=256, seed=0, max_shard_size=None, **overrides):
     spec = dict(FAMILIES[family])
     cls = getattr(transformers, spec.pop("cls"))
+    layers = spec.pop("layers", layers)
     config = cls(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                  num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=intermediate,
                  vocab_size=vocab, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
                  **{"tie_word_embeddings": False, **spec, **overrides})
     torch.manual_seed(seed)
     model = cls_model(config)
+    randomize(model, hidden, seed, norm_center=0.0 if family in GEMMA_NORMS else 1.0)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(out, **kwargs)
+    return model
+
+
+def make_hf_gemma3_multimodal(out: Path, *, vocab=512, seed=0):
+    """A tiny Gemma3ForConditionalGeneration (the text model of the `gemma3_text` family above, a one-layer SigLIP
+    vision tower), saved by transformers: its text tensors sit under `model.language_model.`."""
+    spec = dict(FAMILIES["gemma3_text"])
+    spec.pop("cls")
+    layers = spec.pop("layers")
+    text = transformers.Gemma3TextConfig(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=vocab,
+                                         max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, **spec)
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       boi_token_index=vocab - 3, eoi_token_index=vocab - 2,
+                                       image_token_index=vocab - 1, eos_token_id=[2, 7])
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config).to(torch.float32)
+    randomize(model, 64, seed, norm_center=0.0)
+    model.eval()
+    model.save_pretrained(out)
+    return model
+
+
+def randomize(model, hidden: int, seed: int, norm_center: float) -> None:
+    """Weights at a scale where top-two logit gaps dwarf float32 rounding (see the module docstring); norm weights
+    around `norm_center` (1 for Llama's RMSNorm, 0 for Gemma's, which multiplies by 1 + weight)."""
     rng = np.random.default_rng(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                value = 1.0 + 0.1 * rng.standard_normal(p.shape)
+                value = norm_center + 0.1 * rng.standard_normal(p.shape)
             elif name.endswith("bias"):
                 value = 0.1 * rng.standard_normal(p.shape)
             elif "embed_tokens" in name:
                 value = rng.standard_normal(p.shape)
             elif name == "lm_head.weight":
                 value = rng.standard_normal(p.shape) * 16 / np.sqrt(hidden)
-            else:  # Linear [out, in]
+            elif p.ndim == 2:  # Linear [out, in]
                 value = rng.standard_normal(p.shape) / np.sqrt(p.shape[1])
+            else:  # vision tower biases, norms, convolutions: what transformers drew
+                continue
             p.copy_(torch.tensor(value, dtype=torch.float32))
     model.eval()
-    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
-    model.save_pretrained(out, **kwargs)
-    return model
 
 
 def cls_model(config):
