@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib
 
+from engine import files
+
 from engine.sizing.capacity import check_pool, length_error, max_seq_len, pages_for, pages_needed, stop_ids_error, validate_request
 from engine.config import DTYPES, EngineConfig, SamplingConfig, SamplingParams
 from engine.sizing.model_bytes import DTYPE_BYTES, GiB, ParamCount, count_params, kv_bytes_per_token, kv_page_bytes
@@ -60,7 +62,7 @@ _LAZY = {
 
 __all__ = ["Engine", "DTYPES", "EngineConfig", "SamplingConfig", "SamplingParams", "Request", "SampleRecord", "RECORD_FIELDS", "RESERVED_COLUMNS", "output_record",
            "arrow_fields", "DTYPE_BYTES", "GiB", "ParamCount", "count_params", "kv_bytes_per_token", "kv_page_bytes", "check_pool", "length_error", "max_seq_len", "pages_for", "pages_needed",
-           "stop_ids_error", "structured_error", "validate_request", "MeshError", "model_family", "kv_replicas", "sharded_config", "tensor_parallel_error", "valid_widths", *[name for name in _LAZY if name != "Engine"]]
+           "stop_ids_error", "structured_error", "validate_request", "MeshError", "files", "model_family", "kv_replicas", "sharded_config", "tensor_parallel_error", "valid_widths", *[name for name in _LAZY if name != "Engine"]]
 
 
 def __getattr__(name: str):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from engine.files import is_object_store, upload_file
+from engine import files
 
 
 def _umask() -> int:
@@ -62,7 +62,7 @@ def atomic_write(path: str | Path, write: Callable[[str], None], fsync: bool = T
 
 
 def _is_object(path) -> bool:
-    return is_object_store(str(path))
+    return files.is_object_store(str(path))
 
 
 def _write_object(url: str, write: Callable[[str], None], before_replace: Callable[[], None] | None) -> None:
@@ -72,7 +72,7 @@ def _write_object(url: str, write: Callable[[str], None], before_replace: Callab
         write(tmp)
         if before_replace is not None:
             before_replace()
-        upload_file(tmp, url)
+        files.upload_file(tmp, url)
     finally:
         os.unlink(tmp)
 

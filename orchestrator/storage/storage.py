@@ -17,10 +17,16 @@ from __future__ import annotations
 
 import os
 
-from engine.files import (OBJECT_STORES, exists, file_size, filesystem, is_object_store, is_url, join, list_names,
-                          list_sizes, local_path, makedirs, open_file, read_bytes, read_text, remove, remove_tree,
-                          upload_file)
+from engine import files
 from orchestrator.storage.atomic import atomic_write_bytes
+
+# engine/files.py's reads, listings and uploads, named here so the orchestrator has one storage API.
+OBJECT_STORES = files.OBJECT_STORES
+(exists, file_size, filesystem, is_object_store, is_url, join, list_names, list_sizes, local_path, makedirs, open_file,
+ read_bytes, read_text, remove, remove_tree, upload_file) = (
+    files.exists, files.file_size, files.filesystem, files.is_object_store, files.is_url, files.join, files.list_names,
+    files.list_sizes, files.local_path, files.makedirs, files.open_file, files.read_bytes, files.read_text, files.remove,
+    files.remove_tree, files.upload_file)
 
 __all__ = ["OBJECT_STORES", "exists", "file_size", "filesystem", "is_object_store", "is_url", "join", "list_names",
            "list_sizes", "local_path", "makedirs", "open_file", "read_bytes", "read_text", "remove", "remove_tree", "upload_file", "write_atomic"]
