@@ -41,7 +41,7 @@ class PagefleetLM(TemplateLM):
 
     def __init__(self, model: str | Engine, engine: Mapping[str, Any] | None = None, dtype: str = "float32",
                  max_gen_toks: int = 256, max_length: int | None = None, batch_size: Any = None,
-                 **engine_keys: Any) -> None:
+                 max_batch_size: Any = None, device: Any = None, **engine_keys: Any) -> None:
         super().__init__()
         if isinstance(model, Engine):
             if engine or engine_keys:
@@ -55,7 +55,9 @@ class PagefleetLM(TemplateLM):
         self.tokenizer = self.engine.tokenizer
         self.max_gen_toks = int(max_gen_toks)
         self._max_length = int(max_length) if max_length is not None else self.engine.max_seq_len - 1
-        self.batch_size = batch_size  # accepted for lm-eval's --batch_size; a whole task is one call
+        # lm-eval's --batch_size, --max_batch_size and --device are accepted and unused: a whole task is one call,
+        # batched by the engine, on the devices JAX has.
+        self.batch_size = batch_size
 
     # -- tokens, as the hf backend makes them ---------------------------------------------------
 

@@ -120,5 +120,9 @@ def test_rolling_loglikelihood_equals_the_hf_backend(model_dir):
     assert ours == pytest.approx(theirs, abs=1e-4)
 
 
-def test_pagefleet_is_an_lm_eval_model_name():
+def test_pagefleet_is_an_lm_eval_model_name(model_dir):
+    """As lm-eval's command line builds it from `--model pagefleet --model_args ...` (flat engine keys)."""
     assert get_model("pagefleet") is PagefleetLM
+    lm = PagefleetLM.create_from_arg_string(f"model={model_dir},max_seqs=4,max_seq_len=64,max_pages=32",
+                                            {"batch_size": 1, "max_batch_size": None, "device": "cpu"})
+    assert lm.engine.config.max_seqs == 4 and lm.max_length == 63
