@@ -270,8 +270,8 @@ def run_generate(cfg: GenerateConfig, explicit: frozenset[str] = frozenset()) ->
     if sized:
         print("engine sized for this machine: " + ", ".join(f"{k}={getattr(engine_cfg, k):,}" for k in sized) +
               " (engine.kv_memory_gib or an explicit --engine.KEY overrides)", file=sys.stderr)
-    bar = tqdm(total=len(parsed) * cfg.sampling.n, desc="samples", unit="sample", disable=not cfg.progress,
-               file=sys.stderr)
+    total = sum(cfg.sampling.n if line.continuations is None else len(line.continuations) for _, line in parsed)
+    bar = tqdm(total=total, desc="samples", unit="sample", disable=not cfg.progress, file=sys.stderr)
     records = sample_records(engine, parsed, cfg.sampling, on_finish=lambda: bar.update(1))
     bar.close()
     lines = [dumps(record) + "\n" for record in records]
