@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +23,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from engine.models.presets import write_model  # noqa: E402
 from pagefleet.evaluation import PagefleetLM  # noqa: E402
 
+REPO = Path(__file__).resolve().parents[2]
 ENGINE = {"max_seq_len": 256, "max_pages": 256, "max_seqs": 16, "page_size": 8}
 WORDS = "red blue green sea sky sun moon tree stone river".split()
 
@@ -126,3 +131,18 @@ def test_pagefleet_is_an_lm_eval_model_name(model_dir):
     lm = PagefleetLM.create_from_arg_string(f"model={model_dir},max_seqs=4,max_seq_len=64,max_pages=32",
                                             {"batch_size": 1, "max_batch_size": None, "device": "cpu"})
     assert lm.engine.config.max_seqs == 4 and lm.max_length == 63
+
+
+def test_the_lm_eval_command_line_runs_pagefleet(tmp_path, model_dir):
+    """`python -m pagefleet.evaluation` is lm-eval's command line with `--model pagefleet` registered."""
+    _tasks(tmp_path, n_questions=4)
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_CACHE": str(tmp_path / "datasets")}
+    done = subprocess.run([sys.executable, "-m", "pagefleet.evaluation", "run", "--model", "pagefleet", "--model_args",
+                           f"model={model_dir},max_seqs=8,max_seq_len=128,max_pages=64", "--tasks", "pf_mc",
+                           "--include_path", str(tmp_path), "--output_path", str(out)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    [results] = list(out.rglob("results_*.json"))
+    assert "acc,none" in json.loads(results.read_text())["results"]["pf_mc"]
