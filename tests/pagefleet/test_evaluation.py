@@ -133,6 +133,7 @@ def test_pagefleet_is_an_lm_eval_model_name(model_dir):
     assert lm.engine.config.max_seqs == 4 and lm.max_length == 63
 
 
+@pytest.mark.slow  # a second process loads lm-eval, the model and compiles the engine's programs again
 def test_the_lm_eval_command_line_runs_pagefleet(tmp_path, model_dir):
     """`python -m pagefleet.evaluation` is lm-eval's command line with `--model pagefleet` registered."""
     _tasks(tmp_path, n_questions=4)
