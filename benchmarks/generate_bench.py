@@ -138,9 +138,9 @@ def instrument(engine) -> list[dict]:
         cur.update(build_s=time.perf_counter() - t, T=int(inputs.token_ids.shape[0]), S=int(inputs.kv_lens.shape[0]))
         return inputs
 
-    def timed_step(chunks, rows, row_chunk=None):
+    def timed_step(chunks, rows, row_chunk=None, scoring=()):
         t = time.perf_counter()
-        result = step_sample(chunks, rows, row_chunk)
+        result = step_sample(chunks, rows, row_chunk, scoring)
         decode = all(len(c.token_ids) == 1 for c in chunks)
         records.append(dict(cur, wall_s=time.perf_counter() - t, decode=decode, key=(cur["T"], cur["S"], decode),
                             tokens=sum(len(c.token_ids) for c in chunks), seqs=len(chunks)))

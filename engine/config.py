@@ -141,6 +141,10 @@ class SamplingConfig:
     """Stop strings (excluded from the completion); the tokenizer's EOS always stops."""
     logprobs: bool = False
     """Return the chosen tokens' log-probabilities."""
+    prompt_logprobs: int | None = None
+    """K: return, for every prompt token after the first, its log-probability under the model and the K most
+    likely tokens at its position (vLLM's prompt_logprobs); None is off. Prompt tokens are then all computed
+    (none is read from the prefix cache), sampled and scored rows alike."""
     json_schema: dict[str, Any] | str | None = None
     """Structured output: every completion is JSON valid under this JSON Schema (a mapping in YAML, JSON text on the
     command line), or ends with finish_reason `length`. One at most of json_schema, regex, choice, grammar."""
@@ -166,6 +170,8 @@ class SamplingConfig:
             raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"sampling.top_k must be >= 0, got {self.top_k}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= INT32_MAX:
+            raise ValueError(f"sampling.prompt_logprobs must be a count >= 0 (or null), got {self.prompt_logprobs}")
         if self.n < 1:
             raise ValueError(f"sampling.n must be at least 1, got {self.n}")
         if not 0.0 <= self.min_p <= 1.0:

@@ -110,10 +110,12 @@ class Engine:
         """Why the request cannot run, or None; the message starts with the reason a run writes to
         rejected.jsonl (`too_long: ...`) where there is one."""
         error = validate_request(request.prompt_token_ids, request.sampling, self.max_seq_len, self.vocab_size,
-                                 self.tokenizer is not None, image_token_id=self.image_token_id)
+                                 self.tokenizer is not None, request.num_context_tokens, self.image_token_id)
         spec = request.sampling.structured
         if error is not None or spec is None:
             return error
+        if request.is_scored:
+            return f"bad_continuation: a scored row has no completion to constrain; drop sampling.{spec[0]}"
         if self.tokenizer is None:
             return f"invalid_grammar: sampling.{spec[0]} needs the model's tokenizer, and this engine has none"
         why = self.grammars.error(spec)
@@ -137,10 +139,13 @@ class Engine:
                                 len(request.prompt_token_ids), error=error)
         s = request.sampling
         names_special = any(t in stop for stop in s.stop for t in self._special_texts)
-        stop = StopChecker(stop_strings=s.stop, eos_token_ids=self.eos_token_ids | set(s.stop_token_ids),
-                           max_new_tokens=s.max_new_tokens,
-                           decode=self._decode_special if names_special else self._decode,
-                           start=len(request.prompt_token_ids))
+        if request.is_scored:  # one token is drawn after the continuation and dropped: the engine's usual end
+            stop = StopChecker(max_new_tokens=1, decode=lambda ids: "", start=len(request.prompt_token_ids))
+        else:
+            stop = StopChecker(stop_strings=s.stop, eos_token_ids=self.eos_token_ids | set(s.stop_token_ids),
+                               max_new_tokens=s.max_new_tokens,
+                               decode=self._decode_special if names_special else self._decode,
+                               start=len(request.prompt_token_ids))
         spec = s.structured
         self.scheduler.add(Sequence(request, self._arrivals, sample_base_key(s.seed, request.prompt_id,
                                                                              request.generation_index),
@@ -188,12 +193,24 @@ class Engine:
         start, n = seq.num_prompt_tokens, d.num_tokens
         # A chosen token's raw logprob is non-finite only when its step's logits held NaN or +Inf: the tokens are
         # garbage (argmax of NaN is 0), so the sample is an error, never a result (a deterministic fault).
-        if not all(math.isfinite(x) for x in seq.logprobs[:n]):
-            return SampleRecord(seq.request.prompt_id, seq.request.generation_index, "", [], None, None,
+        request = seq.request
+        scores = [seq.scores[p] for p in range(request.first_scored or start, start)]
+        if not all(math.isfinite(x) for x in seq.logprobs[:n] + [s.logprob for s in scores]):
+            return SampleRecord(request.prompt_id, request.generation_index, "", [], None, None,
                                 seq.num_prompt_tokens, error=NON_FINITE_ERROR)
-        return SampleRecord(seq.request.prompt_id, seq.request.generation_index, d.completion,
-                            seq.token_ids[start:start + n], seq.logprobs[:n] if seq.request.sampling.logprobs else None,
-                            d.finish_reason, seq.num_prompt_tokens)
+        prompt_logprobs = None if request.sampling.prompt_logprobs is None else [
+            {"token_id": t, "logprob": s.logprob, "top": [{"token_id": i, "logprob": lp} for i, lp in s.top]}
+            for t, s in zip(seq.token_ids[1:start], scores)]
+        if request.is_scored:
+            context = request.num_context_tokens
+            continuation = [seq.scores[p] for p in range(context, start)]
+            logprobs = [s.logprob for s in continuation]
+            return SampleRecord(request.prompt_id, request.generation_index, "", seq.token_ids[context:start], None,
+                                None, context, continuation_logprobs=logprobs, continuation_logprob=math.fsum(logprobs),
+                                is_greedy=all(s.is_argmax for s in continuation), prompt_logprobs=prompt_logprobs)
+        return SampleRecord(request.prompt_id, request.generation_index, d.completion,
+                            seq.token_ids[start:start + n], seq.logprobs[:n] if request.sampling.logprobs else None,
+                            d.finish_reason, seq.num_prompt_tokens, prompt_logprobs=prompt_logprobs)
 
     def _agree_on_requests(self) -> None:
         if not self._requests_agreed:  # requests were added since the hosts last compared them

@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
 Prompt = str | Sequence[Mapping[str, str]] | Sequence[int] | Mapping[str, Any]
 """A text prompt, a chat (a list of {role, content}), prompt token ids, or a row as `pagefleet generate` reads
-it ({"id", "prompt"} | {"id", "messages"} | {"id", "prompt_token_ids"})."""
+it ({"id", "prompt"} | {"id", "messages"} | {"id", "prompt_token_ids"}; with `continuation` or
+`continuation_token_ids` it is scored, one record per continuation)."""
 
 
 def _row(prompt: Prompt, index: int) -> Any:

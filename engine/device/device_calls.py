@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from engine.models.model import StepSettings
 from engine.device.row_tiles import by_row_tiles
-from engine.sampling.sampler import greedy_sample, penalize, position_keys, sample
+from engine.sampling.sampler import greedy_sample, penalize, position_keys, raw_logprobs, sample, score_tokens
 
 MIN_TOKEN_BUCKET = 16
 MIN_SEQ_BUCKET = 4
@@ -41,6 +41,13 @@ def pick_rows(settings: StepSettings, logits: jax.Array, mode: str, *rows):
     return by_row_tiles(lambda logits, *rows: pick(logits, mode, *rows), settings.sample_row_tile, logits, *rows)
 
 
+def score_rows(settings: StepSettings, logits: jax.Array, targets: jax.Array, num_top: int):
+    """`score_tokens` on tiles of `settings.sample_row_tile` rows, as `pick_rows` samples: a scored token's bits do not
+    depend on how many tokens the step scores."""
+    return by_row_tiles(lambda logits, targets: score_tokens(logits, targets, num_top), settings.sample_row_tile,
+                        logits, targets)
+
+
 def allowed_logits(logits: jax.Array, mask: jax.Array) -> jax.Array:
     """`logits` f32[S, V] with every token the row's bitmask `mask` (i32[S, ceil(V / 32)], bit t % 32 of word
     t // 32) does not allow set to -inf: the constrained distribution's logits (structured outputs)."""
@@ -67,8 +74,7 @@ def pick(logits: jax.Array, mode: str, temperature, top_k, top_p, min_p, base_ke
         if penalties is None:
             return greedy_sample(raw)
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        raw_logprobs = jax.nn.log_softmax(raw.astype(jnp.float32), axis=-1)
-        return tokens, jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+        return tokens, jnp.take_along_axis(raw_logprobs(raw), tokens[:, None], axis=-1)[:, 0]
     return sample(logits, temperature, top_k, top_p, position_keys(base_keys, positions), truncation=kind == "truncate",
                   min_p=min_p if "+min_p" in mode else None, raw_logits=None if penalties is None else raw)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import equinox as eqx
 import haliax as hax
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,7 @@ from engine.sizing.capacity import pages_for
 from engine.config import EngineConfig
 # Callers size shapes with `runner.bucket` and the MIN_* buckets (engine/sizing/preflight.py).
 from engine.device.device_calls import (MIN_SEQ_BUCKET, MIN_TOKEN_BUCKET, bucket, host_arrays, pick_rows, replicated,
-                                        settle)
+                                        score_rows, settle)
 from engine.kv.kv_cache import KVCache
 from engine.models.model import StepSettings, Transformer, unstack_layers
 from engine.device.multi_step import DecodeRow, MultiStepCalls, PendingSteps
@@ -32,7 +33,7 @@ from engine.sampling.row_sampling import RowSampling, sampling_arrays as _sampli
 from engine.sampling.row_sampling import sampling_mode as _sampling_mode
 from engine.sampling.sampler import penalty_state
 from engine.sampling.structured import Constraint, mask_words
-from engine.scheduling.scheduler_output import RunnerOutput, SchedulerOutput
+from engine.scheduling.scheduler_output import RunnerOutput, SchedulerOutput, ScoredTokens
 from engine.stats import DeviceClock
 from engine.device.step_inputs import StepInputs
 from engine.device.transfers import TransferLedger
@@ -51,6 +52,16 @@ class SeqChunk:
     token_ids: Sequence[int]
     start: int  # position of the first new token = tokens of this sequence already in the cache
     pages: Sequence[int]  # the sequence's pages, covering at least start + len(token_ids) tokens
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    """The prompt tokens one chunk scores: the logits of its token `offset + j` score `targets[j]` (the token after
+    it), with the `num_top` most likely tokens at each."""
+
+    offset: int
+    targets: Sequence[int]
+    num_top: int
 
 
 def is_decode_only(chunks: Sequence[SeqChunk]) -> bool:
@@ -74,6 +85,23 @@ def _forward_sample(model: Transformer, pool, inputs: StepInputs, settings: Step
     return pool, replicated(tokens, settings.mesh), replicated(logprobs, settings.mesh)
 
 
+def _forward_sample_score(model: Transformer, pool, inputs: StepInputs, settings: StepSettings, mode: str,
+                          num_top: int, score_indices, score_targets, temperature, top_k, top_p, min_p, base_keys,
+                          positions, penalties=None):
+    """`_forward_sample`, and the step's scored prompt tokens: the logits of token rows `score_indices: i32[Q]` score
+    `score_targets: i32[Q]` (`score_rows`). They run through the LM head with the sampled rows, so a scored row is
+    computed as a sampled one is."""
+    num_rows = inputs.logits_indices.shape[0]
+    inputs = eqx.tree_at(lambda i: i.logits_indices, inputs,
+                         jnp.concatenate([inputs.logits_indices, score_indices]))
+    pool, logits = model(pool, inputs, settings)
+    tokens, logprobs = pick_rows(settings, logits.array[:num_rows], mode, temperature, top_k, top_p, min_p, base_keys,
+                                 positions, penalties)
+    scores = score_rows(settings, logits.array[num_rows:], score_targets, num_top)
+    return (pool, replicated(tokens, settings.mesh), replicated(logprobs, settings.mesh),
+            tuple(replicated(x, settings.mesh) for x in scores))
+
+
 def _pick_masked(settings: StepSettings, logits, mode: str, temperature, top_k, top_p, min_p, base_keys, positions,
                  penalties, mask):
     """The sampling half of `_forward_sample` for a step with structured outputs, on logits f32[S, V] already on
@@ -83,10 +111,17 @@ def _pick_masked(settings: StepSettings, logits, mode: str, temperature, top_k, 
     return replicated(tokens, settings.mesh), replicated(logprobs, settings.mesh)
 
 
+def _score_only(settings: StepSettings, logits, targets, num_top: int):
+    """`score_rows` of logits already on the device (a step with structured outputs computes its logits apart)."""
+    return tuple(replicated(x, settings.mesh) for x in score_rows(settings, logits, targets, num_top))
+
+
 # Module-level, so every runner with the same model structure and shapes reuses compiled programs.
 _logits = jax.jit(_forward, donate_argnums=(1,), static_argnums=(3,))
 _masked_pick = jax.jit(_pick_masked, static_argnums=(0, 2))
+_score_logits = jax.jit(_score_only, static_argnums=(0, 3))
 _step_sample = jax.jit(_forward_sample, donate_argnums=(1,), static_argnums=(3, 4))
+_step_sample_score = jax.jit(_forward_sample_score, donate_argnums=(1,), static_argnums=(3, 4, 5))
 _penalty_state = jax.jit(penalty_state, static_argnums=(2,))
 
 
@@ -136,10 +171,11 @@ class ModelRunner(MultiStepCalls):
         call = out.decode
         if call is None:
             self._ahead = None
-            tokens, logprobs = self.step_sample([SeqChunk(c.token_ids, c.start, c.pages) for c in out.chunks],
-                                                out.row_sampling, out.row_chunk)
+            chunks = [SeqChunk(c.token_ids, c.start, c.pages) for c in out.chunks]
+            scoring = [ScoreRequest(c.score_offset, c.score_targets, c.num_top) for c in out.chunks]
+            tokens, logprobs, scores = self.step_sample(chunks, out.row_sampling, out.row_chunk, scoring)
             self.kv.copy_pages(*out.copies)  # forked siblings' partial last pages, written by this step
-            return RunnerOutput(tokens, logprobs)
+            return RunnerOutput(tokens, logprobs, scores=scores)
         if call.resume:
             pending = self._ahead
         else:
@@ -251,44 +287,89 @@ class ModelRunner(MultiStepCalls):
         return logits.array
 
     def step_sample(self, chunks: Sequence[SeqChunk], rows: Sequence[RowSampling],
-                    row_chunk: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Process the chunks and pick a next token per row: (tokens i32[rows], logprobs f32[rows])."""
+                    row_chunk: Sequence[int] | None = None, scoring: Sequence[ScoreRequest] = ()
+                    ) -> tuple[np.ndarray, np.ndarray, ScoredTokens | None]:
+        """Process the chunks and pick a next token per row: (tokens i32[rows], logprobs f32[rows], the tokens
+        `scoring[s]` asks chunk s to score, or None when none does)."""
         inputs = self.build_inputs(chunks, row_chunk)
         S = inputs.logits_indices.shape[0]
         positions = np.array([r.position for r in rows] + [0] * (S - len(rows)), np.int32)
         mode, sampling = _sampling_mode(rows, self.model.config.vocab_size), _sampling_arrays(rows, S)
         n = len(rows)
+        score_inputs = self._score_inputs(inputs, scoring)
         if "+mask" in mode:
-            return self._step_sample_masked(chunks, inputs, rows, mode, sampling, positions)
+            return self._step_sample_masked(chunks, inputs, rows, mode, sampling, positions, score_inputs,
+                                            sum(len(r.targets) for r in scoring))
         with self.clock.timing():
             penalties = self._penalties(rows, S, mode)
-            with self.transfers.sending(**_sent(inputs), sampling=(*sampling, positions, *host_arrays(penalties))):
-                self.kv.pool, tokens, logprobs = _step_sample(self.model, self.kv.pool, inputs,
-                                                              self._settings_for(chunks), mode, *sampling, positions,
-                                                              penalties)
-                settle(self.clock, (tokens, logprobs))
+            with self.transfers.sending(**_sent(inputs), sampling=(*sampling, positions, *host_arrays(penalties)),
+                                        scoring=score_inputs[1:] if score_inputs else ()):
+                settings = self._settings_for(chunks)
+                if score_inputs is None:
+                    self.kv.pool, tokens, logprobs = _step_sample(self.model, self.kv.pool, inputs, settings, mode,
+                                                                  *sampling, positions, penalties)
+                    scores = ()
+                else:
+                    self.kv.pool, tokens, logprobs, scores = _step_sample_score(
+                        self.model, self.kv.pool, inputs, settings, mode, *score_inputs, *sampling, positions, penalties)
+                settle(self.clock, (tokens, logprobs, scores))
             tokens, logprobs = self.transfers.read(tokens=tokens, logprobs=logprobs)
-            return tokens[:n], logprobs[:n]
+            if score_inputs is None:
+                return tokens[:n], logprobs[:n], None
+            q = sum(len(r.targets) for r in scoring)
+            read = [self.transfers.read(prompt_logprobs=x)[0][:q] for x in scores]
+            return tokens[:n], logprobs[:n], ScoredTokens(*read)
+
+    def _score_inputs(self, inputs: StepInputs, scoring: Sequence[ScoreRequest]) -> tuple | None:
+        """(num_top, score_indices i32[Q], score_targets i32[Q]) of a step whose chunks score prompt tokens, padded to
+        a bucket (the K of the top tokens too), or None when none does."""
+        q = sum(len(r.targets) for r in scoring)
+        if q == 0:
+            return None
+        Q = bucket(q, MIN_TOKEN_BUCKET)
+        indices, targets = np.zeros(Q, np.int32), np.zeros(Q, np.int32)
+        cu, i = inputs.cu_q_lens, 0
+        for s, r in enumerate(scoring):
+            m = len(r.targets)
+            indices[i:i + m] = np.arange(cu[s] + r.offset, cu[s] + r.offset + m)
+            targets[i:i + m] = r.targets
+            i += m
+        k = max(r.num_top for r in scoring)
+        num_top = 0 if k == 0 else min(bucket(k, 1), self.model.config.vocab_size)
+        return num_top, indices, targets
 
     def _step_sample_masked(self, chunks: Sequence[SeqChunk], inputs: StepInputs, rows: Sequence[RowSampling],
-                            mode: str, sampling: tuple, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                            mode: str, sampling: tuple, positions: np.ndarray, score_inputs: tuple | None = None,
+                            num_scored: int = 0) -> tuple[np.ndarray, np.ndarray, ScoredTokens | None]:
         """`step_sample` for a step with structured outputs: the forward pass is dispatched first, each constrained
         row's allowed tokens are computed on the host while it runs, then the mask goes to the device and the
-        rows are sampled from the masked logits. Unconstrained rows get an all-ones mask (their logits as they are)."""
+        rows are sampled from the masked logits. Unconstrained rows get an all-ones mask (their logits as they are).
+        Prompt tokens the step scores (`score_inputs`, as `_score_inputs` makes them) go through the LM head with
+        the sampled rows, as in `_forward_sample_score`."""
         S = inputs.logits_indices.shape[0]
         settings = self._settings_for(chunks)
         with self.clock.timing():
             penalties = self._penalties(rows, S, mode)
-            with self.transfers.sending(**_sent(inputs)):
+            if score_inputs is not None:
+                inputs = eqx.tree_at(lambda i: i.logits_indices, inputs,
+                                     np.concatenate([inputs.logits_indices, score_inputs[1]]))
+            with self.transfers.sending(**_sent(inputs), scoring=score_inputs[1:] if score_inputs else ()):
                 self.kv.pool, logits = _logits(self.model, self.kv.pool, inputs, settings)
         mask = np.full((S, mask_words(self.model.config.vocab_size)), -1, np.int32)
         Constraint.fill_masks([r.constraint for r in rows], mask)  # overlaps the forward pass
         n = len(rows)
         with self.clock.timing():
             with self.transfers.sending(sampling=(*sampling, positions, *host_arrays(penalties)), token_mask=mask):
-                tokens, logprobs = _masked_pick(settings, logits.array, mode, *sampling, positions, penalties, mask)
+                tokens, logprobs = _masked_pick(settings, logits.array[:S], mode, *sampling, positions, penalties,
+                                                mask)
+                scores = () if score_inputs is None else \
+                    _score_logits(settings, logits.array[S:], score_inputs[2], score_inputs[0])
+                settle(self.clock, (tokens, logprobs, scores))
             tokens, logprobs = self.transfers.read(tokens=tokens, logprobs=logprobs)
-            return tokens[:n], logprobs[:n]
+            if score_inputs is None:
+                return tokens[:n], logprobs[:n], None
+            read = [self.transfers.read(prompt_logprobs=x)[0][:num_scored] for x in scores]
+            return tokens[:n], logprobs[:n], ScoredTokens(*read)
 
     def _penalties(self, rows: Sequence[RowSampling], size: int, mode: str) -> tuple | None:
         """The `penalties` of a call whose mode penalizes (None otherwise): each row's prompt tokens and

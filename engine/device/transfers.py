@@ -23,14 +23,16 @@ from engine.trace import trace_logger
 if TYPE_CHECKING:
     import jax
 
-DEVICE_TO_HOST = ("tokens", "logprobs", "steps", "logits", "stats", "swap")
+DEVICE_TO_HOST = ("tokens", "logprobs", "steps", "logits", "stats", "swap", "prompt_logprobs")
 """Categories of device-to-host reads: sampled tokens, their logprobs, multi-step calls' per-row step counts,
+scored prompt tokens (`prompt_logprobs`: each one's logprob, whether it was the argmax, its position's top tokens),
 full logits (checks against a reference, not the engine's path); KV pages swapped out to the host pool (`swap`);
 `stats` is reserved (device-side counters) and stays 0 until something reads it."""
-HOST_TO_DEVICE = ("step_inputs", "page_tables", "sampling", "token_mask", "page_copies", "swap")
+HOST_TO_DEVICE = ("step_inputs", "page_tables", "sampling", "token_mask", "page_copies", "swap", "scoring")
 """Categories of host-to-device copies: a step's token ids, positions, slots and lengths; its page tables;
 sampling settings, keys and stop ids; the allowed-token bitmasks of steps with structured outputs (`token_mask`,
-4 bytes per 32 vocabulary entries a row); the page indices of a fork's page copy; KV pages paged back in from the host
+4 bytes per 32 vocabulary entries a row); the token rows scoring prompt tokens and the tokens they score
+(`scoring`); the page indices of a fork's page copy; KV pages paged back in from the host
 pool and the page indices of both swap directions (`swap`)."""
 DIRECTIONS = {"device_to_host": DEVICE_TO_HOST, "host_to_device": HOST_TO_DEVICE}
 _UNGUARDED = nullcontext()

@@ -38,11 +38,12 @@ class PrefixCache:
         """Map the cached pages of a sequence's leading full prompt pages (it computes nothing yet), then find
         the pages after them in the host tier (pinned; `page_in` maps them once the sequence has its pages);
         the tokens both hold, and the host tier's uids. The last token is always computed: its logits pick the
-        next token."""
+        next token; so is every token whose logits score a prompt token (Request.first_scored)."""
         if not self.config.prefix_caching or seq.pages:
             return 0, []
         ps = self.config.page_size
-        end = min(seq.num_prompt_tokens, len(seq.token_ids) - 1) // ps
+        first = seq.request.first_scored
+        end = min(seq.num_prompt_tokens, len(seq.token_ids) - 1, len(seq.token_ids) if first is None else first - 1) // ps
         for i in range(end):
             page = self.allocator.lookup(self._page_key(seq, i))
             if page is None:

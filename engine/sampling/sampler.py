@@ -116,7 +116,7 @@ def sample(
         keys = jax.random.wrap_key_data(keys.astype(jnp.uint32), impl=KEY_IMPL)
     vocab_size = logits.shape[-1]
     raw = logits if raw_logits is None else raw_logits.astype(jnp.float32)
-    raw_logprobs = jax.nn.log_softmax(raw, axis=-1)  # f32[S, V]
+    logprobs_all = raw_logprobs(raw)  # f32[S, V]
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # i32[S]
     sampled_rows = temperature > 0  # bool[S]
     # A greedy row still flows through the sampled branch; divide by 1 there to keep it finite.
@@ -136,8 +136,29 @@ def sample(
 
     sampled_tokens = jax.lax.cond(jnp.any(sampled_rows), draw, lambda: greedy_tokens)  # i32[S]
     tokens = jnp.where(sampled_rows, sampled_tokens, greedy_tokens)  # i32[S]
-    logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]  # f32[S]
+    logprobs = jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]  # f32[S]
     return tokens, logprobs
+
+
+def raw_logprobs(logits: jax.Array) -> jax.Array:
+    """Log-probabilities `f32[S, V]` of the raw model distribution (temperature 1, no truncation or penalty): the
+    one formula from logits to logprobs, for sampled tokens and scored prompt tokens alike."""
+    return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+
+
+def score_tokens(logits: jax.Array, targets: jax.Array, num_top: int
+                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Each row's given next token under the model: `(logprobs f32[Q], is_argmax bool[Q], top_ids i32[Q, num_top],
+    top_logprobs f32[Q, num_top])` for `logits: f32[Q, V]` and `targets: i32[Q]`. `is_argmax`: the target is the
+    argmax (ties go to the lowest index, like torch.argmax); the top tokens come most likely first, ties to the
+    lowest index. `num_top` is static. Pure and jittable; a row depends on its own inputs alone."""
+    logprobs = raw_logprobs(logits)  # f32[Q, V]
+    chosen = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]  # f32[Q]
+    is_argmax = jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32) == targets  # bool[Q]
+    if num_top == 0:
+        return chosen, is_argmax, jnp.zeros((logits.shape[0], 0), jnp.int32), jnp.zeros((logits.shape[0], 0), jnp.float32)
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, num_top)  # [Q, num_top]
+    return chosen, is_argmax, top_ids.astype(jnp.int32), top_logprobs
 
 
 def greedy_sample(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -145,7 +166,7 @@ def greedy_sample(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     the same values `sample` gives each such row, without the sampling machinery in the program."""
     logits = logits.astype(jnp.float32)
     tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # ties go to the lowest index
-    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]
+    logprobs = jnp.take_along_axis(raw_logprobs(logits), tokens[:, None], axis=-1)[:, 0]
     return tokens, logprobs
 
 

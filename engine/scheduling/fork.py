@@ -47,6 +47,7 @@ def fork(chunks: list[Chunk], kv: KVCacheManager) -> Forks:
                 continue
             sib.num_computed = parent.num_prompt_tokens  # the parent's prompt, computed in this step
             sib.num_cached_pages, sib.caching = parent.num_cached_pages, False  # the parent caches them
+            sib.scores = parent.scores  # its prompt's scores, which this step writes into the parent
             running.append(sib)  # its slot was counted at the parent's admission
         parent.siblings = []
     return Forks(rows, row_chunk, running, requeued)

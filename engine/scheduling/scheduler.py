@@ -28,7 +28,7 @@ from engine.kv.kv_cache_config import KVCacheConfig
 from engine.kv.kv_cache_manager import KVCacheManager, KVCopies
 from engine.sampling.row_sampling import row_sampling
 from engine.scheduling.scheduler_output import DecodeCall, RunnerOutput, ScheduledChunk, SchedulerOutput, StepCounts
-from engine.scheduling.sequence import Chunk, Sequence
+from engine.scheduling.sequence import Chunk, Sequence, take_scores
 
 
 @dataclass(frozen=True)
@@ -175,7 +175,8 @@ class Scheduler:
         self._cache_query_tokens = self._cache_hit_tokens = 0
         chunks = self._schedule_chunks()
         # A sequence admitted with all but its last prompt token cached decodes at once.
-        decode = self.decoding.multi_step(chunks, self.head_has_slots, bool(self.waiting))
+        scoring = any(c.seq.score_targets(c.start, c.num_tokens)[1] for c in chunks)  # a ragged step returns scores
+        decode = None if scoring else self.decoding.multi_step(chunks, self.head_has_slots, bool(self.waiting))
         if decode is not None:
             return self._output(chunks, [], [], decode, self._take_copies(), self._cache_query_tokens,
                                 self._cache_hit_tokens)
@@ -210,7 +211,8 @@ class Scheduler:
             rows = seqs
         out = SchedulerOutput(
             [ScheduledChunk(c.seq.arrival, tuple(c.seq.token_ids[c.start:c.start + c.num_tokens]), c.start,
-                            tuple(c.seq.pages), c.completes) for c in chunks] if decode is None else [],
+                            tuple(c.seq.pages), c.completes, *c.seq.score_targets(c.start, c.num_tokens),
+                            c.seq.request.sampling.prompt_logprobs or 0) for c in chunks] if decode is None else [],
             [q.arrival for q in rows] if decode is None else [], [row_sampling(q) for q in rows] if decode is None else [],
             row_chunk, copies.copies, decode, copies.swap_out, copies.swap_in, copies.swap_in_ahead)
         recompute = self._step_recompute_tokens if planned is None or not planned.resume else 0
@@ -241,8 +243,10 @@ class Scheduler:
         sequence draws that sequence's next token (a sibling that could not fork will run alone: skipped)."""
         for c in scheduled.chunks:
             c.seq.num_computed += c.num_tokens
-        done = []
         out = scheduled.output
+        if result.scores is not None:
+            take_scores([c.seq for c in scheduled.chunks], out.chunks, result.scores)
+        done = []
         for seq, i, token, logprob in zip(scheduled.rows, out.row_chunk, result.tokens.tolist(),
                                           result.logprobs.tolist()):
             if out.chunks[i].completes and seq.num_computed == len(seq.token_ids):

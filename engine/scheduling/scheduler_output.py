@@ -24,6 +24,9 @@ class ScheduledChunk:
     start: int  # the sequence's computed tokens when scheduled = position of the first new token
     pages: tuple[int, ...]  # the sequence's pages, covering at least start + num_tokens tokens
     completes: bool  # the chunk reaches the sequence's last token, so its logits pick the next token
+    score_offset: int = 0  # chunk offset of the first token whose logits score the token after it
+    score_targets: tuple[int, ...] = ()  # the tokens scored from offsets score_offset, score_offset + 1, ...
+    num_top: int = 0  # the most likely tokens returned at each scored position (sampling.prompt_logprobs)
 
     @property
     def num_tokens(self) -> int:
@@ -107,3 +110,16 @@ class RunnerOutput:
     tokens: np.ndarray
     logprobs: np.ndarray
     steps: np.ndarray | None = None
+    scores: "ScoredTokens | None" = None  # a ragged step's scored prompt tokens, chunk by chunk
+
+
+@dataclass(frozen=True)
+class ScoredTokens:
+    """The prompt tokens a ragged step scored, the chunks' `score_targets` one after another (Q in all):
+    logprobs f32[Q], is_argmax bool[Q], top_ids i32[Q, K] and top_logprobs f32[Q, K] (K: the step's largest
+    `num_top`, rounded up; a chunk reads its own first `num_top`)."""
+
+    logprobs: np.ndarray
+    is_argmax: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray

@@ -14,12 +14,39 @@ from engine.scheduling.stop import StopChecker, StopDecision
 
 @dataclass(frozen=True)
 class Request:
-    """One sample to generate: (prompt_id, generation_index) names it and seeds its random stream."""
+    """One sample to generate: (prompt_id, generation_index) names it and seeds its random stream.
+
+    A scored request (`num_context_tokens` set) generates nothing: `prompt_token_ids` is a context (its first
+    `num_context_tokens` ids) followed by a continuation, and its record carries each continuation token's logprob
+    under the model and whether it was the argmax (engine/record.py)."""
 
     prompt_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingConfig
     generation_index: int = 0
+    num_context_tokens: int | None = None
+
+    @property
+    def is_scored(self) -> bool:
+        return self.num_context_tokens is not None
+
+    @property
+    def first_scored(self) -> int | None:
+        """The first prompt position whose logprob is returned (1 with sampling.prompt_logprobs, else the
+        continuation's first), or None when no prompt token is scored."""
+        if self.sampling.prompt_logprobs is not None:
+            return 1
+        return self.num_context_tokens
+
+
+@dataclass(frozen=True)
+class TokenScore:
+    """A prompt token under the model: its logprob, whether it was the argmax (ties to the lowest id), and the
+    `top` most likely (token id, logprob) pairs at its position (sampling.prompt_logprobs; empty otherwise)."""
+
+    logprob: float
+    is_argmax: bool
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -64,6 +91,9 @@ class Sequence:
     caching: bool = True
     """False once a page of this sequence could not be cached (another page holds its key): later pages would
     chain from an uncached parent, so they are not cached either."""
+    scores: dict[int, "TokenScore"] = field(default_factory=dict)
+    """Prompt position -> the score of the token there (Request.first_scored onwards), written as the steps that
+    compute the position before it land (a recomputed position is written again with the same bits)."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -87,6 +117,16 @@ class Sequence:
             if self.constraint.advance(token_id):  # the grammar is complete: nothing more may follow
                 return self.stop.grammar_complete(decision)
         return decision
+
+    def score_targets(self, start: int, num_tokens: int) -> tuple[int, tuple[int, ...]]:
+        """The tokens a chunk `start .. start + num_tokens - 1` scores: (the chunk offset of the first token whose
+        logits score one, the prompt token ids they score: position p's logits score the token at p + 1)."""
+        first = self.request.first_scored
+        if first is None:
+            return 0, ()
+        lo = max(start, first - 1)
+        hi = min(start + num_tokens, self.num_prompt_tokens - 1)
+        return (lo - start, tuple(self.token_ids[lo + 1:hi + 1])) if lo < hi else (0, ())
 
     def tokens_left(self, max_seq_len: int) -> int:
         """Tokens the sequence may still generate: a decode step at position p (< max_seq_len) generates the
@@ -113,3 +153,15 @@ class Chunk:
     @classmethod
     def of(cls, seq: Sequence, num_tokens: int) -> "Chunk":
         return cls(seq, seq.num_computed, num_tokens, seq.num_computed + num_tokens == len(seq.token_ids))
+
+
+def take_scores(seqs: list[Sequence], chunks, scores) -> None:
+    """Write a ragged step's scored tokens (`ScoredTokens`, chunk by chunk) into the sequences of its chunks
+    (`seqs[i]` scheduled `chunks[i]`, a ScheduledChunk)."""
+    logprobs, is_argmax = scores.logprobs.tolist(), scores.is_argmax.tolist()
+    q = 0
+    for seq, c in zip(seqs, chunks):
+        for j in range(len(c.score_targets)):
+            top = tuple(zip(scores.top_ids[q, :c.num_top].tolist(), scores.top_logprobs[q, :c.num_top].tolist()))
+            seq.scores[c.start + c.score_offset + j + 1] = TokenScore(logprobs[q], bool(is_argmax[q]), top)
+            q += 1

@@ -64,11 +64,17 @@ def stop_ids_error(stop_token_ids: Sequence[int], vocab_size: int | None) -> str
 
 
 def validate_request(prompt_token_ids: Sequence[int], sampling: SamplingConfig, max_seq_len: int,
-                     vocab_size: int, has_tokenizer: bool, image_token_id: int | None = None) -> str | None:
+                     vocab_size: int, has_tokenizer: bool, num_context_tokens: int | None = None,
+                     image_token_id: int | None = None) -> str | None:
     """Why a request cannot run on the engine, or None; the message starts with the reason a run writes to
-    rejected.jsonl (`too_long: ...`) where there is one. `image_token_id`: a multimodal checkpoint's image
-    placeholder, which the engine (a text model) cannot fill."""
-    if (error := length_error(len(prompt_token_ids), sampling.max_new_tokens, max_seq_len)) is not None:
+    rejected.jsonl (`too_long: ...`) where there is one. `num_context_tokens`: a scored request's context
+    (Request), whose sequence is its prompt (context and continuation) and one token drawn after it.
+    `image_token_id`: a multimodal checkpoint's image placeholder, which the engine (a text model) cannot fill."""
+    if num_context_tokens is not None and not 1 <= num_context_tokens < len(prompt_token_ids):
+        return (f"bad_continuation: a scored row needs a context and a continuation of at least one token each, "
+                f"got {num_context_tokens} context and {len(prompt_token_ids) - num_context_tokens} continuation tokens")
+    new_tokens = 1 if num_context_tokens is not None else sampling.max_new_tokens
+    if (error := length_error(len(prompt_token_ids), new_tokens, max_seq_len)) is not None:
         return f"{error[0]}: {error[1]}"
     if any(not 0 <= t < vocab_size for t in prompt_token_ids):
         return f"out_of_vocabulary: prompt token ids must lie in [0, {vocab_size}) (the model's vocab_size)"

@@ -1,7 +1,8 @@
 """`pagefleet generate`: the engine alone in one process, no Ray.
 
 Input lines: {"id", "prompt"} | {"id", "messages"} | {"id", "prompt_token_ids"}, optionally with a
-`sampling` object of per-line settings and any other columns (passed through to the line's records).
+`sampling` object of per-line settings and any other columns (passed through to the line's records). A line with
+`continuation` or `continuation_token_ids` is scored, one record per continuation (orchestrator/plan/continuation.py).
 Output: one sample record per (prompt, generation_index) in input order (docs/records.md; `batch_id` is
 null). A line that cannot run becomes a record with `error` set and no tokens: nothing is dropped.
 """
@@ -23,6 +24,7 @@ from orchestrator.plan.corpus import (CorpusConfig, RawRow, Rejection, extract_p
                                    passthrough, row_id)
 from orchestrator.plan.model_cache import local_copy
 from orchestrator.plan.model_source import resolve_model, TOKENIZER_FILES
+from orchestrator.plan.continuation import IDS_FIELD, TEXT_FIELD, encode_pair, is_scored, n_error, row_continuations
 from orchestrator.plan.prompt_checks import out_of_vocabulary, render_chat
 from orchestrator.plan.response_format import with_response_format
 from orchestrator.plan.row_sampling import apply, row_overrides
@@ -68,6 +70,8 @@ class ParsedLine:
     """SampleRecord.passthrough: the line's other columns and its typed id."""
     sampling: dict = field(default_factory=dict)
     """The line's own sampling overrides (its `sampling` object, orchestrator.plan.row_sampling)."""
+    continuations: list[list[int]] | None = None
+    """A scored line's continuations' token ids (`token_ids` is then their context), or None: sampled."""
 
 
 def _parse_line(raw: bytes | dict, line_no: int, tokenizer, vocab_size: int | None = None, tokenizer_path: str = "",
@@ -105,27 +109,41 @@ def _parse_line(raw: bytes | dict, line_no: int, tokenizer, vocab_size: int | No
     if isinstance(own, Rejection):
         return ParsedLine(pid, error=f"{own.reason}: {own.detail}", passthrough=kept)
     line = ParsedLine(pid, passthrough=kept, sampling=own)
+    continuations = row_continuations(row) if is_scored(row) else None
+    if isinstance(continuations, Rejection):
+        return replace(line, error=f"{continuations.reason}: {continuations.detail}")
+    texts = continuations is not None and isinstance(continuations[0], str)
     if "prompt_token_ids" in row:  # bypasses the tokenizer ("prompt" or "messages" beside it are not read)
         ids = row["prompt_token_ids"]
         if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             return replace(line, error="wrong_type: prompt_token_ids must be a list of integers")
-        return _in_vocabulary(line, list(ids), vocab_size)
+        if texts:
+            return replace(line, error=f"bad_continuation: a text {TEXT_FIELD!r} is tokenized with its prompt's text; "
+                                       f"with prompt_token_ids give {IDS_FIELD!r}")
+        return _in_vocabulary(line, list(ids), continuations, vocab_size)
     parsed = extract_prompt(RawRow(line_no - 1, "", line_no, row), _FIELDS)
     if isinstance(parsed, Rejection):
         return replace(line, error=f"{parsed.reason}: {parsed.detail}")
     if tokenizer is None:
         return replace(line, error="the model directory has no tokenizer; give prompt_token_ids")
-    if parsed.messages is not None:
-        text = render_chat(tokenizer, parsed.messages, tokenizer_path)
+    text, special = parsed.text, True
+    if parsed.messages is not None:  # the template writes its own special tokens
+        text, special = render_chat(tokenizer, parsed.messages, tokenizer_path), False
         if isinstance(text, Rejection):
             return replace(line, error=f"{text.reason}: {text.detail}")
-        return _in_vocabulary(line, tokenizer(text, add_special_tokens=False)["input_ids"], vocab_size)
-    return _in_vocabulary(line, tokenizer(parsed.text)["input_ids"], vocab_size)
+    encode = lambda t: tokenizer(t, add_special_tokens=special)["input_ids"]  # noqa: E731
+    if texts:
+        pairs = [encode_pair(encode, text, c) for c in continuations]
+        return _in_vocabulary(line, pairs[0][0], [c for _, c in pairs], vocab_size)
+    return _in_vocabulary(line, encode(text), continuations, vocab_size)
 
 
-def _in_vocabulary(line: ParsedLine, ids: list[int], vocab_size: int | None) -> ParsedLine:
-    why = out_of_vocabulary(ids, vocab_size)
-    return replace(line, token_ids=ids) if why is None else replace(line, error=f"out_of_vocabulary: {why}")
+def _in_vocabulary(line: ParsedLine, ids: list[int], continuations: list[list[int]] | None,
+                   vocab_size: int | None) -> ParsedLine:
+    why = out_of_vocabulary(ids + [t for c in continuations or () for t in c], vocab_size)
+    if why is not None:
+        return replace(line, error=f"out_of_vocabulary: {why}")
+    return replace(line, token_ids=ids, continuations=continuations)
 
 
 def parse_lines(lines: Iterable[tuple[int, bytes | dict]], tokenizer, vocab_size: int | None, sampling: SamplingConfig,
@@ -136,8 +154,10 @@ def parse_lines(lines: Iterable[tuple[int, bytes | dict]], tokenizer, vocab_size
 
 
 def longest_sequence(parsed: Iterable[tuple[int, ParsedLine]], sampling: SamplingConfig) -> int:
-    """The most tokens a sequence of these lines can reach: its prompt plus its own max_new_tokens (0: no line runs)."""
-    return max((len(line.token_ids) + apply(sampling, line.sampling).max_new_tokens
+    """The most tokens a sequence of these lines can reach: its prompt plus its own max_new_tokens, or a scored line's
+    context, longest continuation and the one token drawn after it (0: no line runs)."""
+    return max((len(line.token_ids) + (apply(sampling, line.sampling).max_new_tokens if line.continuations is None
+                                       else 1 + max(map(len, line.continuations)))
                 for _, line in parsed if line.token_ids is not None), default=0)
 
 
@@ -182,6 +202,16 @@ def sample_records(engine, parsed: Iterable[tuple[int, ParsedLine]], sampling: S
                                           ensure_ascii=False)
         first_line.setdefault(pid, line_no)
         kept[pid] = kept_columns
+        if ids is not None and line.continuations is not None:
+            err = n_error(sampling.n)
+            for g, continuation in enumerate(line.continuations):  # one scored record per continuation
+                order.append((pid, g))
+                if err is not None:
+                    failed.append(SampleRecord(pid, g, "", [], None, None, 0, error=err))
+                else:
+                    requests.append(Request(pid, tuple(ids) + tuple(continuation), apply(sampling, line.sampling),
+                                            generation_index=g, num_context_tokens=len(ids)))
+            continue
         for g in range(sampling.n):
             order.append((pid, g))
             if ids is None:
@@ -249,8 +279,8 @@ def run_generate(cfg: GenerateConfig, explicit: frozenset[str] = frozenset()) ->
     if sized:
         print("engine sized for this machine: " + ", ".join(f"{k}={getattr(engine_cfg, k):,}" for k in sized) +
               " (engine.kv_memory_gib or an explicit --engine.KEY overrides)", file=sys.stderr)
-    bar = tqdm(total=len(parsed) * cfg.sampling.n, desc="samples", unit="sample", disable=not cfg.progress,
-               file=sys.stderr)
+    total = sum(cfg.sampling.n if line.continuations is None else len(line.continuations) for _, line in parsed)
+    bar = tqdm(total=total, desc="samples", unit="sample", disable=not cfg.progress, file=sys.stderr)
     records = sample_records(engine, parsed, cfg.sampling, on_finish=lambda: bar.update(1))
     bar.close()
     lines = [dumps(record) + "\n" for record in records]

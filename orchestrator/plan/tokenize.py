@@ -22,6 +22,7 @@ from engine import SamplingConfig, length_error
 from engine import stop_ids_error, structured_error
 from orchestrator.plan.corpus import (CorpusConfig, Prompt, RawRow, Rejection, Shard, extract_prompt, passthrough,
                                  read_rows, row_id)
+from orchestrator.plan.continuation import is_scored
 from orchestrator.plan.model_source import ModelSourceConfig, load_tokenizer
 from orchestrator.plan.packing import PackingLimits, leading_page_keys
 from orchestrator.plan.prompt_checks import out_of_vocabulary, render_chat
@@ -31,7 +32,12 @@ from orchestrator.plan.row_sampling import apply, overrides_json, row_overrides
 # Rejection reasons (rejected.jsonl `reason`).
 REASONS = ("malformed_row", "undecodable", "missing_field", "wrong_type", "empty_prompt", "no_chat_template",
            "out_of_vocabulary", "too_long", "exceeds_budget", "duplicate_id", "reserved_column",
-           "bad_sampling", "bad_response_format", "invalid_grammar")
+           "bad_sampling", "bad_continuation", "bad_response_format", "invalid_grammar")
+
+_NOT_SCORED_IN_RUNS = Rejection("bad_continuation", "a row with a continuation is scored, and `pagefleet run` does not "
+                                                    "score rows yet: score it with `pagefleet generate` or "
+                                                    "`pagefleet.generate` (docs/records.md)")
+"""A scored row in a run's corpus: rejected with this line, never sampled as if it had no continuation."""
 
 SCHEMA = pa.schema([
     ("row", pa.int64()),  # row number in corpus order
@@ -124,6 +130,8 @@ class PromptTokenizer:
     def tokenize_shard(self, shard: Shard) -> pa.Table:
         raw_rows = list(read_rows(shard))
         parsed = [extract_prompt(raw, self.corpus) for raw in raw_rows]
+        parsed = [_NOT_SCORED_IN_RUNS if isinstance(p, Prompt) and is_scored(raw.record) else p
+                  for raw, p in zip(raw_rows, parsed)]
         kept_columns = [passthrough(raw.record, self.corpus.id_field) if isinstance(p, Prompt) else None
                         for raw, p in zip(raw_rows, parsed)]
         parsed = [k if isinstance(k, Rejection) else p for p, k in zip(parsed, kept_columns)]

@@ -318,8 +318,9 @@ def test_generate_passes_input_columns_through_and_keeps_integer_ids(tmp_path, m
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["prompt_id"] for r in records] == [7, "s", 9, "line-4"]
     assert records[0]["prompt"] == "Hello there" and records[0]["meta"] == {"source": "web", "tags": [1, 2]}
-    assert list(records[0])[:9] == ["prompt_id", "generation_index", "completion", "token_ids", "logprobs",
-                                    "finish_reason", "num_prompt_tokens", "batch_id", "prompt"]
+    assert list(records[0])[:13] == ["prompt_id", "generation_index", "completion", "token_ids", "logprobs",
+                                     "finish_reason", "num_prompt_tokens", "batch_id", "continuation_logprobs",
+                                     "continuation_logprob", "is_greedy", "prompt_logprobs", "prompt"]
     assert "passthrough" not in records[0]
     assert records[1]["prompt_token_ids"] == [5, 6, 7] and records[1]["lang"] == "en"
     assert records[2]["error"].startswith("reserved_column: column 'completion' has the name of a sample record field")

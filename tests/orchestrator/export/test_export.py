@@ -44,7 +44,7 @@ def make_run(root: Path, num_rows: int = 240, n: int = 3, num_batches: int = 14,
         records.append(BatchRecord(bid, status="done", output=f"outputs/{bid}.parquet", num_samples=len(batch)))
         samples += batch
     write_manifest(root / "batches.jsonl", records)
-    return [output_record({k: s[k] for k in RECORD_FIELDS})
+    return [output_record({k: s.get(k) for k in RECORD_FIELDS})  # fields the helper does not write are null
             for s in sorted(samples, key=lambda s: (s["row"], s["generation_index"]))]
 
 

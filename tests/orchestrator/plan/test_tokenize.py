@@ -143,3 +143,16 @@ def test_a_row_no_run_can_use_is_one_rejected_row_never_a_dead_shard(tiny_model,
     assert table[5]["detail"].endswith("sampling.temperature must be a finite number, got nan")
     assert table[6]["detail"].endswith("sampling.temperature must be a finite number, got inf")
     assert all(len(r["detail"].splitlines()) == 1 for r in table if r["reason"])
+
+
+def test_a_scored_row_in_a_run_is_rejected_never_sampled(tiny_model, tmp_path):
+    """`pagefleet run` does not score rows: a row with a continuation is one rejected row naming where to score it,
+    not a prompt sampled as if it had no continuation."""
+    path = tmp_path / "c.jsonl"
+    path.write_text("\n".join([json.dumps({"id": "s", "prompt": "hi", "continuation": " there"}),
+                               json.dumps({"id": "t", "prompt": "hi", "continuation_token_ids": [5]}),
+                               json.dumps({"id": "p", "prompt": "hi"})]) + "\n")
+    rows = stage(tiny_model).tokenize_shard(Shard(str(path), "jsonl", 0, path.stat().st_size)).to_pylist()
+    assert [(r["prompt_id"], r["reason"]) for r in rows] == [("s", "bad_continuation"), ("t", "bad_continuation"),
+                                                            ("p", None)]
+    assert "pagefleet generate" in rows[0]["detail"] and rows[0]["token_ids"] == []

@@ -1,0 +1,66 @@
+"""Scored rows: a row with `continuation` (a text, or a list of texts) or `continuation_token_ids` (a list of ids, or
+a list of such lists) is scored, not sampled: each continuation gives one record with its tokens' logprobs given the
+row's prompt (docs/records.md). The fields, their checks and how text continuations are tokenized live here.
+
+Text continuations are tokenized as lm-evaluation-harness tokenizes a (context, continuation) pair for a causal
+model: trailing whitespace of the context moves to the front of the continuation, then the context and the context
+followed by the continuation are encoded alike (with the tokenizer's default special tokens, as every text prompt),
+and the continuation is the whole's ids after as many ids as the context alone has.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from orchestrator.plan.corpus import Rejection, a_type
+
+TEXT_FIELD = "continuation"
+IDS_FIELD = "continuation_token_ids"
+
+
+def is_scored(row: dict) -> bool:
+    """The row asks for scores (it has a continuation field), so it is not sampled."""
+    return row.get(TEXT_FIELD) is not None or row.get(IDS_FIELD) is not None
+
+
+def row_continuations(row: dict) -> list[str] | list[list[int]] | Rejection:
+    """A scored row's continuations: texts, or token id lists; or why they cannot be used (`bad_continuation`)."""
+    if row.get(TEXT_FIELD) is not None and row.get(IDS_FIELD) is not None:
+        return Rejection("bad_continuation", f"row has both {TEXT_FIELD!r} and {IDS_FIELD!r}; give one")
+    if row.get(TEXT_FIELD) is not None:
+        value = row[TEXT_FIELD]
+        texts = [value] if isinstance(value, str) else value
+        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+            return Rejection("bad_continuation", f"field {TEXT_FIELD!r} is {a_type(value)}, not a text or a non-empty "
+                                                 "list of texts")
+        if any(not t for t in texts):
+            return Rejection("bad_continuation", f"field {TEXT_FIELD!r} holds an empty text")
+        return texts
+    value = row[IDS_FIELD]
+    lists = [value] if isinstance(value, list) and value and all(_is_int(t) for t in value) else value
+    if (not isinstance(lists, list) or not lists
+            or not all(isinstance(ids, list) and ids and all(_is_int(t) for t in ids) for ids in lists)):
+        return Rejection("bad_continuation", f"field {IDS_FIELD!r} is not a non-empty list of token ids, or a "
+                                             "non-empty list of such lists")
+    return lists
+
+
+def n_error(n: int) -> str | None:
+    """Why a scored row cannot run with `sampling.n` samples per prompt, or None: one record per continuation."""
+    return None if n == 1 else (f"bad_continuation: a row with a continuation is scored, one record per continuation; "
+                                f"set sampling.n to 1 (it is {n}) or drop the continuation")
+
+
+def encode_pair(encode, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """(context ids, continuation ids) of a text pair as lm-evaluation-harness splits them (module docstring);
+    `encode(text) -> ids`."""
+    n_spaces = len(context) - len(context.rstrip())
+    if n_spaces:
+        context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
+    whole = encode(context + continuation)
+    context_ids = encode(context)
+    return context_ids, whole[len(context_ids):]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
