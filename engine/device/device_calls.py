@@ -48,6 +48,26 @@ def score_rows(settings: StepSettings, logits: jax.Array, targets: jax.Array, nu
                         logits, targets)
 
 
+def score_inputs_of(cu_q_lens: np.ndarray, scoring, vocab_size: int) -> tuple | None:
+    """(num_top, score_indices i32[Q], score_targets i32[Q]) of a step whose chunks score prompt tokens (`scoring[s]`,
+    a runner.ScoreRequest, for chunk s of a step with these `cu_q_lens`), padded to a bucket (the K of the top tokens
+    too), or None when none does."""
+    q = sum(len(r.targets) for r in scoring)
+    if q == 0:
+        return None
+    Q = bucket(q, MIN_TOKEN_BUCKET)
+    indices, targets = np.zeros(Q, np.int32), np.zeros(Q, np.int32)
+    i = 0
+    for s, r in enumerate(scoring):
+        m = len(r.targets)
+        indices[i:i + m] = np.arange(cu_q_lens[s] + r.offset, cu_q_lens[s] + r.offset + m)
+        targets[i:i + m] = r.targets
+        i += m
+    k = max(r.num_top for r in scoring)
+    num_top = 0 if k == 0 else min(bucket(k, 1), vocab_size)
+    return num_top, indices, targets
+
+
 def allowed_logits(logits: jax.Array, mask: jax.Array) -> jax.Array:
     """`logits` f32[S, V] with every token the row's bitmask `mask` (i32[S, ceil(V / 32)], bit t % 32 of word
     t // 32) does not allow set to -inf: the constrained distribution's logits (structured outputs)."""

@@ -23,7 +23,7 @@ from engine.sizing.capacity import pages_for
 from engine.config import EngineConfig
 # Callers size shapes with `runner.bucket` and the MIN_* buckets (engine/sizing/preflight.py).
 from engine.device.device_calls import (MIN_SEQ_BUCKET, MIN_TOKEN_BUCKET, bucket, host_arrays, pick_rows, replicated,
-                                        score_rows, settle)
+                                        score_inputs_of, score_rows, settle)
 from engine.kv.kv_cache import KVCache
 from engine.models.model import StepSettings, Transformer, unstack_layers
 from engine.device.multi_step import DecodeRow, MultiStepCalls, PendingSteps
@@ -296,7 +296,7 @@ class ModelRunner(MultiStepCalls):
         positions = np.array([r.position for r in rows] + [0] * (S - len(rows)), np.int32)
         mode, sampling = _sampling_mode(rows, self.model.config.vocab_size), _sampling_arrays(rows, S)
         n = len(rows)
-        score_inputs = self._score_inputs(inputs, scoring)
+        score_inputs = score_inputs_of(inputs.cu_q_lens, scoring, self.model.config.vocab_size)
         if "+mask" in mode:
             return self._step_sample_masked(chunks, inputs, rows, mode, sampling, positions, score_inputs,
                                             sum(len(r.targets) for r in scoring))
@@ -320,31 +320,13 @@ class ModelRunner(MultiStepCalls):
             read = [self.transfers.read(prompt_logprobs=x)[0][:q] for x in scores]
             return tokens[:n], logprobs[:n], ScoredTokens(*read)
 
-    def _score_inputs(self, inputs: StepInputs, scoring: Sequence[ScoreRequest]) -> tuple | None:
-        """(num_top, score_indices i32[Q], score_targets i32[Q]) of a step whose chunks score prompt tokens, padded to
-        a bucket (the K of the top tokens too), or None when none does."""
-        q = sum(len(r.targets) for r in scoring)
-        if q == 0:
-            return None
-        Q = bucket(q, MIN_TOKEN_BUCKET)
-        indices, targets = np.zeros(Q, np.int32), np.zeros(Q, np.int32)
-        cu, i = inputs.cu_q_lens, 0
-        for s, r in enumerate(scoring):
-            m = len(r.targets)
-            indices[i:i + m] = np.arange(cu[s] + r.offset, cu[s] + r.offset + m)
-            targets[i:i + m] = r.targets
-            i += m
-        k = max(r.num_top for r in scoring)
-        num_top = 0 if k == 0 else min(bucket(k, 1), self.model.config.vocab_size)
-        return num_top, indices, targets
-
     def _step_sample_masked(self, chunks: Sequence[SeqChunk], inputs: StepInputs, rows: Sequence[RowSampling],
                             mode: str, sampling: tuple, positions: np.ndarray, score_inputs: tuple | None = None,
                             num_scored: int = 0) -> tuple[np.ndarray, np.ndarray, ScoredTokens | None]:
         """`step_sample` for a step with structured outputs: the forward pass is dispatched first, each constrained
         row's allowed tokens are computed on the host while it runs, then the mask goes to the device and the
         rows are sampled from the masked logits. Unconstrained rows get an all-ones mask (their logits as they are).
-        Prompt tokens the step scores (`score_inputs`, as `_score_inputs` makes them) go through the LM head with
+        Prompt tokens the step scores (`score_inputs`, as `score_inputs_of` makes them) go through the LM head with
         the sampled rows, as in `_forward_sample_score`."""
         S = inputs.logits_indices.shape[0]
         settings = self._settings_for(chunks)
