@@ -78,6 +78,9 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[
         if cfg.qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": ((q,), (q_f,)), p + "self_attn.k_proj.bias": ((kv,), (kv_f,)),
                            p + "self_attn.v_proj.bias": ((kv,), (kv_f,))})
+        if cfg.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": ((cfg.head_dim,), ("head_dim",)),
+                           p + "self_attn.k_norm.weight": ((cfg.head_dim,), ("head_dim",))})
     return shapes
 
 

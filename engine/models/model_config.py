@@ -76,6 +76,8 @@ class ModelConfig:
     """Tokens a query may look back (inclusive of itself); None means full causal attention."""
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    qk_norm: bool = False
+    """An RMSNorm (weights `self_attn.q_norm`, `self_attn.k_norm` of head_dim) on each query and key head before RoPE."""
 
     @property
     def q_per_kv(self) -> int:
@@ -182,4 +184,5 @@ class ModelConfig:
             sliding_window=int(window) if window else None,
             eos_token_ids=eos_ids,
             bos_token_id=hf.get("bos_token_id"),
+            qk_norm=attention.qk_norm,
         )

@@ -23,6 +23,7 @@ class FamilyAttention:
 
     qkv_bias: bool  # biases on the q, k and v projections
     sliding_window: int | None  # tokens each query sees (its own included); None: the whole context
+    qk_norm: bool = False  # an RMSNorm over each query and key head before RoPE (`q_norm`, `k_norm`: Qwen3)
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,9 @@ from engine.models.llama import LLAMA
 from engine.models.mistral import MISTRAL
 from engine.models.model_family import ModelFamily
 from engine.models.qwen2 import QWEN2
+from engine.models.qwen3 import QWEN3
 
-FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (LLAMA, MISTRAL, QWEN2)}
+FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3)}
 """Every supported family, keyed by `model_type`, in the order the error messages list them."""
 
 

@@ -36,7 +36,7 @@ LM_HEAD_LOGIT_STD = 8.0
 With tied embeddings the head is the N(0, 1) embedding table, so logits have std ~sqrt(hidden_size)
 (8 for the tiny presets' hidden size 64)."""
 
-Family = Literal["llama", "mistral", "qwen2"]
+Family = Literal["llama", "mistral", "qwen2", "qwen3"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,11 @@ class Preset:
     """HF `rope_scaling` (e.g. llama3) or None for plain RoPE."""
     tie_word_embeddings: bool = False
     """When True, lm_head shares `model.embed_tokens.weight` and is not written."""
+
+    @property
+    def qk_norm(self) -> bool:
+        """Qwen3 normalises each query and key head (weights of head_dim); the others do not."""
+        return self.family == "qwen3"
 
     @property
     def attention_bias(self) -> bool:
@@ -97,6 +102,9 @@ class Preset:
             config.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
         elif self.family == "mistral":
             config.update(sliding_window=None)
+        elif self.family == "qwen3":
+            config.update(attention_bias=False, use_sliding_window=False, sliding_window=None,
+                          max_window_layers=self.num_hidden_layers)
         else:
             config.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_hidden_layers)
         return config
@@ -122,6 +130,10 @@ class Preset:
             if self.attention_bias:
                 for name, dim in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
                     weights[p + f"self_attn.{name}_proj.bias"] = rng.normal(0.0, BIAS_STD, (dim,)).astype(np.float32)
+            if self.qk_norm:
+                for name in ("q_norm", "k_norm"):
+                    weights[p + f"self_attn.{name}.weight"] = (
+                        1.0 + rng.normal(0.0, NORM_WEIGHT_STD, (self.head_dim,))).astype(np.float32)
             weights[p + "mlp.gate_proj.weight"] = linear(self.intermediate_size, h)
             weights[p + "mlp.up_proj.weight"] = linear(self.intermediate_size, h)
             weights[p + "mlp.down_proj.weight"] = linear(h, self.intermediate_size)
@@ -139,6 +151,8 @@ class Preset:
         per_layer = 2 * h * q_dim + 2 * h * kv_dim + 3 * h * self.intermediate_size + 2 * h
         if self.attention_bias:
             per_layer += q_dim + 2 * kv_dim
+        if self.qk_norm:
+            per_layer += 2 * self.head_dim
         heads = 1 if self.tie_word_embeddings else 2
         return self.num_hidden_layers * per_layer + h + heads * self.vocab_size * h
 
@@ -158,6 +172,10 @@ PRESETS: dict[str, Preset] = {
     "tiny-qwen2": Preset("qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=2048,
                          rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True),
+    # head_dim 32 with 4 heads of a 64-wide model: q is 128 wide, twice hidden_size (Qwen3 states head_dim).
+    "tiny-qwen3": Preset("qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=2048,
+                         rms_norm_eps=1e-6, rope_theta=1000000.0),
     "llama-40m": Preset("llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=10, num_attention_heads=8,
                         num_key_value_heads=4, head_dim=64, vocab_size=8192, max_position_embeddings=4096,
                         rms_norm_eps=1e-5, rope_theta=500000.0),
@@ -179,7 +197,7 @@ def write_model(preset: str | Preset, output: str | os.PathLike, seed: int = 0) 
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(sorted(PRESETS))}")
     out = pathlib.Path(output)
     out.mkdir(parents=True, exist_ok=True)
-    pipeline = "qwen2" if spec.family == "qwen2" else "byte_level"
+    pipeline = "qwen2" if spec.family in ("qwen2", "qwen3") else "byte_level"
     ids = write_tokenizer(out, spec.vocab_size, spec.max_position_embeddings, pipeline)
     (out / "config.json").write_text(json.dumps(spec.hf_config(**ids), indent=2) + "\n")
     generation_config = {**ids, "pad_token_id": ids["eos_token_id"], "do_sample": False}

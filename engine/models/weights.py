@@ -147,7 +147,7 @@ def _place(axes: tuple[hax.Axis, ...], read: Callable[[tuple[slice, ...]], np.nd
 def load_transformer(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | None = None,
                      config: ModelConfig | None = None, report: dict | None = None,
                      merge_gap: int = ranged_file.MERGE_GAP) -> Transformer:
-    """Load a Llama/Mistral/Qwen2 checkpoint (a local directory or a `gs://` URL) into a `Transformer` (parameters
+    """Load a Llama/Mistral/Qwen2/Qwen3 checkpoint (a local directory or a `gs://` URL) into a `Transformer` (parameters
     in `dtype`). `report`, if given, receives `load_s` and `bytes_read` (from an object store; 0 locally);
     `merge_gap`: see engine/ranged_file.py. On a mesh whose `model` axis exceeds the KV heads, the K and V
     projections are read with each KV head replicated (`engine.models.tensor_parallel`): the Transformer's config is
@@ -211,6 +211,8 @@ def _build(checkpoint_cfg: ModelConfig, one: Callable, stacked: Callable, tp: in
         bq=stacked("self_attn.q_proj.bias", (L, KV, G, D), lambda b: b.reshape(KV.size, G.size, D.size)) if bias else None,
         bk=stacked("self_attn.k_proj.bias", (L, KV, D), copies(lambda b: b.reshape(kv0, D.size), 0)) if bias else None,
         bv=stacked("self_attn.v_proj.bias", (L, KV, D), copies(lambda b: b.reshape(kv0, D.size), 0)) if bias else None,
+        q_norm=stacked("self_attn.q_norm.weight", (L, D), lambda w: w) if cfg.qk_norm else None,
+        k_norm=stacked("self_attn.k_norm.weight", (L, D), lambda w: w) if cfg.qk_norm else None,
     )
     layers = DecoderLayer(
         attn_norm=stacked("input_layernorm.weight", (L, E), lambda w: w),

@@ -19,13 +19,18 @@ FAMILIES = {
     "mistral": dict(cls="MistralConfig", rope_theta=10000.0, sliding_window=None, rms_norm_eps=1e-6),
     "qwen2": dict(cls="Qwen2Config", rope_theta=1000000.0, tie_word_embeddings=True, rms_norm_eps=1e-6,
                   use_sliding_window=False),
+    # head_dim 32 with 4 heads of a 64-wide model: Qwen3's explicit head_dim differs from hidden / heads.
+    "qwen3": dict(cls="Qwen3Config", rope_theta=1000000.0, rms_norm_eps=1e-6, use_sliding_window=False, head_dim=32),
 }
 
 
-def make_hf_model(family: str, out: Path, *, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16,
+def make_hf_model(family: str, out: Path, *, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=None,
                   intermediate=128, vocab=256, seed=0, max_shard_size=None, **overrides):
+    """`head_dim` defaults to the family's (16 unless FAMILIES says otherwise)."""
     spec = dict(FAMILIES[family])
     cls = getattr(transformers, spec.pop("cls"))
+    head_dim = head_dim or spec.pop("head_dim", 16)
+    spec.pop("head_dim", None)
     config = cls(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                  num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=intermediate,
                  vocab_size=vocab, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
