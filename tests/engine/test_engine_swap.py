@@ -17,14 +17,17 @@ from engine.scheduling.sequence import Request
 WINDOW = 12  # the sliding-window model's window: shorter than every sequence here
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", pytest.param("tiny-mistral-window", marks=pytest.mark.slow)])
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen3", "tiny-qwen3-reference",
+                                        pytest.param("tiny-mistral-window", marks=pytest.mark.slow)])
 def model(request, tmp_path_factory):
-    preset = request.param.removesuffix("-window")
+    """(a preset's checkpoint, the attention_impl its engines use: `-reference` the reference attention, else the
+    native CPU kernel that `auto` picks for a float32 pool)."""
+    preset = request.param.removesuffix("-window").removesuffix("-reference")
     path = write_model(preset, tmp_path_factory.mktemp(request.param))
     if request.param.endswith("-window"):
         config = json.loads((path / "config.json").read_text())
         (path / "config.json").write_text(json.dumps({**config, "sliding_window": WINDOW}))
-    return path
+    return path, "reference" if request.param.endswith("-reference") else "auto"
 
 
 def _requests(temperature: float, n: int) -> list[Request]:
@@ -34,9 +37,10 @@ def _requests(temperature: float, n: int) -> list[Request]:
                     generation_index=g) for i in range(6) for g in range(n)]
 
 
-def _run(path, requests, **engine) -> tuple[dict, Engine]:
+def _run(model, requests, **engine) -> tuple[dict, Engine]:
+    path, impl = model
     eng = Engine(path, EngineConfig(page_size=8, max_seqs=6, max_seqs_in_prefill=3, max_prefill_size=32,
-                                    max_seq_len=96, debug_invariants=True, **engine))
+                                    max_seq_len=96, debug_invariants=True, attention_impl=impl, **engine))
     out = eng.generate(requests)
     assert all(c.error is None for c in out)
     return {(c.prompt_id, c.generation_index): (c.token_ids, c.logprobs) for c in out}, eng
@@ -45,11 +49,11 @@ def _run(path, requests, **engine) -> tuple[dict, Engine]:
 SMALL = dict(max_pages=16)  # six sequences of up to 78 tokens want up to 60 pages
 
 
-def _three_ways(path, temperature: float, n: int):
+def _three_ways(model, temperature: float, n: int):
     requests = _requests(temperature, n)
-    ample, ample_engine = _run(path, requests, max_pages=200)
-    recompute, recompute_engine = _run(path, requests, preemption="recompute", host_kv_pages=64, **SMALL)
-    swap, swap_engine = _run(path, requests, preemption="swap", host_kv_pages=64, **SMALL)
+    ample, ample_engine = _run(model, requests, max_pages=200)
+    recompute, recompute_engine = _run(model, requests, preemption="recompute", host_kv_pages=64, **SMALL)
+    swap, swap_engine = _run(model, requests, preemption="swap", host_kv_pages=64, **SMALL)
     assert ample_engine.scheduler.num_preemptions == 0
     assert recompute_engine.scheduler.num_preemptions > 0 and swap_engine.scheduler.num_preemptions > 0
     return ample, recompute, swap, recompute_engine, swap_engine
@@ -98,8 +102,9 @@ def test_a_step_that_pages_in_reads_nothing_back_before_its_tokens(model):
     and its page-ins, even of pages paged out in the same step, read nothing back (they once waited for every
     page-out first). Events in order: page-ins (with page-outs in flight or not) and the ledger's reads."""
     requests = _requests(0.0, 1)
-    eng = Engine(model, EngineConfig(page_size=8, max_seqs=6, max_seqs_in_prefill=3, max_prefill_size=32,
-                                     max_seq_len=96, preemption="swap", host_kv_pages=64, **SMALL))
+    eng = Engine(model[0], EngineConfig(page_size=8, max_seqs=6, max_seqs_in_prefill=3, max_prefill_size=32,
+                                        max_seq_len=96, preemption="swap", host_kv_pages=64, attention_impl=model[1],
+                                        **SMALL))
     events, kv, ledger = [], eng.runner.kv, eng.runner.transfers
     page_in, read = kv.page_in, ledger.read
     kv.page_in = lambda h, d: (events.append(("page_in", bool(kv._pending_out) and bool(h))), page_in(h, d))[1]

@@ -71,6 +71,19 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int],
     return out.sequences[0, len(prompt):].tolist(), float((top2[:, 0] - top2[:, 1]).min())
 
 
+def hf_greedy_logprobs(model, prompt: list[int], new_tokens: int) -> tuple[list[int], list[float], float]:
+    """transformers' greedy `generate` (batch 1, never stopping early): tokens, each one's logprob, and the
+    smallest top-2 logit gap."""
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, eos_token_id=None,
+                         pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    logits = torch.stack(out.logits)[:, 0].double()  # [steps, vocab]
+    tokens = out.sequences[0, len(prompt):]
+    logprobs = torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0]
+    top2 = torch.topk(logits, 2, dim=-1).values
+    return tokens.tolist(), logprobs.tolist(), float((top2[:, 0] - top2[:, 1]).min())
+
+
 def varied_prompts(vocab: int, count: int = 64, seed: int = 0) -> list[list[int]]:
     """`count` prompts of 1 to 400 tokens (the edges 1, 2, 15-17, 399, 400 included), ids in [6, vocab)."""
     rng = np.random.default_rng(seed)
