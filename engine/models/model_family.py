@@ -3,8 +3,8 @@
 The layers are shared (engine/models/model.py: RMSNorm, rotary attention with GQA, a SwiGLU MLP); a family states
 what is special about it: how its config.json spells the knobs of those shared layers (biases on the q/k/v
 projections, sliding-window attention) and what it refuses. One file per family (engine/models/llama.py,
-engine/models/mistral.py, engine/models/qwen2.py), registered by config.json's `model_type` in engine/models/model_registry.py: a
-new family (qwen3's QK-norm, gemma's soft-capping, mixtral's experts) is one new file, one registry line and a
+engine/models/mistral.py, engine/models/qwen2.py, engine/models/qwen3.py), registered by config.json's `model_type` in engine/models/model_registry.py: a
+new family (gemma's soft-capping, mixtral's experts) is one new file, one registry line and a
 test, plus the shared layer it needs when it needs a new one.
 """
 
