@@ -20,6 +20,8 @@ TOKEN = "token"
 PAGE = "page"
 PAGE_SLOT = "page_slot"
 KV_COMBINED = "kv_combined"  # K and V interleaved per KV head: k0 v0 k1 v1 ...
+EXPERTS = "experts"  # a mixture of experts' experts (engine/models/moe.py)
+EXPERT_MLP = "expert_mlp"  # one expert's MLP width
 
 TENSOR_PARALLEL = {KV_HEADS: "model", MLP: "model", KV_COMBINED: "model"}
 

@@ -21,6 +21,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from engine.kernels.attention import ragged_paged_attention, write_kv
 from engine.models.axes import EMBED, HEAD_SIZE, KV_COMBINED, PAGE, PAGE_SLOT, TOKEN, ModelAxes
 from engine.models.model_config import ModelConfig
+from engine.models.moe import MoeMlp, moe_mlp
 from engine.device.row_tiles import by_named_rows, row_tile
 from engine.device.step_inputs import StepInputs
 
@@ -61,9 +62,10 @@ class DecoderLayer(eqx.Module):
     attn_norm: NamedArray  # [embed]
     attn: Attention
     mlp_norm: NamedArray  # [embed]
-    w_gate: NamedArray  # [embed, mlp]
-    w_up: NamedArray  # [embed, mlp]
-    w_down: NamedArray  # [mlp, embed]
+    w_gate: NamedArray | None  # [embed, mlp]; None in a mixture-of-experts layer
+    w_up: NamedArray | None  # [embed, mlp]
+    w_down: NamedArray | None  # [mlp, embed]
+    moe: MoeMlp | None = None  # the experts of a mixture-of-experts layer (engine/models/moe.py)
 
 
 class Transformer(eqx.Module):
@@ -99,6 +101,8 @@ class Transformer(eqx.Module):
             def out_and_mlp(x: NamedArray, attn: NamedArray) -> NamedArray:
                 x = x + hax.dot(attn, layer.attn.wo, axis=(ax.KVHeads, ax.QPerKV, ax.HeadSize))
                 h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
+                if layer.moe is not None:  # expert tiles of the matmuls' row count on the CPU, ragged_dot elsewhere
+                    return x + moe_mlp(h, layer.moe, cfg.moe, settings.min_matmul_rows)
                 gate = hax.dot(h, layer.w_gate, axis=ax.Embed)
                 up = hax.dot(h, layer.w_up, axis=ax.Embed)
                 return x + hax.dot(hax.nn.silu(gate) * up, layer.w_down, axis=ax.Mlp)

@@ -11,6 +11,7 @@ from pathlib import Path
 import engine.files as files
 from engine.models.model_family import FamilyConfigError
 from engine.models.model_registry import FAMILIES, model_family
+from engine.models.moe_config import MoeConfig
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)  # one file per family: engine/models/model_registry.py
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -76,6 +77,8 @@ class ModelConfig:
     """Tokens a query may look back (inclusive of itself); None means full causal attention."""
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    moe: MoeConfig | None = None
+    """The mixture of experts (engine/models/moe.py); None: a dense MLP of width intermediate_size on every layer."""
     qk_norm: bool = False
     """An RMSNorm (weights `self_attn.q_norm`, `self_attn.k_norm` of head_dim) on each query and key head before RoPE."""
 
@@ -161,6 +164,7 @@ class ModelConfig:
             )
         try:
             attention = family.attention(hf)  # what the family sets in the shared layers
+            moe = family.moe(hf)
         except FamilyConfigError as e:
             raise UnsupportedModelError(str(e)) from None
         qkv_bias, window = attention.qkv_bias, attention.sliding_window
@@ -185,4 +189,5 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=hf.get("bos_token_id"),
             qk_norm=attention.qk_norm,
+            moe=moe,
         )

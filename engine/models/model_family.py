@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.models.moe_config import MoeConfig
+
 
 class FamilyConfigError(ValueError):
     """A config.json this family cannot run (the caller reports it as an UnsupportedModelError)."""
@@ -37,3 +39,7 @@ class ModelFamily:
     def attention(self, hf: dict) -> FamilyAttention:
         """The attention settings a config.json of this family asks for; FamilyConfigError when unsupported."""
         raise NotImplementedError
+
+    def moe(self, hf: dict) -> MoeConfig | None:
+        """The mixture of experts a config.json of this family asks for (None: a dense MLP on every layer)."""
+        return None

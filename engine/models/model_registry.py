@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from engine.models.llama import LLAMA
 from engine.models.mistral import MISTRAL
+from engine.models.mixtral import MIXTRAL
 from engine.models.model_family import ModelFamily
 from engine.models.qwen2 import QWEN2
 from engine.models.qwen3 import QWEN3
+from engine.models.qwen3_moe import QWEN3_MOE
 
-FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3)}
+FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN3_MOE)}
 """Every supported family, keyed by `model_type`, in the order the error messages list them."""
 
 

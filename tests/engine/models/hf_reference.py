@@ -21,6 +21,13 @@ FAMILIES = {
                   use_sliding_window=False),
     # head_dim 32 with 4 heads of a 64-wide model: Qwen3's explicit head_dim differs from hidden / heads.
     "qwen3": dict(cls="Qwen3Config", rope_theta=1000000.0, rms_norm_eps=1e-6, use_sliding_window=False, head_dim=32),
+    # 8 experts, top-2, renormalized.
+    "mixtral": dict(cls="MixtralConfig", rope_theta=1000000.0, rms_norm_eps=1e-5, sliding_window=None,
+                    num_local_experts=8, num_experts_per_tok=2),
+    # 6 experts of width 48, top-3, not renormalized; layer 1 of 3 dense (mlp_only_layers).
+    "qwen3_moe": dict(cls="Qwen3MoeConfig", rope_theta=1000000.0, rms_norm_eps=1e-6, use_sliding_window=False,
+                      num_experts=6, num_experts_per_tok=3, moe_intermediate_size=48, norm_topk_prob=False,
+                      mlp_only_layers=[1], layers=3),
 }
 
 
@@ -31,6 +38,7 @@ def make_hf_model(family: str, out: Path, *, hidden=64, layers=2, heads=4, kv_he
     cls = getattr(transformers, spec.pop("cls"))
     head_dim = head_dim or spec.pop("head_dim", 16)
     spec.pop("head_dim", None)
+    layers = spec.pop("layers", layers)
     config = cls(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                  num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=intermediate,
                  vocab_size=vocab, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
@@ -48,8 +56,8 @@ def make_hf_model(family: str, out: Path, *, hidden=64, layers=2, heads=4, kv_he
                 value = rng.standard_normal(p.shape)
             elif name == "lm_head.weight":
                 value = rng.standard_normal(p.shape) * 16 / np.sqrt(hidden)
-            else:  # Linear [out, in]
-                value = rng.standard_normal(p.shape) / np.sqrt(p.shape[1])
+            else:  # Linear [out, in], or experts [experts, out, in]
+                value = rng.standard_normal(p.shape) / np.sqrt(p.shape[-1])
             p.copy_(torch.tensor(value, dtype=torch.float32))
     model.eval()
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
