@@ -9,7 +9,8 @@ The grouped matmul has two forms, one result (within float32 rounding):
   matmul per tile of the expert's own weights, tiles past the used ones skipped. XLA's CPU backend lowers
   `ragged_dot` as a dense pass of every expert over every row with a mask (E times the work), and its matmuls round a
   row by the call's row count (engine/device/row_tiles.py); tiles of a fixed row count give work that follows the
-  active experts and rows whose bits do not depend on the rows beside them.
+  active experts and rows whose bits do not depend on the rows beside them. The router runs on tiles of that many
+  rows as well.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from haliax import NamedArray
 
+from engine.device.row_tiles import by_row_tiles
 from engine.models.axes import EMBED
 from engine.models.moe_config import MoeConfig
 
@@ -62,7 +64,9 @@ def _moe_rows(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Arra
     """x [R, H]; router [H, E]; w_gate, w_up [E, H, I]; w_down [E, I, H]."""
     R, H = x.shape
     E, k = cfg.num_experts, cfg.top_k
-    experts, weights = route(x, router, cfg)
+    # The router's matmul is narrow (E columns): XLA's CPU kernels round it by the call's row count even past 64
+    # rows, so on the CPU it runs on tiles of exactly `tile` rows too.
+    experts, weights = by_row_tiles(lambda x: route(x, router, cfg), tile, x)
     pair_expert = experts.reshape(-1)  # [P]: pair p is row p // k, its (p % k)-th expert
     order = jnp.argsort(pair_expert, stable=True)  # pairs grouped by expert, rows in order within one
     counts = jnp.bincount(pair_expert, length=E)  # i32[E]
