@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from engine.models.model_config import ModelConfig
+from engine.sizing.model_bytes import count_params
 from orchestrator.commands.check import main as check_main
 from orchestrator.commands.cli import main
 from orchestrator.exit_codes import OK
@@ -67,6 +69,25 @@ def test_check_lowers_each_big_model_for_its_slice_and_fits(model, chip, capsys)
     out = capsys.readouterr().out
     assert "step programs: 2 lowered for tpu" in out and f"({pages:,} pages of 16 tokens)" in out
     assert out.rstrip().endswith("ok: the config passes the head's checks, compiles for the target and fits")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, model", [("qwen3-30b-a3b-v5p-16.yaml", "qwen3-30b-a3b"),
+                                           ("mixtral-8x7b-v5p-16.yaml", "mixtral-8x7b")])
+def test_the_shipped_moe_configs_lower_for_their_targets(config, model, capsys):
+    """A minute or two each: every layer unrolled with its grouped matmul (ragged_dot), one small shape bucket."""
+    assert check_main([str(ROOT / "configs" / config), f"--model.path={ROOT / 'configs/models' / model}",
+                       *SMALL_BUCKETS]) == OK
+    out = capsys.readouterr().out
+    assert "step programs: 2 lowered for tpu" in out and "of 95.00 GiB" in out
+
+
+def test_moe_parameters_count_every_expert():
+    """Qwen3-30B-A3B: 30.5B parameters (3.3B active); Mixtral-8x7B: 46.7B (12.9B active)."""
+    qwen = count_params(ModelConfig.from_pretrained(ROOT / "configs/models/qwen3-30b-a3b"))
+    mixtral = count_params(ModelConfig.from_pretrained(ROOT / "configs/models/mixtral-8x7b"))
+    assert (qwen.total, mixtral.total) == (30_532_122_624, 46_702_792_704)
+    assert qwen.replicated == 151936 * 2048 * 2 + 48 * (2 * 2048 + 2 * 128 + 128 * 2048) + 2048
 
 
 @pytest.mark.slow
