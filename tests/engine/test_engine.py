@@ -20,9 +20,11 @@ def tiny_llama(tmp_path_factory):
     return write_model("tiny-llama", tmp_path_factory.mktemp("tiny-llama"))
 
 
-# The bit-identity tests run for each family with its own layer (Qwen3's QK-norm and head_dim), on the native CPU
-# kernel (`auto` on a float32 CPU pool) and on the reference attention.
-BIT_IDENTITY = [("tiny-llama", "auto"), ("tiny-qwen3", "auto"), ("tiny-qwen3", "reference")]
+# The bit-identity tests run for each family with its own layer (Qwen3's QK-norm and head_dim, the mixtures of
+# experts' grouped matmuls, whose rows share experts), on the native CPU kernel (`auto` on a float32 CPU pool) and,
+# for Qwen3, on the reference attention.
+BIT_IDENTITY = [("tiny-llama", "auto"), ("tiny-qwen3", "auto"), ("tiny-qwen3", "reference"), ("tiny-mixtral", "auto"),
+                ("tiny-qwen3-moe", "auto")]
 
 
 @pytest.fixture(scope="module", params=BIT_IDENTITY, ids=[f"{m}-{i}" for m, i in BIT_IDENTITY])

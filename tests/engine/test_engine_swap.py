@@ -17,7 +17,8 @@ from engine.scheduling.sequence import Request
 WINDOW = 12  # the sliding-window model's window: shorter than every sequence here
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen3", "tiny-qwen3-reference",
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen3", "tiny-qwen3-reference", "tiny-mixtral",
+                                        "tiny-qwen3-moe",
                                         pytest.param("tiny-mistral-window", marks=pytest.mark.slow)])
 def model(request, tmp_path_factory):
     """(a preset's checkpoint, the attention_impl its engines use: `-reference` the reference attention, else the
