@@ -107,7 +107,7 @@ def test_config_reads_head_dim_and_qk_norm_and_refuses_sliding_windows():
     assert ModelConfig.from_hf({**BASE, "attention_bias": True}).qkv_bias
     assert ModelConfig.from_hf({**BASE, "use_sliding_window": False, "sliding_window": 4,
                                 "layer_types": ["full_attention"] * 2}).sliding_window is None
-    with pytest.raises(UnsupportedModelError, match=r"^config.json use_sliding_window=true .* qwen3; set it to false$"):
+    with pytest.raises(UnsupportedModelError, match=r"^config.json use_sliding_window=true .*model_type=qwen3; set it to false$"):
         ModelConfig.from_hf({**BASE, "use_sliding_window": True, "sliding_window": 4})
     with pytest.raises(UnsupportedModelError, match=r"^config.json layer_types holds \['sliding_attention'\]"):
         ModelConfig.from_hf({**BASE, "layer_types": ["full_attention", "sliding_attention"]})
