@@ -20,8 +20,12 @@ TOKEN = "token"
 PAGE = "page"
 PAGE_SLOT = "page_slot"
 KV_COMBINED = "kv_combined"  # K and V interleaved per KV head: k0 v0 k1 v1 ...
+EXPERTS = "experts"  # a mixture of experts' experts (engine/models/moe.py)
+EXPERT_MLP = "expert_mlp"  # one expert's MLP width
 
-TENSOR_PARALLEL = {KV_HEADS: "model", MLP: "model", KV_COMBINED: "model"}
+# A mixture of experts is split over `model` as the dense MLP is: each expert's MLP width (every device holds a
+# slice of every expert).
+TENSOR_PARALLEL = {KV_HEADS: "model", MLP: "model", KV_COMBINED: "model", EXPERT_MLP: "model"}
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,12 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[
         shapes["lm_head.weight"] = ((v, e), ("vocab_size", "hidden_size"))
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
+        mlp = {p + "mlp.gate_proj.weight": ((m, e), ("intermediate_size", "hidden_size")),
+               p + "mlp.up_proj.weight": ((m, e), ("intermediate_size", "hidden_size")),
+               p + "mlp.down_proj.weight": ((e, m), ("hidden_size", "intermediate_size"))}
+        if cfg.moe is not None and cfg.moe.sparse_layers[i]:
+            mlp = _expert_shapes(cfg, i)
+        shapes.update(mlp)
         shapes.update({
             p + "input_layernorm.weight": ((e,), ("hidden_size",)),
             p + "post_attention_layernorm.weight": ((e,), ("hidden_size",)),
@@ -71,9 +77,6 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[
             p + "self_attn.k_proj.weight": ((kv, e), (kv_f, "hidden_size")),
             p + "self_attn.v_proj.weight": ((kv, e), (kv_f, "hidden_size")),
             p + "self_attn.o_proj.weight": ((e, q), ("hidden_size", q_f)),
-            p + "mlp.gate_proj.weight": ((m, e), ("intermediate_size", "hidden_size")),
-            p + "mlp.up_proj.weight": ((m, e), ("intermediate_size", "hidden_size")),
-            p + "mlp.down_proj.weight": ((e, m), ("hidden_size", "intermediate_size")),
         })
         if cfg.qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": ((q,), (q_f,)), p + "self_attn.k_proj.bias": ((kv,), (kv_f,)),
@@ -81,9 +84,21 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[
         if cfg.style.gemma_norms:
             shapes.update({p + "pre_feedforward_layernorm.weight": ((e,), ("hidden_size",)),
                            p + "post_feedforward_layernorm.weight": ((e,), ("hidden_size",))})
-        if cfg.style.qk_norm:
+        if cfg.qk_norm:
             shapes.update({p + "self_attn.q_norm.weight": ((cfg.head_dim,), ("head_dim",)),
                            p + "self_attn.k_norm.weight": ((cfg.head_dim,), ("head_dim",))})
+    return shapes
+
+
+def _expert_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """A mixture-of-experts layer's router and experts, one tensor per expert as the Hub stores them."""
+    moe, e = cfg.moe, cfg.hidden_size
+    experts, size = moe.fields
+    shapes = {moe.router_tensor(layer): ((moe.num_experts, e), (experts, "hidden_size"))}
+    for x in range(moe.num_experts):
+        shapes.update({moe.expert_tensor(layer, x, 0): ((moe.expert_size, e), (size, "hidden_size")),
+                       moe.expert_tensor(layer, x, 1): ((moe.expert_size, e), (size, "hidden_size")),
+                       moe.expert_tensor(layer, x, 2): ((e, moe.expert_size), ("hidden_size", size))})
     return shapes
 
 

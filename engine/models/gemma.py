@@ -19,6 +19,7 @@ each family fills in its config class's defaults first.
 from __future__ import annotations
 
 import dataclasses
+import dataclasses
 from dataclasses import dataclass
 
 from engine.models.model_family import LAYER_TYPES, FamilyAttention, FamilyConfigError, LayerStyle, ModelFamily
@@ -109,12 +110,15 @@ class Gemma3Text(Gemma2):
         return {**hf, "rope_parameters": full, "rope_theta": full["rope_theta"],
                 "rope_local_base_freq": local.get("rope_theta", hf["rope_local_base_freq"])}
 
+    def attention(self, hf: dict) -> FamilyAttention:
+        return dataclasses.replace(super().attention(hf), qk_norm=True)  # a Gemma RMSNorm per query and key head
+
     def style(self, hf: dict) -> LayerStyle:
         pattern = hf["sliding_window_pattern"]
         if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
             raise FamilyConfigError(f"config.json sliding_window_pattern={pattern!r}: must be a whole number >= 1")
         base = super().style(hf)
-        return LayerStyle(gemma_norms=True, qk_norm=True, query_pre_attn_scalar=base.query_pre_attn_scalar,
+        return LayerStyle(gemma_norms=True, query_pre_attn_scalar=base.query_pre_attn_scalar,
                           attn_logit_softcap=base.attn_logit_softcap, final_logit_softcap=base.final_logit_softcap,
                           layer_types=_layer_types(hf, pattern),
                           local_rope_theta=_positive(hf, "rope_local_base_freq"))

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2) in haliax, over a paged KV pool.
+"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3) in haliax, over a paged KV pool.
 
 Parameters are named arrays; the layers are stacked on a `layers` axis and scanned (on a CPU, unstacked and
 unrolled: `unstack_layers`). The forward
@@ -21,6 +21,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from engine.kernels.attention import ragged_paged_attention, write_kv
 from engine.models.axes import EMBED, HEAD_SIZE, KV_COMBINED, PAGE, PAGE_SLOT, TOKEN, ModelAxes
 from engine.models.model_config import ModelConfig
+from engine.models.moe import MoeMlp, moe_mlp
 from engine.device.row_tiles import by_named_rows, row_tile
 from engine.device.step_inputs import StepInputs
 
@@ -53,15 +54,18 @@ class Attention(eqx.Module):
     bq: NamedArray | None  # [kv_heads, q_per_kv, head_size] (Qwen2)
     bk: NamedArray | None  # [kv_heads, head_size]
     bv: NamedArray | None  # [kv_heads, head_size]
+    q_norm: NamedArray | None = None  # [head_size] (Qwen3's QK-norm)
+    k_norm: NamedArray | None = None  # [head_size]
 
 
 class DecoderLayer(eqx.Module):
     attn_norm: NamedArray  # [embed]
     attn: Attention
     mlp_norm: NamedArray  # [embed]
-    w_gate: NamedArray  # [embed, mlp]
-    w_up: NamedArray  # [embed, mlp]
-    w_down: NamedArray  # [mlp, embed]
+    w_gate: NamedArray | None  # [embed, mlp]; None in a mixture-of-experts layer
+    w_up: NamedArray | None  # [embed, mlp]
+    w_down: NamedArray | None  # [mlp, embed]
+    moe: MoeMlp | None = None  # the experts of a mixture-of-experts layer (engine/models/moe.py)
 
 
 class Transformer(eqx.Module):
@@ -90,13 +94,16 @@ class Transformer(eqx.Module):
 
         def layer_step(carry, layer: DecoderLayer, layer_index: NamedArray):
             x, pool = carry
-            q, k, v = by_token_rows(lambda x: _qkv(layer.attn, rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), ax), x)
+            q, k, v = by_token_rows(lambda x: _qk_norm(layer.attn, *_qkv(layer.attn, rms_norm(
+                x, layer.attn_norm, cfg.rms_norm_eps), ax), cfg.rms_norm_eps), x)
             attn, pool = _attention(q, k, v, pool, layer_index.array, cos, sin, inputs, cfg, ax, settings,
                                     cfg.sliding_window)
 
             def out_and_mlp(x: NamedArray, attn: NamedArray) -> NamedArray:
                 x = x + hax.dot(attn, layer.attn.wo, axis=(ax.KVHeads, ax.QPerKV, ax.HeadSize))
                 h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
+                if layer.moe is not None:  # expert tiles of the matmuls' row count on the CPU, ragged_dot elsewhere
+                    return x + moe_mlp(h, layer.moe, cfg.moe, settings.min_matmul_rows)
                 gate = hax.dot(h, layer.w_gate, axis=ax.Embed)
                 up = hax.dot(h, layer.w_up, axis=ax.Embed)
                 return x + hax.dot(hax.nn.silu(gate) * up, layer.w_down, axis=ax.Mlp)
@@ -135,10 +142,10 @@ def unstack_layers(model: Transformer) -> Transformer:
     return eqx.tree_at(lambda m: m.layers, model, layers)
 
 
-def rms_norm(x: NamedArray, weight: NamedArray, eps: float) -> NamedArray:
-    """Hugging Face's RMSNorm: normalise in float32, cast back, then scale."""
+def rms_norm(x: NamedArray, weight: NamedArray, eps: float, axis: str = EMBED) -> NamedArray:
+    """Hugging Face's RMSNorm over `axis`: normalise in float32, cast back, then scale."""
     x32 = x.astype(jnp.float32)
-    variance = hax.mean(x32 * x32, axis=EMBED)
+    variance = hax.mean(x32 * x32, axis=axis)
     return weight * (x32 * hax.rsqrt(variance + eps)).astype(x.dtype)
 
 
@@ -168,6 +175,14 @@ def _qkv(attn: Attention, h: NamedArray, ax: ModelAxes) -> tuple[NamedArray, Nam
     if attn.bq is not None:
         q, k, v = q + attn.bq, k + attn.bk, v + attn.bv
     return q, k, v
+
+
+def _qk_norm(attn: Attention, q: NamedArray, k: NamedArray, v: NamedArray, eps: float
+             ) -> tuple[NamedArray, NamedArray, NamedArray]:
+    """Qwen3's QK-norm: an RMSNorm over each query and key head (before RoPE); q, k, v unchanged without it."""
+    if attn.q_norm is None:
+        return q, k, v
+    return rms_norm(q, attn.q_norm, eps, HEAD_SIZE), rms_norm(k, attn.k_norm, eps, HEAD_SIZE), v
 
 
 def _attention(q: NamedArray, k: NamedArray, v: NamedArray, pool: NamedArray, layer: jax.Array, cos, sin,

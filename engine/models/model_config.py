@@ -11,6 +11,7 @@ from pathlib import Path
 import engine.files as files
 from engine.models.model_family import FamilyConfigError, LayerStyle
 from engine.models.model_registry import FAMILIES, model_family
+from engine.models.moe_config import MoeConfig
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)  # one file per family: engine/models/model_registry.py
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
@@ -93,6 +94,10 @@ class ModelConfig:
     image_token_id: int | None = None
     """A multimodal checkpoint's image placeholder token: the engine runs its text model only, so a prompt holding
     it is refused."""
+    moe: MoeConfig | None = None
+    """The mixture of experts (engine/models/moe.py); None: a dense MLP of width intermediate_size on every layer."""
+    qk_norm: bool = False
+    """An RMSNorm (weights `self_attn.q_norm`, `self_attn.k_norm` of head_dim) on each query and key head before RoPE."""
 
     @property
     def q_per_kv(self) -> int:
@@ -205,6 +210,7 @@ class ModelConfig:
         try:
             attention = family.attention(hf)  # what the family sets in the shared layers
             style = family.style(hf)
+            moe = family.moe(hf)
         except FamilyConfigError as e:
             raise UnsupportedModelError(str(e)) from None
         qkv_bias, window = attention.qkv_bias, attention.sliding_window
@@ -232,4 +238,6 @@ class ModelConfig:
             style=style,
             weight_prefixes=family.weight_prefixes,
             image_token_id=hf.get("image_token_index"),
+            qk_norm=attention.qk_norm,
+            moe=moe,
         )

@@ -2,17 +2,19 @@
 
 The layers are shared (engine/models/model.py: RMSNorm, rotary attention with GQA, a SwiGLU MLP); a family states
 what is special about it: how its config.json spells the knobs of those shared layers (biases on the q/k/v
-projections, sliding-window attention), where its decoder's fields and tensors sit (a multimodal checkpoint nests
-them), the layer style it needs beyond Llama's (`LayerStyle`: Gemma's norms, soft-capping, per-layer windows)
-and what it refuses. One file per family (engine/models/llama.py,
-engine/models/mistral.py, engine/models/qwen2.py), registered by config.json's `model_type` in engine/models/model_registry.py: a
-new family (qwen3's QK-norm, gemma's soft-capping, mixtral's experts) is one new file, one registry line and a
+projections, sliding-window attention, QK-norm), where its decoder's fields and tensors sit (a multimodal checkpoint
+nests them), the layer style it needs beyond Llama's (`LayerStyle`: Gemma's norms, soft-capping, per-layer windows),
+its mixture of experts, and what it refuses. One file per family (engine/models/llama.py, mistral.py, qwen2.py,
+qwen3.py, gemma.py, mixtral.py, qwen3_moe.py), registered by config.json's `model_type` in
+engine/models/model_registry.py: a new family is one new file, one registry line and a
 test, plus the shared layer it needs when it needs a new one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from engine.models.moe_config import MoeConfig
 
 
 class FamilyConfigError(ValueError):
@@ -25,6 +27,7 @@ class FamilyAttention:
 
     qkv_bias: bool  # biases on the q, k and v projections
     sliding_window: int | None  # tokens each query sees (its own included); None: the whole context
+    qk_norm: bool = False  # an RMSNorm (the family's kind) over each query and key head before RoPE (Qwen3, Gemma 3)
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -38,8 +41,6 @@ class LayerStyle:
     gemma_norms: bool = False
     """Gemma's layer: RMSNorm as x / rms(x) * (1 + weight) in float32; four norms per layer (input, post-attention,
     pre- and post-feedforward); embeddings multiplied by sqrt(hidden_size) in the weights' dtype."""
-    qk_norm: bool = False
-    """An RMSNorm (the family's kind) on each query and key head, before RoPE."""
     query_pre_attn_scalar: float | None = None
     """Scores are multiplied by this ** -0.5; None: by head_dim ** -0.5."""
     attn_logit_softcap: float | None = None
@@ -79,3 +80,7 @@ class ModelFamily:
     def attention(self, hf: dict) -> FamilyAttention:
         """The attention settings a config.json of this family asks for; FamilyConfigError when unsupported."""
         raise NotImplementedError
+
+    def moe(self, hf: dict) -> MoeConfig | None:
+        """The mixture of experts a config.json of this family asks for (None: a dense MLP on every layer)."""
+        return None

@@ -36,7 +36,7 @@ LM_HEAD_LOGIT_STD = 8.0
 With tied embeddings the head is the N(0, 1) embedding table, so logits have std ~sqrt(hidden_size)
 (8 for the tiny presets' hidden size 64)."""
 
-Family = Literal["llama", "mistral", "qwen2"]
+Family = Literal["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,21 @@ class Preset:
     """HF `rope_scaling` (e.g. llama3) or None for plain RoPE."""
     tie_word_embeddings: bool = False
     """When True, lm_head shares `model.embed_tokens.weight` and is not written."""
+    num_experts: int = 0
+    """A mixture of experts (mixtral, qwen3_moe): experts per sparse layer; 0 for the dense families."""
+    experts_per_token: int = 0
+    expert_size: int = 0
+    """Each expert's MLP width (Mixtral's is intermediate_size)."""
+    dense_layers: tuple[int, ...] = ()
+    """Qwen3-MoE's `mlp_only_layers`: layers with the dense MLP."""
+
+    def sparse(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
+
+    @property
+    def qk_norm(self) -> bool:
+        """Qwen3 normalises each query and key head (weights of head_dim); the others do not."""
+        return self.family in ("qwen3", "qwen3_moe")
 
     @property
     def attention_bias(self) -> bool:
@@ -97,6 +112,16 @@ class Preset:
             config.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
         elif self.family == "mistral":
             config.update(sliding_window=None)
+        elif self.family in ("qwen3", "qwen3_moe"):
+            config.update(attention_bias=False, use_sliding_window=False, sliding_window=None,
+                          max_window_layers=self.num_hidden_layers)
+            if self.family == "qwen3_moe":
+                config.update(num_experts=self.num_experts, num_experts_per_tok=self.experts_per_token,
+                              moe_intermediate_size=self.expert_size, norm_topk_prob=False, decoder_sparse_step=1,
+                              mlp_only_layers=list(self.dense_layers))
+        elif self.family == "mixtral":
+            config.update(sliding_window=None, num_local_experts=self.num_experts,
+                          num_experts_per_tok=self.experts_per_token)
         else:
             config.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_hidden_layers)
         return config
@@ -122,9 +147,22 @@ class Preset:
             if self.attention_bias:
                 for name, dim in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
                     weights[p + f"self_attn.{name}_proj.bias"] = rng.normal(0.0, BIAS_STD, (dim,)).astype(np.float32)
-            weights[p + "mlp.gate_proj.weight"] = linear(self.intermediate_size, h)
-            weights[p + "mlp.up_proj.weight"] = linear(self.intermediate_size, h)
-            weights[p + "mlp.down_proj.weight"] = linear(h, self.intermediate_size)
+            if self.qk_norm:
+                for name in ("q_norm", "k_norm"):
+                    weights[p + f"self_attn.{name}.weight"] = (
+                        1.0 + rng.normal(0.0, NORM_WEIGHT_STD, (self.head_dim,))).astype(np.float32)
+            if self.sparse(i):
+                mlp, names = ("block_sparse_moe", ("w1", "w3", "w2")) if self.family == "mixtral" else (
+                    "mlp", ("gate_proj", "up_proj", "down_proj"))
+                weights[p + f"{mlp}.gate.weight"] = linear(self.num_experts, h)
+                for e in range(self.num_experts):
+                    weights[p + f"{mlp}.experts.{e}.{names[0]}.weight"] = linear(self.expert_size, h)
+                    weights[p + f"{mlp}.experts.{e}.{names[1]}.weight"] = linear(self.expert_size, h)
+                    weights[p + f"{mlp}.experts.{e}.{names[2]}.weight"] = linear(h, self.expert_size)
+            else:
+                weights[p + "mlp.gate_proj.weight"] = linear(self.intermediate_size, h)
+                weights[p + "mlp.up_proj.weight"] = linear(self.intermediate_size, h)
+                weights[p + "mlp.down_proj.weight"] = linear(h, self.intermediate_size)
             weights[p + "input_layernorm.weight"] = norm()
             weights[p + "post_attention_layernorm.weight"] = norm()
         weights["model.norm.weight"] = norm()
@@ -136,11 +174,15 @@ class Preset:
     def num_parameters(self) -> int:
         """Parameter count (tied embeddings counted once)."""
         h, q_dim, kv_dim = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
-        per_layer = 2 * h * q_dim + 2 * h * kv_dim + 3 * h * self.intermediate_size + 2 * h
+        per_layer = 2 * h * q_dim + 2 * h * kv_dim + 2 * h
+        mlps = sum(self.num_experts * (3 * h * self.expert_size + h) if self.sparse(i) else 3 * h * self.intermediate_size
+                   for i in range(self.num_hidden_layers))
         if self.attention_bias:
             per_layer += q_dim + 2 * kv_dim
+        if self.qk_norm:
+            per_layer += 2 * self.head_dim
         heads = 1 if self.tie_word_embeddings else 2
-        return self.num_hidden_layers * per_layer + h + heads * self.vocab_size * h
+        return self.num_hidden_layers * per_layer + mlps + h + heads * self.vocab_size * h
 
 
 # With factor 8 and original context 256, wavelengths above 256 tokens are stretched, so the
@@ -158,6 +200,18 @@ PRESETS: dict[str, Preset] = {
     "tiny-qwen2": Preset("qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=2048,
                          rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True),
+    # head_dim 32 with 4 heads of a 64-wide model: q is 128 wide, twice hidden_size (Qwen3 states head_dim).
+    "tiny-qwen3": Preset("qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=2048,
+                         rms_norm_eps=1e-6, rope_theta=1000000.0),
+    "tiny-mixtral": Preset("mixtral", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=2048,
+                           rms_norm_eps=1e-5, rope_theta=1000000.0, num_experts=8, experts_per_token=2,
+                           expert_size=96),
+    "tiny-qwen3-moe": Preset("qwen3_moe", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512,
+                             max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=1000000.0, num_experts=6,
+                             experts_per_token=3, expert_size=48, dense_layers=(1,)),
     "llama-40m": Preset("llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=10, num_attention_heads=8,
                         num_key_value_heads=4, head_dim=64, vocab_size=8192, max_position_embeddings=4096,
                         rms_norm_eps=1e-5, rope_theta=500000.0),
@@ -179,7 +233,7 @@ def write_model(preset: str | Preset, output: str | os.PathLike, seed: int = 0) 
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(sorted(PRESETS))}")
     out = pathlib.Path(output)
     out.mkdir(parents=True, exist_ok=True)
-    pipeline = "qwen2" if spec.family == "qwen2" else "byte_level"
+    pipeline = "qwen2" if spec.family in ("qwen2", "qwen3", "qwen3_moe") else "byte_level"
     ids = write_tokenizer(out, spec.vocab_size, spec.max_position_embeddings, pipeline)
     (out / "config.json").write_text(json.dumps(spec.hf_config(**ids), indent=2) + "\n")
     generation_config = {**ids, "pad_token_id": ids["eos_token_id"], "do_sample": False}

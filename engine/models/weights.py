@@ -21,16 +21,17 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from haliax import NamedArray
+from haliax import Axis, NamedArray
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from engine import ranged_file
 import engine.files as files
-from engine.models.axes import TENSOR_PARALLEL, ModelAxes
+from engine.models.axes import EXPERT_MLP, EXPERTS, TENSOR_PARALLEL, ModelAxes
 from engine.models.checkpoint_check import CheckpointError, canonical_names, check_checkpoint
 from engine.models.gemma_model import GemmaLayer, GemmaTransformer
 from engine.models.model import Attention, DecoderLayer, Transformer
 from engine.models.model_config import ModelConfig
+from engine.models.moe import MoeMlp
 from engine.models.tensor_parallel import MeshError, kv_replicas, sharded_config
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64,
@@ -151,7 +152,7 @@ def _place(axes: tuple[hax.Axis, ...], read: Callable[[tuple[slice, ...]], np.nd
 def load_transformer(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | None = None,
                      config: ModelConfig | None = None, report: dict | None = None,
                      merge_gap: int = ranged_file.MERGE_GAP) -> Transformer:
-    """Load a Llama/Mistral/Qwen2 checkpoint (a local directory or a `gs://` URL) into a `Transformer` (parameters
+    """Load a Llama/Mistral/Qwen2/Qwen3 checkpoint (a local directory or a `gs://` URL) into a `Transformer` (parameters
     in `dtype`). `report`, if given, receives `load_s` and `bytes_read` (from an object store; 0 locally);
     `merge_gap`: see engine/ranged_file.py. On a mesh whose `model` axis exceeds the KV heads, the K and V
     projections are read with each KV head replicated (`engine.models.tensor_parallel`): the Transformer's config is
@@ -165,16 +166,20 @@ def load_transformer(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | No
     def one(name: str, axes, to_named: Callable[[np.ndarray], np.ndarray]) -> NamedArray:
         return _place(axes, lambda idx: ckpt.read(name, lambda w: to_named(w)[idx]), np_dtype, mesh)
 
+    def stack(names: list[str], axes, to_named: Callable[[np.ndarray], np.ndarray]) -> NamedArray:
+        """Tensors `names`, stacked on a leading axis; each device reads only its own ones' parts (one expert per
+        tensor, as the Hub stores them, stacked at load: no second copy of the whole in host memory)."""
+        def read(idx):
+            return np.stack([ckpt.read(name, lambda w: to_named(w)[idx[1:]]) for name in names[idx[0]]])
+        return _place(axes, read, np_dtype, mesh)
+
     def stacked(suffix: str, axes, to_named: Callable[[np.ndarray], np.ndarray]) -> NamedArray:
         """`model.layers.{i}.<suffix>` for every layer, stacked on a leading `layers` axis."""
-        def read(idx):
-            layers = range(cfg.num_layers)[idx[0]]
-            return np.stack([ckpt.read(f"model.layers.{i}.{suffix}", lambda w: to_named(w)[idx[1:]]) for i in layers])
-        return _place(axes, read, np_dtype, mesh)
+        return stack([f"model.layers.{i}.{suffix}" for i in range(cfg.num_layers)], axes, to_named)
 
     if not cfg.tie_word_embeddings and "lm_head.weight" not in ckpt:
         raise ValueError(f"{path}: config.json says tie_word_embeddings=false but the checkpoint has no lm_head.weight")
-    model = _build(cfg, one, stacked, _model_width(mesh))  # every device's shard is read here (make_array_from_callback)
+    model = _build(cfg, one, stacked, _model_width(mesh), stack)  # every device's shard is read here
     if report is not None:
         report.update(load_s=time.perf_counter() - t0, bytes_read=ckpt.bytes_read)
     return model
@@ -194,9 +199,12 @@ def _model_width(mesh: Mesh | AbstractMesh | None) -> int:
     return 1 if mesh is None else mesh.shape.get("model", 1)
 
 
-def _build(checkpoint_cfg: ModelConfig, one: Callable, stacked: Callable, tp: int) -> Transformer | GemmaTransformer:
+def _build(checkpoint_cfg: ModelConfig, one: Callable, stacked: Callable, tp: int, stack: Callable | None = None
+           ) -> Transformer | GemmaTransformer:
     """The model's parameters by Hugging Face name, axes and layout: `one(name, axes, to_named)` makes a
-    parameter, `stacked(suffix, axes, to_named)` one stacked over layers (axes include `layers`). At a
+    parameter, `stacked(suffix, axes, to_named)` one stacked over layers (axes include `layers`), `stack(names, axes,
+    to_named)` one of several tensors stacked (a layer's experts; default `one`, for shapes only). A mixture of
+    experts' layers are one `DecoderLayer` each (sparse and dense layers differ), run unrolled. At a
     tensor-parallel width `tp` beyond the KV heads, K and V (and their biases) are read with each KV head
     repeated `kv_replicas` times; Q and O keep their head order, viewed as (replicated KV head, query in it)."""
     cfg, replicas = sharded_config(checkpoint_cfg, tp), kv_replicas(checkpoint_cfg, tp)
@@ -207,25 +215,44 @@ def _build(checkpoint_cfg: ModelConfig, one: Callable, stacked: Callable, tp: in
     bias = cfg.qkv_bias
     kv0 = checkpoint_cfg.num_kv_heads
     copies = lambda read, axis: (lambda w: np.repeat(read(w), replicas, axis=axis)) if replicas > 1 else read  # noqa: E731
-    attn = Attention(
-        wq=stacked("self_attn.q_proj.weight", (L, E, KV, G, D), shape(E.size, KV.size, G.size, D.size)),
-        wk=stacked("self_attn.k_proj.weight", (L, E, KV, D), copies(shape(E.size, kv0, D.size), 1)),
-        wv=stacked("self_attn.v_proj.weight", (L, E, KV, D), copies(shape(E.size, kv0, D.size), 1)),
-        wo=stacked("self_attn.o_proj.weight", (L, KV, G, D, E), shape(KV.size, G.size, D.size, E.size)),
-        bq=stacked("self_attn.q_proj.bias", (L, KV, G, D), lambda b: b.reshape(KV.size, G.size, D.size)) if bias else None,
-        bk=stacked("self_attn.k_proj.bias", (L, KV, D), copies(lambda b: b.reshape(kv0, D.size), 0)) if bias else None,
-        bv=stacked("self_attn.v_proj.bias", (L, KV, D), copies(lambda b: b.reshape(kv0, D.size), 0)) if bias else None,
-    )
-    if cfg.style.gemma_norms:
-        return _build_gemma(cfg, one, stacked, attn)
-    layers = DecoderLayer(
-        attn_norm=stacked("input_layernorm.weight", (L, E), lambda w: w),
-        attn=attn,
-        mlp_norm=stacked("post_attention_layernorm.weight", (L, E), lambda w: w),
-        w_gate=stacked("mlp.gate_proj.weight", (L, E, M), t),
-        w_up=stacked("mlp.up_proj.weight", (L, E, M), t),
-        w_down=stacked("mlp.down_proj.weight", (L, M, E), t),
-    )
+    def attention(stacked: Callable, qk_norm: bool) -> Attention:
+        return Attention(
+            wq=stacked("self_attn.q_proj.weight", (L, E, KV, G, D), shape(E.size, KV.size, G.size, D.size)),
+            wk=stacked("self_attn.k_proj.weight", (L, E, KV, D), copies(shape(E.size, kv0, D.size), 1)),
+            wv=stacked("self_attn.v_proj.weight", (L, E, KV, D), copies(shape(E.size, kv0, D.size), 1)),
+            wo=stacked("self_attn.o_proj.weight", (L, KV, G, D, E), shape(KV.size, G.size, D.size, E.size)),
+            bq=stacked("self_attn.q_proj.bias", (L, KV, G, D), lambda b: b.reshape(KV.size, G.size, D.size)) if bias else None,
+            bk=stacked("self_attn.k_proj.bias", (L, KV, D), copies(lambda b: b.reshape(kv0, D.size), 0)) if bias else None,
+            bv=stacked("self_attn.v_proj.bias", (L, KV, D), copies(lambda b: b.reshape(kv0, D.size), 0)) if bias else None,
+            q_norm=stacked("self_attn.q_norm.weight", (L, D), lambda w: w) if qk_norm else None,
+            k_norm=stacked("self_attn.k_norm.weight", (L, D), lambda w: w) if qk_norm else None,
+        )
+
+    if cfg.style.gemma_norms:  # Gemma's layer keeps its QK-norm (a Gemma RMSNorm) itself
+        return _build_gemma(cfg, one, stacked, attention(stacked, qk_norm=False))
+
+    def layer(stacked: Callable, mlp: dict) -> DecoderLayer:
+        return DecoderLayer(attn_norm=stacked("input_layernorm.weight", (L, E), lambda w: w),
+                            attn=attention(stacked, cfg.qk_norm),
+                            mlp_norm=stacked("post_attention_layernorm.weight", (L, E), lambda w: w), **mlp)
+
+    def dense(stacked: Callable) -> dict:
+        return dict(w_gate=stacked("mlp.gate_proj.weight", (L, E, M), t), w_up=stacked("mlp.up_proj.weight", (L, E, M), t),
+                    w_down=stacked("mlp.down_proj.weight", (L, M, E), t))
+
+    def experts(i: int) -> dict:
+        moe, X, I = cfg.moe, Axis(EXPERTS, cfg.moe.num_experts), Axis(EXPERT_MLP, cfg.moe.expert_size)
+        names = lambda which: [moe.expert_tensor(i, e, which) for e in range(X.size)]  # noqa: E731
+        return dict(w_gate=None, w_up=None, w_down=None, moe=MoeMlp(
+            router=one(moe.router_tensor(i), (E, X), t), w_gate=(stack or one)(names(0), (X, E, I), t),
+            w_up=(stack or one)(names(1), (X, E, I), t), w_down=(stack or one)(names(2), (X, I, E), t)))
+
+    if cfg.moe is None:
+        layers = layer(stacked, dense(stacked))
+    else:  # layer i's own tensors: the `layers` axis dropped
+        of = lambda i: (lambda suffix, axes, f: one(f"model.layers.{i}.{suffix}", axes[1:], f))  # noqa: E731
+        layers = tuple(layer(of(i), experts(i) if cfg.moe.sparse_layers[i] else dense(of(i)))
+                       for i in range(cfg.num_layers))
     return Transformer(
         config=cfg,
         embed=one("model.embed_tokens.weight", (V, E), lambda w: w),
@@ -242,7 +269,7 @@ def _build_gemma(cfg: ModelConfig, one: Callable, stacked: Callable, attn: Atten
     L, E, V, M, D = ax.Layers, ax.Embed, ax.Vocab, ax.Mlp, ax.HeadSize
     t = lambda w: w.T  # noqa: E731
     norm = lambda suffix, axis=E: stacked(suffix, (L, axis), lambda w: w)  # noqa: E731
-    qk = cfg.style.qk_norm
+    qk = cfg.qk_norm
     layers = GemmaLayer(
         attn_norm=norm("input_layernorm.weight"),
         attn=attn,

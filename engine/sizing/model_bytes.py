@@ -30,20 +30,26 @@ class ParamCount:
 
 
 def count_params(cfg: ModelConfig) -> ParamCount:
-    """Parameters of the decoder (every family: Llama's layer, Gemma's four norms and QK-norm) from its config."""
+    """Parameters of the decoder from its config: Llama's layer (Llama, Mistral, Qwen2, Qwen3), Gemma's four norms,
+    QK-norm, and the mixtures of experts Mixtral and Qwen3-MoE, whose every expert is held (split over tp by its MLP
+    width, the router replicated)."""
     hidden, head_dim = cfg.hidden_size, cfg.head_dim
     q_out, kv_out = cfg.num_heads * head_dim, cfg.num_kv_heads * head_dim
     attention = hidden * q_out + 2 * hidden * kv_out + q_out * hidden  # q, k, v, o
     if cfg.qkv_bias:
         attention += q_out + 2 * kv_out
-    mlp = 3 * hidden * cfg.intermediate_size  # gate, up, down
+    dense_mlp = 3 * hidden * cfg.intermediate_size  # gate, up, down
+    moe = cfg.moe
+    sparse = sum(moe.sparse_layers) if moe else 0
+    experts = moe.num_experts * 3 * hidden * moe.expert_size if moe else 0  # every expert's gate, up, down
+    router = moe.num_experts * hidden if moe else 0  # replicated
     norms_per_layer = (4 if cfg.style.gemma_norms else 2) * hidden  # input, post-attention (Gemma: and around the MLP)
-    if cfg.style.qk_norm:
+    if cfg.qk_norm:
         norms_per_layer += 2 * head_dim
     embeddings = cfg.vocab_size * hidden * (1 if cfg.tie_word_embeddings else 2)
     return ParamCount(
-        replicated=embeddings + cfg.num_layers * norms_per_layer + hidden,  # + final norm
-        sharded=cfg.num_layers * (attention + mlp),
+        replicated=embeddings + cfg.num_layers * norms_per_layer + hidden + sparse * router,  # + final norm
+        sharded=cfg.num_layers * attention + (cfg.num_layers - sparse) * dense_mlp + sparse * experts,
     )
 
 

@@ -20,21 +20,42 @@ def tiny_llama(tmp_path_factory):
     return write_model("tiny-llama", tmp_path_factory.mktemp("tiny-llama"))
 
 
-def test_sample_does_not_depend_on_its_batch(tiny_llama):
+# The bit-identity tests run for each family with its own layer (Qwen3's QK-norm and head_dim, the mixtures of
+# experts' grouped matmuls, whose rows share experts), on the native CPU kernel (`auto` on a float32 CPU pool) and,
+# for Qwen3, on the reference attention.
+BIT_IDENTITY = [("tiny-llama", "auto"), ("tiny-qwen3", "auto"), ("tiny-qwen3", "reference"), ("tiny-mixtral", "auto"),
+                ("tiny-qwen3-moe", "auto")]
+
+
+# Known bug (tiny-llama too): on the reference attention a token's KV computed in another kind of step (recomputed
+# after a preemption, or a suffix after cached pages) differs in the last bits (~3e-6 in logprobs); tokens agree, and
+# the native CPU kernel keeps the bits. Strict: the mark fails once the bug is fixed.
+REFERENCE_BITS_BUG = pytest.mark.xfail(strict=True, reason="reference attention: a token's KV differs in the last "
+                                        "bits between kinds of step")
+
+
+@pytest.fixture(scope="module", params=BIT_IDENTITY, ids=[f"{m}-{i}" for m, i in BIT_IDENTITY])
+def model_impl(request, tmp_path_factory):
+    """(a preset's checkpoint, the attention_impl its engines use)."""
+    preset, impl = request.param
+    return write_model(preset, tmp_path_factory.mktemp(preset)), impl
+
+
+def test_sample_does_not_depend_on_its_batch(model_impl):
     """The same (prompt, seed) gives the same tokens run alone, shuffled inside a batch of 64, and under other
     max_seqs, page_size and max_pages: greedy, and with temperature 0.8 / top-p 0.9 / top-k 50."""
-    path = tiny_llama
+    path, impl = model_impl
     prompts = varied_prompts(512, count=64, seed=5)  # 1 to 400 tokens
     settings = [SamplingConfig(max_new_tokens=10, temperature=0.0, seed=3),
                 SamplingConfig(max_new_tokens=10, temperature=0.8, top_p=0.9, top_k=50, seed=3)]
     for sampling in settings:
         requests = [Request(f"q{i}", tuple(p), sampling) for i, p in enumerate(prompts)]
-        alone = Engine(path, EngineConfig(max_pages=64, max_seq_len=512))
+        alone = Engine(path, EngineConfig(max_pages=64, max_seq_len=512, attention_impl=impl))
         reference = {r.prompt_id: alone.generate([r])[0].token_ids for r in requests[:8]}  # the 7 edge lengths too
         batched = []
-        for config in (EngineConfig(max_pages=200, max_seqs=16, max_seq_len=512),
+        for config in (EngineConfig(max_pages=200, max_seqs=16, max_seq_len=512, attention_impl=impl),
                        EngineConfig(page_size=4, max_pages=150, max_seqs=3, max_seqs_in_prefill=2, max_prefill_size=64,
-                                    max_seq_len=512)):
+                                    max_seq_len=512, attention_impl=impl)):
             shuffled = list(requests)
             np.random.default_rng(1).shuffle(shuffled)
             got = {c.prompt_id: c.token_ids for c in Engine(path, config).generate(shuffled)}
@@ -233,10 +254,10 @@ def _shared_prefix_requests(n: int, temperature: float) -> list[Request]:
     return [Request(f"c{i}", tuple(p), sampling, generation_index=g) for i, p in enumerate(prompts) for g in range(n)]
 
 
-def _two_batches(path, requests, **engine) -> tuple[dict, int, int]:
-    """Samples of one engine fed two batches (two calls), the cache's hit tokens, the preemptions."""
+def _two_batches(path, impl: str, requests, **engine) -> tuple[dict, int, int]:
+    """Samples of one engine (attention `impl`) fed two batches (two calls), the cache's hit tokens, the preemptions."""
     eng = Engine(path, EngineConfig(page_size=8, max_seqs=6, max_seqs_in_prefill=3, max_prefill_size=32, max_seq_len=160,
-                                    debug_invariants=True, **engine))
+                                    debug_invariants=True, attention_impl=impl, **engine))
     out, hits = [], 0
     for batch in (requests[:10], requests[10:]):
         out += eng.generate(batch)
@@ -249,41 +270,45 @@ def _tokens(samples: dict) -> dict:
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_prefix_cache_on_and_off_give_the_same_tokens(tiny_llama, temperature):
+def test_prefix_cache_on_and_off_give_the_same_tokens(model_impl, temperature):
     """Prompts sharing long prefixes within a batch and across batches (two calls of one engine), n = 2,
     chunked prefill (32-token steps): the tokens are the same with the cache on and off, and every prompt after
     the first of its block maps that block's full pages."""
     requests = _shared_prefix_requests(2, temperature)
-    on, hits, _ = _two_batches(tiny_llama, requests, max_pages=400, prefix_caching=True)
-    off, no_hits, _ = _two_batches(tiny_llama, requests, max_pages=400, prefix_caching=False)
+    on, hits, _ = _two_batches(*model_impl, requests, max_pages=400, prefix_caching=True)
+    off, no_hits, _ = _two_batches(*model_impl, requests, max_pages=400, prefix_caching=False)
     assert _tokens(on) == _tokens(off)
     assert no_hits == 0 and hits == 5 * 96 + 5 * 32, hits
 
 
-def test_prefix_cache_on_and_off_give_bit_identical_logprobs(tiny_llama):
+def test_prefix_cache_on_and_off_give_bit_identical_logprobs(model_impl, request):
     """A sequence that maps cached pages computes only its suffix, in steps of other shapes than with the cache
     off: its tokens and logprobs are still the same bits (the model and sampler run in fixed row tiles)."""
+    if model_impl[1] == "reference":
+        request.applymarker(REFERENCE_BITS_BUG)
     requests = _shared_prefix_requests(2, 0.0)
-    on, _, _ = _two_batches(tiny_llama, requests, max_pages=400, prefix_caching=True)
-    off, _, _ = _two_batches(tiny_llama, requests, max_pages=400, prefix_caching=False)
+    on, _, _ = _two_batches(*model_impl, requests, max_pages=400, prefix_caching=True)
+    off, _, _ = _two_batches(*model_impl, requests, max_pages=400, prefix_caching=False)
     assert on == off
 
 
-def test_prefix_cache_under_preemption_gives_the_same_tokens(tiny_llama):
+def test_prefix_cache_under_preemption_gives_the_same_tokens(model_impl):
     """A pool that preempts: cached pages outlive the preempted sequences, and the tokens are the same with the
     cache on and off."""
     requests = _shared_prefix_requests(2, 0.8)
-    on, hits, preempted_on = _two_batches(tiny_llama, requests, max_pages=24, prefix_caching=True)
-    off, _, preempted_off = _two_batches(tiny_llama, requests, max_pages=24, prefix_caching=False)
+    on, hits, preempted_on = _two_batches(*model_impl, requests, max_pages=24, prefix_caching=True)
+    off, _, preempted_off = _two_batches(*model_impl, requests, max_pages=24, prefix_caching=False)
     assert preempted_on > 0 and preempted_off > 0 and hits > 0
     assert _tokens(on) == _tokens(off)
 
 
-def test_recompute_after_preemption_keeps_logprobs_bit_identical(tiny_llama):
+def test_recompute_after_preemption_keeps_logprobs_bit_identical(model_impl, request):
     """A token's KV recomputed in a prompt step after a preemption is the KV its decode step wrote, bit for bit,
     so the samples of a pool that preempts are those of an ample one."""
+    if model_impl[1] == "reference":
+        request.applymarker(REFERENCE_BITS_BUG)
     requests = _shared_prefix_requests(1, 0.8)
-    ample, _, none = _two_batches(tiny_llama, requests, max_pages=400, prefix_caching=False)
-    small, _, preempted = _two_batches(tiny_llama, requests, max_pages=24, prefix_caching=False)
+    ample, _, none = _two_batches(*model_impl, requests, max_pages=400, prefix_caching=False)
+    small, _, preempted = _two_batches(*model_impl, requests, max_pages=24, prefix_caching=False)
     assert none == 0 and preempted > 0
     assert small == ample

@@ -17,14 +17,18 @@ from engine.scheduling.sequence import Request
 WINDOW = 12  # the sliding-window model's window: shorter than every sequence here
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", pytest.param("tiny-mistral-window", marks=pytest.mark.slow)])
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen3", "tiny-qwen3-reference", "tiny-mixtral",
+                                        "tiny-qwen3-moe",
+                                        pytest.param("tiny-mistral-window", marks=pytest.mark.slow)])
 def model(request, tmp_path_factory):
-    preset = request.param.removesuffix("-window")
+    """(a preset's checkpoint, the attention_impl its engines use: `-reference` the reference attention, else the
+    native CPU kernel that `auto` picks for a float32 pool)."""
+    preset = request.param.removesuffix("-window").removesuffix("-reference")
     path = write_model(preset, tmp_path_factory.mktemp(request.param))
     if request.param.endswith("-window"):
         config = json.loads((path / "config.json").read_text())
         (path / "config.json").write_text(json.dumps({**config, "sliding_window": WINDOW}))
-    return path
+    return path, "reference" if request.param.endswith("-reference") else "auto"
 
 
 def _requests(temperature: float, n: int) -> list[Request]:
@@ -34,22 +38,29 @@ def _requests(temperature: float, n: int) -> list[Request]:
                     generation_index=g) for i in range(6) for g in range(n)]
 
 
-def _run(path, requests, **engine) -> tuple[dict, Engine]:
+def _run(model, requests, **engine) -> tuple[dict, Engine]:
+    path, impl = model
     eng = Engine(path, EngineConfig(page_size=8, max_seqs=6, max_seqs_in_prefill=3, max_prefill_size=32,
-                                    max_seq_len=96, debug_invariants=True, **engine))
+                                    max_seq_len=96, debug_invariants=True, attention_impl=impl, **engine))
     out = eng.generate(requests)
     assert all(c.error is None for c in out)
     return {(c.prompt_id, c.generation_index): (c.token_ids, c.logprobs) for c in out}, eng
 
 
+# Known bug (tiny-llama too): on the reference attention, a token's KV recomputed in a prompt step differs in the
+# last bits (~3e-6 in logprobs) from the KV its decode step wrote, whatever attn_decode_pages_per_block; the
+# native CPU kernel keeps them equal. Strict: the mark fails once the bug is fixed.
+REFERENCE_RECOMPUTE_BUG = pytest.mark.xfail(strict=True, reason="reference attention: recomputed KV differs in the "
+                                            "last bits from the decode step's")
+
 SMALL = dict(max_pages=16)  # six sequences of up to 78 tokens want up to 60 pages
 
 
-def _three_ways(path, temperature: float, n: int):
+def _three_ways(model, temperature: float, n: int):
     requests = _requests(temperature, n)
-    ample, ample_engine = _run(path, requests, max_pages=200)
-    recompute, recompute_engine = _run(path, requests, preemption="recompute", host_kv_pages=64, **SMALL)
-    swap, swap_engine = _run(path, requests, preemption="swap", host_kv_pages=64, **SMALL)
+    ample, ample_engine = _run(model, requests, max_pages=200)
+    recompute, recompute_engine = _run(model, requests, preemption="recompute", host_kv_pages=64, **SMALL)
+    swap, swap_engine = _run(model, requests, preemption="swap", host_kv_pages=64, **SMALL)
     assert ample_engine.scheduler.num_preemptions == 0
     assert recompute_engine.scheduler.num_preemptions > 0 and swap_engine.scheduler.num_preemptions > 0
     return ample, recompute, swap, recompute_engine, swap_engine
@@ -85,10 +96,12 @@ def test_a_full_host_pool_falls_back_to_recompute_with_the_same_tokens(model):
 
 
 @pytest.mark.parametrize("temperature,n", [(0.0, 1), pytest.param(0.8, 2, marks=pytest.mark.slow)])
-def test_swap_recompute_and_an_ample_pool_give_bit_identical_logprobs(model, temperature, n):
+def test_swap_recompute_and_an_ample_pool_give_bit_identical_logprobs(model, temperature, n, request):
     """Swapped KV comes back bit for bit (tests/engine/kv/test_kv_swap.py), recomputed KV is the KV the decode steps
     wrote, and the model's row tiles keep each row's arithmetic independent of the batch (docs/engine.md): the
     three give the same samples, logprobs included, though they batch differently."""
+    if model[1] == "reference":
+        request.applymarker(REFERENCE_RECOMPUTE_BUG)
     ample, recompute, swap, _, _ = _three_ways(model, temperature, n)
     assert swap == recompute == ample
 
@@ -98,8 +111,9 @@ def test_a_step_that_pages_in_reads_nothing_back_before_its_tokens(model):
     and its page-ins, even of pages paged out in the same step, read nothing back (they once waited for every
     page-out first). Events in order: page-ins (with page-outs in flight or not) and the ledger's reads."""
     requests = _requests(0.0, 1)
-    eng = Engine(model, EngineConfig(page_size=8, max_seqs=6, max_seqs_in_prefill=3, max_prefill_size=32,
-                                     max_seq_len=96, preemption="swap", host_kv_pages=64, **SMALL))
+    eng = Engine(model[0], EngineConfig(page_size=8, max_seqs=6, max_seqs_in_prefill=3, max_prefill_size=32,
+                                        max_seq_len=96, preemption="swap", host_kv_pages=64, attention_impl=model[1],
+                                        **SMALL))
     events, kv, ledger = [], eng.runner.kv, eng.runner.transfers
     page_in, read = kv.page_in, ledger.read
     kv.page_in = lambda h, d: (events.append(("page_in", bool(kv._pending_out) and bool(h))), page_in(h, d))[1]

@@ -30,14 +30,26 @@ FAMILIES = {
                         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
                                                             "rope_theta": 1000000.0},
                                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    # head_dim 32 with 4 heads of a 64-wide model: Qwen3's explicit head_dim differs from hidden / heads.
+    "qwen3": dict(cls="Qwen3Config", rope_theta=1000000.0, rms_norm_eps=1e-6, use_sliding_window=False, head_dim=32),
+    # 8 experts, top-2, renormalized.
+    "mixtral": dict(cls="MixtralConfig", rope_theta=1000000.0, rms_norm_eps=1e-5, sliding_window=None,
+                    num_local_experts=8, num_experts_per_tok=2),
+    # 6 experts of width 48, top-3, not renormalized; layer 1 of 3 dense (mlp_only_layers).
+    "qwen3_moe": dict(cls="Qwen3MoeConfig", rope_theta=1000000.0, rms_norm_eps=1e-6, use_sliding_window=False,
+                      num_experts=6, num_experts_per_tok=3, moe_intermediate_size=48, norm_topk_prob=False,
+                      mlp_only_layers=[1], layers=3),
 }
 GEMMA_NORMS = ("gemma2", "gemma3_text")  # RMSNorm as (1 + weight): weights drawn around 0, not 1
 
 
-def make_hf_model(family: str, out: Path, *, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16,
+def make_hf_model(family: str, out: Path, *, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=None,
                   intermediate=128, vocab=256, seed=0, max_shard_size=None, **overrides):
+    """`head_dim` defaults to the family's (16 unless FAMILIES says otherwise)."""
     spec = dict(FAMILIES[family])
     cls = getattr(transformers, spec.pop("cls"))
+    head_dim = head_dim or spec.pop("head_dim", 16)
+    spec.pop("head_dim", None)
     layers = spec.pop("layers", layers)
     config = cls(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                  num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=intermediate,
@@ -87,8 +99,8 @@ def randomize(model, hidden: int, seed: int, norm_center: float) -> None:
                 value = rng.standard_normal(p.shape)
             elif name == "lm_head.weight":
                 value = rng.standard_normal(p.shape) * 16 / np.sqrt(hidden)
-            elif p.ndim == 2:  # Linear [out, in]
-                value = rng.standard_normal(p.shape) / np.sqrt(p.shape[1])
+            elif p.ndim == 2 or (p.ndim == 3 and "experts" in name):  # Linear [out, in], experts [experts, out, in]
+                value = rng.standard_normal(p.shape) / np.sqrt(p.shape[-1])
             else:  # vision tower biases, norms, convolutions: what transformers drew
                 continue
             p.copy_(torch.tensor(value, dtype=torch.float32))
@@ -107,6 +119,19 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int],
     scores = torch.stack(out.scores)[:, 0]  # [steps, vocab]
     top2 = torch.topk(scores, 2, dim=-1).values
     return out.sequences[0, len(prompt):].tolist(), float((top2[:, 0] - top2[:, 1]).min())
+
+
+def hf_greedy_logprobs(model, prompt: list[int], new_tokens: int) -> tuple[list[int], list[float], float]:
+    """transformers' greedy `generate` (batch 1, never stopping early): tokens, each one's logprob, and the
+    smallest top-2 logit gap."""
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, eos_token_id=None,
+                         pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    logits = torch.stack(out.logits)[:, 0].double()  # [steps, vocab]
+    tokens = out.sequences[0, len(prompt):]
+    logprobs = torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0]
+    top2 = torch.topk(logits, 2, dim=-1).values
+    return tokens.tolist(), logprobs.tolist(), float((top2[:, 0] - top2[:, 1]).min())
 
 
 def varied_prompts(vocab: int, count: int = 64, seed: int = 0) -> list[list[int]]:

@@ -11,7 +11,8 @@ BASE = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 8, "num_hidden_
 
 
 def test_every_family_is_registered_by_its_model_type_and_names_its_architecture():
-    assert SUPPORTED_MODEL_TYPES == ("llama", "mistral", "qwen2", "gemma2", "gemma3_text", "gemma3") == tuple(FAMILIES)
+    assert SUPPORTED_MODEL_TYPES == ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3", "mixtral",
+                                     "qwen3_moe") == tuple(FAMILIES)
     for model_type, family in FAMILIES.items():
         assert family.model_type == model_type
         assert family.architecture.endswith("ForCausalLM") or family.architecture == "Gemma3ForConditionalGeneration"

@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from engine.models.presets import PRESETS, write_model
 from engine.tokenizer.tokenizer_builder import SPECIAL_TOKENS
 
-TINY = ["tiny-llama", "tiny-mistral", "tiny-qwen2"]
+TINY = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-mixtral", "tiny-qwen3-moe"]
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
@@ -72,9 +72,9 @@ def test_config_round_trips(name: str, written: dict[str, pathlib.Path]) -> None
         assert rope.get("rope_type", "default") == "default"
     else:
         assert {k: rope[k] for k in preset.rope_scaling} == preset.rope_scaling
-    if preset.family == "qwen2":
+    if preset.family in ("qwen2", "qwen3", "qwen3_moe"):
         assert config.use_sliding_window is False
-    if preset.family in ("mistral", "qwen2"):
+    if preset.family in ("mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"):
         assert config.sliding_window is None
 
 
@@ -102,7 +102,7 @@ def test_tokenizer_round_trips_text(name: str, tokenizers: dict, text: str) -> N
     tokenizer = tokenizers[name]
     decoded = tokenizer.decode(tokenizer(text)["input_ids"])
     # Qwen2Tokenizer always NFC-normalises (see engine/tokenizer/tokenizer_builder.py).
-    expected = unicodedata.normalize("NFC", text) if name == "tiny-qwen2" else text
+    expected = unicodedata.normalize("NFC", text) if name in ("tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe") else text
     assert decoded == expected
 
 

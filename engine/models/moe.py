@@ -1,0 +1,109 @@
+"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks each token's top-k experts, the tokens are grouped
+by expert, and each expert multiplies only its own tokens (a grouped matmul); each token's output is the sum of its
+experts' outputs weighted by the router (engine/models/moe_config.py says how each family weighs them).
+
+The grouped matmul has two forms, one result (within float32 rounding):
+- `jax.lax.ragged_dot` over the pairs sorted by expert (`expert_tile_rows` 0): the shape TPU and GPU grouped-matmul
+  kernels take;
+- expert tiles (`expert_tile_rows` > 0, on the CPU): each expert's pairs padded to whole tiles of that many rows, one
+  matmul per tile of the expert's own weights, tiles past the used ones skipped. XLA's CPU backend lowers
+  `ragged_dot` as a dense pass of every expert over every row with a mask (E times the work), and its matmuls round a
+  row by the call's row count (engine/device/row_tiles.py); tiles of a fixed row count give work that follows the
+  active experts and rows whose bits do not depend on the rows beside them. The router runs on tiles of that many
+  rows as well.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import haliax as hax
+import jax
+import jax.numpy as jnp
+from haliax import NamedArray
+
+from engine.device.row_tiles import by_row_tiles
+from engine.models.axes import EMBED
+from engine.models.moe_config import MoeConfig
+
+
+class MoeMlp(eqx.Module):
+    router: NamedArray  # [embed, experts]
+    w_gate: NamedArray  # [experts, embed, expert_mlp]
+    w_up: NamedArray  # [experts, embed, expert_mlp]
+    w_down: NamedArray  # [experts, expert_mlp, embed]
+
+
+def moe_mlp(h: NamedArray, moe: MoeMlp, cfg: MoeConfig, expert_tile_rows: int) -> NamedArray:
+    """The MLP's output for rows `h` [..., embed] (each row's own experts, router-weighted), same axes as `h`."""
+    rows_axes = tuple(a for a in h.axes if a.name != EMBED)
+    x = h.rearrange((*rows_axes, h.resolve_axis(EMBED))).array
+    x = x.reshape(-1, x.shape[-1])  # [R, H]
+    out = _moe_rows(x, *(w.array for w in (moe.router, moe.w_gate, moe.w_up, moe.w_down)), cfg, expert_tile_rows)
+    return hax.named(out.reshape(*(a.size for a in rows_axes), x.shape[-1]), (*rows_axes, h.resolve_axis(EMBED)))
+
+
+def route(x: jax.Array, router: jax.Array, cfg: MoeConfig) -> tuple[jax.Array, jax.Array]:
+    """Each row's top-k experts i32[R, k] (ascending) and their weights f32[R, k]: the softmax over every expert in
+    float32, the top k, renormalized to sum to one when the family says so."""
+    logits = jnp.dot(x, router, preferred_element_type=jnp.float32).astype(x.dtype)  # [R, E]
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, cfg.top_k)
+    if cfg.renormalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    order = jnp.argsort(experts, axis=-1)  # sum each row's experts in expert order, as transformers adds them
+    return jnp.take_along_axis(experts, order, -1), jnp.take_along_axis(weights, order, -1)
+
+
+def _expert(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:  # noqa: D103
+    """One expert's SwiGLU on its rows x [rows, H]."""
+    return jnp.dot(jax.nn.silu(jnp.dot(x, w_gate)) * jnp.dot(x, w_up), w_down)
+
+
+def _moe_rows(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+              cfg: MoeConfig, tile: int) -> jax.Array:
+    """x [R, H]; router [H, E]; w_gate, w_up [E, H, I]; w_down [E, I, H]."""
+    R, H = x.shape
+    E, k = cfg.num_experts, cfg.top_k
+    # The router's matmul is narrow (E columns): XLA's CPU kernels round it by the call's row count even past 64
+    # rows, so on the CPU it runs on tiles of exactly `tile` rows too.
+    experts, weights = by_row_tiles(lambda x: route(x, router, cfg), tile, x)
+    pair_expert = experts.reshape(-1)  # [P]: pair p is row p // k, its (p % k)-th expert
+    order = jnp.argsort(pair_expert, stable=True)  # pairs grouped by expert, rows in order within one
+    counts = jnp.bincount(pair_expert, length=E)  # i32[E]
+    rows_sorted = x[order // k]  # [P, H]
+    if tile:
+        y_sorted = _tiled_grouped_mlp(rows_sorted, pair_expert[order], counts, (w_gate, w_up, w_down), tile)
+    else:
+        gate = jax.lax.ragged_dot(rows_sorted, w_gate, counts)
+        up = jax.lax.ragged_dot(rows_sorted, w_up, counts)
+        y_sorted = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, counts)
+    y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(R, k, H)  # back to pair order
+    weighted = y.astype(jnp.float32) * weights[..., None]
+    out = weighted[:, 0]
+    for j in range(1, k):  # in expert order, as transformers' index_add over experts
+        out = out + weighted[:, j]
+    return out.astype(x.dtype)
+
+
+def _tiled_grouped_mlp(rows: jax.Array, expert: jax.Array, counts: jax.Array,
+                       weights: tuple[jax.Array, jax.Array, jax.Array], tile: int) -> jax.Array:
+    """The experts' MLP of `rows` [P, H] sorted by `expert` i32[P] (`counts` rows each), on tiles of `tile` rows that
+    each belong to one expert: expert e's rows fill ceil(counts[e] / tile) tiles, zero-padded."""
+    P, H = rows.shape
+    E = counts.shape[0]
+    num_tiles = -(-P // tile) + E  # enough for any routing: each expert wastes less than one tile
+    tiles_of = -(-counts // tile)  # tiles per expert
+    first_tile = jnp.cumsum(tiles_of) - tiles_of  # [E]
+    first_row = jnp.cumsum(counts) - counts  # [E]: the expert's first pair in `rows`
+    slot = first_tile[expert] * tile + (jnp.arange(P) - first_row[expert])  # each pair's row in the tiles
+    padded = jnp.zeros((num_tiles * tile, H), rows.dtype).at[slot].set(rows).reshape(num_tiles, tile, H)
+    tile_expert = jnp.searchsorted(jnp.cumsum(tiles_of), jnp.arange(num_tiles), side="right")
+    used = jnp.sum(tiles_of)
+
+    def one(t, out):
+        e = jnp.minimum(tile_expert[t], E - 1)
+        y = _expert(padded[t], *(w[e] for w in weights))
+        return out.at[t].set(y.astype(out.dtype))
+
+    out = jax.lax.fori_loop(0, used, one, jnp.zeros((num_tiles, tile, H), rows.dtype))
+    return out.reshape(num_tiles * tile, H)[slot]

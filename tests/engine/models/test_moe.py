@@ -1,0 +1,165 @@
+"""Mixtures of experts (Mixtral, Qwen3-MoE) against transformers (CPU torch, float32): the MoE block, `pagefleet
+generate` end to end, rows independent of their neighbours in the grouped matmul, and the fields refused."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from jax.sharding import Mesh
+
+from engine.config import EngineConfig, SamplingConfig
+from engine.engine import Engine
+from engine.models.model_config import ModelConfig, UnsupportedModelError
+from engine.models.moe import _moe_rows
+from engine.models.presets import write_model
+from engine.scheduling.sequence import Request
+from orchestrator.commands.generate import main as generate_main
+from tests.engine.models.hf_reference import hf_greedy_logprobs, make_hf_model
+
+VOCAB = 512
+MIN_GAP = 1e-3
+MOES = ["mixtral", "qwen3_moe"]
+SEEDS = {"mixtral": 0, "qwen3_moe": 0}  # seeds whose greedy runs hold no near-tie (asserted: top-2 gap > MIN_GAP)
+
+
+def _block(hf, layer: int = 0):
+    """transformers' MoE block of `layer`, and our weights for it: router [H, E], gate/up [E, H, I], down [E, I, H]."""
+    mlp = hf.model.layers[layer].mlp
+    gate_up, down = mlp.experts.gate_up_proj.detach().numpy(), mlp.experts.down_proj.detach().numpy()
+    size = down.shape[-1]
+    weights = (mlp.gate.weight.detach().numpy().T, gate_up[:, :size].transpose(0, 2, 1),
+               gate_up[:, size:].transpose(0, 2, 1), down.transpose(0, 2, 1))
+    return mlp, [jnp.asarray(w) for w in weights]
+
+
+@pytest.mark.parametrize("family", MOES)
+@pytest.mark.parametrize("tile", [0, 64])  # ragged_dot; expert tiles of 64 rows (the CPU's form)
+def test_moe_block_equals_transformers(tmp_path, family, tile):
+    """The router (softmax, top-k, renormalized as the family says) and the experts' weighted sum: 1e-5."""
+    hf = make_hf_model(family, tmp_path, seed=1)
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    mlp, weights = _block(hf)
+    x = np.random.default_rng(0).standard_normal((37, 64)).astype(np.float32)
+    with torch.no_grad():
+        ref = mlp(torch.tensor(x)[None])[0].numpy()
+    got = jax.jit(lambda x, *w: _moe_rows(x, *w, cfg.moe, tile))(jnp.asarray(x), *weights)
+    np.testing.assert_allclose(np.asarray(got), ref, atol=1e-5, rtol=0)
+
+
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(tmp_path):
+    """In expert tiles of 64 rows, the same row routed with 63 other rows, with 191 others, or alone (padded to the
+    tile) gives the same bits: every expert matmul has the same row count, whoever shares it."""
+    hf = make_hf_model("mixtral", tmp_path, seed=1)
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    _, weights = _block(hf)
+    rng = np.random.default_rng(5)
+    rows = rng.standard_normal((256, 64)).astype(np.float32)
+    f = jax.jit(lambda x, *w: _moe_rows(x, *w, cfg.moe, 64))
+    alone = np.stack([np.asarray(f(jnp.asarray(np.pad(rows[i:i + 1], ((0, 63), (0, 0)))), *weights))[0]
+                      for i in range(0, 256, 37)])
+    for n in (64, 256):
+        together = np.asarray(f(jnp.asarray(rows[:n]), *weights))
+        np.testing.assert_array_equal(together[0:n:37], alone[:len(range(0, n, 37))])
+    shuffled = rng.permutation(256)
+    mixed = np.asarray(f(jnp.asarray(rows[shuffled]), *weights))
+    np.testing.assert_array_equal(mixed[np.argsort(shuffled)], np.asarray(f(jnp.asarray(rows), *weights)))
+
+
+def prompts_1_to_250(count: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    lengths = np.concatenate([[1, 2, 15, 16, 17, 249, 250], rng.integers(1, 251, count - 7)])
+    return [rng.integers(6, VOCAB, int(n)).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("family", MOES)
+def test_generate_greedy_tokens_and_logprobs_equal_transformers(tmp_path, family):
+    """16 prompts of 1 to 250 tokens through `pagefleet generate`, 40 new tokens each, 6 at once in 60 pages of 16
+    (preemption asserted): transformers' greedy tokens (batch 1), and logprobs within 1e-4. Mixtral: 8 experts,
+    top-2; Qwen3-MoE: 6 experts, top-3, not renormalized, its middle layer dense."""
+    new_tokens = 40
+    hf = make_hf_model(family, tmp_path / "model", vocab=VOCAB, seed=SEEDS[family])
+    prompts = prompts_1_to_250(16, seed=1)
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": f"p{i}", "prompt_token_ids": p}) + "\n"
+                                               for i, p in enumerate(prompts)))
+    out, stats_file = tmp_path / "out.jsonl", tmp_path / "stats.json"
+    code = generate_main(["--model", str(tmp_path / "model"), "--input", str(tmp_path / "in.jsonl"),
+                          "--output", str(out), "--stats_output", str(stats_file), "--progress=false",
+                          f"--sampling.max_new_tokens={new_tokens}", "--sampling.temperature=0",
+                          "--sampling.logprobs=true", "--engine.page_size=16", "--engine.max_pages=60",
+                          "--engine.max_seqs=6", "--engine.max_seqs_in_prefill=3", "--engine.max_prefill_size=128",
+                          "--engine.max_seq_len=320", "--engine.debug_invariants=true"])
+    assert code == 0
+    assert json.loads(stats_file.read_text())["num_preemptions"] > 0, "the test must exercise preemption"
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    for i, (p, r) in enumerate(zip(prompts, records)):
+        tokens, logprobs, gap = hf_greedy_logprobs(hf, p, new_tokens)
+        assert gap > MIN_GAP, f"{family} prompt {i}: top-2 gap {gap} too small for the comparison to mean anything"
+        n = len(r["token_ids"])  # the engine stops at the model's EOS (2); transformers was told not to
+        assert r["token_ids"] == tokens[:n], f"{family} prompt {i} (len {len(p)})"
+        assert n == new_tokens if r["finish_reason"] == "length" else r["token_ids"][-1] == hf.config.eos_token_id
+        np.testing.assert_allclose(r["logprobs"], logprobs[:n], atol=1e-4, rtol=0, err_msg=f"{family} prompt {i}")
+
+
+BASE = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 4,
+        "num_attention_heads": 2, "num_key_value_heads": 1}
+
+
+def test_config_reads_each_familys_router_and_sparse_layers():
+    mixtral = ModelConfig.from_hf({**BASE, "model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2})
+    assert (mixtral.moe.num_experts, mixtral.moe.top_k, mixtral.moe.renormalize) == (8, 2, True)
+    assert mixtral.moe.sparse_layers == (True,) * 4 and mixtral.moe.expert_size == 8
+    qwen = ModelConfig.from_hf({**BASE, "model_type": "qwen3_moe", "num_experts": 6, "num_experts_per_tok": 3,
+                                "moe_intermediate_size": 4, "decoder_sparse_step": 2, "mlp_only_layers": [3]})
+    assert (qwen.moe.num_experts, qwen.moe.top_k, qwen.moe.renormalize, qwen.moe.expert_size) == (6, 3, False, 4)
+    assert qwen.moe.sparse_layers == (False, True, False, False) and qwen.qk_norm
+    assert ModelConfig.from_hf({**BASE, "model_type": "qwen3_moe", "norm_topk_prob": True}).moe.renormalize
+    assert ModelConfig.from_hf(BASE | {"model_type": "llama"}).moe is None
+
+
+@pytest.mark.parametrize("hf, message", [
+    ({"model_type": "mixtral", "num_local_experts": 2, "num_experts_per_tok": 3},
+     r"^config.json num_local_experts=2 and num_experts_per_tok=3: need"),
+    ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 0}, r"^config.json num_experts=4 and"),
+    ({"model_type": "qwen3_moe", "decoder_sparse_step": 0}, r"^config.json decoder_sparse_step=0"),
+    ({"model_type": "qwen2_moe"}, r"^config.json model_type='qwen2_moe' is not supported"),
+])
+def test_unsupported_moe_fields_are_refused_in_one_line(hf, message):
+    with pytest.raises(UnsupportedModelError, match=message):
+        ModelConfig.from_hf({**BASE, **hf})
+
+
+def test_hub_checkpoints_keep_one_tensor_per_expert(tmp_path):
+    """transformers' save_pretrained writes the Hub's layout (experts.{e}.w1/w2/w3), which is what the loader reads."""
+    make_hf_model("mixtral", tmp_path)
+    names = json.loads((tmp_path / "model.safetensors").read_bytes()[8:8 + int.from_bytes(
+        (tmp_path / "model.safetensors").read_bytes()[:8], "little")])
+    assert "model.layers.0.block_sparse_moe.experts.7.w2.weight" in names
+    assert transformers.AutoConfig.from_pretrained(tmp_path).model_type == "mixtral"
+
+
+@pytest.mark.parametrize("preset, width", [("tiny-mixtral", 2), ("tiny-qwen3-moe", 4)])
+def test_tensor_parallel_samples_as_one_device(tmp_path, preset, width):
+    """Every expert split by its MLP width over `model` (as the dense MLP): one device's tokens, logprobs within
+    1e-4 (the split down projections sum partial products in another order)."""
+    path = write_model(preset, tmp_path / "model")
+    rng = np.random.default_rng(3)
+    requests = [Request(f"r{i}", tuple(rng.integers(6, VOCAB, int(n)).tolist()),
+                        SamplingConfig(max_new_tokens=12, temperature=t, seed=2, logprobs=True))
+                for i, (n, t) in enumerate([(5, 0.0), (40, 0.0), (90, 0.8), (17, 0.8)])]
+    config = EngineConfig(page_size=8, max_pages=96, max_seqs=4, max_seq_len=160)
+    one = Engine(path, config).generate(requests)
+    mesh = Mesh(np.array(jax.devices()[:width]).reshape(1, width), ("data", "model"))
+    engine = Engine(path, config, mesh=mesh)
+    got = engine.generate(requests)
+    sparse = next(layer for layer in engine.runner.model.layers if layer.moe is not None)
+    expert_size = sparse.moe.w_gate.array.shape[-1]
+    assert {s.data.shape[-1] for s in sparse.moe.w_gate.array.addressable_shards} == {expert_size // width}
+    assert [c.token_ids for c in got] == [c.token_ids for c in one]
+    for a, b in zip(got, one):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
