@@ -19,7 +19,6 @@ each family fills in its config class's defaults first.
 from __future__ import annotations
 
 import dataclasses
-import dataclasses
 from dataclasses import dataclass
 
 from engine.models.model_family import LAYER_TYPES, FamilyAttention, FamilyConfigError, LayerStyle, ModelFamily
