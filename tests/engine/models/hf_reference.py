@@ -6,11 +6,14 @@ token-for-token equality with transformers means equality, not luck; tests check
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import torch
 import transformers
+
+from orchestrator.commands.generate import main as generate_main
 
 FAMILIES = {
     "llama3": dict(cls="LlamaConfig", rope_parameters={
@@ -132,6 +135,33 @@ def hf_greedy_logprobs(model, prompt: list[int], new_tokens: int) -> tuple[list[
     logprobs = torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0]
     top2 = torch.topk(logits, 2, dim=-1).values
     return tokens.tolist(), logprobs.tolist(), float((top2[:, 0] - top2[:, 1]).min())
+
+
+def prompts_1_to_250(count: int, seed: int, vocab: int, edges: tuple[int, int, int] = (15, 16, 17)) -> list[list[int]]:
+    """`count` prompts of token ids in [6, vocab): lengths 1, 2, the three `edges` (a page or a window and one on
+    either side), 249, 250, and the rest drawn from 1 to 250."""
+    rng = np.random.default_rng(seed)
+    lengths = np.concatenate([[1, 2, *edges, 249, 250], rng.integers(1, 251, count - 7)])
+    return [rng.integers(6, vocab, int(n)).tolist() for n in lengths]
+
+
+def generate_records(model_dir: Path, work: Path, prompts: list[list[int]], new_tokens: int) -> list[dict]:
+    """`pagefleet generate`'s records of `prompts` (given as token ids), greedy with logprobs, `new_tokens` each, 6 at
+    once in 60 pages of 16 with the engine's invariants checked: small enough that some are preempted (asserted)."""
+    (work / "in.jsonl").write_text("".join(json.dumps({"id": f"p{i}", "prompt_token_ids": p}) + "\n"
+                                           for i, p in enumerate(prompts)))
+    out, stats_file = work / "out.jsonl", work / "stats.json"
+    code = generate_main(["--model", str(model_dir), "--input", str(work / "in.jsonl"),
+                          "--output", str(out), "--stats_output", str(stats_file), "--progress=false",
+                          f"--sampling.max_new_tokens={new_tokens}", "--sampling.temperature=0",
+                          "--sampling.logprobs=true", "--engine.page_size=16", "--engine.max_pages=60",
+                          "--engine.max_seqs=6", "--engine.max_seqs_in_prefill=3", "--engine.max_prefill_size=128",
+                          "--engine.max_seq_len=320", "--engine.debug_invariants=true"])
+    assert code == 0
+    assert json.loads(stats_file.read_text())["num_preemptions"] > 0, "the test must exercise preemption"
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt_id"] for r in records] == [f"p{i}" for i in range(len(prompts))]
+    return records
 
 
 def varied_prompts(vocab: int, count: int = 64, seed: int = 0) -> list[list[int]]:

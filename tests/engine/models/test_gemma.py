@@ -27,10 +27,10 @@ from engine.models.model_config import LinearRopeScaling, ModelConfig, Unsupport
 from engine.models.weights import load_transformer
 from engine.scheduling.sequence import Request
 from orchestrator.commands.check import main as check_main
-from orchestrator.commands.generate import main as generate_main
 from orchestrator.commands.size import main as size_main
 from orchestrator.exit_codes import OK
-from tests.engine.models.hf_reference import make_hf_gemma3_multimodal, make_hf_model
+from tests.engine.models.hf_reference import (generate_records, hf_greedy_logprobs, make_hf_gemma3_multimodal,
+                                            make_hf_model, prompts_1_to_250)
 from tests.engine.models.test_model import PagedSequences, make_prompts
 
 GEMMAS = ["gemma2", "gemma3_text"]
@@ -40,25 +40,6 @@ MIN_GAP = 1e-3
 SEEDS = {"gemma2": 0, "gemma3_text": 0}
 
 
-def hf_greedy_logprobs(model, prompt: list[int], new_tokens: int) -> tuple[list[int], list[float], float]:
-    """transformers' greedy `generate` (batch 1, never stopping early): tokens, each one's logprob, and the
-    smallest top-2 logit gap."""
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, eos_token_id=None,
-                         pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    logits = torch.stack(out.logits)[:, 0].double()  # [steps, vocab]
-    tokens = out.sequences[0, len(prompt):]
-    logprobs = torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0]
-    top2 = torch.topk(logits, 2, dim=-1).values
-    return tokens.tolist(), logprobs.tolist(), float((top2[:, 0] - top2[:, 1]).min())
-
-
-def prompts_1_to_250(count: int, seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    lengths = np.concatenate([[1, 2, 23, 24, 25, 249, 250], rng.integers(1, 251, count - 7)])
-    return [rng.integers(6, VOCAB, int(n)).tolist() for n in lengths]
-
-
 @pytest.mark.parametrize("family", GEMMAS)
 def test_generate_greedy_tokens_and_logprobs_equal_transformers(tmp_path, family):
     """16 prompts of 1 to 250 tokens (the window is 24: most prompts slide past it) through `pagefleet generate`,
@@ -66,20 +47,8 @@ def test_generate_greedy_tokens_and_logprobs_equal_transformers(tmp_path, family
     logprobs within 1e-4."""
     new_tokens = 40
     hf = make_hf_model(family, tmp_path / "model", vocab=VOCAB, seed=SEEDS[family])
-    prompts = prompts_1_to_250(16, seed=1)
-    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": f"p{i}", "prompt_token_ids": p}) + "\n"
-                                               for i, p in enumerate(prompts)))
-    out, stats_file = tmp_path / "out.jsonl", tmp_path / "stats.json"
-    code = generate_main(["--model", str(tmp_path / "model"), "--input", str(tmp_path / "in.jsonl"),
-                          "--output", str(out), "--stats_output", str(stats_file), "--progress=false",
-                          f"--sampling.max_new_tokens={new_tokens}", "--sampling.temperature=0",
-                          "--sampling.logprobs=true", "--engine.page_size=16", "--engine.max_pages=60",
-                          "--engine.max_seqs=6", "--engine.max_seqs_in_prefill=3", "--engine.max_prefill_size=128",
-                          "--engine.max_seq_len=320", "--engine.debug_invariants=true"])
-    assert code == 0
-    assert json.loads(stats_file.read_text())["num_preemptions"] > 0, "the test must exercise preemption"
-    records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["prompt_id"] for r in records] == [f"p{i}" for i in range(len(prompts))]
+    prompts = prompts_1_to_250(16, seed=1, vocab=VOCAB, edges=(23, 24, 25))
+    records = generate_records(tmp_path / "model", tmp_path, prompts, new_tokens)
     for i, (p, r) in enumerate(zip(prompts, records)):
         tokens, logprobs, gap = hf_greedy_logprobs(hf, p, new_tokens)
         assert gap > MIN_GAP, f"{family} prompt {i}: top-2 gap {gap} too small for the comparison to mean anything"

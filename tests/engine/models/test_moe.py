@@ -19,8 +19,7 @@ from engine.models.model_config import ModelConfig, UnsupportedModelError
 from engine.models.moe import _moe_rows
 from engine.models.presets import write_model
 from engine.scheduling.sequence import Request
-from orchestrator.commands.generate import main as generate_main
-from tests.engine.models.hf_reference import hf_greedy_logprobs, make_hf_model
+from tests.engine.models.hf_reference import generate_records, hf_greedy_logprobs, make_hf_model, prompts_1_to_250
 
 VOCAB = 512
 MIN_GAP = 1e-3
@@ -71,12 +70,6 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(tmp_path):
     np.testing.assert_array_equal(mixed[np.argsort(shuffled)], np.asarray(f(jnp.asarray(rows), *weights)))
 
 
-def prompts_1_to_250(count: int, seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    lengths = np.concatenate([[1, 2, 15, 16, 17, 249, 250], rng.integers(1, 251, count - 7)])
-    return [rng.integers(6, VOCAB, int(n)).tolist() for n in lengths]
-
-
 @pytest.mark.parametrize("family", MOES)
 def test_generate_greedy_tokens_and_logprobs_equal_transformers(tmp_path, family):
     """16 prompts of 1 to 250 tokens through `pagefleet generate`, 40 new tokens each, 6 at once in 60 pages of 16
@@ -84,19 +77,8 @@ def test_generate_greedy_tokens_and_logprobs_equal_transformers(tmp_path, family
     top-2; Qwen3-MoE: 6 experts, top-3, not renormalized, its middle layer dense."""
     new_tokens = 40
     hf = make_hf_model(family, tmp_path / "model", vocab=VOCAB, seed=SEEDS[family])
-    prompts = prompts_1_to_250(16, seed=1)
-    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": f"p{i}", "prompt_token_ids": p}) + "\n"
-                                               for i, p in enumerate(prompts)))
-    out, stats_file = tmp_path / "out.jsonl", tmp_path / "stats.json"
-    code = generate_main(["--model", str(tmp_path / "model"), "--input", str(tmp_path / "in.jsonl"),
-                          "--output", str(out), "--stats_output", str(stats_file), "--progress=false",
-                          f"--sampling.max_new_tokens={new_tokens}", "--sampling.temperature=0",
-                          "--sampling.logprobs=true", "--engine.page_size=16", "--engine.max_pages=60",
-                          "--engine.max_seqs=6", "--engine.max_seqs_in_prefill=3", "--engine.max_prefill_size=128",
-                          "--engine.max_seq_len=320", "--engine.debug_invariants=true"])
-    assert code == 0
-    assert json.loads(stats_file.read_text())["num_preemptions"] > 0, "the test must exercise preemption"
-    records = [json.loads(line) for line in out.read_text().splitlines()]
+    prompts = prompts_1_to_250(16, seed=1, vocab=VOCAB)
+    records = generate_records(tmp_path / "model", tmp_path, prompts, new_tokens)
     for i, (p, r) in enumerate(zip(prompts, records)):
         tokens, logprobs, gap = hf_greedy_logprobs(hf, p, new_tokens)
         assert gap > MIN_GAP, f"{family} prompt {i}: top-2 gap {gap} too small for the comparison to mean anything"

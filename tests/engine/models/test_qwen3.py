@@ -4,7 +4,6 @@ recompute and swap preemption) run for tiny-qwen3 in tests/engine/test_engine.py
 
 from __future__ import annotations
 
-import json
 
 import haliax as hax
 import jax
@@ -21,17 +20,10 @@ from engine.models.axes import HEAD_SIZE
 from engine.models.model import rms_norm
 from engine.models.model_config import ModelConfig, UnsupportedModelError
 from engine.scheduling.sequence import Request
-from orchestrator.commands.generate import main as generate_main
-from tests.engine.models.hf_reference import hf_greedy_logprobs, make_hf_model
+from tests.engine.models.hf_reference import generate_records, hf_greedy_logprobs, make_hf_model, prompts_1_to_250
 
 VOCAB = 512
 MIN_GAP = 1e-3
-
-
-def prompts_1_to_250(count: int, seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    lengths = np.concatenate([[1, 2, 15, 16, 17, 249, 250], rng.integers(1, 251, count - 7)])
-    return [rng.integers(6, VOCAB, int(n)).tolist() for n in lengths]
 
 
 def test_generate_greedy_tokens_and_logprobs_equal_transformers(tmp_path):
@@ -41,20 +33,8 @@ def test_generate_greedy_tokens_and_logprobs_equal_transformers(tmp_path):
     new_tokens = 40
     hf = make_hf_model("qwen3", tmp_path / "model", vocab=VOCAB, seed=0)
     assert hf.config.head_dim * hf.config.num_attention_heads != hf.config.hidden_size
-    prompts = prompts_1_to_250(16, seed=1)
-    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": f"p{i}", "prompt_token_ids": p}) + "\n"
-                                               for i, p in enumerate(prompts)))
-    out, stats_file = tmp_path / "out.jsonl", tmp_path / "stats.json"
-    code = generate_main(["--model", str(tmp_path / "model"), "--input", str(tmp_path / "in.jsonl"),
-                          "--output", str(out), "--stats_output", str(stats_file), "--progress=false",
-                          f"--sampling.max_new_tokens={new_tokens}", "--sampling.temperature=0",
-                          "--sampling.logprobs=true", "--engine.page_size=16", "--engine.max_pages=60",
-                          "--engine.max_seqs=6", "--engine.max_seqs_in_prefill=3", "--engine.max_prefill_size=128",
-                          "--engine.max_seq_len=320", "--engine.debug_invariants=true"])
-    assert code == 0
-    assert json.loads(stats_file.read_text())["num_preemptions"] > 0, "the test must exercise preemption"
-    records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["prompt_id"] for r in records] == [f"p{i}" for i in range(len(prompts))]
+    prompts = prompts_1_to_250(16, seed=1, vocab=VOCAB)
+    records = generate_records(tmp_path / "model", tmp_path, prompts, new_tokens)
     for i, (p, r) in enumerate(zip(prompts, records)):
         tokens, logprobs, gap = hf_greedy_logprobs(hf, p, new_tokens)
         assert gap > MIN_GAP, f"prompt {i}: top-2 gap {gap} too small for the comparison to mean anything"
