@@ -4,7 +4,6 @@ recompute and swap preemption) run for tiny-qwen3 in tests/engine/test_engine.py
 
 from __future__ import annotations
 
-
 import haliax as hax
 import jax
 import jax.numpy as jnp
