@@ -66,9 +66,9 @@ def test_prefix_cache_and_recompute_preemption_keep_samples_bit_identical(gemma,
     """Shared prefixes longer than the window, two calls of one engine: the cache on and off, and a pool that
     preempts (recompute), give the same tokens and logprobs as an ample pool without the cache."""
     requests = _shared_prefix_requests(2, 0.8)
-    ample, _, none = _two_batches(gemma, requests, max_pages=400, prefix_caching=False, attention_impl=impl)
-    cached, hits, _ = _two_batches(gemma, requests, max_pages=400, prefix_caching=True, attention_impl=impl)
-    small, _, preempted = _two_batches(gemma, requests, max_pages=24, prefix_caching=False, attention_impl=impl)
+    ample, _, none = _two_batches(gemma, impl, requests, max_pages=400, prefix_caching=False)
+    cached, hits, _ = _two_batches(gemma, impl, requests, max_pages=400, prefix_caching=True)
+    small, _, preempted = _two_batches(gemma, impl, requests, max_pages=24, prefix_caching=False)
     assert none == 0 and preempted > 0 and hits > 0
     assert cached == ample
     assert small == ample
@@ -77,10 +77,10 @@ def test_prefix_cache_and_recompute_preemption_keep_samples_bit_identical(gemma,
 @pytest.mark.parametrize("impl", IMPLS)
 def test_swap_recompute_and_an_ample_pool_give_bit_identical_samples(gemma, impl):
     requests = _requests(0.8, 2)
-    ample, _ = _run(gemma, requests, max_pages=200, attention_impl=impl)
-    recompute, recompute_engine = _run(gemma, requests, preemption="recompute", host_kv_pages=64, attention_impl=impl,
-                                       **SMALL)
-    swap, swap_engine = _run(gemma, requests, preemption="swap", host_kv_pages=64, attention_impl=impl, **SMALL)
+    model = (gemma, impl)  # what test_engine_swap's _run takes: (checkpoint, attention_impl)
+    ample, _ = _run(model, requests, max_pages=200)
+    recompute, recompute_engine = _run(model, requests, preemption="recompute", host_kv_pages=64, **SMALL)
+    swap, swap_engine = _run(model, requests, preemption="swap", host_kv_pages=64, **SMALL)
     assert recompute_engine.scheduler.num_preemptions > 0 and swap_engine.stats.kv_pages_out > 0
     assert swap_engine.stats.recompute_tokens == 0
     assert swap == recompute == ample
