@@ -348,12 +348,12 @@ def test_checkpoint_faults_are_named_at_the_head_before_any_slice(ray_local, run
 
 
 def test_a_crash_of_the_head_exits_fault_not_batches_failed(ray_local, run_model, tmp_path, capsys, monkeypatch):
-    import orchestrator.plan.planner
+    import orchestrator.run.driver
 
     def crash(cfg):
         raise KeyError("boom")
 
-    monkeypatch.setattr(orchestrator.plan.planner, "plan_locked", crash)
+    monkeypatch.setattr(orchestrator.run.driver, "plan_locked", crash)  # where the head calls it
     corpus = write_run_corpus(tmp_path / "corpus.jsonl", 4)
     config = tmp_path / "run.yaml"
     config.write_text("name: crash\n")

@@ -24,11 +24,13 @@ def batch_file(run_dir: RunDir, batch_id: str, prompts: int) -> None:
 def output(run_dir: RunDir, batch_id: str, rows: int, plan: str | None = PLAN, ids: list[str] | None = None) -> None:
     """An output of `rows` samples (prompts p0, p1, ... once each), stamped with `plan` (None: an older output)."""
     ids = ids or [f"p{i}" for i in range(rows)]
-    table = pa.Table.from_pydict({
+    given = {
         "prompt_id": ids, "generation_index": [0] * rows, "completion": ["x"] * rows,
         "token_ids": [[1, 2]] * rows, "logprobs": [None] * rows, "finish_reason": ["stop"] * rows,
         "num_prompt_tokens": [3] * rows, "batch_id": [batch_id] * rows, "passthrough": [None] * rows,
-        "row": list(range(rows))}, schema=SAMPLE_SCHEMA)
+        "row": list(range(rows))}
+    table = pa.Table.from_pydict({f.name: given.get(f.name, [None] * rows) for f in SAMPLE_SCHEMA},  # score fields null
+                                 schema=SAMPLE_SCHEMA)
     table = with_stats(table, BatchStats(rows, 2 * rows, 1.5, 4, 0.5, 7))
     atomic_write_parquet(run_dir.output_file(batch_id), table if plan is None else stamp(table, plan, ids))
 
