@@ -12,13 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
-lm_eval = pytest.importorskip("lm_eval")
-
-from lm_eval import simple_evaluate  # noqa: E402
-from lm_eval.api.instance import Instance  # noqa: E402
-from lm_eval.api.registry import get_model  # noqa: E402
-from lm_eval.tasks import TaskManager  # noqa: E402
+from lm_eval import simple_evaluate  # a dev dependency: a missing install fails here, it is not skipped
+from lm_eval.api.instance import Instance
+from lm_eval.api.registry import get_model
+from lm_eval.tasks import TaskManager
 
 from engine.models.presets import write_model  # noqa: E402
 from pagefleet.evaluation import PagefleetLM  # noqa: E402

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import lm_eval.api.model as lm_eval_model  # the reference (a dev dependency: never skipped)
 import pytest
 
 import pagefleet
@@ -23,7 +24,6 @@ def model_dir(tmp_path_factory):
 
 def test_text_continuations_split_as_lm_eval_splits_them(model_dir):
     """lm-eval's own `_encode_pair` (TemplateLM) is the reference, with the tokenizer's default special tokens."""
-    lm_eval_model = pytest.importorskip("lm_eval.api.model")
     tokenizer = load_tokenizer(model_dir)
     encode = lambda t, add_special_tokens=None: tokenizer(t)["input_ids"]  # noqa: E731
 

@@ -133,7 +133,7 @@ def test_a_ray_that_does_not_start_is_one_line_naming_the_fix(monkeypatch, addre
 
     def timed_out(**kwargs):
         raise TimeoutError("Timed out after 30 seconds while waiting for node to startup. Did not find socket name "
-                           "/tmp/ray/session/sockets/plasma_store in the list of object store socket names.")
+                           "plasma_store in the list of object store socket names.")
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", timed_out)
