@@ -25,6 +25,17 @@ _XDG_CACHE = _tempfile.mkdtemp(prefix="pagefleet-test-cache-")
 os.environ["XDG_CACHE_HOME"] = _XDG_CACHE
 
 
+def pytest_configure(config):
+    # The pytest process itself compiles hundreds of programs for many models and engine settings; it keeps
+    # them in JAX's in-memory caches and never writes the persistent cache. On jaxlib 0.10.2, serializing one
+    # executable for that cache segfaulted this process after a few hundred tests (reproducibly in the full
+    # run, never with a test file alone; the cause inside XLA is not found). The processes it starts (slices,
+    # `pagefleet run` subprocesses) still share the cache above.
+    import jax
+
+    jax.config.update("jax_enable_compilation_cache", False)
+
+
 def pytest_sessionfinish(session, exitstatus):
     import shutil
 
