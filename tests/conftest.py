@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 # The Cloud Storage emulator fixtures (gcs_emulator, gcs_bucket) for the gs:// tests.
 pytest_plugins = ["tests.gcs_emulator"]
 
@@ -25,15 +27,35 @@ _XDG_CACHE = _tempfile.mkdtemp(prefix="pagefleet-test-cache-")
 os.environ["XDG_CACHE_HOME"] = _XDG_CACHE
 
 
-def pytest_configure(config):
-    # The pytest process itself compiles hundreds of programs for many models and engine settings; it keeps
-    # them in JAX's in-memory caches and never writes the persistent cache. On jaxlib 0.10.2, serializing one
-    # executable for that cache segfaulted this process after a few hundred tests (reproducibly in the full
-    # run, never with a test file alone; the cause inside XLA is not found). The processes it starts (slices,
-    # `pagefleet run` subprocesses) still share the cache above.
+# Every XLA:CPU executable maps its code and data as a few dozen memory regions. JAX's jit caches keep every
+# program a test compiled alive, so a pytest process that compiles for hundreds of engine settings passed the
+# kernel's vm.max_map_count (65,530) after about 40% of the suite, and XLA segfaulted in the next compile or
+# cache write. Each test file's programs are freed when it ends; the check fails the file that still holds
+# too many.
+MAX_MAP_SHARE = 0.5
+
+
+def _memory_maps() -> tuple[int, int] | None:
+    try:
+        with open("/proc/self/maps") as maps, open("/proc/sys/vm/max_map_count") as limit:
+            return sum(1 for _ in maps), int(limit.read())
+    except OSError:  # not Linux
+        return None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_compiled_programs():
+    yield
+    import gc
+
     import jax
 
-    jax.config.update("jax_enable_compilation_cache", False)
+    jax.clear_caches()
+    gc.collect()
+    counts = _memory_maps()
+    if counts is not None and counts[0] > MAX_MAP_SHARE * counts[1]:
+        pytest.fail(f"the test process holds {counts[0]} memory maps after this file (vm.max_map_count "
+                    f"{counts[1]}): something keeps compiled programs alive past jax.clear_caches()")
 
 
 def pytest_sessionfinish(session, exitstatus):
