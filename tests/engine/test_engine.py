@@ -41,7 +41,8 @@ def model_impl(request, tmp_path_factory):
     return write_model(preset, tmp_path_factory.mktemp(preset)), impl
 
 
-# 16 prompts in the default run (every family, both batchings, preemption under max_seqs 3); 64 under -m slow.
+# 16 prompts in the default run (every family, both batchings: max_seqs 16, and max_seqs 3 with 4-token pages);
+# 64 under -m slow.
 @pytest.mark.parametrize("count", [16, pytest.param(64, marks=pytest.mark.slow)])
 def test_sample_does_not_depend_on_its_batch(model_impl, count):
     """The same (prompt, seed) gives the same tokens run alone, shuffled inside a batch of `count`, and under
