@@ -20,6 +20,7 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.device.runner import ModelRunner, SeqChunk
+from engine.device.runner_config import RunnerConfig
 from engine.models.presets import Preset, write_model
 from engine.models.weights import load_transformer
 
@@ -46,9 +47,9 @@ def mlp_flops(tokens: int, experts: int, top_k: int) -> int:
 
 def step_seconds(path: Path, tokens: int, reps: int) -> float:
     """Median seconds of one prefill step of `tokens` tokens (4 sequences) after a warm-up."""
-    runner = ModelRunner(load_transformer(path), EngineConfig(page_size=PAGE_SIZE, max_pages=4 * tokens // PAGE_SIZE + 8,
-                                                              max_prefill_size=tokens, max_seqs=4),
-                         max_seq_len=tokens)
+    config = EngineConfig(page_size=PAGE_SIZE, max_pages=4 * tokens // PAGE_SIZE + 8, max_prefill_size=tokens,
+                          max_seqs=4)
+    runner = ModelRunner(load_transformer(path), RunnerConfig.of(config), max_seq_len=tokens)
     per_seq = tokens // 4
     pages = [list(range(i * per_seq // PAGE_SIZE, (i + 1) * per_seq // PAGE_SIZE)) for i in range(4)]
     chunks = [SeqChunk([7 + (i * 13 + j) % 500 for j in range(per_seq)], 0, pages[i]) for i in range(4)]

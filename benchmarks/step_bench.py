@@ -31,6 +31,7 @@ from engine.config import EngineConfig
 from engine.models.model_config import ModelConfig
 from engine.models.presets import write_model
 from engine.device.runner import ModelRunner, SeqChunk
+from engine.device.runner_config import RunnerConfig
 from engine.models.weights import load_transformer
 
 PRESET = "llama-40m"
@@ -156,7 +157,7 @@ def make_runner(dtype) -> ModelRunner:
         model = jax.block_until_ready(model)
     max_pages = max(s.num_seqs * s.pages_per_seq for s in SHAPES)
     engine = EngineConfig(page_size=PAGE_SIZE, max_pages=max_pages, max_seqs=64, max_prefill_size=512)
-    return ModelRunner(model, engine, MAX_SEQ_LEN, kv_dtype=dtype)
+    return ModelRunner(model, RunnerConfig.of(engine), MAX_SEQ_LEN, kv_dtype=dtype)
 
 
 def main() -> None:

@@ -24,6 +24,7 @@ from engine.distributed import agree
 from engine.models.model_config import ModelConfig
 from engine.record import SampleRecord
 from engine.device.runner import ModelRunner
+from engine.device.runner_config import RunnerConfig
 from engine.sampling.sampler import sample_base_key
 from engine.sampling.structured import Compiler, compiler_for
 from engine.scheduling.scheduler import Scheduler, SchedulerConfig
@@ -70,7 +71,7 @@ class Engine:
         self.load_report: dict = {}
         """`load_s` and `bytes_read` (from an object store: only this host's shards; 0 for a local checkpoint)."""
         model = load_transformer(model_path, dtype=jdtype, mesh=mesh, config=self.model_config, report=self.load_report)
-        runner = ModelRunner(model, config, self.max_seq_len, eos_token_ids, mesh=mesh, kv_dtype=jdtype)
+        runner = ModelRunner(model, RunnerConfig.of(config), self.max_seq_len, eos_token_ids, mesh=mesh, kv_dtype=jdtype)
         self._setup(config, runner, self.model_config.vocab_size, eos_token_ids, tokenizer,
                     self.model_config.image_token_id)
 

@@ -20,13 +20,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from engine.kernels.attention import resolve_attention_impl
 from engine.sizing.capacity import pages_for
-from engine.config import EngineConfig
 # Callers size shapes with `runner.bucket` and the MIN_* buckets (engine/sizing/preflight.py).
 from engine.device.device_calls import (MIN_SEQ_BUCKET, MIN_TOKEN_BUCKET, bucket, host_arrays, pick_rows, replicated,
                                         score_inputs_of, score_rows, settle)
 from engine.kv.kv_cache import KVCache
 from engine.models.model import StepSettings, Transformer, unstack_layers
 from engine.device.multi_step import DecodeRow, MultiStepCalls, PendingSteps
+from engine.device.runner_config import RunnerConfig
 # Bound here and in engine/device/multi_step.py: tests patch `_sampling_mode` in both; callers build rows as
 # `runner.RowSampling`.
 from engine.sampling.row_sampling import RowSampling, sampling_arrays as _sampling_arrays
@@ -125,7 +125,7 @@ _step_sample_score = jax.jit(_forward_sample_score, donate_argnums=(1,), static_
 _penalty_state = jax.jit(penalty_state, static_argnums=(2,))
 
 
-def step_settings(config: EngineConfig, impl: str, mesh, platform: str) -> dict[int, StepSettings]:
+def step_settings(config: RunnerConfig, impl: str, mesh, platform: str) -> dict[int, StepSettings]:
     """The forward pass's static settings by query tile (1 for decode-only steps), for `platform`."""
     cpu = platform == "cpu"
     return {bq: StepSettings(impl, config.attn_pages_per_block, bq, config.max_pages, mesh,
@@ -135,9 +135,10 @@ def step_settings(config: EngineConfig, impl: str, mesh, platform: str) -> dict[
 
 
 class ModelRunner(MultiStepCalls):
-    def __init__(self, model: Transformer, config: EngineConfig, max_seq_len: int, stop_ids: Sequence[int] = (),
+    def __init__(self, model: Transformer, config: RunnerConfig, max_seq_len: int, stop_ids: Sequence[int] = (),
                  mesh: Mesh | None = None, kv_dtype=jnp.float32) -> None:
-        """`stop_ids`: the token ids that end a sample (EOS), checked on the device in multi-step calls."""
+        """`config`: `RunnerConfig.of(engine_config)`. `stop_ids`: the token ids that end a sample (EOS), checked
+        on the device in multi-step calls."""
         platform = jax.default_backend()
         self.model = unstack_layers(model) if platform == "cpu" else model  # see unstack_layers
         self.config = config
@@ -146,7 +147,7 @@ class ModelRunner(MultiStepCalls):
         self.pages_per_seq = pages_for(max_seq_len, config.page_size)  # page-table width
         self.transfers = TransferLedger()  # every read of a device output and every host input below goes through it
         self.kv = KVCache(model.config, config.max_pages, config.page_size, self.transfers, kv_dtype, mesh,
-                          host_pages=config.host_kv_pages)
+                          host_pages=config.kv.host_kv_pages)
         self.clock = DeviceClock()  # every dispatch and every wait for outputs below is timed on it
         impl = resolve_attention_impl(config.attention_impl, kv_dtype)
         self._settings = step_settings(config, impl, mesh, platform)

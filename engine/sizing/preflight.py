@@ -29,6 +29,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding, PartitionS
 
 from engine.sizing.capacity import pages_for
 from engine.config import EngineConfig, SamplingConfig
+from engine.device.runner_config import RunnerConfig
 from engine.models.model import StepSettings, kv_pool_axes
 from engine.models.model_config import ModelConfig
 from engine.kernels.pallas_blocks import KernelBlocks, kernel_blocks
@@ -108,7 +109,7 @@ def lower_step_programs(cfg: ModelConfig, engine: EngineConfig, max_seq_len: int
         return jax.ShapeDtypeStruct(shape, jnp.dtype(kind), sharding=replicated)
 
     from engine.device import runner
-    settings = runner.step_settings(engine, impl, mesh, platform)
+    settings = runner.step_settings(RunnerConfig.of(engine), impl, mesh, platform)
     tp = mesh.shape["model"]
     programs = []
     for name, tokens, seqs, fn, args in _runner_programs(engine, max_seq_len, sampling_mode, num_stop_ids,

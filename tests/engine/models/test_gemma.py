@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 
 from engine.config import EngineConfig, SamplingConfig
 from engine.device.runner import ModelRunner
+from engine.device.runner_config import RunnerConfig
 from engine.engine import Engine
 from engine.models.axes import EMBED
 from engine.models.checkpoint_check import check_checkpoint
@@ -89,7 +90,8 @@ def test_a_multimodal_gemma3_checkpoint_runs_its_text_model_and_refuses_image_to
     safetensors.numpy.save_file({name.replace("language_model.model.", "model.language_model."): value
                                  for name, value in stored.items()}, tmp_path / "renamed" / "model.safetensors")
     for path in (tmp_path, tmp_path / "renamed"):
-        runner = ModelRunner(load_transformer(path), EngineConfig(page_size=4, max_pages=200), max_seq_len=512)
+        runner = ModelRunner(load_transformer(path), RunnerConfig.of(EngineConfig(page_size=4, max_pages=200)),
+                             max_seq_len=512)
         logits = PagedSequences(runner, prompts).prefill(chunk_tokens=40, step_tokens=100)
         for s, ref in enumerate(refs):
             np.testing.assert_allclose(logits[s], ref, atol=1e-4, rtol=0, err_msg=f"{path} prompt {s}")
@@ -178,7 +180,7 @@ def test_tensor_parallel_and_bfloat16_run_gemma(tmp_path, family):
     prompts = make_prompts(VOCAB, seed=1)[:6]
     results = []
     for m in (None, mesh):
-        runner = ModelRunner(load_transformer(tmp_path, mesh=m), engine, max_seq_len=512, mesh=m)
+        runner = ModelRunner(load_transformer(tmp_path, mesh=m), RunnerConfig.of(engine), max_seq_len=512, mesh=m)
         seqs = PagedSequences(runner, prompts)
         logits = seqs.prefill(chunk_tokens=48, step_tokens=128)
         results.append((logits, seqs.greedy(logits, 12)))
@@ -186,7 +188,7 @@ def test_tensor_parallel_and_bfloat16_run_gemma(tmp_path, family):
     assert results[1][1] == results[0][1]
     model = load_transformer(tmp_path, dtype=jnp.bfloat16)
     assert model.layers.attn.wq.array.dtype == jnp.bfloat16
-    bf16 = PagedSequences(ModelRunner(model, engine, max_seq_len=512, kv_dtype=jnp.bfloat16), prompts).prefill(
+    bf16 = PagedSequences(ModelRunner(model, RunnerConfig.of(engine), max_seq_len=512, kv_dtype=jnp.bfloat16), prompts).prefill(
         chunk_tokens=48, step_tokens=128)
     f32 = results[0][0]
     assert 0 < np.abs(bf16 - f32).max() < 0.05 * np.abs(f32).max()

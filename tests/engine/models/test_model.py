@@ -14,9 +14,9 @@ from engine.config import EngineConfig
 from engine.models.presets import write_model
 from engine.models.checkpoint_check import check_checkpoint
 from engine.models.model_config import ModelConfig, UnsupportedModelError
-from engine.kv.kv_cache_config import KVCacheConfig
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.device.runner import ModelRunner, SeqChunk
+from engine.device.runner_config import RunnerConfig
 from engine.models.weights import load_transformer
 from tests.engine.models.hf_reference import FAMILIES, hf_greedy, make_hf_model
 
@@ -38,7 +38,7 @@ class PagedSequences:
         self.pages: list[list[int]] = [[] for _ in prompts]
         self.cached = [0] * len(prompts)
         # This driver plays the scheduler: it hands out the KV cache manager's pages itself.
-        self.allocator = KVCacheManager(KVCacheConfig.of(runner.config)).allocator
+        self.allocator = KVCacheManager(runner.config.kv).allocator
 
     def _reserve(self, total_tokens: list[int]) -> None:
         # One page at a time, round robin: every sequence's pages are scattered through the pool.
@@ -95,7 +95,7 @@ def test_logits_and_greedy_match_transformers(family):
     model = load_transformer(path)
     engine = EngineConfig(page_size=PAGE_SIZE, max_pages=256, max_seqs=8, max_prefill_size=256,
                           attn_pages_per_block=4, attn_queries_per_block=16)
-    runner = ModelRunner(model, engine, max_seq_len=512)
+    runner = ModelRunner(model, RunnerConfig.of(engine), max_seq_len=512)
     prompts = make_prompts(model.config.vocab_size)
     seqs = PagedSequences(runner, prompts)
     # Prefill in chunks of up to 64 tokens, at most 160 tokens a step: long prompts span several steps.
@@ -121,7 +121,8 @@ def test_loads_checkpoints_written_by_save_pretrained(tmp_path, family_name):
     shard = "60KB" if family_name == "mistral" else None
     hf = make_hf_model(family_name, tmp_path, max_shard_size=shard)
     assert (tmp_path / "model.safetensors.index.json").exists() == (shard is not None)
-    runner = ModelRunner(load_transformer(tmp_path), EngineConfig(page_size=4, max_pages=200), max_seq_len=512)
+    runner = ModelRunner(load_transformer(tmp_path), RunnerConfig.of(EngineConfig(page_size=4, max_pages=200)),
+                         max_seq_len=512)
     prompts = make_prompts(256, seed=2)[:5]
     logits = PagedSequences(runner, prompts).prefill(chunk_tokens=40, step_tokens=100)
     for s, prompt in enumerate(prompts):
@@ -142,7 +143,7 @@ def test_tensor_parallel_equals_single_device(tmp_path, model_axis):
     prompts = make_prompts(256, seed=1)[:6]
     results = []
     for m in (None, mesh):
-        runner = ModelRunner(load_transformer(tmp_path, mesh=m), engine, max_seq_len=512, mesh=m)
+        runner = ModelRunner(load_transformer(tmp_path, mesh=m), RunnerConfig.of(engine), max_seq_len=512, mesh=m)
         seqs = PagedSequences(runner, prompts)
         logits = seqs.prefill(chunk_tokens=48, step_tokens=128)
         results.append((logits, seqs.greedy(logits, 12)))
@@ -213,7 +214,7 @@ def test_bfloat16_computes_the_same_model(tmp_path):
     for dtype in (jnp.float32, jnp.bfloat16):
         model = load_transformer(path, dtype=dtype)
         assert model.layers.attn.wq.array.dtype == dtype
-        runner = ModelRunner(model, engine, max_seq_len=512, kv_dtype=dtype)
+        runner = ModelRunner(model, RunnerConfig.of(engine), max_seq_len=512, kv_dtype=dtype)
         assert runner.kv.pool.array.dtype == dtype
         out[dtype] = PagedSequences(runner, prompts).prefill(chunk_tokens=64, step_tokens=160)
     f32, bf16 = out[jnp.float32], out[jnp.bfloat16]

@@ -31,6 +31,7 @@ import transformers
 from engine.config import EngineConfig
 from engine.models.presets import write_model
 from engine.device.runner import ModelRunner, SeqChunk
+from engine.device.runner_config import RunnerConfig
 from engine.models.weights import load_transformer
 from tests.engine.models.test_model import MODEL_SEEDS, NEW_TOKENS, PagedSequences, make_prompts
 
@@ -55,7 +56,8 @@ def test_bfloat16_matches_transformers_in_bfloat16(tmp_path, preset):
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     model = load_transformer(path, dtype=jnp.bfloat16)
     assert model.layers.attn.wq.array.dtype == jnp.bfloat16
-    runner = ModelRunner(model, EngineConfig(page_size=16, max_pages=256, max_seqs=8, max_prefill_size=256),
+    runner = ModelRunner(model, RunnerConfig.of(EngineConfig(page_size=16, max_pages=256, max_seqs=8,
+                                                          max_prefill_size=256)),
                          max_seq_len=512, kv_dtype=jnp.bfloat16)
     assert runner.kv.pool.array.dtype == jnp.bfloat16
     prompts = make_prompts(model.config.vocab_size)
