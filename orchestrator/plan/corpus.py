@@ -14,7 +14,7 @@ import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import fsspec
 
@@ -29,6 +29,11 @@ EXTENSIONS = (".jsonl", ".json", ".parquet")
 class CorpusConfig:
     path: str = "data/prompts.jsonl"
     """File, directory or glob of .jsonl / .json / .parquet files; local or an fsspec URL (gs://...)."""
+    format: Literal["rows", "openai_batch"] = "rows"
+    """`rows`: each row a prompt in the fields below. `openai_batch`: each row an OpenAI Batch request line
+    (`{"custom_id", "method": "POST", "url": "/v1/chat/completions", "body": {...}}`), its custom_id the id, its body's
+    messages, sampling keys and response_format the row's (the *_field keys below do not apply); `pagefleet export
+    --format openai_batch` writes the Batch output lines (docs/records.md)."""
     id_field: str | None = "id"
     """Field holding a stable prompt id (string or integer); rows without one get their row number."""
     text_field: str | None = "prompt"

@@ -24,6 +24,7 @@ from orchestrator.plan.corpus import (CorpusConfig, Prompt, RawRow, Rejection, S
                                  read_rows, row_id)
 from orchestrator.plan.continuation import is_scored
 from orchestrator.plan.model_source import ModelSourceConfig, load_tokenizer
+from orchestrator.plan.openai_batch import native_row, row_fields
 from orchestrator.plan.packing import PackingLimits, leading_page_keys
 from orchestrator.plan.prompt_checks import out_of_vocabulary, render_chat
 from orchestrator.plan.response_format import with_response_format
@@ -32,7 +33,7 @@ from orchestrator.plan.row_sampling import apply, overrides_json, row_overrides
 # Rejection reasons (rejected.jsonl `reason`).
 REASONS = ("malformed_row", "undecodable", "missing_field", "wrong_type", "empty_prompt", "no_chat_template",
            "out_of_vocabulary", "too_long", "exceeds_budget", "duplicate_id", "reserved_column",
-           "bad_sampling", "bad_continuation", "bad_response_format", "invalid_grammar")
+           "bad_sampling", "bad_continuation", "bad_response_format", "invalid_grammar", "unsupported_request")
 
 _NOT_SCORED_IN_RUNS = Rejection("bad_continuation", "a row with a continuation is scored, and `pagefleet run` does not "
                                                     "score rows yet: score it with `pagefleet generate` or "
@@ -75,7 +76,9 @@ class PromptTokenizer:
                  vocab_size: int | None = None, sampling: SamplingConfig | None = None):
         self.tokenizer = load_tokenizer(model)
         self.tokenizer_path = model.tokenizer_path
-        self.corpus, self.limits, self.max_seq_len, self.vocab_size = corpus, limits, max_seq_len, vocab_size
+        self.limits, self.max_seq_len, self.vocab_size = limits, max_seq_len, vocab_size
+        self.openai_batch = corpus.format == "openai_batch"  # lines become native rows (openai_batch.py)
+        self.corpus = row_fields(corpus)
         self.sampling = sampling or SamplingConfig(max_new_tokens=limits.max_new_tokens, n=limits.n)
 
     def render(self, messages: list[dict]) -> str | Rejection:
@@ -129,6 +132,8 @@ class PromptTokenizer:
 
     def tokenize_shard(self, shard: Shard) -> pa.Table:
         raw_rows = list(read_rows(shard))
+        if self.openai_batch:
+            raw_rows = [native_row(raw, self.sampling) for raw in raw_rows]
         parsed = [extract_prompt(raw, self.corpus) for raw in raw_rows]
         parsed = [_NOT_SCORED_IN_RUNS if isinstance(p, Prompt) and is_scored(raw.record) else p
                   for raw, p in zip(raw_rows, parsed)]

@@ -1,0 +1,154 @@
+"""Corpus lines in OpenAI Batch input format (`corpus.format: openai_batch`), mapped to native rows:
+
+    {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"model": "m", "messages": [...], "max_tokens": 64, "temperature": 0.7, "n": 2, "seed": 1,
+              "stop": ["\\n\\n"], "response_format": {"type": "json_schema", "json_schema": {"schema": {...}}}}}
+    ->  {"id": "r1", "messages": [...], "sampling": {"max_new_tokens": 64, "temperature": 0.7, "seed": 1,
+         "stop": ["\\n\\n"], "json_schema": {...}}, "openai": {"url": "/v1/chat/completions", "n": 2}}
+
+`custom_id` is the row's id, `body.messages` its chat (`/v1/chat/completions`) or `body.prompt` its text
+(`/v1/completions`), the body's sampling keys its own sampling settings (row_sampling; keys it does not set keep the
+run's `sampling.*`), `response_format` its structured output (response_format.py). `body.n` is kept for the export,
+which writes a line's first n samples; the run samples `sampling.n` per row, so a line's n above it is refused.
+`model`, `user`, `metadata` and the other keys that change no completion are accepted and ignored (the run's model
+answers every line); any other body key (`tools`, `logit_bias`, ...), another url or method rejects the row with
+one line naming it, never silently ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from engine import SamplingConfig
+from orchestrator.plan.corpus import CorpusConfig, RawRow, Rejection, a_type
+from orchestrator.plan.response_format import response_format_keys
+from orchestrator.plan.row_sampling import row_overrides
+
+URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
+"""The request urls a line may name, and the body key holding its prompt."""
+
+SAMPLING_KEYS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
+                 "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop",
+                 "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
+"""Body keys that set a row's sampling: OpenAI's name -> the `sampling.*` key."""
+
+IGNORED_KEYS = ("model", "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+                "parallel_tool_calls")
+"""Body keys that change no completion: accepted and ignored (`model` included: the run's model answers)."""
+
+OFF_VALUES = {"logprobs": (False,), "top_logprobs": (0,), "stream": (False,), "echo": (False,), "best_of": (1,),
+              "modalities": (["text"],)}
+"""Body keys accepted only at these values (what they are when absent); any other value rejects the row."""
+
+NATIVE_FIELDS = {"id_field": "id", "text_field": "prompt", "messages_field": "messages", "sampling_field": "sampling",
+                 "response_format_field": None}
+"""The fields of the native rows the lines become (the corpus.*_field keys do not apply to such a corpus)."""
+
+REQUEST_COLUMN = "openai"
+"""The native row's column (passed through to its samples) holding the line's url and n, for the export."""
+
+
+def row_fields(corpus: CorpusConfig) -> CorpusConfig:
+    """The corpus config the rows are read with: the native fields for an OpenAI Batch corpus, else as given."""
+    return replace(corpus, **NATIVE_FIELDS) if corpus.format == "openai_batch" else corpus
+
+
+def native_row(raw: RawRow, base: SamplingConfig) -> RawRow:
+    """The native row an OpenAI Batch line holds, or the line with the reason it cannot run (a line whose
+    custom_id can be read keeps it as its id, so rejected.jsonl names it)."""
+    if raw.reason is not None:
+        return raw
+    line = raw.record
+    custom_id = line.get("custom_id")
+    known = {"id": custom_id} if isinstance(custom_id, str) else None
+    mapped = _map(line, base)
+    if isinstance(mapped, Rejection):
+        return replace(raw, record=known, reason=mapped.reason, detail=mapped.detail)
+    return replace(raw, record=mapped)
+
+
+def _map(line: dict, base: SamplingConfig) -> dict | Rejection:
+    custom_id = line.get("custom_id")
+    if custom_id is None:
+        return Rejection("missing_field", "line has no 'custom_id'")
+    if not isinstance(custom_id, str):
+        return Rejection("wrong_type", f"'custom_id' is {a_type(custom_id)}, not a string")
+    extra = sorted(set(line) - {"custom_id", "method", "url", "body"})
+    if extra:
+        return Rejection("unsupported_request", f"line key {extra[0]!r} is not part of an OpenAI Batch request "
+                                                "(custom_id, method, url, body)")
+    method, url, body = line.get("method", "POST"), line.get("url"), line.get("body")
+    if method != "POST":
+        return Rejection("unsupported_request", f"method {method!r} is not supported; requests are POST")
+    if url not in URLS:
+        return Rejection("unsupported_request", f"url {url!r} is not supported; pagefleet answers "
+                                                f"{' and '.join(URLS)}")
+    if not isinstance(body, dict):
+        return Rejection("wrong_type" if body is not None else "missing_field",
+                         f"'body' is {a_type(body)}, not an object" if body is not None else "line has no 'body'")
+    prompt = _prompt(body, URLS[url])
+    if isinstance(prompt, Rejection):
+        return prompt
+    sampling: dict[str, Any] = {}
+    for key, value in body.items():
+        if value is None or key in IGNORED_KEYS or key in (URLS[url], "n", "response_format"):
+            continue
+        if key in OFF_VALUES:
+            if value not in OFF_VALUES[key]:
+                return Rejection("unsupported_request", f"body.{key} {value!r} is not supported (only "
+                                                        f"{OFF_VALUES[key][0]!r}); remove it from the line")
+            continue
+        if key not in SAMPLING_KEYS:
+            return Rejection("unsupported_request", f"body key {key!r} is not supported: it would change the "
+                                                    "completions and pagefleet does not implement it; remove it "
+                                                    "from the line")
+        if SAMPLING_KEYS[key] in sampling:
+            return Rejection("bad_sampling", "body sets both 'max_tokens' and 'max_completion_tokens'; keep one")
+        own = {SAMPLING_KEYS[key]: [value] if key == "stop" and isinstance(value, str) else value}
+        checked = row_overrides(own, base, f"body.{key}")
+        if isinstance(checked, Rejection):
+            return checked
+        sampling.update(checked)
+    structured = response_format_keys(body.get("response_format"), "body.response_format")
+    if isinstance(structured, Rejection):
+        return structured
+    sampling.update(structured)
+    if isinstance(checked := row_overrides(sampling, base, "body"), Rejection):
+        return checked
+    n = 1 if body.get("n") is None else body["n"]
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        return Rejection("bad_sampling", f"body.n is {n!r}, not a positive integer")
+    if n > base.n:
+        return Rejection("bad_sampling", f"body.n is {n} but the run samples sampling.n = {base.n} per prompt; run "
+                                         f"with --sampling.n={n} or more (the export keeps each line's own n)")
+    row = {"id": custom_id, URLS[url]: prompt, REQUEST_COLUMN: {"url": url, "n": n}}
+    return {**row, "sampling": sampling} if sampling else row
+
+
+def _prompt(body: dict, key: str) -> str | list[dict] | Rejection:
+    """The body's chat (text-only content parts joined) or text prompt."""
+    value = body.get(key)
+    if value is None:
+        return Rejection("missing_field", f"body has no {key!r}")
+    if key == "prompt":
+        if not isinstance(value, str):
+            return Rejection("unsupported_request", f"body.prompt is {a_type(value)}; one prompt string per line")
+        return value
+    if not isinstance(value, list):
+        return Rejection("wrong_type", f"body.messages is {a_type(value)}, not a list")
+    messages = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict):
+            return Rejection("wrong_type", f"message {i} is {a_type(message)}, not an object")
+        content = message.get("content")
+        if isinstance(content, list):
+            parts = [p.get("text") if isinstance(p, dict) and p.get("type") == "text" else p for p in content]
+            wrong = next((p for p in parts if not isinstance(p, str)), None)
+            if any(not isinstance(p, str) for p in parts):
+                kind = wrong.get("type") if isinstance(wrong, dict) else a_type(wrong)
+                return Rejection("unsupported_request", f"message {i} has a content part of type {kind!r}; only "
+                                                        "text parts are supported")
+            content = "".join(parts)
+        messages.append({**message, "content": content})
+    return messages
