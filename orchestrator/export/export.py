@@ -16,6 +16,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from engine import RECORD_FIELDS as ENGINE_RECORD_FIELDS, output_record
+from orchestrator.export.openai_output import COLUMNS, BatchHeader, batch_lines
 from orchestrator.export.sort import (DEFAULT_MEMORY_BYTES, Log, closing_source, count_samples, iter_sorted, metadata,
                                       remove_stale_export_temporaries, temporary_prefix)
 from orchestrator.json_out import dumps
@@ -97,39 +98,49 @@ def page(paths: list[Path], tmp_dir: str | Path | None, offset: int, limit: int,
 FORMATS = (".jsonl", ".parquet")
 """The output file extensions export writes."""
 
+LAYOUTS = ("records", "openai_batch")
+"""What export writes (--format): sample records (docs/records.md), or OpenAI Batch output lines (openai_output.py)."""
 
-def check_output(output: str | Path) -> None:
-    """Refuse an output whose extension export cannot write (before any work is done)."""
+
+def check_output(output: str | Path, layout: str = "records") -> None:
+    """Refuse an output whose extension (or --format) export cannot write (before any work is done)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"--format must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     if Path(output).suffix not in FORMATS:
         raise ValueError(f"--output must end in .jsonl or .parquet, got {Path(output).name!r}")
+    if layout == "openai_batch" and Path(output).suffix != ".jsonl":
+        raise ValueError(f"--format openai_batch writes JSON lines: --output must end in .jsonl, got "
+                         f"{Path(output).name!r}")
 
 
 def export(run_dir_path: str | Path, output: str | Path, partial: bool = False,
            memory_bytes: int = DEFAULT_MEMORY_BYTES, log: Log | None = None,
-           on_rows: Callable[[int], None] | None = None) -> int:
-    """Write the samples to `output` (.jsonl or .parquet, atomically; local or gs://); returns how many."""
-    check_output(output)
+           on_rows: Callable[[int], None] | None = None, layout: str = "records") -> int:
+    """Write the samples to `output` (.jsonl or .parquet, atomically; local or gs://); returns how many. `layout`
+    `openai_batch` writes a run of an OpenAI Batch file as Batch output lines instead (openai_output.py)."""
+    check_output(output, layout)
     paths = done_outputs(run_dir_path, partial)
+    header = BatchHeader(RunDir(location.location(run_dir_path))) if layout == "openai_batch" else None
     if not storage.is_url(output):
-        return _export(paths, Path(output), memory_bytes, log, on_rows)
+        return _export(paths, Path(output), memory_bytes, log, on_rows, header)
     # Written locally, then uploaded as one whole object: atomic on an object store, as a rename is locally.
     with tempfile.TemporaryDirectory(prefix=temporary_prefix()) as tmp:
         local = Path(tmp) / str(output).rstrip("/").rsplit("/", 1)[-1]
-        count = _export(paths, local, memory_bytes, log, on_rows)
+        count = _export(paths, local, memory_bytes, log, on_rows, header)
         storage.upload_file(str(local), str(output))
     return count
 
 
 def _export(paths: list, output: Path, memory_bytes: int, log: Log | None,
-            on_rows: Callable[[int], None] | None) -> int:
+            on_rows: Callable[[int], None] | None, header: BatchHeader | None = None) -> int:
     output.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_export_temporaries(output)
     written = 0
 
-    def records() -> Iterator[pa.Table]:
+    def records(fields: list[str] = RECORD_FIELDS) -> Iterator[pa.Table]:
         nonlocal written
         for table in iter_sorted(paths, output.parent, memory_bytes, log):
-            yield table.select(RECORD_FIELDS)
+            yield table.select(fields)
             written += table.num_rows
             if on_rows:
                 on_rows(table.num_rows)
@@ -142,6 +153,9 @@ def _export(paths: list, output: Path, memory_bytes: int, log: Log | None,
                     writer.write_table(expand_passthrough(table, columns))
             return
         with open(tmp, "w", encoding="utf-8") as f:
+            if header is not None:
+                f.writelines(line + "\n" for line in batch_lines(records(COLUMNS), header))
+                return
             for table in records():
                 for batch in table.to_batches(max_chunksize=_JSONL_ROWS):
                     f.writelines(dumps(output_record(row), ensure_ascii=False) + "\n" for row in batch.to_pylist())
