@@ -48,9 +48,8 @@ class EngineConfig:
     attn_pages_per_block: int = 8
     """KV pages per block of the blocked (online softmax) reference attention."""
     attn_queries_per_block: int = 16
-    """Query tokens per block of the reference attention in steps that carry prompt chunks."""
-    attn_decode_pages_per_block: int = 2
-    """KV pages per block for one-query (decoding) tiles: little work per key, so a small last block wastes less."""
+    """Query rows per tile of the reference attention (a decoding sequence's one new token is a tile of its own).
+    Every kind of step uses the same tiles and blocks, so a token's bits do not depend on the step it is in."""
     attn_tiles_per_group: int = 8
     """Query tiles the reference attention processes together; each group walks only as many KV blocks
     as its busiest tile needs (tiles are sorted by need), so smaller groups waste less on short tiles."""
@@ -92,8 +91,7 @@ class EngineConfig:
         if self.max_seqs_in_prefill is None:  # a dependent default: resolved here, so every reader sees an int
             object.__setattr__(self, "max_seqs_in_prefill", min(DEFAULT_MAX_SEQS_IN_PREFILL, self.max_seqs))
         positive = ("page_size", "max_pages", "max_seqs", "max_seqs_in_prefill", "max_prefill_size",
-                    "attn_pages_per_block", "attn_queries_per_block", "attn_tiles_per_group", "attn_decode_pages_per_block",
-                    "decode_steps")
+                    "attn_pages_per_block", "attn_queries_per_block", "attn_tiles_per_group", "decode_steps")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"engine.{name} must be at least 1, got {getattr(self, name)}")

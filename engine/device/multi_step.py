@@ -161,7 +161,7 @@ class MultiStepCalls:
         # Placed as a chained call's are (the device outputs of _chain: replicated over the mesh): numpy arguments
         # would be another jit signature, and so a second compile of the same program (and of _chain's). Every
         # host builds the same rows; no cross-host check (device_put would make one on every call).
-        mesh = self._settings[1].mesh
+        mesh = self._settings.mesh
         placement = self.kv.pool.array.sharding if mesh is None else NamedSharding(mesh, P())
         with self.clock.timing(), self.transfers.sending(step_inputs=per_row):
             per_row = tuple(jax.make_array_from_process_local_data(placement, x) for x in per_row)
@@ -193,7 +193,7 @@ class MultiStepCalls:
         with self.clock.timing(), self.transfers.sending(step_inputs=num_seqs, page_tables=page_array,
                                                          sampling=(*sampling, stops, *host_arrays(penalties))):
             self.kv.pool, tokens, logprobs, steps, counts = _steps_sample(
-                self.model, self.kv.pool, self._settings[1], num_steps, mode, token_ids, starts, limits, page_array,
+                self.model, self.kv.pool, self._settings, num_steps, mode, token_ids, starts, limits, page_array,
                 num_seqs, *sampling, stops, penalties)
             settle(self.clock, (tokens, logprobs, steps, counts))
         after = None if penalties is None else (penalties[0], counts, *penalties[2:])

@@ -125,13 +125,13 @@ _step_sample_score = jax.jit(_forward_sample_score, donate_argnums=(1,), static_
 _penalty_state = jax.jit(penalty_state, static_argnums=(2,))
 
 
-def step_settings(config: RunnerConfig, impl: str, mesh, platform: str) -> dict[int, StepSettings]:
-    """The forward pass's static settings by query tile (1 for decode-only steps), for `platform`."""
+def step_settings(config: RunnerConfig, impl: str, mesh, platform: str) -> StepSettings:
+    """The forward pass's static settings, for `platform`: one for every kind of step (decode-only or with prompt
+    chunks), so that a row's bits do not depend on the kind of step it is computed in."""
     cpu = platform == "cpu"
-    return {bq: StepSettings(impl, config.attn_pages_per_block, bq, config.max_pages, mesh,
-                                  config.attn_tiles_per_group, config.attn_decode_pages_per_block,
-                                  CPU_MIN_MATMUL_ROWS if cpu else 0, CPU_SAMPLE_ROW_TILE if cpu else 0)
-            for bq in (1, config.attn_queries_per_block)}
+    return StepSettings(impl, config.attn_pages_per_block, config.attn_queries_per_block, config.max_pages, mesh,
+                        config.attn_tiles_per_group, CPU_MIN_MATMUL_ROWS if cpu else 0,
+                        CPU_SAMPLE_ROW_TILE if cpu else 0)
 
 
 class ModelRunner(MultiStepCalls):
@@ -268,8 +268,6 @@ class ModelRunner(MultiStepCalls):
         cu[:n] = last_of_chunk[:] = range(n)
         kv_lens[:n] = [start + 1 for start in starts]
 
-    def _settings_for(self, chunks: Sequence[SeqChunk]) -> StepSettings:
-        return self._settings[1 if is_decode_only(chunks) else self.config.attn_queries_per_block]
 
     def logits(self, chunks: Sequence[SeqChunk]) -> np.ndarray:
         """Process the chunks; returns f32[len(chunks), vocab] logits of each chunk's last token. Not the
@@ -277,14 +275,14 @@ class ModelRunner(MultiStepCalls):
         inputs = self.build_inputs(chunks)  # host arrays: the jitted call copies them (cheaper than jnp.asarray)
         with self.clock.timing():
             with self.transfers.sending(**_sent(inputs)):
-                self.kv.pool, logits = _logits(self.model, self.kv.pool, inputs, self._settings_for(chunks))
+                self.kv.pool, logits = _logits(self.model, self.kv.pool, inputs, self._settings)
                 settle(self.clock, logits.array)
             return self.transfers.read(logits=logits.array)[0][:len(chunks)]  # the local replica, sliced on the host
 
     def logits_on_device(self, inputs: StepInputs, chunks: Sequence[SeqChunk]) -> jax.Array:
         """The logits program alone, on inputs already on the device, with nothing copied or timed around it: the
         benchmarking hook benchmarks/step_bench.py times the device with (`logits` is the host-side path)."""
-        self.kv.pool, logits = _logits(self.model, self.kv.pool, inputs, self._settings_for(chunks))
+        self.kv.pool, logits = _logits(self.model, self.kv.pool, inputs, self._settings)
         return logits.array
 
     def step_sample(self, chunks: Sequence[SeqChunk], rows: Sequence[RowSampling],
@@ -305,7 +303,7 @@ class ModelRunner(MultiStepCalls):
             penalties = self._penalties(rows, S, mode)
             with self.transfers.sending(**_sent(inputs), sampling=(*sampling, positions, *host_arrays(penalties)),
                                         scoring=score_inputs[1:] if score_inputs else ()):
-                settings = self._settings_for(chunks)
+                settings = self._settings
                 if score_inputs is None:
                     self.kv.pool, tokens, logprobs = _step_sample(self.model, self.kv.pool, inputs, settings, mode,
                                                                   *sampling, positions, penalties)
@@ -330,7 +328,7 @@ class ModelRunner(MultiStepCalls):
         Prompt tokens the step scores (`score_inputs`, as `score_inputs_of` makes them) go through the LM head with
         the sampled rows, as in `_forward_sample_score`."""
         S = inputs.logits_indices.shape[0]
-        settings = self._settings_for(chunks)
+        settings = self._settings
         with self.clock.timing():
             penalties = self._penalties(rows, S, mode)
             if score_inputs is not None:
@@ -366,7 +364,7 @@ class ModelRunner(MultiStepCalls):
         prompt_lens = np.zeros(size, np.int32)
         prompt_lens[:len(rows)] = [row.num_prompt_tokens for row in rows]
         # Placed as the step's other device inputs (replicated over the mesh), so the state lands there too.
-        mesh = self._settings[1].mesh
+        mesh = self._settings.mesh
         placement = self.kv.pool.array.sharding if mesh is None else NamedSharding(mesh, P())
         with self.transfers.sending(sampling=(history, prompt_lens)):
             history, prompt_lens = (jax.make_array_from_process_local_data(placement, x) for x in (history, prompt_lens))

@@ -17,7 +17,6 @@ class RunnerConfig:
     attn_pages_per_block: int
     attn_queries_per_block: int
     attn_tiles_per_group: int
-    attn_decode_pages_per_block: int
     kv: KVCacheConfig  # the pool's pages, page size and host pages
 
     @property
@@ -32,5 +31,4 @@ class RunnerConfig:
     def of(cls, config) -> "RunnerConfig":
         """The sub-config of an EngineConfig (or anything with these attributes)."""
         return cls(config.max_seqs, config.decode_steps, config.attention_impl, config.attn_pages_per_block,
-                   config.attn_queries_per_block, config.attn_tiles_per_group, config.attn_decode_pages_per_block,
-                   KVCacheConfig.of(config))
+                   config.attn_queries_per_block, config.attn_tiles_per_group, KVCacheConfig.of(config))

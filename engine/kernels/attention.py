@@ -41,7 +41,7 @@ def write_kv(kv_pages: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "pages_per_block",
-                                             "queries_per_block", "tiles_per_group", "decode_pages_per_block"))
+                                             "queries_per_block", "tiles_per_group"))
 def reference_ragged_paged_attention(
     q: jax.Array,
     kv_pages: jax.Array,
@@ -56,38 +56,32 @@ def reference_ragged_paged_attention(
     pages_per_block: int = 8,
     queries_per_block: int = 16,
     tiles_per_group: int = 8,
-    decode_pages_per_block: int | None = None,
 ) -> jax.Array:
     """Blocked ragged paged attention in plain JAX: online softmax over blocks of pages.
 
-    Work is cut into tiles of query rows of one sequence: one row for a sequence with one new token
-    (decoding), up to `queries_per_block` rows otherwise, so a decoding sequence in a step that also
-    carries prompt chunks costs what it costs in a decode-only step. A tile visits only the KV blocks
-    its queries can see (up to its last query's position; with a sliding window, from the first block
-    inside its first query's window), so a short or early tile costs little next to a long one. Tiles
-    are sorted by that count and processed `tiles_per_group` at a time, each group for as many blocks
-    as its busiest tile needs: one loop walks every (group, block) pair. A tile always visits its blocks
-    in order and skipped blocks are ones it would have masked whole, so its result does not depend on
-    which tiles share its group. Blocks are `pages_per_block` pages for tiles of prompt chunks and
-    `decode_pages_per_block` (default: the same) for one-query tiles, which do little work per key and
-    waste less on a smaller last block. Returns [T, num_heads, head_dim] in q's dtype; rows that belong
-    to no sequence are zero.
+    Work is cut into tiles of up to `queries_per_block` query rows of one sequence (a decoding sequence's one
+    new token is a tile of its own). A tile visits only the KV blocks its queries can see (up to its last
+    query's position; with a sliding window, from the first block inside its first query's window), so a short
+    or early tile costs little next to a long one. Tiles are sorted by that count and processed
+    `tiles_per_group` at a time, each group for as many blocks as its busiest tile needs: one loop walks every
+    (group, block) pair. A tile always visits its blocks in order and skipped blocks are ones it would have
+    masked whole, so its result does not depend on which tiles share its group.
+
+    A query row's bits depend on nothing but its sequence: every tile has the same shape (`queries_per_block`
+    rows, blocks of `pages_per_block` pages) in every kind of step, because XLA's CPU dot rounds a row of a
+    one-row product differently from the same row in a 16-row one, and an online softmax over other block
+    boundaries rounds differently too. So a token's KV recomputed in a prompt step after a preemption, or a
+    suffix computed after cached pages, is the KV its decode step wrote, bit for bit. Returns
+    [T, num_heads, head_dim] in q's dtype; rows that belong to no sequence are zero.
     """
     num_tokens = q.shape[0]
     max_seqs = page_indices.shape[0]
     present = jnp.arange(max_seqs) < num_seqs[0]
-    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, tiles_per_group=tiles_per_group)
-    one = dict(kw, queries_per_block=1, pages_per_block=decode_pages_per_block or pages_per_block)
-    if queries_per_block == 1:  # a decode-only step: one tile per token
-        return _attend(q, kv_pages, kv_lens, page_indices, cu_q_lens, present, max_tiles=num_tokens, **one)
-    single = present & (cu_q_lens[1:] - cu_q_lens[:-1] == 1)
-    decoding = _attend(q, kv_pages, kv_lens, page_indices, cu_q_lens, single, max_tiles=min(max_seqs, num_tokens),
-                       **one)
     # Sum of ceil(q_len / bq) over at most min(S, T) non-empty sequences.
     max_tiles = (num_tokens + min(max_seqs, num_tokens) * (queries_per_block - 1)) // queries_per_block
-    chunks = _attend(q, kv_pages, kv_lens, page_indices, cu_q_lens, present & ~single,
-                     queries_per_block=queries_per_block, pages_per_block=pages_per_block, max_tiles=max_tiles, **kw)
-    return decoding + chunks  # each is zero on the other's rows
+    return _attend(q, kv_pages, kv_lens, page_indices, cu_q_lens, present, sm_scale=sm_scale,
+                   sliding_window=sliding_window, soft_cap=soft_cap, pages_per_block=pages_per_block,
+                   queries_per_block=queries_per_block, tiles_per_group=tiles_per_group, max_tiles=max_tiles)
 
 
 def _attend(q, kv_pages, kv_lens, page_indices, cu_q_lens, included, *, sm_scale, sliding_window, soft_cap,
@@ -248,7 +242,6 @@ def ragged_paged_attention(
     pages_per_block: int,
     queries_per_block: int,
     tiles_per_group: int = 8,
-    decode_pages_per_block: int | None = None,
 ) -> jax.Array:
     """Dispatch to the Pallas TPU kernel, the native CPU kernel or the blocked reference (`impl` from
     `resolve_attention_impl`; block and tile sizes only shape the reference: the Pallas kernel's come from
@@ -269,5 +262,4 @@ def ragged_paged_attention(
     return reference_ragged_paged_attention(
         q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
         soft_cap=soft_cap, pages_per_block=pages_per_block, queries_per_block=queries_per_block, tiles_per_group=tiles_per_group,
-        decode_pages_per_block=decode_pages_per_block,
     )

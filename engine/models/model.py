@@ -37,7 +37,6 @@ class StepSettings:
     num_pages: int  # pages per layer; layer i owns pool pages [i * num_pages, (i + 1) * num_pages)
     mesh: Mesh | None = None  # when it has several devices, attention runs per device (per KV-head shard over `model`)
     tiles_per_group: int = 8  # query tiles the reference attention moves through the KV blocks together
-    decode_pages_per_block: int | None = None  # block size for one-query tiles (default: pages_per_block)
     # Fewest rows per matmul (0: no rule). XLA's CPU matmuls pick their kernel by row count: calls of 2-32 rows
     # round a row differently from calls of 64 or more, which agree with each other. Row-wise layers
     # (projections, MLP, LM head) therefore run on tiles of at least this many rows (and at most
@@ -208,8 +207,7 @@ def _attention(q: NamedArray, k: NamedArray, v: NamedArray, pool: NamedArray, la
         out = ragged_paged_attention(
             q, kv, kv_lens, pages, cu_q_lens, num_seqs, sm_scale=cfg.attn_scale, sliding_window=window,
             soft_cap=cfg.style.attn_logit_softcap, impl=settings.impl, pages_per_block=settings.pages_per_block,
-            queries_per_block=settings.queries_per_block, tiles_per_group=settings.tiles_per_group,
-            decode_pages_per_block=settings.decode_pages_per_block)
+            queries_per_block=settings.queries_per_block, tiles_per_group=settings.tiles_per_group)
         return out, kv
 
     mesh = settings.mesh

@@ -153,7 +153,7 @@ def sampling_mode(sampling: SamplingConfig, vocab_size: int) -> str:
 
 
 def _runner_programs(engine: EngineConfig, max_seq_len: int, mode: str, num_stop_ids: int, model, pool,
-                     settings: dict[int, StepSettings], arg) -> Iterator[tuple]:
+                     settings: StepSettings, arg) -> Iterator[tuple]:
     """(name, T, S, jitted program, abstract args) of every program the runner compiles for this engine.
 
     The one place that knows the runner's programs, their argument lists and its bucket rules (`bucket`,
@@ -183,17 +183,17 @@ def _runner_programs(engine: EngineConfig, max_seq_len: int, mode: str, num_stop
     stops = runner.bucket(num_stop_ids, 4)
     for T in token_buckets:  # steps that carry prompt chunks: max_seqs rows, T varies
         yield ("step", T, rows, runner._step_sample,
-               (model, pool, inputs(T, rows), settings[engine.attn_queries_per_block], mode, *sampling(rows),
+               (model, pool, inputs(T, rows), settings, mode, *sampling(rows),
                 arg((rows,), i32), penalties(rows)))
     for S in decode:  # decode-only steps: one token a row
-        yield "decode", S, S, runner._step_sample, (model, pool, inputs(S, S), settings[1], mode, *sampling(S),
+        yield "decode", S, S, runner._step_sample, (model, pool, inputs(S, S), settings, mode, *sampling(S),
                                                   arg((S,), i32), penalties(S))
     if engine.decode_steps > 1:
         K = engine.decode_steps
         for S in decode:
             per_row = tuple(arg((S,), i32) for _ in range(4))
             yield ("multi_step", S, S, multi_step._steps_sample,
-                   (model, pool, settings[1], K, mode, *per_row[:3], arg((S, pages), i32), arg((1,), i32),
+                   (model, pool, settings, K, mode, *per_row[:3], arg((S, pages), i32), arg((1,), i32),
                     *sampling(S), arg((S, stops), i32), penalties(S)))
             if engine.pipeline_decode:
                 yield ("chain", S, S, multi_step._chain,

@@ -27,13 +27,6 @@ BIT_IDENTITY = [("tiny-llama", "auto"), ("tiny-qwen3", "auto"), ("tiny-qwen3", "
                 ("tiny-qwen3-moe", "auto")]
 
 
-# Known bug (tiny-llama too): on the reference attention a token's KV computed in another kind of step (recomputed
-# after a preemption, or a suffix after cached pages) differs in the last bits (~3e-6 in logprobs); tokens agree, and
-# the native CPU kernel keeps the bits. Strict: the mark fails once the bug is fixed.
-REFERENCE_BITS_BUG = pytest.mark.xfail(strict=True, reason="reference attention: a token's KV differs in the last "
-                                        "bits between kinds of step")
-
-
 @pytest.fixture(scope="module", params=BIT_IDENTITY, ids=[f"{m}-{i}" for m, i in BIT_IDENTITY])
 def model_impl(request, tmp_path_factory):
     """(a preset's checkpoint, the attention_impl its engines use)."""
@@ -284,11 +277,9 @@ def test_prefix_cache_on_and_off_give_the_same_tokens(model_impl, temperature):
     assert no_hits == 0 and hits == 5 * 96 + 5 * 32, hits
 
 
-def test_prefix_cache_on_and_off_give_bit_identical_logprobs(model_impl, request):
+def test_prefix_cache_on_and_off_give_bit_identical_logprobs(model_impl):
     """A sequence that maps cached pages computes only its suffix, in steps of other shapes than with the cache
     off: its tokens and logprobs are still the same bits (the model and sampler run in fixed row tiles)."""
-    if model_impl[1] == "reference":
-        request.applymarker(REFERENCE_BITS_BUG)
     requests = _shared_prefix_requests(2, 0.0)
     on, _, _ = _two_batches(*model_impl, requests, max_pages=400, prefix_caching=True)
     off, _, _ = _two_batches(*model_impl, requests, max_pages=400, prefix_caching=False)
@@ -305,11 +296,9 @@ def test_prefix_cache_under_preemption_gives_the_same_tokens(model_impl):
     assert _tokens(on) == _tokens(off)
 
 
-def test_recompute_after_preemption_keeps_logprobs_bit_identical(model_impl, request):
+def test_recompute_after_preemption_keeps_logprobs_bit_identical(model_impl):
     """A token's KV recomputed in a prompt step after a preemption is the KV its decode step wrote, bit for bit,
     so the samples of a pool that preempts are those of an ample one."""
-    if model_impl[1] == "reference":
-        request.applymarker(REFERENCE_BITS_BUG)
     requests = _shared_prefix_requests(1, 0.8)
     ample, _, none = _two_batches(*model_impl, requests, max_pages=400, prefix_caching=False)
     small, _, preempted = _two_batches(*model_impl, requests, max_pages=24, prefix_caching=False)

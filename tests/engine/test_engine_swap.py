@@ -47,12 +47,6 @@ def _run(model, requests, **engine) -> tuple[dict, Engine]:
     return {(c.prompt_id, c.generation_index): (c.token_ids, c.logprobs) for c in out}, eng
 
 
-# Known bug (tiny-llama too): on the reference attention, a token's KV recomputed in a prompt step differs in the
-# last bits (~3e-6 in logprobs) from the KV its decode step wrote, whatever attn_decode_pages_per_block; the
-# native CPU kernel keeps them equal. Strict: the mark fails once the bug is fixed.
-REFERENCE_RECOMPUTE_BUG = pytest.mark.xfail(strict=True, reason="reference attention: recomputed KV differs in the "
-                                            "last bits from the decode step's")
-
 SMALL = dict(max_pages=16)  # six sequences of up to 78 tokens want up to 60 pages
 
 
@@ -96,12 +90,10 @@ def test_a_full_host_pool_falls_back_to_recompute_with_the_same_tokens(model):
 
 
 @pytest.mark.parametrize("temperature,n", [(0.0, 1), pytest.param(0.8, 2, marks=pytest.mark.slow)])
-def test_swap_recompute_and_an_ample_pool_give_bit_identical_logprobs(model, temperature, n, request):
+def test_swap_recompute_and_an_ample_pool_give_bit_identical_logprobs(model, temperature, n):
     """Swapped KV comes back bit for bit (tests/engine/kv/test_kv_swap.py), recomputed KV is the KV the decode steps
     wrote, and the model's row tiles keep each row's arithmetic independent of the batch (docs/engine.md): the
     three give the same samples, logprobs included, though they batch differently."""
-    if model[1] == "reference":
-        request.applymarker(REFERENCE_RECOMPUTE_BUG)
     ample, recompute, swap, _, _ = _three_ways(model, temperature, n)
     assert swap == recompute == ample
 

@@ -57,7 +57,7 @@ def test_a_cpu_runner_runs_the_layers_unrolled_so_no_step_copies_the_weights(run
     assert isinstance(runner.model.layers, tuple) and len(runner.model.layers) == runner.model.config.num_layers
     assert unstack_layers(runner.model) is runner.model
     inputs = jax.tree.map(np.asarray, runner.build_inputs([SeqChunk([5], 3, [1]), SeqChunk([6, 7], 0, [2])]))
-    settings = runner._settings_for([SeqChunk([6, 7], 0, [2])])
+    settings = runner._settings
 
     def program(model) -> str:
         return _logits.lower(model, runner.kv.pool, inputs, settings).compile().as_text()  # op names kept

@@ -92,9 +92,9 @@ class PagedBatch:
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-@pytest.mark.parametrize("blocks", [(1, 1, 1, None), (2, 4, 3, 1), (8, 16, 8, 2)])
+@pytest.mark.parametrize("blocks", [(1, 1, 1), (2, 4, 3), (8, 16, 8)])
 def test_ragged_batch_matches_dense(page_size, blocks, impl="reference"):
-    pages_per_block, queries_per_block, tiles_per_group, decode_pages_per_block = blocks
+    pages_per_block, queries_per_block, tiles_per_group = blocks
     rng = np.random.default_rng(page_size * 100 + pages_per_block)
     seq_lens = [1, 2, 17, 33, 64, 5, 40, 23]
     pps = math.ceil(max(seq_lens) / page_size)
@@ -105,15 +105,13 @@ def test_ragged_batch_matches_dense(page_size, blocks, impl="reference"):
     split = [max(1, n // 3) for n in seq_lens]
     first = [(s, 0, split[s]) for s in range(len(seq_lens))]
     outs = batch.step(first, max_seqs=10, bucket_tokens=128, impl=impl, pages_per_block=pages_per_block,
-                      queries_per_block=queries_per_block, tiles_per_group=tiles_per_group,
-                      decode_pages_per_block=decode_pages_per_block)
+                      queries_per_block=queries_per_block, tiles_per_group=tiles_per_group)
     for (s, a, b), o in zip(first, outs):
         np.testing.assert_allclose(o, batch.dense(s, a, b), atol=1e-5, rtol=0)
     second = [(s, split[s], n) for s, n in enumerate(seq_lens) if n > split[s]]
     rng.shuffle(second)  # sequence order in a step is arbitrary
     outs = batch.step(second, max_seqs=10, bucket_tokens=256, impl=impl, pages_per_block=pages_per_block,
-                      queries_per_block=queries_per_block, tiles_per_group=tiles_per_group,
-                      decode_pages_per_block=decode_pages_per_block)
+                      queries_per_block=queries_per_block, tiles_per_group=tiles_per_group)
     for (s, a, b), o in zip(second, outs):
         np.testing.assert_allclose(o, batch.dense(s, a, b), atol=1e-5, rtol=0)
 
@@ -121,7 +119,31 @@ def test_ragged_batch_matches_dense(page_size, blocks, impl="reference"):
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_cpu_kernel_ragged_batch_matches_dense(page_size):
     """The kernel ignores the reference's block sizes; page sizes and chunk shapes are what vary."""
-    test_ragged_batch_matches_dense(page_size, (8, 16, 8, 2), impl="cpu_kernel")
+    test_ragged_batch_matches_dense(page_size, (8, 16, 8), impl="cpu_kernel")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("window, soft_cap", [(None, None), (9, 20.0)])
+def test_a_query_row_has_the_same_bits_in_every_kind_of_step(impl, window, soft_cap):
+    """A token's attention output, bit for bit, whether it is a decoding sequence's one new token, the last
+    of a prompt chunk, inside a whole prompt, or beside other sequences: a token's KV recomputed after a
+    preemption, or a suffix computed after cached pages, is then the KV its first step wrote."""
+    def last_row(steps):
+        batch = PagedBatch(np.random.default_rng(3), [37, 20, 50], page_size=4, num_pages=40, pages_per_seq=13)
+        for chunks in steps:
+            outs = batch.step(chunks, max_seqs=4, bucket_tokens=128, impl=impl, sliding_window=window,
+                              soft_cap=soft_cap)
+        return np.asarray(outs[0][-1])
+
+    ways = {"decoding": [[(0, 0, 36)], [(0, 36, 37)]],
+            "decoding beside a prompt": [[(0, 0, 36)], [(0, 36, 37), (1, 0, 20)]],
+            "decoding beside decodes": [[(0, 0, 36), (2, 0, 40)], [(0, 36, 37), (2, 40, 41)]],
+            "end of a chunk": [[(0, 0, 27)], [(0, 27, 37)]],
+            "end of a prompt": [[(0, 0, 37)]],
+            "chunk beside another": [[(0, 0, 30)], [(0, 30, 37), (2, 0, 50)]]}
+    rows = {name: last_row(steps) for name, steps in ways.items()}
+    for name, row in rows.items():
+        assert np.array_equal(row, rows["decoding"]), f"{impl}: {name} differs from decoding"
 
 
 @pytest.mark.parametrize("impl", IMPLS)
