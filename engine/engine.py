@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from engine.device import compile_cache
 from engine.kernels.attention import prepare_attention_impl
-from engine.sizing.capacity import check_pool, max_seq_len, validate_request
+from engine.sizing.capacity import check_pool, max_seq_len, scored_sampling_error, validate_request
 from engine.config import DTYPES, EngineConfig
 from engine.distributed import agree
 from engine.models.model_config import ModelConfig
@@ -116,7 +116,7 @@ class Engine:
         if error is not None or spec is None:
             return error
         if request.is_scored:
-            return f"bad_continuation: a scored row has no completion to constrain; drop sampling.{spec[0]}"
+            return scored_sampling_error(request.sampling)
         if self.tokenizer is None:
             return f"invalid_grammar: sampling.{spec[0]} needs the model's tokenizer, and this engine has none"
         why = self.grammars.error(spec)

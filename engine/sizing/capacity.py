@@ -26,11 +26,24 @@ def pages_for(num_tokens: N, page_size: int) -> N:
     return -(-num_tokens // page_size)
 
 
-def pages_needed(num_prompt_tokens: N, max_new_tokens: int, page_size: int, n: int = 1) -> N:
+def pages_needed(num_prompt_tokens: N, max_new_tokens: int, page_size: int, n: int = 1, scored: N | int = 0) -> N:
     """Exact KV pages for one prompt and its `n` samples at full length: the samples share the prompt's full
-    pages and each holds its own copy of the partial last one and its completion's pages."""
-    shared = num_prompt_tokens // page_size
+    pages and each holds its own copy of the partial last one and its completion's pages.
+
+    A scored row (`scored` 1; an array of 0/1 for many rows) is a context of `num_prompt_tokens` with `n`
+    continuations of at most `max_new_tokens - 1` tokens each, plus the one token drawn after each: they share
+    only the context's full pages before its last token (that token's logits score each continuation's first
+    token, so the prefix cache never serves its page: engine/kv/prefix_cache.py)."""
+    shared = (num_prompt_tokens - scored) // page_size
     return shared + n * (pages_for(num_prompt_tokens + max_new_tokens, page_size) - shared)
+
+
+def scored_sampling_error(sampling: SamplingConfig) -> str | None:
+    """Why a scored request (a context and a continuation, Request.num_context_tokens) cannot run with `sampling`,
+    or None: it has no completion, so nothing for a structured output to constrain."""
+    spec = sampling.structured
+    return None if spec is None else (f"bad_continuation: a scored row has no completion to constrain; drop "
+                                      f"sampling.{spec[0]}")
 
 
 def check_pool(config: EngineConfig, max_seq_len: int) -> None:
