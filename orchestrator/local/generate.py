@@ -24,7 +24,8 @@ from orchestrator.plan.corpus import (CorpusConfig, RawRow, Rejection, extract_p
                                    passthrough, row_id)
 from orchestrator.plan.model_cache import local_copy
 from orchestrator.plan.model_source import resolve_model, TOKENIZER_FILES
-from orchestrator.plan.continuation import IDS_FIELD, TEXT_FIELD, encode_pair, is_scored, n_error, row_continuations
+from orchestrator.plan.continuation import (IDS_FIELD, TEXT_FIELD, encode_continuations, is_scored, new_tokens,
+                                            row_continuations, scored_error)
 from orchestrator.plan.prompt_checks import out_of_vocabulary, render_chat
 from orchestrator.plan.response_format import with_response_format
 from orchestrator.plan.row_sampling import apply, row_overrides
@@ -132,10 +133,9 @@ def _parse_line(raw: bytes | dict, line_no: int, tokenizer, vocab_size: int | No
         if isinstance(text, Rejection):
             return replace(line, error=f"{text.reason}: {text.detail}")
     encode = lambda t: tokenizer(t, add_special_tokens=special)["input_ids"]  # noqa: E731
-    if texts:
-        pairs = [encode_pair(encode, text, c) for c in continuations]
-        return _in_vocabulary(line, pairs[0][0], [c for _, c in pairs], vocab_size)
-    return _in_vocabulary(line, encode(text), continuations, vocab_size)
+    if continuations is not None:
+        return _in_vocabulary(line, *encode_continuations(encode, text, continuations), vocab_size)
+    return _in_vocabulary(line, encode(text), None, vocab_size)
 
 
 def _in_vocabulary(line: ParsedLine, ids: list[int], continuations: list[list[int]] | None,
@@ -157,7 +157,7 @@ def longest_sequence(parsed: Iterable[tuple[int, ParsedLine]], sampling: Samplin
     """The most tokens a sequence of these lines can reach: its prompt plus its own max_new_tokens, or a scored line's
     context, longest continuation and the one token drawn after it (0: no line runs)."""
     return max((len(line.token_ids) + (apply(sampling, line.sampling).max_new_tokens if line.continuations is None
-                                       else 1 + max(map(len, line.continuations)))
+                                       else new_tokens(line.continuations))
                 for _, line in parsed if line.token_ids is not None), default=0)
 
 
@@ -203,7 +203,7 @@ def sample_records(engine, parsed: Iterable[tuple[int, ParsedLine]], sampling: S
         first_line.setdefault(pid, line_no)
         kept[pid] = kept_columns
         if ids is not None and line.continuations is not None:
-            err = n_error(sampling.n)
+            err = scored_error(apply(sampling, line.sampling))
             for g, continuation in enumerate(line.continuations):  # one scored record per continuation
                 order.append((pid, g))
                 if err is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine import SamplingConfig, scored_sampling_error
 from orchestrator.plan.corpus import Rejection, a_type
 
 TEXT_FIELD = "continuation"
@@ -49,6 +50,56 @@ def n_error(n: int) -> str | None:
     """Why a scored row cannot run with `sampling.n` samples per prompt, or None: one record per continuation."""
     return None if n == 1 else (f"bad_continuation: a row with a continuation is scored, one record per continuation; "
                                 f"set sampling.n to 1 (it is {n}) or drop the continuation")
+
+
+def scored_error(sampling: SamplingConfig) -> str | None:
+    """Why a scored row cannot run with its `sampling` (the run's, its own overrides applied), or None: more than
+    one sample per prompt, or a structured output (there is no completion to constrain). One line, starting with
+    its reason (`bad_continuation: ...`)."""
+    return n_error(sampling.n) or scored_sampling_error(sampling)
+
+
+def new_tokens(continuations: list[list[int]]) -> int:
+    """The tokens a scored row's sequences add to its context at most: its longest continuation and the one token
+    drawn after it (the engine's usual end, dropped)."""
+    return 1 + max(map(len, continuations))
+
+
+def prefill_tokens(context: list[int], continuations: list[list[int]]) -> int:
+    """The tokens a scored row's prefill computes: its context once and every continuation."""
+    return len(context) + sum(map(len, continuations))
+
+
+def encode_continuations(encode, text: str, continuations: list[str] | list[list[int]]
+                         ) -> tuple[list[int], list[list[int]]]:
+    """(context ids, each continuation's ids) of a scored row whose prompt is `text` (`encode(text) -> ids`): text
+    continuations split as `encode_pair` splits them (the context is the same for each), token ids as given."""
+    if continuations and isinstance(continuations[0], str):
+        pairs = [encode_pair(encode, text, c) for c in continuations]
+        return pairs[0][0], [c for _, c in pairs]
+    return encode(text), [list(c) for c in continuations]
+
+
+def batch_samples(num_continuations) -> int | None:
+    """The records a batch gives, from its rows' continuation counts (0 for a sampled row), where that is not
+    its rows times sampling.n: None when no row is scored; else one per continuation and one per sampled row
+    (sampling.n is 1 in a plan that accepted a scored row: `scored_error`). BatchRecord.expected_samples."""
+    counts = [int(k) for k in num_continuations]
+    return sum(max(k, 1) for k in counts) if any(counts) else None
+
+
+def samples_per_row(prompts, n: int) -> list[int]:
+    """Records each row of a batch table gives: one per continuation of a scored row, else `n` (sampling.n)."""
+    if "continuations" not in prompts.column_names:  # a plan older than scored rows in runs
+        return [n] * prompts.num_rows
+    return [len(c) if c else n for c in prompts.column("continuations").to_pylist()]
+
+
+def sample_keys(prompts, n: int) -> list[tuple[str, int]]:
+    """(prompt_id, generation_index) of each sample of a batch table, in its output's order: row by row, each
+    row's samples (a scored row's continuations) in order."""
+    return [(pid, g) for pid, k in zip(prompts.column("prompt_id").to_pylist(), samples_per_row(prompts, n))
+            for g in range(k)]
 
 
 def encode_pair(encode, context: str, continuation: str) -> tuple[list[int], list[int]]:
