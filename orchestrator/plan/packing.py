@@ -9,6 +9,11 @@ every sample runs to `max_new_tokens`. Four budgets bound a batch:
   `floor(L / page_size) + n * (ceil((L + M) / page_size) - floor(L / page_size))` pages: the
   `n` samples share the prompt's full pages and each owns the rest (`page_need`).
 - **sequences** (`engine.max_seqs`): samples decoded at once, `n` per prompt.
+
+A scored row (docs/records.md) is packed as a context of `L` tokens with one sequence per continuation (`k`
+of them, `sampling.n` being 1): it counts `k` sequences and `k` prompts in prefill, its prefill tokens are the
+context and every continuation, and its pages are the context's shared full pages plus, per continuation, the
+rest at its longest continuation and one drawn token (engine.pages_needed with `scored`).
 - **prefill tokens** (`packing.prefill_budget`, default `engine.max_prefill_size`, in tokens per
   engine step): the batch's prompts must be prefilled within `packing.max_prefill_steps` steps, so
   its prompt tokens (counted once per prompt; samples share the prefill) are at most
@@ -94,23 +99,42 @@ class PackingLimits:
             max_prompts=min(engine.max_seqs_in_prefill * packing.max_prefill_steps, engine.max_seqs // sampling.n),
         )
 
-    def page_need(self, num_tokens: np.ndarray | int, max_new_tokens: np.ndarray | int | None = None
-                  ) -> np.ndarray | int:
+    def page_need(self, num_tokens: np.ndarray | int, max_new_tokens: np.ndarray | int | None = None,
+                  continuations: np.ndarray | int | None = None) -> np.ndarray | int:
         """Exact KV pages for one prompt of `num_tokens` tokens and its `n` samples at full length; each prompt's
-        own `max_new_tokens` (a row's `sampling` override) where given, else the run's."""
+        own `max_new_tokens` (a row's `sampling` override, or a scored row's `continuation.new_tokens`) where
+        given, else the run's. `continuations`: a scored row's count of them (0 for a sampled row)."""
         new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
-        return pages_needed(num_tokens, new, self.page_size, self.n)
+        if continuations is None:
+            return pages_needed(num_tokens, new, self.page_size, self.n)
+        scored = np.asarray(continuations) > 0
+        return pages_needed(num_tokens, new, self.page_size, np.where(scored, continuations, self.n),
+                            scored.astype(np.int64))
 
-    def why_unfit(self, num_tokens: int, max_new_tokens: int | None = None) -> str | None:
-        """Why a single prompt can never fit a batch, or None when it can."""
+    def units(self, continuations: np.ndarray | int | None) -> np.ndarray | int:
+        """Prompts an item counts as in the count budgets: 1, or a scored row's continuations (each its own
+        sequence and its own prefill; `n` is then 1)."""
+        return 1 if continuations is None else np.maximum(continuations, 1)
+
+    def why_unfit(self, num_tokens: int, max_new_tokens: int | None = None, continuations: int = 0,
+                  prefill_tokens: int | None = None) -> str | None:
+        """Why a single prompt (a scored row: with its `continuations` and `prefill_tokens`) can never fit a
+        batch, or None when it can."""
         new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
-        pages = int(self.page_need(num_tokens, new))
+        pages = int(self.page_need(num_tokens, new, continuations))
+        prefill = num_tokens if prefill_tokens is None else prefill_tokens
         if pages > self.max_pages:
-            return (f"needs {pages} KV pages with {self.n} sample(s) of {new} new tokens; a batch "
+            what = (f"{continuations} continuation(s) of up to {new - 1} tokens" if continuations else
+                    f"{self.n} sample(s) of {new} new tokens")
+            return (f"needs {pages} KV pages with {what}; a batch "
                     f"holds {self.max_pages} (packing.page_budget / engine.max_pages)")
-        if num_tokens > self.max_prompt_tokens:
-            return (f"has {num_tokens} prompt tokens; a batch prefills at most {self.max_prompt_tokens} "
+        if prefill > self.max_prompt_tokens:
+            return (f"has {prefill} prompt tokens; a batch prefills at most {self.max_prompt_tokens} "
                     "(packing.prefill_budget * packing.max_prefill_steps)")
+        if continuations > min(self.max_seqs // self.n, self.max_prompts):
+            return (f"has {continuations} continuations, each its own sequence; a batch runs at most "
+                    f"{min(self.max_seqs // self.n, self.max_prompts)} (engine.max_seqs, and "
+                    "engine.max_seqs_in_prefill * packing.max_prefill_steps)")
         return None
 
 
@@ -169,15 +193,17 @@ def shareable_prompt_tokens(page_keys: list[np.ndarray] | np.ndarray, page_size:
     return page_size * int(len(flat) - len(np.unique(flat)))
 
 
-def lower_bound(num_tokens: np.ndarray, limits: PackingLimits, max_new_tokens: np.ndarray | None = None) -> int:
+def lower_bound(num_tokens: np.ndarray, limits: PackingLimits, max_new_tokens: np.ndarray | None = None,
+                continuations: np.ndarray | None = None, prefill_tokens: np.ndarray | None = None) -> int:
     """No packing can use fewer batches: the largest of the page, prefill and sequence-count bounds."""
     num_tokens = np.asarray(num_tokens, dtype=np.int64)
     if len(num_tokens) == 0:
         return 0
-    count = len(num_tokens)
+    count = int(np.sum(limits.units(continuations))) if continuations is not None else len(num_tokens)
+    prefill = num_tokens if prefill_tokens is None else np.asarray(prefill_tokens, dtype=np.int64)
     return max(
-        math.ceil(int(limits.page_need(num_tokens, max_new_tokens).sum()) / limits.max_pages),
-        math.ceil(int(num_tokens.sum()) / limits.max_prompt_tokens),
+        math.ceil(int(limits.page_need(num_tokens, max_new_tokens, continuations).sum()) / limits.max_pages),
+        math.ceil(int(prefill.sum()) / limits.max_prompt_tokens),
         math.ceil(count * limits.n / limits.max_seqs),
         math.ceil(count / limits.max_prompts),
     )
@@ -202,34 +228,42 @@ def sharing_order(tokens: np.ndarray, first_page_keys: np.ndarray | None) -> np.
 
 
 def pack(num_tokens: np.ndarray, limits: PackingLimits, first_page_keys: np.ndarray | None = None,
-         max_new_tokens: np.ndarray | None = None) -> Packing:
+         max_new_tokens: np.ndarray | None = None, continuations: np.ndarray | None = None,
+         prefill_tokens: np.ndarray | None = None) -> Packing:
     """Pack items (prompt token counts, in corpus order) into batches; every item must fit alone.
     `first_page_keys` (u64[items], 0 for none: `leading_page_keys(...)[0]`) keeps prompts that share their
     leading page together in the order (`sharing_order`). `max_new_tokens` (i64[items]) gives each item its own
-    completion length (rows' `sampling` overrides; default the run's): its pages are counted with it."""
+    completion length (rows' `sampling` overrides; default the run's): its pages are counted with it.
+    `continuations` (i64[items], 0 for a sampled row) and `prefill_tokens` (i64[items]) measure scored rows."""
     tokens = np.asarray(num_tokens, dtype=np.int64)
     order = sharing_order(tokens, first_page_keys)  # longest first (groups at their longest), ties in corpus order
     size_t = tokens[order]
     new_t = None if max_new_tokens is None else np.asarray(max_new_tokens, dtype=np.int64)[order]
-    pages = np.asarray(limits.page_need(size_t, new_t), dtype=np.int64)
+    cont_t = None if continuations is None else np.asarray(continuations, dtype=np.int64)[order]
+    fill_t = size_t if prefill_tokens is None else np.asarray(prefill_tokens, dtype=np.int64)[order]
+    pages = np.asarray(limits.page_need(size_t, new_t, cont_t), dtype=np.int64)
+    units = np.broadcast_to(np.asarray(limits.units(cont_t), dtype=np.int64), size_t.shape)
+    cap_count = min(limits.max_seqs // limits.n, limits.max_prompts)  # prompts per batch allowed by the count budgets
     # Page need grows with length at one max_new_tokens: the longest item is the one to check; else every item.
-    for i in (range(min(1, len(order))) if new_t is None else
-              np.flatnonzero((pages > limits.max_pages) | (size_t > limits.max_prompt_tokens))[:1]):
-        reason = limits.why_unfit(int(size_t[i]), None if new_t is None else int(new_t[i]))
+    for i in (range(min(1, len(order))) if new_t is None and cont_t is None else
+              np.flatnonzero((pages > limits.max_pages) | (fill_t > limits.max_prompt_tokens)
+                             | (units > cap_count))[:1]):
+        reason = limits.why_unfit(int(size_t[i]), None if new_t is None else int(new_t[i]),
+                                  0 if cont_t is None else int(cont_t[i]), int(fill_t[i]))
         if reason is not None:
             raise ValueError(f"item {int(order[i])} cannot fit any batch: it {reason}")
     cum_pages = np.concatenate([[0], np.cumsum(pages)]).tolist()
-    cum_tokens = np.concatenate([[0], np.cumsum(size_t)]).tolist()
-    pages_l, tokens_l = pages.tolist(), size_t.tolist()
+    cum_tokens = np.concatenate([[0], np.cumsum(fill_t)]).tolist()
+    cum_units = np.concatenate([[0], np.cumsum(units)]).tolist()
+    pages_l, tokens_l, units_l = pages.tolist(), fill_t.tolist(), units.tolist()
     n, cap_p, cap_t, cap_s, cap_q = limits.n, limits.max_pages, limits.max_prompt_tokens, limits.max_seqs, limits.max_prompts
-    cap_count = min(cap_s // n, cap_q)  # prompts per batch allowed by the two count budgets
 
     chunks: list[tuple[int, int, int, int]] = []  # per batch: front [lo0, lo1), back [hi1, hi0)
     batch_pages: list[int] = []
     batch_tokens: list[int] = []
     lo, hi = 0, len(order)  # remaining items: sorted positions [lo, hi)
     while lo < hi:
-        rem_p, rem_t, rem_c = cum_pages[hi] - cum_pages[lo], cum_tokens[hi] - cum_tokens[lo], hi - lo
+        rem_p, rem_t, rem_c = cum_pages[hi] - cum_pages[lo], cum_tokens[hi] - cum_tokens[lo], cum_units[hi] - cum_units[lo]
         remaining_batches = max(1.0, rem_p / cap_p, rem_t / cap_t, rem_c * n / cap_s, rem_c / cap_q)
         # Targets: this batch's fair share of the remaining work in each budget.
         tgt_p, tgt_t, tgt_c = rem_p / remaining_batches, rem_t / remaining_batches, rem_c / remaining_batches
@@ -240,13 +274,13 @@ def pack(num_tokens: np.ndarray, limits: PackingLimits, first_page_keys: np.ndar
             count_frac = used_c / tgt_c
             sides = (lo, hi - 1) if size_frac <= count_frac else (hi - 1, lo)
             for i in sides:
-                if used_p + pages_l[i] <= cap_p and used_t + tokens_l[i] <= cap_t:
+                if used_p + pages_l[i] <= cap_p and used_t + tokens_l[i] <= cap_t and used_c + units_l[i] <= cap_count:
                     break
             else:
                 break
             used_p += pages_l[i]
             used_t += tokens_l[i]
-            used_c += 1
+            used_c += units_l[i]
             if i == lo:
                 lo += 1
             else:

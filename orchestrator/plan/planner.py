@@ -27,6 +27,7 @@ from orchestrator.json_out import dumps
 from orchestrator.plan.corpus import corpus_fingerprint, list_files, split_shards
 from orchestrator.plan.model_source import (decoder_config, load_tokenizer, max_seq_len, model_fingerprint,
                                             tokenizer_fingerprint)
+from orchestrator.plan.continuation import batch_samples
 from orchestrator.plan.packing import PackingLimits, lower_bound, pack, shareable_prompt_tokens
 from orchestrator.plan.report import PlanStats
 from orchestrator.plan.tokenized import SUMMARY_COLUMNS, corpus_bytes, tokenize
@@ -218,8 +219,12 @@ def _plan_into(cfg: RunConfig, run_dir: RunDir, files: list[str]) -> tuple[PlanS
     if (new_tokens == limits.max_new_tokens).all():  # no row sets its own: the run's, as packing defaults to
         new_tokens = None
     phase("collecting summaries and rejections")
+    continuations = accepted["num_continuations"].to_numpy().astype(np.int64)
+    prefill = accepted["prefill_tokens"].to_numpy().astype(np.int64)
+    if not continuations.any():  # no scored row: every prompt is measured by its length and max_new_tokens alone
+        continuations = prefill = None
     first_keys, all_keys = _page_keys(accepted)
-    packing = pack(lengths, limits, first_keys, new_tokens)
+    packing = pack(lengths, limits, first_keys, new_tokens, continuations, prefill)
     num_batches = packing.num_batches
 
     rows = accepted["row"].to_numpy()
@@ -238,11 +243,12 @@ def _plan_into(cfg: RunConfig, run_dir: RunDir, files: list[str]) -> tuple[PlanS
     phase(f"writing {num_batches} batch files")
     records = [
         BatchRecord(batch_id(b, num_batches), num_prompts=int(packing.offsets[b + 1] - packing.offsets[b]),
-                    num_prompt_tokens=int(packing.num_prompt_tokens[b]), num_pages=int(packing.num_pages[b]))
+                    num_prompt_tokens=int(packing.num_prompt_tokens[b]), num_pages=int(packing.num_pages[b]),
+                    expected_samples=None if continuations is None else batch_samples(continuations[packing.batch(b)]))
         for b in range(num_batches)
     ]
     stats = PlanStats.build(num_rows, rejected["reason"].to_pylist(), lengths, packing,
-                            lower_bound(lengths, limits, new_tokens),
+                            lower_bound(lengths, limits, new_tokens, continuations, prefill),
                             shareable_prompt_tokens(all_keys, limits.page_size))
     return stats, records
 

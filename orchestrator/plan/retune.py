@@ -18,6 +18,7 @@ import pyarrow as pa
 
 from engine import SamplingConfig
 from orchestrator.config import RunConfig, diff_keys
+from orchestrator.plan.continuation import batch_samples, new_tokens, prefill_tokens
 from orchestrator.plan.packing import PackingLimits, pack
 from orchestrator.plan.row_sampling import max_new_tokens
 from orchestrator.state.manifest import BatchRecord, batch_id
@@ -50,16 +51,14 @@ def retune(run_dir: RunDir, state: RunState, cfg: RunConfig) -> str | None:
     limits = PackingLimits.resolve(cfg.packing, cfg.engine, cfg.sampling)
     pending = state.with_status("pending")
     tables = {r.batch_id: parquet_io.read_parquet(run_dir.batch_file(r.batch_id)) for r in pending}
-    lengths = {b: np.array([len(t) for t in table.column("token_ids").to_pylist()], dtype=np.int64)
-               for b, table in tables.items()}
-    new_tokens = {b: max_new_tokens(table, cfg.sampling) for b, table in tables.items()}
+    demand = {b: _demand(table, cfg.sampling) for b, table in tables.items()}
     for b, table in tables.items():
-        for pid, n, new in zip(table.column("prompt_id").to_pylist(), lengths[b].tolist(), new_tokens[b].tolist()):
-            if (why := limits.why_unfit(n, new)) is not None:
+        for pid, *need in zip(table.column("prompt_id").to_pylist(), *(d.tolist() for d in demand[b])):
+            if (why := limits.why_unfit(*need)) is not None:
                 raise PlanMismatch(f"run directory {run_dir.root}: pending prompt {pid!r} no longer fits a batch with "
                                    f"{', '.join(changes)}: it {why}; resume with capacities that hold it, or start "
                                    f"a new run with {setting('name', 'NAME')}")
-    misfits = [b for b in tables if not _fits(lengths[b], new_tokens[b], limits)]
+    misfits = [b for b in tables if not _fits(*demand[b], limits)]
     what = "; ".join(changes)
     if misfits:
         message = _repack(run_dir, state, tables, limits, cfg.sampling, what, len(misfits))
@@ -74,16 +73,32 @@ def retune(run_dir: RunDir, state: RunState, cfg: RunConfig) -> str | None:
     return message
 
 
-def _fits(lengths: np.ndarray, new_tokens: np.ndarray, limits: PackingLimits) -> bool:
-    return (int(limits.page_need(lengths, new_tokens).sum()) <= limits.max_pages and int(lengths.sum()) <= limits.max_prompt_tokens
-            and len(lengths) * limits.n <= limits.max_seqs and len(lengths) <= limits.max_prompts)
+def _demand(prompts: pa.Table, sampling: SamplingConfig) -> tuple[np.ndarray, ...]:
+    """i64[prompts] each: a batch table's prompt lengths, max_new_tokens, continuations (0 for a sampled row) and
+    prefill tokens, as the planner measured them (a scored row by continuation.new_tokens and prefill_tokens)."""
+    tokens = prompts.column("token_ids").to_pylist()
+    scored = (prompts.column("continuations").to_pylist() if "continuations" in prompts.column_names
+              else [None] * len(tokens))
+    new = max_new_tokens(prompts, sampling)
+    return (np.array([len(t) for t in tokens], dtype=np.int64),
+            np.array([n if not c else new_tokens(c) for n, c in zip(new.tolist(), scored)], dtype=np.int64),
+            np.array([len(c or ()) for c in scored], dtype=np.int64),
+            np.array([len(t) if not c else prefill_tokens(t, c) for t, c in zip(tokens, scored)], dtype=np.int64))
+
+
+def _fits(lengths: np.ndarray, new: np.ndarray, continuations: np.ndarray, prefill: np.ndarray,
+          limits: PackingLimits) -> bool:
+    units = int(np.sum(limits.units(continuations)))
+    return (int(limits.page_need(lengths, new, continuations).sum()) <= limits.max_pages
+            and int(prefill.sum()) <= limits.max_prompt_tokens
+            and units * limits.n <= limits.max_seqs and units <= limits.max_prompts)
 
 
 def _repack(run_dir: RunDir, state: RunState, tables: dict[str, pa.Table], limits: PackingLimits,
             sampling: SamplingConfig, what: str, num_misfits: int) -> str:
     prompts = pa.concat_tables(tables.values()).sort_by("row")  # corpus order: the packing's tie-break
-    token_counts = np.array([len(t) for t in prompts.column("token_ids").to_pylist()], dtype=np.int64)
-    packing = pack(token_counts, limits, max_new_tokens=max_new_tokens(prompts, sampling))
+    lengths, new, continuations, prefill = _demand(prompts, sampling)
+    packing = pack(lengths, limits, max_new_tokens=new, continuations=continuations, prefill_tokens=prefill)
     generation = 1 + max((int(m.group(1)) for b in state.records if (m := _GENERATION.search(b))), default=0)
     records = []
     for b in range(packing.num_batches):
@@ -91,7 +106,8 @@ def _repack(run_dir: RunDir, state: RunState, tables: dict[str, pa.Table], limit
         atomic_write_parquet(run_dir.batch_file(new_id), prompts.take(pa.array(packing.batch(b))))
         records.append(BatchRecord(new_id, num_prompts=int(packing.offsets[b + 1] - packing.offsets[b]),
                                    num_prompt_tokens=int(packing.num_prompt_tokens[b]),
-                                   num_pages=int(packing.num_pages[b])))
+                                   num_pages=int(packing.num_pages[b]),
+                                   expected_samples=batch_samples(continuations[packing.batch(b)])))
     state.replace_pending(records)
     message = (f"capacities changed ({what}): {num_misfits} of {len(tables)} pending batches no longer fit, so "
                f"their {prompts.num_rows} prompts were re-packed into {len(records)} batches (re-pack {generation})")

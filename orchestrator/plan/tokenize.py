@@ -22,7 +22,8 @@ from engine import SamplingConfig, length_error
 from engine import stop_ids_error, structured_error
 from orchestrator.plan.corpus import (CorpusConfig, Prompt, RawRow, Rejection, Shard, extract_prompt, passthrough,
                                  read_rows, row_id)
-from orchestrator.plan.continuation import is_scored
+from orchestrator.plan.continuation import (encode_continuations, is_scored, new_tokens, prefill_tokens,
+                                            row_continuations, scored_error)
 from orchestrator.plan.model_source import ModelSourceConfig, load_tokenizer
 from orchestrator.plan.openai_batch import native_row, row_fields
 from orchestrator.plan.packing import PackingLimits, leading_page_keys
@@ -34,11 +35,6 @@ from orchestrator.plan.row_sampling import apply, overrides_json, row_overrides
 REASONS = ("malformed_row", "undecodable", "missing_field", "wrong_type", "empty_prompt", "no_chat_template",
            "out_of_vocabulary", "too_long", "exceeds_budget", "duplicate_id", "reserved_column",
            "bad_sampling", "bad_continuation", "bad_response_format", "invalid_grammar", "unsupported_request")
-
-_NOT_SCORED_IN_RUNS = Rejection("bad_continuation", "a row with a continuation is scored, and `pagefleet run` does not "
-                                                    "score rows yet: score it with `pagefleet generate` or "
-                                                    "`pagefleet.generate` (docs/records.md)")
-"""A scored row in a run's corpus: rejected with this line, never sampled as if it had no continuation."""
 
 SCHEMA = pa.schema([
     ("row", pa.int64()),  # row number in corpus order
@@ -52,7 +48,11 @@ SCHEMA = pa.schema([
     ("page_keys", pa.list_(pa.uint64())),  # packing.leading_page_keys of an accepted prompt, else empty
     ("passthrough", pa.string()),  # corpus.passthrough of an accepted prompt (SampleRecord.passthrough), else null
     ("sampling", pa.string()),  # row_sampling.overrides_json of an accepted prompt's own settings, else null
-    ("max_new_tokens", pa.int32()),  # the prompt's max_new_tokens (its own, else the run's)
+    ("max_new_tokens", pa.int32()),  # the prompt's max_new_tokens (its own, else the run's; a scored row's
+    # continuation.new_tokens)
+    ("continuations", pa.list_(pa.list_(pa.int32()))),  # a scored row's continuations' token ids, else null
+    ("num_continuations", pa.int32()),  # how many (0: a sampled row)
+    ("prefill_tokens", pa.int32()),  # tokens its prefill computes (continuation.prefill_tokens), else num_tokens
 ])
 
 
@@ -103,16 +103,33 @@ class PromptTokenizer:
                     ids[i] = tokens
         return ids  # type: ignore[return-value]
 
-    def check(self, tokens: list[int], overrides: dict | None = None) -> tuple[str, str] | None:
-        """Why a tokenized prompt cannot run with its row's sampling `overrides` (row_sampling), or None."""
+    def encode_scored(self, prompt: Prompt, continuations: list) -> tuple[list[int], list[list[int]]] | Rejection:
+        """(context ids, continuations' ids) of a scored row (continuation.encode_continuations, a chat through
+        its template), or why its chat cannot be rendered."""
+        text, special = prompt.text, True
+        if prompt.messages is not None:  # the template writes its own special tokens
+            text, special = self.render(prompt.messages), False
+            if isinstance(text, Rejection):
+                return text
+        return encode_continuations(lambda t: batch_encode(self.tokenizer, [t], special)[0], text, continuations)
+
+    def check(self, tokens: list[int], overrides: dict | None = None,
+              continuations: list[list[int]] | None = None) -> tuple[str, str] | None:
+        """Why a tokenized prompt (a scored row's context, with its `continuations`) cannot run with its row's
+        sampling `overrides` (row_sampling), or None."""
+        sampling = apply(self.sampling, overrides)
+        if continuations is not None and (why := scored_error(sampling)) is not None:
+            return tuple(why.split(": ", 1))  # type: ignore[return-value]
         new = (overrides or {}).get("max_new_tokens", self.limits.max_new_tokens)
-        if (why := out_of_vocabulary(tokens, self.vocab_size)) is not None:
+        k, prefill = 0, None
+        if continuations is not None:
+            new, k, prefill = new_tokens(continuations), len(continuations), prefill_tokens(tokens, continuations)
+        if (why := out_of_vocabulary(tokens + [t for c in continuations or () for t in c], self.vocab_size)) is not None:
             return "out_of_vocabulary", why
         if (problem := length_error(len(tokens), new, self.max_seq_len)) is not None:
             return problem
-        if (why := self.limits.why_unfit(len(tokens), new)) is not None:
+        if (why := self.limits.why_unfit(len(tokens), new, k, prefill)) is not None:
             return "exceeds_budget", f"prompt {why}"
-        sampling = apply(self.sampling, overrides)
         if (why := stop_ids_error(sampling.stop_token_ids, self.vocab_size)) is not None:
             return "out_of_vocabulary", why
         if (why := structured_error(self.tokenizer, self.vocab_size or len(self.tokenizer), sampling)) is not None:
@@ -135,8 +152,9 @@ class PromptTokenizer:
         if self.openai_batch:
             raw_rows = [native_row(raw, self.sampling) for raw in raw_rows]
         parsed = [extract_prompt(raw, self.corpus) for raw in raw_rows]
-        parsed = [_NOT_SCORED_IN_RUNS if isinstance(p, Prompt) and is_scored(raw.record) else p
-                  for raw, p in zip(raw_rows, parsed)]
+        scored = {i: row_continuations(raw.record) for i, (raw, p) in enumerate(zip(raw_rows, parsed))
+                  if isinstance(p, Prompt) and is_scored(raw.record)}
+        parsed = [scored[i] if isinstance(scored.get(i), Rejection) else p for i, p in enumerate(parsed)]
         kept_columns = [passthrough(raw.record, self.corpus.id_field) if isinstance(p, Prompt) else None
                         for raw, p in zip(raw_rows, parsed)]
         parsed = [k if isinstance(k, Rejection) else p for p, k in zip(parsed, kept_columns)]
@@ -148,19 +166,28 @@ class PromptTokenizer:
                          and isinstance(p, Prompt) else o for raw, p, o in zip(raw_rows, parsed, overrides)]
         parsed = [o if isinstance(o, Rejection) else p for p, o in zip(parsed, overrides)]
         overrides = [o if isinstance(o, dict) else {} for o in overrides]
-        ok = [i for i, p in enumerate(parsed) if isinstance(p, Prompt)]
+        ok = [i for i, p in enumerate(parsed) if isinstance(p, Prompt) and i not in scored]
         encoded = dict(zip(ok, self.encode([parsed[i] for i in ok])))
-        prompt_ids, reasons, details, lengths, kept = [], [], [], [], []
+        continuations: dict[int, list[list[int]]] = {}
+        for i in scored:
+            if isinstance(parsed[i], Prompt):
+                found = self.encode_scored(parsed[i], scored[i])
+                encoded[i] = found if isinstance(found, Rejection) else found[0]
+                if not isinstance(found, Rejection):
+                    continuations[i] = found[1]
+        prompt_ids, reasons, details, lengths, kept, kept_continuations = [], [], [], [], [], []
         for i, p in enumerate(parsed):
             tokens = encoded.get(i)
             prompt_ids.append(p.prompt_id if isinstance(p, Prompt) else self.known_id(raw_rows[i]))
             if isinstance(tokens, Rejection):  # a chat that cannot be rendered: its id is known
                 p, tokens = tokens, None
-            problem = (p.reason, p.detail) if not isinstance(p, Prompt) else self.check(tokens, overrides[i])
+            problem = ((p.reason, p.detail) if not isinstance(p, Prompt)
+                       else self.check(tokens, overrides[i], continuations.get(i)))
             reasons.append(problem[0] if problem else None)
             details.append(problem[1] if problem else None)
             lengths.append(len(tokens) if tokens is not None else 0)
             kept.append(tokens if tokens is not None and problem is None else ())
+            kept_continuations.append(continuations.get(i) if problem is None else None)
         sizes = np.fromiter((len(t) for t in kept), dtype=np.int64, count=len(kept))
         offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
         values = np.fromiter(itertools.chain.from_iterable(kept), dtype=np.int32, count=int(sizes.sum()))
@@ -177,5 +204,10 @@ class PromptTokenizer:
                      pa.list_(pa.uint64())),
             pa.array([k if r is None else None for k, r in zip(kept_columns, reasons)], pa.string()),
             pa.array([overrides_json(o) if r is None else None for o, r in zip(overrides, reasons)], pa.string()),
-            pa.array([o.get("max_new_tokens", self.limits.max_new_tokens) for o in overrides], pa.int32()),
+            pa.array([o.get("max_new_tokens", self.limits.max_new_tokens) if c is None else new_tokens(c)
+                      for o, c in zip(overrides, kept_continuations)], pa.int32()),
+            pa.array(kept_continuations, pa.list_(pa.list_(pa.int32()))),
+            pa.array([len(c or ()) for c in kept_continuations], pa.int32()),
+            pa.array([len(t) if c is None else prefill_tokens(list(t), c) for t, c in zip(kept, kept_continuations)],
+                     pa.int32()),
         ], schema=SCHEMA)

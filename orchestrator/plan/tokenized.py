@@ -26,11 +26,14 @@ from orchestrator.storage import storage
 from orchestrator.storage.atomic import atomic_write_parquet
 
 SUMMARY_COLUMNS = ["row", "prompt_id", "num_tokens", "reason", "detail", "file_index", "line", "page_keys",
-                   "max_new_tokens"]
+                   "max_new_tokens", "num_continuations", "prefill_tokens"]
 BATCH_SCHEMA = pa.schema([("prompt_id", pa.string()), ("row", pa.int64()), ("token_ids", pa.list_(pa.int32())),
-                          ("passthrough", pa.string()), ("sampling", pa.string())])
-"""batches/<id>.parquet. `passthrough` (SampleRecord.passthrough: the row's other columns and typed id) and
-`sampling` (the row's own sampling overrides, orchestrator.plan.row_sampling) are absent from plans older than them."""
+                          ("passthrough", pa.string()), ("sampling", pa.string()),
+                          ("continuations", pa.list_(pa.list_(pa.int32())))])
+"""batches/<id>.parquet. `passthrough` (SampleRecord.passthrough: the row's other columns and typed id),
+`sampling` (the row's own sampling overrides, orchestrator.plan.row_sampling) and `continuations` (a scored row's
+continuations' token ids, `token_ids` being its context; null for a sampled row) are absent from plans older than
+them."""
 
 
 def corpus_bytes(files: list[str]) -> int:

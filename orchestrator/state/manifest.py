@@ -44,6 +44,14 @@ class BatchRecord:
     output_bytes: int | None = None
     """The size of the output as the head wrote it (None in records older than the field): a resume checks each
     done batch's output against it from one listing of outputs/, instead of reading a million footers."""
+    expected_samples: int | None = None
+    """The samples the batch gives once done where that is not num_prompts * sampling.n: a batch with scored rows
+    (one sample per continuation, continuation.batch_samples). None otherwise, and then not written to the manifest
+    (older manifests have no such field)."""
+
+    def samples(self, n: int) -> int:
+        """The samples the batch gives once done, with `n` samples per sampled prompt."""
+        return self.num_prompts * n if self.expected_samples is None else self.expected_samples
 
 
 FIELDS = tuple(f.name for f in fields(BatchRecord))
@@ -73,7 +81,9 @@ def write_manifest(path: str | Path, records: list[BatchRecord], before_replace=
     manifest must not exist yet, as when planning): a second head that wrote in between (this one
     stalled and lost its lock) makes this raise ManifestConflict instead of being overwritten.
     """
-    data = "".join(dumps({name: getattr(r, name) for name in FIELDS}) + "\n" for r in records).encode()
+    data = "".join(dumps({name: getattr(r, name) for name in FIELDS
+                          if name != "expected_samples" or r.expected_samples is not None}) + "\n"
+                   for r in records).encode()
     written = None
     if not storage.is_object_store(path):
         atomic_write_text(path, data.decode(), before_replace=before_replace)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
+from orchestrator.plan.continuation import batch_samples
 from orchestrator.state.manifest import BatchRecord, CorruptRunFile
 from orchestrator.state.rundir import RunDir
 from orchestrator.storage import parquet_io
@@ -125,9 +126,12 @@ def reconcile(run_dir: RunDir, records: list[BatchRecord], as_written: bool = Fa
         rows = {b: _rows(run_dir.batch_file(b)) for b in orphans}
         if None not in rows.values() and sum(rows.values()) == accepted - total:
             for b in orphans:
-                table = parquet_io.read_parquet(run_dir.batch_file(b), columns=["token_ids"])
+                table = parquet_io.read_parquet(run_dir.batch_file(b))
                 tokens = sum(len(t) for t in table.column("token_ids").to_pylist())
-                records.append(BatchRecord(b, num_prompts=rows[b], num_prompt_tokens=tokens))
+                scored = (table.column("continuations").to_pylist() if "continuations" in table.column_names
+                          else [])  # a scored row gives one sample per continuation
+                records.append(BatchRecord(b, num_prompts=rows[b], num_prompt_tokens=tokens,
+                                           expected_samples=batch_samples(len(c or ()) for c in scored)))
                 repairs.append(f"{b}: its line was missing from batches.jsonl; restored from {b}.parquet as pending")
     _check_total(run_dir, records, accepted)
     return records, repairs

@@ -150,3 +150,18 @@ def test_each_prompt_s_own_max_new_tokens_counts_its_pages():
     assert lower_bound(lengths, limits, own) <= packing.num_batches
     with pytest.raises(ValueError, match="item 1 cannot fit any batch: it needs 126 KV pages .* of 2000 new tokens"):
         pack(np.array([5, 10, 3]), limits, max_new_tokens=np.array([1, 2000, 1]))
+
+
+def test_a_scored_row_counts_its_continuations_pages_and_prefill():
+    """A scored row (a context of 10 tokens, 3 continuations of at most 5): its continuations share the context's
+    full pages before its last token and each holds the rest with its one drawn token; it takes 3 sequences and
+    prefills its context once and every continuation."""
+    limits = PackingLimits(page_size=4, max_new_tokens=16, n=1, max_pages=1000, max_prompt_tokens=1000, max_seqs=8,
+                           max_prompts=8)
+    assert limits.page_need(10, 6, 3) == (10 - 1) // 4 + 3 * (-(-(10 + 6) // 4) - (10 - 1) // 4)
+    assert limits.page_need(np.array([10, 10]), np.array([6, 16]), np.array([3, 0])).tolist() == [8, 7]
+    packing = pack(np.array([10, 10, 10, 12]), limits, max_new_tokens=np.array([6, 6, 6, 16]),
+                   continuations=np.array([3, 3, 3, 0]), prefill_tokens=np.array([22, 22, 22, 12]))
+    assert [len(packing.batch(b)) for b in range(packing.num_batches)] == [3, 1]  # 3 + 3 + 1 sequences, then 3
+    assert sorted(packing.num_prompt_tokens.tolist()) == [22, 56]
+    assert "9 continuations" in limits.why_unfit(10, 6, 9, 40) and limits.why_unfit(10, 6, 3, 22) is None

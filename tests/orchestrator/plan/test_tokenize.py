@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from engine.config import EngineConfig, SamplingConfig
+from orchestrator.plan.continuation import encode_continuations
 from orchestrator.plan.corpus import CorpusConfig, Shard, count_rows, number_shards, split_shards
 from orchestrator.plan.model_source import ModelSourceConfig
 from orchestrator.plan.packing import PackingConfig, PackingLimits
@@ -145,14 +146,36 @@ def test_a_row_no_run_can_use_is_one_rejected_row_never_a_dead_shard(tiny_model,
     assert all(len(r["detail"].splitlines()) == 1 for r in table if r["reason"])
 
 
-def test_a_scored_row_in_a_run_is_rejected_never_sampled(tiny_model, tmp_path):
-    """`pagefleet run` does not score rows: a row with a continuation is one rejected row naming where to score it,
-    not a prompt sampled as if it had no continuation."""
+def test_scored_rows_carry_their_continuations_and_what_cannot_be_scored_is_one_line(tiny_model, tmp_path):
+    """A scored row's context and continuations are tokenized as `pagefleet generate` tokenizes them
+    (continuation.encode_continuations); it is measured by its longest continuation; a bad continuation, or a
+    continuation with sampling.n > 1 or with a structured output, is one rejected row with one line."""
+    rows = [{"id": "s", "prompt": "the sea ", "continuation": ["is blue", " hello world"]},
+            {"id": "t", "prompt": "hi", "continuation_token_ids": [5, 6, 7]},
+            {"id": "empty", "prompt": "hi", "continuation": []},
+            {"id": "both", "prompt": "hi", "continuation": "a", "continuation_token_ids": [5]},
+            {"id": "rf", "prompt": "hi", "continuation": " a", "response_format": {"type": "json_object"}},
+            {"id": "p", "prompt": "hi"}]
     path = tmp_path / "c.jsonl"
-    path.write_text("\n".join([json.dumps({"id": "s", "prompt": "hi", "continuation": " there"}),
-                               json.dumps({"id": "t", "prompt": "hi", "continuation_token_ids": [5]}),
-                               json.dumps({"id": "p", "prompt": "hi"})]) + "\n")
-    rows = stage(tiny_model).tokenize_shard(Shard(str(path), "jsonl", 0, path.stat().st_size)).to_pylist()
-    assert [(r["prompt_id"], r["reason"]) for r in rows] == [("s", "bad_continuation"), ("t", "bad_continuation"),
-                                                            ("p", None)]
-    assert "pagefleet generate" in rows[0]["detail"] and rows[0]["token_ids"] == []
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    shard = Shard(str(path), "jsonl", 0, path.stat().st_size)
+    tokenizer = stage(tiny_model)
+    tokenizer.corpus = CorpusConfig(response_format_field="response_format")
+    table = {r["prompt_id"]: r for r in tokenizer.tokenize_shard(shard).to_pylist()}
+    encode = lambda t: AutoTokenizer.from_pretrained(tiny_model)(t)["input_ids"]  # noqa: E731
+    context, continuations = encode_continuations(encode, "the sea ", ["is blue", " hello world"])
+    assert table["s"]["reason"] is None and table["s"]["token_ids"] == context
+    assert table["s"]["continuations"] == continuations and table["s"]["num_continuations"] == 2
+    assert table["s"]["max_new_tokens"] == 1 + max(map(len, continuations))
+    assert table["s"]["prefill_tokens"] == len(context) + sum(map(len, continuations))
+    assert table["t"]["continuations"] == [[5, 6, 7]] and table["t"]["token_ids"] == encode("hi")
+    assert table["p"]["continuations"] is None and table["p"]["num_continuations"] == 0
+    for pid in ("empty", "both", "rf"):
+        assert table[pid]["reason"] == "bad_continuation" and "\n" not in table[pid]["detail"], table[pid]
+    assert table["rf"]["detail"].startswith("a scored row has no completion to constrain")
+    limits = PackingLimits.resolve(PackingConfig(), EngineConfig(max_pages=1024), SamplingConfig(n=2, max_new_tokens=16))
+    two = PromptTokenizer(ModelSourceConfig(path=tiny_model), CorpusConfig(), limits, 64)
+    table = {r["prompt_id"]: r for r in two.tokenize_shard(shard).to_pylist()}
+    assert table["s"]["reason"] == "bad_continuation" and table["p"]["reason"] is None
+    assert table["s"]["detail"].startswith("a row with a continuation is scored, one record per continuation; set "
+                                           "sampling.n to 1 (it is 2)")
