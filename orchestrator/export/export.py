@@ -53,10 +53,10 @@ def done_outputs(run_dir_path: str | Path, partial: bool = False) -> list[Path]:
         if not path.exists():
             raise FileNotFoundError(f"batch {r.batch_id} is done in {run_dir.manifest} but its samples file {path} "
                                     "is missing; restore it, or set the batch back to pending and resume the run")
-        if n is not None and (rows := metadata(path).num_rows) != r.num_prompts * n:
-            raise ValueError(f"batch {r.batch_id} is done in {run_dir.manifest} with {r.num_prompts} prompts x {n} "
-                             f"samples, but {path} holds {rows} samples; rerun `pagefleet run` with the run's config "
-                             "to check and repair the run directory")
+        if n is not None and (rows := metadata(path).num_rows) != r.samples(n):
+            raise ValueError(f"batch {r.batch_id} is done in {run_dir.manifest} with {r.num_prompts} prompts and "
+                             f"{r.samples(n)} samples, but {path} holds {rows} samples; rerun `pagefleet run` with "
+                             "the run's config to check and repair the run directory")
         paths.append(path)
     return paths
 

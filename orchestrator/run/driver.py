@@ -30,6 +30,7 @@ from orchestrator.observe.progress import RunProgress
 from orchestrator.observe.run_summary import RunSummary
 from orchestrator.observe.timeline import read_timeline
 from orchestrator.observe.tracking import make_tracker
+from orchestrator.plan.continuation import sample_keys
 from orchestrator.plan.planner import plan_locked, refuse_impossible
 from orchestrator.plan.retune import retune
 from orchestrator.run.signals import interrupt_on_signals, on_signals, restore_signals
@@ -308,7 +309,8 @@ class Driver:
 
     def _dispatch(self, slot: _Slot, batch_id: str) -> None:
         record = self._state.mark_running(batch_id, slot.name)
-        slot.gang.submit(batch_id, record.attempts, record.num_prompts)  # a reference: the slice reads the file
+        slot.gang.submit(batch_id, record.attempts, record.num_prompts,  # a reference: the slice reads the file
+                         record.samples(self.cfg.sampling.n))
         crash_point("dispatched")
 
     def _attempt_failed(self, batch_id: str, error: str, final: bool = False) -> None:
@@ -318,17 +320,19 @@ class Driver:
 
     def _completed(self, slot: _Slot, result: Completed) -> None:
         n = self.cfg.sampling.n
+        columns = ["prompt_id"] + (["continuations"] if self._state.records[result.batch_id].expected_samples
+                                   is not None else [])  # a batch with scored rows: their continuations count
         try:  # the batch's prompt ids (never its token ids): what the samples must be, and their stamp
-            prompt_ids = read_batch(self.run_dir.batch_file(result.batch_id), ["prompt_id"])["prompt_id"].to_pylist()
+            prompts = read_batch(self.run_dir.batch_file(result.batch_id), columns)
         except BatchFileError as e:
             self._attempt_failed(result.batch_id, str(e), final=True)
             return
+        prompt_ids = prompts["prompt_id"].to_pylist()
         samples = result.samples
-        expected_ids = [pid for pid in prompt_ids for _ in range(n)]
-        if (samples.column("prompt_id").to_pylist() != expected_ids
-                or samples.column("generation_index").to_pylist() != list(range(n)) * len(prompt_ids)):
+        expected = sample_keys(prompts, n)
+        if list(zip(samples.column("prompt_id").to_pylist(), samples.column("generation_index").to_pylist())) != expected:
             self._attempt_failed(result.batch_id, f"{slot.name} returned {samples.num_rows} samples that do not match "
-                                 f"the batch's {len(prompt_ids)} prompts x {n} (internal error)")
+                                 f"the batch's {len(expected)} samples of {len(prompt_ids)} prompts (internal error)")
             return
         atomic_write_parquet(self.run_dir.output_file(result.batch_id), stamp(samples, self._plan, prompt_ids),
                              before_replace=lambda: crash_point("output_tmp"))

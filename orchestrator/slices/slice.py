@@ -220,11 +220,11 @@ class SliceWorker:
         try:
             prompts = on_hosts(loaded, work.path, work.batch_id, self.spec.spmd)
         except BatchFileError as e:
-            self.samples_finished += work.num_prompts * sampling.n
+            self.samples_finished += work.num_prompts * sampling.n if work.num_samples is None else work.num_samples
             self._emit(Failed(work.batch_id, work.attempt, self.spec.name, str(e), deterministic=e.deterministic))
             return
         requests = batch_requests(prompts, sampling)
-        for r in requests[::sampling.n]:
+        for r in (r for r in requests if r.generation_index == 0 or r.is_scored):  # each prompt, each continuation
             error = self.engine.validate(r)
             if error is not None:
                 self.samples_finished += len(requests)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from engine import RECORD_FIELDS, Request, SamplingConfig
+from orchestrator.plan.continuation import sample_keys, samples_per_row
 from orchestrator.plan.row_sampling import apply
 from orchestrator.slices.slice_spec import SliceSpec
 from orchestrator.state.results import SAMPLE_SCHEMA, BatchStats, BatchWork, Completed, Failed, Result, with_stats
@@ -18,12 +19,21 @@ from orchestrator.state.results import SAMPLE_SCHEMA, BatchStats, BatchWork, Com
 
 def batch_requests(prompts: pa.Table, sampling: SamplingConfig) -> list[Request]:
     """The engine's requests for a batch file's rows: `sampling.n` samples of each prompt, each row's own sampling
-    overrides applied (validated when planned)."""
+    overrides applied (validated when planned); a scored row's are one per continuation, its context followed by
+    the continuation (as `pagefleet generate` makes them), in `continuation.sample_keys` order."""
     ids = prompts.column("prompt_id").to_pylist()
     own = prompts.column("sampling").to_pylist() if "sampling" in prompts.column_names else [None] * len(ids)
-    return [Request(pid, tuple(tokens), apply(sampling, overrides), generation_index=g)
-            for pid, tokens, overrides in zip(ids, prompts.column("token_ids").to_pylist(), own)
-            for g in range(sampling.n)]
+    scored = (prompts.column("continuations").to_pylist() if "continuations" in prompts.column_names
+              else [None] * len(ids))
+    requests = []
+    for pid, tokens, overrides, continuations in zip(ids, prompts.column("token_ids").to_pylist(), own, scored):
+        if continuations:
+            requests += [Request(pid, tuple(tokens) + tuple(c), apply(sampling, overrides), generation_index=g,
+                                 num_context_tokens=len(tokens)) for g, c in enumerate(continuations)]
+        else:
+            requests += [Request(pid, tuple(tokens), apply(sampling, overrides), generation_index=g)
+                         for g in range(sampling.n)]
+    return requests
 
 
 @dataclass
@@ -83,15 +93,15 @@ def batch_result(live: LiveBatch, spec: SliceSpec) -> Result:
     if errors:
         return Failed(live.work.batch_id, live.work.attempt, spec.name,
                       f"prompt {errors[0].prompt_id!r}: {errors[0].error}", deterministic=True)
-    n = spec.sampling.n
     work, prompts = live.work, live.prompts
-    ids, rows = prompts.column("prompt_id").to_pylist(), prompts.column("row").to_pylist()
-    samples = [live.done[(pid, g)] for pid in ids for g in range(n)]
+    counts = samples_per_row(prompts, spec.sampling.n)
+    samples = [live.done[key] for key in sample_keys(prompts, spec.sampling.n)]
     columns = {name: [getattr(c, name) for c in samples] for name in RECORD_FIELDS}
     columns["batch_id"] = [work.batch_id] * len(samples)  # the engine's records carry none
-    columns["row"] = [r for r in rows for _ in range(n)]
+    columns["row"] = [r for r, k in zip(prompts.column("row").to_pylist(), counts) for _ in range(k)]
     if "passthrough" in prompts.column_names:  # the row's other columns and typed id (a plan's batch file)
-        columns["passthrough"] = [k for k in prompts.column("passthrough").to_pylist() for _ in range(n)]
+        columns["passthrough"] = [p for p, k in zip(prompts.column("passthrough").to_pylist(), counts)
+                                  for _ in range(k)]
     stats = BatchStats(
         num_samples=len(samples), num_output_tokens=sum(len(c.token_ids) for c in samples),
         duration_s=time.time() - live.started, num_steps=live.steps,

@@ -230,15 +230,16 @@ class SliceGang:
         """Samples sent to the slice's current actors and not known to have finished (an upper bound on its queue)."""
         return sum(self._host_sent) - sum(self._host_finished)
 
-    def submit(self, batch_id: str, attempt: int, num_prompts: int) -> None:
+    def submit(self, batch_id: str, attempt: int, num_prompts: int, num_samples: int) -> None:
         """Send the slice a reference to the batch's file; the slice reads the prompts itself."""
         budget = self.cfg.samples_in_flight_per_slice
         host = min(range(self.num_hosts), key=lambda h: (self._host_sent[h] - self._host_finished[h], h)) \
             if self._host_level else 0  # host-level: to the host holding the fewest unfinished samples
         share = max(1, budget // self.num_hosts) if self._host_level else budget
-        self._host_sent[host] += num_prompts * self.cfg.sampling.n
+        self._host_sent[host] += num_samples
         work = BatchWork(batch_id, attempt, str(self.run_dir.batch_file(batch_id)), num_prompts,
-                         seq=self._host_batches[host], wake_at=self._host_sent[host] - share + 1)
+                         seq=self._host_batches[host], wake_at=self._host_sent[host] - share + 1,
+                         num_samples=num_samples)
         self._host_batches[host] += 1
         for actor in [self.actors[host]] if self._host_level else self.actors:  # SPMD: every host the same batch
             actor.submit.remote(work)

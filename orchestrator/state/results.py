@@ -42,6 +42,8 @@ class BatchWork:
     wake_at: int | None = None
     """The head's flow control: return its pending poll once this many of the samples sent to this slice (or
     host) have finished, since it then has room to send the next batch. None: never early."""
+    num_samples: int | None = None
+    """The samples the batch gives (BatchRecord.samples); None: num_prompts * sampling.n."""
 
 
 @dataclass(frozen=True)

@@ -82,7 +82,7 @@ class RunState:
                     state.update(r.batch_id, status="pending", output=None)
                     state.event(f"{r.batch_id} was done but {output.name} is missing; it will be recomputed")
                 elif size != r.output_bytes if r.output_bytes is not None else \
-                        _complete(output, r.num_prompts * samples_per_prompt)[0] is None:
+                        _complete(output, r.samples(samples_per_prompt))[0] is None:
                     # Written atomically, so only something outside pagefleet cut or damaged it (a copy, a disk).
                     output.unlink()
                     state.update(r.batch_id, status="pending", output=None)
@@ -93,7 +93,8 @@ class RunState:
                 state.event(f"{r.batch_id}: kept {output.name} but did not adopt it: its batch file is missing, so "
                             "nothing shows it holds this batch's prompts")
             elif size is not None:
-                stats, why = _adoptable(output, samples_per_prompt, r.num_prompts, plan, run_dir.batch_file(r.batch_id))
+                stats, why = _adoptable(output, samples_per_prompt, r.samples(samples_per_prompt), plan,
+                                        run_dir.batch_file(r.batch_id))
                 if stats is not None:
                     state.mark_done(r.batch_id, stats, slice=r.slice, adopted=True, output_bytes=size)
                     continue
@@ -242,9 +243,10 @@ def _complete(output: Path, expected_samples: int) -> tuple[pq.FileMetaData | No
     return meta, stats, ""
 
 
-def _adoptable(output: Path, n: int, num_prompts: int, plan: str, batch_file: Path) -> tuple[BatchStats | None, str]:
-    """(the stats of a complete output file of this plan's batch, '') or (None, why it is not one)."""
-    meta, stats, why = _complete(output, num_prompts * n)
+def _adoptable(output: Path, n: int, num_samples: int, plan: str, batch_file: Path) -> tuple[BatchStats | None, str]:
+    """(the stats of a complete output file of this plan's batch of `num_samples` samples, '') or (None, why it is
+    not one)."""
+    meta, stats, why = _complete(output, num_samples)
     if meta is None:
         return None, why
     try:

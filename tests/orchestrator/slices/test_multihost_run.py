@@ -91,9 +91,9 @@ def test_host_given_another_batch_fails_that_batch_only(ray_local, run_model, tm
         pq.write_table(table.set_column(2, "token_ids", pa.array(ids, table.schema.field("token_ids").type)), other)
         return str(other)
 
-    def submit(self, batch_id, attempt, num_prompts):
+    def submit(self, batch_id, attempt, num_prompts, num_samples):
         if batch_id != "b000000":
-            return real_submit(self, batch_id, attempt, num_prompts)
+            return real_submit(self, batch_id, attempt, num_prompts, num_samples)
         host_1 = self.actors[1]
 
         class Host1:  # is sent a reference to another file than host 0's
@@ -104,7 +104,7 @@ def test_host_given_another_batch_fails_that_batch_only(ray_local, run_model, tm
 
         self.actors[1] = Host1
         try:
-            real_submit(self, batch_id, attempt, num_prompts)
+            real_submit(self, batch_id, attempt, num_prompts, num_samples)
         finally:
             self.actors[1] = host_1
 

@@ -38,7 +38,8 @@ def batch(directory: Path, batch_id: str, seq: int, num_prompts: int, wake_at: i
     prompts = pa.table({"prompt_id": [f"{batch_id}-{i}" for i in range(num_prompts)],
                         "row": list(range(num_prompts)),
                         "token_ids": [[5 + i, 6, 7, 8 + seq] for i in range(num_prompts)],
-                        "passthrough": [None] * num_prompts, "sampling": [None] * num_prompts}, schema=BATCH_SCHEMA)
+                        "passthrough": [None] * num_prompts, "sampling": [None] * num_prompts,
+                        "continuations": [None] * num_prompts}, schema=BATCH_SCHEMA)
     path = directory / f"{batch_id}.parquet"
     pq.write_table(prompts, path)
     return BatchWork(batch_id, 1, str(path), num_prompts, seq=seq, wake_at=wake_at)
