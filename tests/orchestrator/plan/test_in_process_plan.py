@@ -22,6 +22,8 @@ ROOT = Path(__file__).resolve().parents[3]
 def _corpus(path: Path) -> None:
     lines = [{"id": f"p{i}", "prompt": "word " * (1 + (i * 7) % 40)} for i in range(60)]
     lines += [{"id": "p3", "prompt": "a duplicate id"}, {"id": "bad"}, {"id": "shared", "prompt": "word " * 40}]
+    lines += [{"id": f"s{i}", "prompt": "word " * (1 + i), "continuation": [" word"] * (1 + i % 3)} for i in range(6)]
+    lines += [{"id": "ids", "prompt": "word", "continuation_token_ids": [[5, 6], [7]]}]  # scored rows
     path.write_text("".join(json.dumps(line) + "\n" for line in lines) + "not json\n")
 
 
@@ -49,6 +51,7 @@ def test_a_plan_made_here_equals_the_plan_made_on_ray_data(tiny_model, tmp_path,
         results[name] = _plan_of(tmp_path / name)
     assert where == [True, False]  # one plan each way
     assert len(results["here"]["batches"]) > 1 and "duplicate_id" in results["here"]["rejected"]
+    assert "expected_samples" in results["here"]["manifest"]  # the scored rows were planned
     assert results["here"] == results["ray"]
 
 
