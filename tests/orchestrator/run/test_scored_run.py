@@ -1,6 +1,6 @@
 """`pagefleet run` over a corpus mixing sampled and scored rows: the scored rows' records are `pagefleet generate`'s,
-bit for bit; a resume neither loses nor duplicates them, a recomputed batch gives them again, export keeps them in
-corpus order, and a bad continuation is a rejected row."""
+bit for bit; a resume neither loses nor duplicates them, a recomputed batch gives them again, a re-pack for fewer
+slots keeps each continuation once, export keeps them in corpus order, and a bad continuation is a rejected row."""
 
 import json
 
@@ -9,6 +9,7 @@ import pytest
 from orchestrator.commands.generate import main as generate_main
 from orchestrator.config import load_run_config
 from orchestrator.export.export import collect
+from orchestrator.plan.planner import plan
 from orchestrator.run.driver import Driver
 from orchestrator.state.manifest import read_manifest
 
@@ -51,16 +52,7 @@ def test_scored_rows_in_a_run_equal_generate_and_survive_a_resume(ray_local, run
                  for g in range(len(_continuations(r)) if _continuations(r) else 1)]
     assert [(r["prompt_id"], r["generation_index"]) for r in records] == want_keys  # corpus order, each once
 
-    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in SCORED))
-    assert generate_main(["--model", run_model, "--input", str(tmp_path / "in.jsonl"), "--output",
-                          str(tmp_path / "out.jsonl"), "--progress=false", "--dtype=float32",
-                          *(f"--engine.{k}={v}" for k, v in ENGINE.items())]) == 0
-    generated = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
-    scored = [r for r in records if r["continuation_logprobs"] is not None]
-    assert len(scored) == len(generated) == sum(len(_continuations(r)) for r in SCORED)
-    for mine, theirs in zip(scored, generated):
-        assert {k: mine.get(k) for k in KEYS} == {k: theirs.get(k) for k in KEYS}  # floats compared exactly
-        assert json.loads(mine["passthrough"]).get("continuation") == theirs.get("continuation")
+    _assert_generates_scores(records, run_model, tmp_path)
     sampled = [r for r in records if r["continuation_logprobs"] is None]
     assert len(sampled) == len(SAMPLED) and all(r["token_ids"] and r["is_greedy"] is None for r in sampled)
 
@@ -73,6 +65,38 @@ def test_scored_rows_in_a_run_equal_generate_and_survive_a_resume(ray_local, run
     assert "was done but" in (run_dir / "events.log").read_text()
     again = collect(run_dir).to_pylist()
     assert [{k: r.get(k) for k in KEYS} for r in again] == [{k: r.get(k) for k in KEYS} for r in records]
+
+
+def test_a_planned_run_resumed_with_fewer_slots_repacks_scored_rows_exactly_once(ray_local, run_model, tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in SCORED + SAMPLED))
+    run_dir = tmp_path / "run"
+    plan(load_run_config(None, run_args(run_model, str(corpus), run_dir, "--cluster.num_slices=1")))
+    assert any(r.samples(1) > 4 for r in read_manifest(run_dir / "batches.jsonl"))  # a batch of more than 4 sequences
+    retuned = load_run_config(None, run_args(run_model, str(corpus), run_dir, "--cluster.num_slices=1",
+                                             "--engine.max_seqs=4"))
+    assert Driver(retuned, show_progress=False).run().exit_code == 0
+    manifest = read_manifest(run_dir / "batches.jsonl")
+    assert all(r.batch_id.endswith("-r1") and r.samples(1) <= 4 for r in manifest)  # one sequence a continuation
+    assert any(r.expected_samples for r in manifest)
+    records = collect(run_dir).to_pylist()
+    assert [(r["prompt_id"], r["generation_index"]) for r in records] == [
+        (r["id"], g) for r in SCORED + SAMPLED for g in range(max(1, len(_continuations(r))))]
+    _assert_generates_scores(records, run_model, tmp_path)
+
+
+def _assert_generates_scores(records: list[dict], run_model: str, tmp_path) -> None:
+    """The scored records of a run are `pagefleet generate`'s for the same rows, bit for bit."""
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in SCORED))
+    assert generate_main(["--model", run_model, "--input", str(tmp_path / "in.jsonl"), "--output",
+                          str(tmp_path / "out.jsonl"), "--progress=false", "--dtype=float32",
+                          *(f"--engine.{k}={v}" for k, v in ENGINE.items())]) == 0
+    generated = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    scored = [r for r in records if r["continuation_logprobs"] is not None]
+    assert len(scored) == len(generated) == sum(len(_continuations(r)) for r in SCORED)
+    for mine, theirs in zip(scored, generated):
+        assert {k: mine.get(k) for k in KEYS} == {k: theirs.get(k) for k in KEYS}  # floats compared exactly
+        assert json.loads(mine["passthrough"]).get("continuation") == theirs.get("continuation")
 
 
 def _continuations(row: dict) -> list:
