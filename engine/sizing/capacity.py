@@ -38,6 +38,15 @@ def pages_needed(num_prompt_tokens: N, max_new_tokens: int, page_size: int, n: i
     return shared + n * (pages_for(num_prompt_tokens + max_new_tokens, page_size) - shared)
 
 
+def scored_length_error(num_context_tokens: int, num_prompt_tokens: int) -> str | None:
+    """Why a scored request whose prompt of `num_prompt_tokens` is a context of `num_context_tokens` followed by a
+    continuation cannot run, or None: each needs at least one token."""
+    if 1 <= num_context_tokens < num_prompt_tokens:
+        return None
+    return (f"bad_continuation: a scored row needs a context and a continuation of at least one token each, "
+            f"got {num_context_tokens} context and {num_prompt_tokens - num_context_tokens} continuation tokens")
+
+
 def scored_sampling_error(sampling: SamplingConfig) -> str | None:
     """Why a scored request (a context and a continuation, Request.num_context_tokens) cannot run with `sampling`,
     or None: it has no completion, so nothing for a structured output to constrain."""
@@ -83,9 +92,9 @@ def validate_request(prompt_token_ids: Sequence[int], sampling: SamplingConfig, 
     rejected.jsonl (`too_long: ...`) where there is one. `num_context_tokens`: a scored request's context
     (Request), whose sequence is its prompt (context and continuation) and one token drawn after it.
     `image_token_id`: a multimodal checkpoint's image placeholder, which the engine (a text model) cannot fill."""
-    if num_context_tokens is not None and not 1 <= num_context_tokens < len(prompt_token_ids):
-        return (f"bad_continuation: a scored row needs a context and a continuation of at least one token each, "
-                f"got {num_context_tokens} context and {len(prompt_token_ids) - num_context_tokens} continuation tokens")
+    if num_context_tokens is not None and (error := scored_length_error(num_context_tokens,
+                                                                        len(prompt_token_ids))) is not None:
+        return error
     new_tokens = 1 if num_context_tokens is not None else sampling.max_new_tokens
     if (error := length_error(len(prompt_token_ids), new_tokens, max_seq_len)) is not None:
         return f"{error[0]}: {error[1]}"
