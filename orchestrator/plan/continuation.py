@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine import SamplingConfig, scored_sampling_error
+from engine import SamplingConfig, scored_length_error, scored_sampling_error
 from orchestrator.plan.corpus import Rejection, a_type
 
 TEXT_FIELD = "continuation"
@@ -57,6 +57,13 @@ def scored_error(sampling: SamplingConfig) -> str | None:
     one sample per prompt, or a structured output (there is no completion to constrain). One line, starting with
     its reason (`bad_continuation: ...`)."""
     return n_error(sampling.n) or scored_sampling_error(sampling)
+
+
+def continuations_error(context: list[int], continuations: list[list[int]]) -> str | None:
+    """Why a scored row's tokenized context and continuations cannot be scored (a text continuation that encodes
+    to no token of its own), or None; one line starting with its reason, as the engine says it."""
+    return next((why for c in continuations
+                 if (why := scored_length_error(len(context), len(context) + len(c))) is not None), None)
 
 
 def new_tokens(continuations: list[list[int]]) -> int:

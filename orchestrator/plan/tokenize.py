@@ -22,8 +22,8 @@ from engine import SamplingConfig, length_error
 from engine import stop_ids_error, structured_error
 from orchestrator.plan.corpus import (CorpusConfig, Prompt, RawRow, Rejection, Shard, extract_prompt, passthrough,
                                  read_rows, row_id)
-from orchestrator.plan.continuation import (encode_continuations, is_scored, new_tokens, prefill_tokens,
-                                            row_continuations, scored_error)
+from orchestrator.plan.continuation import (continuations_error, encode_continuations, is_scored, new_tokens,
+                                            prefill_tokens, row_continuations, scored_error)
 from orchestrator.plan.model_source import ModelSourceConfig, load_tokenizer
 from orchestrator.plan.openai_batch import native_row, row_fields
 from orchestrator.plan.packing import PackingLimits, leading_page_keys
@@ -118,7 +118,7 @@ class PromptTokenizer:
         """Why a tokenized prompt (a scored row's context, with its `continuations`) cannot run with its row's
         sampling `overrides` (row_sampling), or None."""
         sampling = apply(self.sampling, overrides)
-        if continuations is not None and (why := scored_error(sampling)) is not None:
+        if continuations is not None and (why := scored_error(sampling) or continuations_error(tokens, continuations)):
             return tuple(why.split(": ", 1))  # type: ignore[return-value]
         new = (overrides or {}).get("max_new_tokens", self.limits.max_new_tokens)
         k, prefill = 0, None

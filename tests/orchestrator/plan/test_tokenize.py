@@ -155,6 +155,7 @@ def test_scored_rows_carry_their_continuations_and_what_cannot_be_scored_is_one_
             {"id": "empty", "prompt": "hi", "continuation": []},
             {"id": "both", "prompt": "hi", "continuation": "a", "continuation_token_ids": [5]},
             {"id": "rf", "prompt": "hi", "continuation": " a", "response_format": {"type": "json_object"}},
+            {"id": "merged", "prompt": "hel", "continuation": "lo"},  # "hello" is one token: no continuation token
             {"id": "p", "prompt": "hi"}]
     path = tmp_path / "c.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -170,9 +171,10 @@ def test_scored_rows_carry_their_continuations_and_what_cannot_be_scored_is_one_
     assert table["s"]["prefill_tokens"] == len(context) + sum(map(len, continuations))
     assert table["t"]["continuations"] == [[5, 6, 7]] and table["t"]["token_ids"] == encode("hi")
     assert table["p"]["continuations"] is None and table["p"]["num_continuations"] == 0
-    for pid in ("empty", "both", "rf"):
+    for pid in ("empty", "both", "rf", "merged"):
         assert table[pid]["reason"] == "bad_continuation" and "\n" not in table[pid]["detail"], table[pid]
     assert table["rf"]["detail"].startswith("a scored row has no completion to constrain")
+    assert table["merged"]["detail"].startswith("a scored row needs a context and a continuation of at least one")
     limits = PackingLimits.resolve(PackingConfig(), EngineConfig(max_pages=1024), SamplingConfig(n=2, max_new_tokens=16))
     two = PromptTokenizer(ModelSourceConfig(path=tiny_model), CorpusConfig(), limits, 64)
     table = {r["prompt_id"]: r for r in two.tokenize_shard(shard).to_pylist()}
