@@ -22,8 +22,8 @@ WANDB_TABLE_MAX_ROWS = 10_000
 # The samples table: the sample record's scalar fields (engine.SampleRecord), which sample first, the token
 # lists summed up as a count; the input's passed-through columns (a prompt may be long) are left to the export.
 _KEY_COLUMNS = ("prompt_id", "generation_index", "batch_id")
-_LEFT_OUT = (*_KEY_COLUMNS, "token_ids", "logprobs", "passthrough", "prompt_logprobs", "continuation_logprobs",
-             "continuation_logprob", "is_greedy")  # runs do not score rows yet
+_LEFT_OUT = (*_KEY_COLUMNS, "token_ids", "logprobs", "passthrough", "prompt_logprobs", "continuation_logprobs")
+# A scored row's sample keeps its scalars (continuation_logprob, is_greedy; null for a sampled row).
 SAMPLE_COLUMNS = (*_KEY_COLUMNS, *(f for f in RECORD_FIELDS if f not in _LEFT_OUT),
                   "num_output_tokens")
 

@@ -112,7 +112,7 @@ def test_offline_run_writes_a_bounded_samples_table(offline_run):
     assert table["columns"] == list(SAMPLE_COLUMNS)
     assert len(table["data"]) == 50
     assert [row[0] for row in table["data"]] == [f"p{i:03d}" for i in range(50)]  # the first ones, in order
-    assert table["data"][3] == ["p003", 1, 0, "text 3", "length", 5, 3]
+    assert table["data"][3] == ["p003", 1, 0, "text 3", "length", 5, None, None, 3]  # not scored: no scores
 
 
 def test_offline_run_records_config_history_and_summary(offline_run):
