@@ -17,7 +17,11 @@ from engine.scheduling.sequence import Request
 WINDOW = 12  # the sliding-window model's window: shorter than every sequence here
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen3", "tiny-qwen3-reference", "tiny-mixtral",
+# The default run swaps on Llama (native CPU kernel), Qwen3 on the reference attention (its QK-norm layer, and the
+# reference's paths) and Qwen3-MoE (rows sharing experts); Qwen3 on the CPU kernel and Mixtral add no path of their
+# own here (test_engine.py runs their batch invariance by default), so they run under -m slow with the window model.
+@pytest.fixture(scope="module", params=["tiny-llama", pytest.param("tiny-qwen3", marks=pytest.mark.slow),
+                                        "tiny-qwen3-reference", pytest.param("tiny-mixtral", marks=pytest.mark.slow),
                                         "tiny-qwen3-moe",
                                         pytest.param("tiny-mistral-window", marks=pytest.mark.slow)])
 def model(request, tmp_path_factory):
