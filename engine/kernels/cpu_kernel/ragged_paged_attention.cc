@@ -23,8 +23,14 @@
 // a sequence is recomputed after preemption): 16 partial sums, partial l adding q[d] * k[d] for
 // d = l, l + 16, l + 32, ... in order with fused multiply-adds (columns past head_dim count as 0 * 0), then
 // a tree: l + (l + 8) for l < 8, then + 4, + 2, + 1. The all-heads path reduces 16 keys' partial-sum
-// vectors together with shuffles (reduce16), reading each key's K row as it lies in the page; run_lanes
-// keeps one accumulator per partial sum with 16 query rows in the lanes.
+// vectors together with shuffles (reduce16; scores8 with AVX registers), reading each key's K row as it lies
+// in the page; run_lanes keeps one accumulator per partial sum with query rows in the lanes (16 with AVX-512,
+// 8 with AVX2). The vector paths are tested against the same source built with no AVX at all, where every
+// multiply-add is std::fma and every tree is summed in plain C++ (tests/engine/kernels/test_cpu_kernel_isa.py).
+//
+// On a CPU with AVX2 but no AVX-512 (16 vector registers of 8 floats), every loop keeps its live vectors
+// within 16 registers: a 16-lane vector there is two registers, and loops sized for AVX-512's 32 spilled to
+// the stack on every multiply-add (prefill attention ran at about 8 GFLOP/s on two AMD EPYC cores; now ~45).
 //
 // Each query row's arithmetic depends only on its own sequence's chunk (its q rows, pages and positions),
 // never on which other sequences share the call or where they sit: results are bit-identical whatever
@@ -79,41 +85,71 @@ constexpr int kLanes = 16;
 typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
+// run_lanes keeps query rows in the lanes of one register: 16 with AVX-512, 8 otherwise (a 16-lane vector
+// is two AVX registers there, and the score loop's accumulators would no longer fit the 16 it has). Each
+// lane's arithmetic is the same whatever the width, so the width changes no bits.
+#if defined(__AVX512F__)
+constexpr int kRowLanes = 16;
+#else
+constexpr int kRowLanes = 8;
+#endif
+typedef float rf __attribute__((vector_size(kRowLanes * sizeof(float))));
+typedef int32_t ri __attribute__((vector_size(kRowLanes * sizeof(int32_t))));
+
+template <class V>
+struct Lanes {
+  static constexpr int n = sizeof(V) / sizeof(float);
+  typedef int32_t I __attribute__((vector_size(sizeof(V))));
+};
+
 // Every lane x (a broadcast; `vf{} + x` would be 0.0f + x, an add the compiler must keep for x = -0.0f).
-inline vf splat(float x) { return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+// (Written out: a loop of lane stores compiles to inserts, not to one broadcast.)
+template <class V>
+inline V splat_as(float x) {
+  static_assert(Lanes<V>::n == 8 || Lanes<V>::n == 16);
+  if constexpr (Lanes<V>::n == 8) return V{x, x, x, x, x, x, x, x};
+  else return V{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+}
+inline vf splat(float x) { return splat_as<vf>(x); }
 
 // a * b + c rounded once. The kernel is built with -ffp-contract=off, so that the compiler never fuses a
 // multiply-add in one path and not in another (a row must get the same bits whichever path its item takes);
 // the multiply-adds of the dot products are fused here explicitly, the same way in every path.
-inline vf fma(vf a, vf b, vf c) {
+template <class V>
+inline V fma(V a, V b, V c) {
+  constexpr int n = Lanes<V>::n;
 #if defined(__AVX512F__)
-  return reinterpret_cast<vf>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b),
-                                              reinterpret_cast<__m512>(c)));
-#elif defined(__FMA__)
-  typedef float half_vf __attribute__((vector_size(kLanes / 2 * sizeof(float))));
-  struct Halves { half_vf lo, hi; };
-  const Halves x = reinterpret_cast<const Halves&>(a), y = reinterpret_cast<const Halves&>(b),
-               z = reinterpret_cast<const Halves&>(c);
-  Halves r{reinterpret_cast<half_vf>(_mm256_fmadd_ps(reinterpret_cast<__m256>(x.lo), reinterpret_cast<__m256>(y.lo),
-                                                     reinterpret_cast<__m256>(z.lo))),
-           reinterpret_cast<half_vf>(_mm256_fmadd_ps(reinterpret_cast<__m256>(x.hi), reinterpret_cast<__m256>(y.hi),
-                                                     reinterpret_cast<__m256>(z.hi)))};
-  return reinterpret_cast<const vf&>(r);
-#else
-  vf r;
-  for (int i = 0; i < kLanes; ++i) r[i] = std::fma(a[i], b[i], c[i]);
-  return r;
+  if constexpr (n == 16)
+    return reinterpret_cast<V>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b),
+                                               reinterpret_cast<__m512>(c)));
 #endif
+#if defined(__FMA__)
+  if constexpr (n == 8) {
+    return reinterpret_cast<V>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a), reinterpret_cast<__m256>(b),
+                                               reinterpret_cast<__m256>(c)));
+  } else if constexpr (n == 16) {
+    typedef float half_vf __attribute__((vector_size(8 * sizeof(float))));
+    struct Halves { half_vf lo, hi; };
+    const Halves x = reinterpret_cast<const Halves&>(a), y = reinterpret_cast<const Halves&>(b),
+                 z = reinterpret_cast<const Halves&>(c);
+    Halves r{fma(x.lo, y.lo, z.lo), fma(x.hi, y.hi, z.hi)};
+    return reinterpret_cast<const V&>(r);
+  }
+#endif
+  V r;
+  for (int i = 0; i < n; ++i) r[i] = std::fma(a[i], b[i], c[i]);
+  return r;
 }
 inline vi splat_i(int32_t x) { return vi{} + x; }
 const vi lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
 // C * tanh(s / C) lane by lane (the reference's order: divide, tanh, multiply). Out of line, so that both
 // paths run the same instructions whatever the compiler would do with it inlined.
-__attribute__((noinline)) vf soft_cap_scores(vf s, float cap) {
-  vf r;
-  for (int i = 0; i < kLanes; ++i) r[i] = cap * std::tanh(s[i] / cap);
-  return r;
+__attribute__((noinline)) float soft_cap_score(float s, float cap) { return cap * std::tanh(s / cap); }
+template <class V>
+V soft_cap_scores(V s, float cap) {
+  for (int i = 0; i < Lanes<V>::n; ++i) s[i] = soft_cap_score(s[i], cap);
+  return s;
 }
 
 // The score tree's last steps (see the top): partial sums P[0..15] of one score per lane -> the score.
@@ -177,29 +213,127 @@ inline vf load16(const float* p, int64_t valid) {
 #endif
 }
 
+#if defined(__FMA__) && !defined(__AVX512F__)
+// reduce16's sums with AVX registers, 8 keys at a time, key c's score in lane c (k[c]: its K row for this
+// query head; qv: the query's 16-column blocks). Each key's two halves of partial sums are added as soon as
+// they are done (l + (l + 8)), then the tree's + 4, + 2 and + 1 run across keys with shuffles, so the live
+// registers stay within AVX's 16 (reduce16's generic form, used without AVX, extracts one lane at a time).
+inline __m256 key_pairs(const vf* qv, int64_t blocks, const float* k, int64_t D) {  // l + (l + 8), l < 8
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const vf kb = load16(k + b * kLanes, D - b * kLanes);
+    __m256 q2[2], k2[2];
+    std::memcpy(q2, &qv[b], sizeof(q2));
+    std::memcpy(k2, &kb, sizeof(k2));
+    lo = _mm256_fmadd_ps(q2[0], k2[0], lo);
+    hi = _mm256_fmadd_ps(q2[1], k2[1], hi);
+  }
+  return _mm256_add_ps(lo, hi);
+}
+inline __m256 plus4(__m256 a, __m256 b) {  // [a_l + a_(l+4), b_l + b_(l+4)], l < 4
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+inline __m256 plus2(__m256 x, __m256 y) {  // per 128 bits: [x_0 + x_2, x_1 + x_3, y_0 + y_2, y_1 + y_3]
+  return _mm256_add_ps(_mm256_shuffle_ps(x, y, _MM_SHUFFLE(1, 0, 1, 0)), _mm256_shuffle_ps(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+inline __m256 plus1(__m256 z, __m256 w) {  // per 128 bits: [z_0 + z_1, z_2 + z_3, w_0 + w_1, w_2 + w_3]
+  return _mm256_add_ps(_mm256_shuffle_ps(z, w, _MM_SHUFFLE(2, 0, 2, 0)), _mm256_shuffle_ps(z, w, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+inline __m256 scores8(const vf* qv, int64_t blocks, const float* const* k, int64_t D) {
+  // plus4 of keys (c, c + 4) puts them in the two 128-bit halves; plus2 of (0, 4) with (1, 5) gives
+  // [0 0 1 1 | 4 4 5 5], of (2, 6) with (3, 7) [2 2 3 3 | 6 6 7 7]; plus1 of the two: [0 1 2 3 | 4 5 6 7].
+  const __m256 z = plus2(plus4(key_pairs(qv, blocks, k[0], D), key_pairs(qv, blocks, k[4], D)),
+                         plus4(key_pairs(qv, blocks, k[1], D), key_pairs(qv, blocks, k[5], D)));
+  const __m256 w = plus2(plus4(key_pairs(qv, blocks, k[2], D), key_pairs(qv, blocks, k[6], D)),
+                         plus4(key_pairs(qv, blocks, k[3], D), key_pairs(qv, blocks, k[7], D)));
+  return plus1(z, w);
+}
+#endif
+
 // exp(x) lane by lane: Cephes' single-precision polynomial (about 1 ulp), x clamped to [-87.3, 88.3].
-inline vf vexp(vf x) {
-  x = x < splat(-87.3f) ? splat(-87.3f) : x;
-  x = x > splat(88.3f) ? splat(88.3f) : x;
-  const vf fx = x * 1.44269504088896341f + 0.5f;
-  vf n = __builtin_convertvector(__builtin_convertvector(fx, vi), vf);
+template <class V>
+inline V vexp(V x) {
+  typedef typename Lanes<V>::I I;
+  x = x < splat_as<V>(-87.3f) ? splat_as<V>(-87.3f) : x;
+  x = x > splat_as<V>(88.3f) ? splat_as<V>(88.3f) : x;
+  const V fx = x * 1.44269504088896341f + 0.5f;
+  V n = __builtin_convertvector(__builtin_convertvector(fx, I), V);
   n = n > fx ? n - 1.f : n;  // floor
   x = x - n * 0.693359375f + n * 2.12194440e-4f;
-  vf y = splat(1.9875691500e-4f);
+  V y = splat_as<V>(1.9875691500e-4f);
   y = y * x + 1.3981999507e-3f;
   y = y * x + 8.3334519073e-3f;
   y = y * x + 4.1665795894e-2f;
   y = y * x + 1.6666665459e-1f;
   y = y * x + 5.0000001201e-1f;
   y = y * (x * x) + x + 1.f;
-  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
-  return y * reinterpret_cast<const vf&>(e);
+  const I e = (__builtin_convertvector(n, I) + 127) << 23;
+  return y * reinterpret_cast<const V&>(e);
 }
 
-// Rows [row0, row0 + 16) of an item (row = token * G + head in group; rows past `rows` are padding) over
-// its pages, with the rows in vector lanes: a key's scores for 16 rows are 64 multiply-adds of a q column
-// by one broadcast K element (plus the 15 adds of the score's tree), and a P row times V is 64 more, so
-// there are no horizontal sums and each K/V element loaded serves 16 rows.
+// Scores of keys ka and kb (K rows of one head) for the rows in lanes (qt[d]: column d of the rows' q, zero
+// past D), each summed in the fixed order (see the top), with 16 lanes: the partial sums are taken in two
+// halves, l in {0-3, 8-11} then {4-7, 12-15}, so that each half's l + (l + 8) sums can be added before the
+// next half starts: 16 accumulators, 8 kept sums and a q column fit AVX-512's 32 registers.
+template <int kHeadDim>
+inline void scores2(const rf* qt, const float* ka, const float* kb, int64_t D, rf* out_a, rf* out_b) {
+  const int64_t D16 = (D + kLanes - 1) / kLanes * kLanes;
+  rf sa[4], sb[4];
+#pragma GCC unroll 2
+  for (int half = 0; half < 2; ++half) {
+    rf pa[8] = {}, pb[8] = {};
+    for (int64_t d0 = 0; d0 < D16; d0 += kLanes) {
+      const bool whole = d0 + kLanes <= D;
+#pragma GCC unroll 8
+      for (int u = 0; u < 8; ++u) {
+        const int64_t d = d0 + half * 4 + (u < 4 ? u : u + 4);
+        const rf qd = qt[d];
+        pa[u] = fma(qd, splat_as<rf>(whole || d < D ? ka[d] : 0.f), pa[u]);
+        pb[u] = fma(qd, splat_as<rf>(whole || d < D ? kb[d] : 0.f), pb[u]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u) {  // l + (l + 8); then, after the second half, + 4
+      sa[u] = half == 0 ? pa[u] + pa[u + 4] : sa[u] + (pa[u] + pa[u + 4]);
+      sb[u] = half == 0 ? pb[u] + pb[u + 4] : sb[u] + (pb[u] + pb[u + 4]);
+    }
+  }
+  *out_a = (sa[0] + sa[2]) + (sa[1] + sa[3]);
+  *out_b = (sb[0] + sb[2]) + (sb[1] + sb[3]);
+}
+
+// The same scores for three keys at a time, for AVX's 16 registers: a quarter of each key's partial sums at a
+// time, l in {u, u + 8, u + 4, u + 12} for u = 0..3, which is what one of the tree's four sums after + 4
+// needs ((l + (l + 8)) + ((l + 4) + (l + 12))): 12 accumulators, a q column and a broadcast K element.
+template <int kHeadDim>
+inline void scores3(const rf* qt, const float* const* k, int64_t D, rf* out) {
+  const int64_t D16 = (D + kLanes - 1) / kLanes * kLanes;
+  constexpr int kQuarter[4] = {0, 8, 4, 12};
+  rf sq[3][4];
+#pragma GCC unroll 1
+  for (int u = 0; u < 4; ++u) {
+    rf a[3][4] = {};
+    for (int64_t d0 = 0; d0 < D16; d0 += kLanes) {
+      const bool whole = d0 + kLanes <= D;
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        const int64_t d = d0 + u + kQuarter[i];
+        const rf qd = qt[d];
+#pragma GCC unroll 3
+        for (int j = 0; j < 3; ++j) a[j][i] = fma(qd, splat_as<rf>(whole || d < D ? k[j][d] : 0.f), a[j][i]);
+      }
+    }
+#pragma GCC unroll 3
+    for (int j = 0; j < 3; ++j) sq[j][u] = (a[j][0] + a[j][1]) + (a[j][2] + a[j][3]);
+  }
+#pragma GCC unroll 3
+  for (int j = 0; j < 3; ++j) out[j] = (sq[j][0] + sq[j][2]) + (sq[j][1] + sq[j][3]);
+}
+
+// Rows [row0, row0 + kRowLanes) of an item (row = token * G + head in group; rows past `rows` are padding)
+// over its pages, with the rows in vector lanes: a key's scores for the rows are 64 multiply-adds of a q
+// column by one broadcast K element (plus the 15 adds of the score's tree), and a P row times V is 64 more,
+// so there are no horizontal sums and each K/V element loaded serves kRowLanes rows.
 template <int kHeadDim>  // as run_item's
 void run_lanes(const Problem& p, const Item& it, int64_t row0, int64_t rows, int32_t begin, int32_t end) {
   const int64_t D = kHeadDim > 0 ? kHeadDim : p.head_dim, G = p.num_heads / p.num_kv_heads, ps = p.page_size;
@@ -208,9 +342,9 @@ void run_lanes(const Problem& p, const Item& it, int64_t row0, int64_t rows, int
   const int32_t q_begin = p.cu[s], q_len = p.cu[s + 1] - p.cu[s], kv_len = p.kv_lens[s];
   const int64_t D8 = (D + 7) / 8 * 8;  // accumulators are moved 8 columns at a time
   const int64_t D16 = (D + kLanes - 1) / kLanes * kLanes;  // the score's partial sums: whole blocks of 16
-  std::vector<vf> qt(D16, vf{}), acc(D8, vf{});  // q columns past D stay 0
-  alignas(64) int32_t pos_lanes[kLanes];
-  for (int lane = 0; lane < kLanes; ++lane) {
+  std::vector<rf> qt(D16, rf{}), acc(D8, rf{});  // q columns past D stay 0
+  alignas(64) int32_t pos_lanes[kRowLanes];
+  for (int lane = 0; lane < kRowLanes; ++lane) {
     const int64_t i = row0 + lane;
     if (i >= rows) {  // padding lane: sees no key, its output is dropped
       pos_lanes[lane] = -1;
@@ -222,73 +356,53 @@ void run_lanes(const Problem& p, const Item& it, int64_t row0, int64_t rows, int
     const float* src = p.q + (r * p.num_heads + h * G + g) * D;
     for (int64_t d = 0; d < D; ++d) qt[d][lane] = src[d] * p.scale;
   }
-  vi pos;
+  ri pos;
   std::memcpy(&pos, pos_lanes, sizeof(pos));
-  vf m = splat(kMasked), l = vf{};
-  std::vector<vf> sc((ps + 7) / 8 * 8);  // scores are stored 8 keys at a time
-  std::vector<vi> seen(ps);  // which lanes (rows) may see each key of the page
+  rf m = splat_as<rf>(kMasked), l = rf{};
+  std::vector<rf> sc((ps + 7) / 8 * 8 + 2);  // scores are stored 8 keys at a time (and 3 computed at a time)
+  std::vector<ri> seen(ps);  // which lanes (rows) may see each key of the page
   const int32_t* seq_pages = p.pages + static_cast<int64_t>(s) * p.pages_per_seq;
   for (int32_t page_slot = begin / ps; page_slot * ps < end; ++page_slot) {
     const float* base = p.kv + static_cast<int64_t>(seq_pages[page_slot]) * ps * combined * D;
     const int32_t t0 = page_slot * static_cast<int32_t>(ps);
     const int32_t n = std::min<int32_t>(ps, end - t0);
-    // Two keys at a time, each q column loaded once for both. A key's 16 partial sums (see the top) are
-    // taken in two halves, l in {0-3, 8-11} then {4-7, 12-15}, so that each half's l + (l + 8) sums can
-    // be added before the next half starts: 16 accumulators, 8 kept sums and a q column fit the registers.
-    for (int32_t j = 0; j < n; j += 2) {
-      const float* ka = base + (j * combined + 2 * h) * D;
-      const float* kb = j + 1 < n ? ka + combined * D : ka;  // a lone last key: its pair is ignored below
-      vf sa[4], sb[4];
-#pragma GCC unroll 2
-      for (int half = 0; half < 2; ++half) {
-        vf pa[8] = {}, pb[8] = {};
-        for (int64_t d0 = 0; d0 < D16; d0 += kLanes) {
-          const bool whole = d0 + kLanes <= D;
-#pragma GCC unroll 8
-          for (int u = 0; u < 8; ++u) {
-            const int64_t d = d0 + half * 4 + (u < 4 ? u : u + 4);
-            const vf qd = qt[d];
-            pa[u] = fma(qd, splat(whole || d < D ? ka[d] : 0.f), pa[u]);
-            pb[u] = fma(qd, splat(whole || d < D ? kb[d] : 0.f), pb[u]);
-          }
-        }
-#pragma GCC unroll 4
-        for (int u = 0; u < 4; ++u) {  // l + (l + 8); then, after the second half, + 4
-          sa[u] = half == 0 ? pa[u] + pa[u + 4] : sa[u] + (pa[u] + pa[u + 4]);
-          sb[u] = half == 0 ? pb[u] + pb[u + 4] : sb[u] + (pb[u] + pb[u + 4]);
-        }
+    auto key = [&](int32_t j) { return base + (std::min(j, n - 1) * combined + 2 * h) * D; };  // past n: ignored
+    if constexpr (kRowLanes == 16) {
+      for (int32_t j = 0; j < n; j += 2) scores2<kHeadDim>(qt.data(), key(j), key(j + 1), D, &sc[j], &sc[j + 1]);
+    } else {
+      for (int32_t j = 0; j < n; j += 3) {
+        const float* k[3] = {key(j), key(j + 1), key(j + 2)};
+        scores3<kHeadDim>(qt.data(), k, D, &sc[j]);
       }
-      sc[j] = (sa[0] + sa[2]) + (sa[1] + sa[3]);
-      if (j + 1 < n) sc[j + 1] = (sb[0] + sb[2]) + (sb[1] + sb[3]);
     }
-    vf mx = m;
+    rf mx = m;
     for (int32_t j = 0; j < n; ++j) {
-      const vi key = splat_i(t0 + j);
+      const ri kpos = ri{} + (t0 + j);
       if (p.soft_cap > 0.f) sc[j] = soft_cap_scores(sc[j], p.soft_cap);
-      seen[j] = key <= pos;
-      if (p.window > 0) seen[j] &= (pos - key) < splat_i(p.window);
-      sc[j] = seen[j] ? sc[j] : splat(kMasked);
+      seen[j] = kpos <= pos;
+      if (p.window > 0) seen[j] &= (pos - kpos) < (ri{} + p.window);
+      sc[j] = seen[j] ? sc[j] : splat_as<rf>(kMasked);
       mx = mx > sc[j] ? mx : sc[j];
     }
-    const vf alpha = vexp(m - mx);
-    vf sum = vf{};
+    const rf alpha = vexp(m - mx);
+    rf sum = rf{};
     for (int32_t j = 0; j < n; ++j) {
-      sc[j] = seen[j] ? vexp(sc[j] - mx) : vf{};
+      sc[j] = seen[j] ? vexp(sc[j] - mx) : rf{};
       sum += sc[j];
     }
     l = l * alpha + sum;
     m = mx;
     for (int64_t d0 = 0; d0 < D; d0 += 8) {  // 8 output columns at a time, kept in registers over the keys
       const int64_t nd = std::min<int64_t>(8, D - d0);
-      vf a[8];
+      rf a[8];
 #pragma GCC unroll 8
       for (int u = 0; u < 8; ++u) a[u] = acc[d0 + u] * alpha;  // columns past D: padding, never read out
       auto keys = [&](auto whole) {  // whole: all 8 columns exist (no per-column test in the loop)
         for (int32_t j = 0; j < n; ++j) {
           const float* v = base + (j * combined + 2 * h + 1) * D + d0;
-          const vf pj = sc[j];
+          const rf pj = sc[j];
 #pragma GCC unroll 8
-          for (int u = 0; u < 8; ++u) a[u] = fma(pj, splat(v[decltype(whole)::value || u < nd ? u : 0]), a[u]);
+          for (int u = 0; u < 8; ++u) a[u] = fma(pj, splat_as<rf>(v[decltype(whole)::value || u < nd ? u : 0]), a[u]);
         }
       };
       if (nd == 8) keys(std::true_type{});
@@ -297,7 +411,7 @@ void run_lanes(const Problem& p, const Item& it, int64_t row0, int64_t rows, int
       for (int u = 0; u < 8; ++u) acc[d0 + u] = a[u];
     }
   }
-  for (int lane = 0; lane < kLanes && row0 + lane < rows; ++lane) {
+  for (int lane = 0; lane < kRowLanes && row0 + lane < rows; ++lane) {
     const int64_t i = row0 + lane, r = it.row_begin + i / G, g = i % G;
     const float inv = l[lane] > 0.f ? 1.f / l[lane] : 0.f;
     float* dst = p.out + (r * p.num_heads + h * G + g) * D;
@@ -343,13 +457,13 @@ void score_wide(const float* q, const float* const* key, int32_t kv_off, int64_t
 template <int kHeadDim, int kRows>
 void pv_rows(const float* base, int64_t combined, int32_t n, const float* pr, int64_t stride, const float* alpha,
              const int32_t* kv_off, float* acc) {
-  constexpr int kBlocks = kHeadDim / kLanes;
-  vf a[kRows][kBlocks];
+  constexpr int kBlocks = kHeadDim / kRowLanes;
+  rf a[kRows][kBlocks];
 #pragma GCC unroll 4
   for (int r = 0; r < kRows; ++r)
 #pragma GCC unroll 8
     for (int b = 0; b < kBlocks; ++b) {
-      std::memcpy(&a[r][b], acc + r * kHeadDim + b * kLanes, sizeof(vf));
+      std::memcpy(&a[r][b], acc + r * kHeadDim + b * kRowLanes, sizeof(rf));
       a[r][b] = a[r][b] * alpha[r];
     }
   for (int32_t j = 0; j < n; ++j) {
@@ -360,16 +474,16 @@ void pv_rows(const float* base, int64_t combined, int32_t n, const float* pr, in
       if (w == 0.f) continue;
 #pragma GCC unroll 8
       for (int b = 0; b < kBlocks; ++b) {
-        vf v;
-        std::memcpy(&v, slot + kv_off[r] + b * kLanes, sizeof(v));
-        a[r][b] = fma(splat(w), v, a[r][b]);
+        rf v;
+        std::memcpy(&v, slot + kv_off[r] + b * kRowLanes, sizeof(v));
+        a[r][b] = fma(splat_as<rf>(w), v, a[r][b]);
       }
     }
   }
 #pragma GCC unroll 4
   for (int r = 0; r < kRows; ++r)
 #pragma GCC unroll 8
-    for (int b = 0; b < kBlocks; ++b) std::memcpy(acc + r * kHeadDim + b * kLanes, &a[r][b], sizeof(vf));
+    for (int b = 0; b < kBlocks; ++b) std::memcpy(acc + r * kHeadDim + b * kRowLanes, &a[r][b], sizeof(rf));
 }
 
 // A work item's rows over its pages. Items with few rows per KV head (decoding sequences: one token) hold
@@ -393,7 +507,7 @@ void run_item(const Problem& p, const Item& it) {
   const int32_t end = std::min(kv_len, last_pos + 1);
   const int32_t begin = p.window > 0 ? std::max(0, first_pos - p.window + 1) : 0;
   if (!all_heads) {
-    for (int64_t row0 = 0; row0 < rows; row0 += kLanes) run_lanes<kHeadDim>(p, it, row0, rows, begin, end);
+    for (int64_t row0 = 0; row0 < rows; row0 += kRowLanes) run_lanes<kHeadDim>(p, it, row0, rows, begin, end);
     return;
   }
 
@@ -450,6 +564,12 @@ void run_item(const Problem& p, const Item& it) {
           continue;
         }
         for (int64_t b = 0; b < blocks; ++b) std::memcpy(&qv[b], &qbuf[i * D16 + b * kLanes], sizeof(vf));
+#if defined(__FMA__) && !defined(__AVX512F__)
+        const float* by_lane[kLanes];  // lane c's key: slot slot_lane(c)'s
+        for (int c = 0; c < kLanes; ++c) by_lane[c] = key[slot_lane(c)] + kv_off[i];
+        _mm256_storeu_ps(&scores[i * ps_lanes + j0], scores8(qv, blocks, by_lane, D));
+        _mm256_storeu_ps(&scores[i * ps_lanes + j0 + 8], scores8(qv, blocks, by_lane + 8, D));
+#else
         vf P[kLanes];
 #pragma GCC unroll 16
         for (int u = 0; u < kLanes; ++u) {
@@ -460,6 +580,7 @@ void run_item(const Problem& p, const Item& it) {
         }
         const vf out = reduce16(P);
         std::memcpy(&scores[i * ps_lanes + j0], &out, sizeof(out));
+#endif
       }
     }
     for (int64_t i = 0; i < rows; ++i) {
@@ -498,8 +619,9 @@ void run_item(const Problem& p, const Item& it) {
     }
     // P times V, row by row in key order; kPvRows rows at a time keep their accumulators in registers.
     int64_t i = 0;
-    if constexpr (kHeadDim > 0 && kHeadDim % kLanes == 0) {
-      constexpr int kPvRows = kHeadDim <= 64 ? 4 : 2;
+    // Rows at a time: as many as 16 accumulator registers hold with AVX-512 (32 in all), 8 with AVX (16).
+    constexpr int kPvRows = kHeadDim > 0 ? (kRowLanes == 16 ? 16 : 8) * kRowLanes / kHeadDim : 0;
+    if constexpr (kPvRows > 0 && kHeadDim % kRowLanes == 0) {
       for (; i + kPvRows <= rows; i += kPvRows) pv_rows<kHeadDim, kPvRows>(base, combined, n, &probs[i * ps_lanes], ps_lanes, &alpha[i], &kv_off[i], &acc[i * D]);
     }
     for (; i < rows; ++i) {

@@ -1,6 +1,7 @@
-"""The CPU attention kernel gives the same bits on an x86 CPU without AVX-512 (each 16-lane vector is a pair of
-AVX registers) as on one with it, so a run resumed on, or spread over, machines of either kind samples the same
-tokens and logprobs. Each build runs in its own process: both register the same XLA target name."""
+"""The CPU attention kernel gives the same bits whatever vector instructions it is built for: with AVX-512, with
+AVX2 and FMA only (rows 8 to a register, AVX's own score reduction), and with none (the generic C++ the vector
+paths must agree with), so a run resumed on, or spread over, machines of either kind samples the same tokens
+and logprobs. Each build runs in its own process: all register the same XLA target name."""
 
 from __future__ import annotations
 
@@ -43,12 +44,16 @@ np.savez(sys.argv[2], **out)
 """ % (CASES,)
 
 
-def _has_avx512() -> bool:
+def _cpu_flags() -> set[str]:
     try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+        return set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                        if line.startswith("flags")).split())
     except (OSError, StopIteration):
-        return False
-    return "avx512f" in flags.split() and "avx2" in flags.split()
+        return set()
+
+
+def _has_avx512() -> bool:
+    return {"avx512f", "avx2"} <= _cpu_flags()
 
 
 def _outputs(library: Path, tmp_path: Path) -> dict[str, np.ndarray]:
@@ -71,3 +76,18 @@ def test_cpu_kernel_without_avx512_gives_the_same_bits(tmp_path):
     for case, a in wide.items():
         assert np.isfinite(a).all(), case
         np.testing.assert_array_equal(narrow[case], a, err_msg=case)
+
+
+@pytest.mark.skipif(not {"avx2", "fma"} <= _cpu_flags(), reason="needs an x86 CPU with AVX2 and FMA")
+def test_cpu_kernel_vector_paths_give_the_bits_of_its_generic_code(tmp_path):
+    """The native build (AVX2's or AVX-512's vector paths, whichever this CPU has) against a build with no AVX
+    at all: there every multiply-add is std::fma and every score tree is summed lane by lane in plain C++."""
+    native = kernel_build.build()
+    cmd, _ = kernel_build._plan()
+    generic = tmp_path / "generic.so"
+    subprocess.run([*cmd, "-mno-avx", "-o", str(generic)], check=True, capture_output=True)
+    vector, plain = _outputs(native, tmp_path), _outputs(generic, tmp_path)
+    assert vector.keys() == plain.keys() and len(vector) == len(CASES)
+    for case, a in vector.items():
+        assert np.isfinite(a).all(), case
+        np.testing.assert_array_equal(plain[case], a, err_msg=case)
