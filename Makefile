@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test bench bench-plan bench-export bench-host bench-generate bench-peer bench-swap bench-ab bench-resume bench-structured bench-moe
+.PHONY: demo test bench bench-plan bench-export bench-host bench-generate bench-peer bench-swap bench-ab bench-resume bench-structured bench-moe bench-peak
 
 # pip is quiet (-q: pages of resolver output otherwise), so each step says first what it does and how long it takes.
 $(STAMP): pyproject.toml
@@ -43,6 +43,10 @@ bench-host: $(STAMP)
 
 bench-generate: $(STAMP)
 	JAX_PLATFORMS=cpu $(VENV)/bin/python benchmarks/generate_bench.py --repeats 3
+
+# the yardstick: this machine's float32 matmul peak and memory bandwidth, the engine's prefill and decode rates against them
+bench-peak: $(STAMP)
+	JAX_PLATFORMS=cpu $(VENV)/bin/python benchmarks/peak_bench.py --repeats 3
 
 # a tiny mixture of experts (E = 8 and 32, top-2) against its dense twin: tokens/s and MLP FLOPs per step
 bench-moe: $(STAMP)

@@ -231,18 +231,14 @@ def matmul_peak(sizes=(1024, 2048, 3072), reps: int = 5) -> tuple[float, int]:
 
 
 def model_flops(model: Path, prompts: list[list[int]], produced: dict[str, list[int]]) -> float:
-    """2 * non-embedding params per token fed, LM head per generated token, causal attention 4*ctx*H*d per layer."""
-    c = json.loads((model / "config.json").read_text())
-    h, L, H, kv, d, inter, V = (c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"],
-                                c["num_key_value_heads"], c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
-                                c["intermediate_size"], c["vocab_size"])
-    non_embed = L * (2 * h * H * d + 2 * h * kv * d + 3 * h * inter + 2 * h) + h
-    total = 0.0
-    for i, p in enumerate(prompts):
-        g = len(produced[str(i)])
-        fed = len(p) + g - 1  # the last generated token is never fed back
-        total += 2 * non_embed * fed + 2 * h * V * g + 4 * H * d * L * fed * (fed + 1) / 2
-    return total
+    """Model FLOPs (benchmarks/flops.py) of every prompt fed with its generated tokens but the last (never fed
+    back), logits on one row per generated token."""
+    from engine.models.model_config import ModelConfig
+    from flops import chunk_flops
+
+    cfg = ModelConfig.from_pretrained(str(model))
+    return float(sum(chunk_flops(cfg, len(p) + len(produced[str(i)]) - 1, 0, logit_rows=len(produced[str(i)]))
+                     for i, p in enumerate(prompts)))
 
 
 def compare(engine_tokens: dict[str, list[int]], hf_tokens: dict[str, list[int]], eos: int) -> str:

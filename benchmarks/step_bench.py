@@ -33,6 +33,7 @@ from engine.models.presets import write_model
 from engine.device.runner import ModelRunner, SeqChunk
 from engine.device.runner_config import RunnerConfig
 from engine.models.weights import load_transformer
+from flops import chunk_flops
 
 PRESET = "llama-40m"
 PAGE_SIZE = 16
@@ -73,23 +74,9 @@ SHAPES = (
 
 
 def step_flops(cfg: ModelConfig, shape: Shape) -> int:
-    """Model FLOPs of one step, counting only real (unpadded) tokens and multiply-adds as 2 FLOPs.
-
-        flops = sum over new tokens t of [2 * N_matmul + L * 4 * ctx_t * H * d]  +  num_seqs * 2 * h * V
-
-    N_matmul = L * (h * (H*d + 2*kvh*d) + H*d * h + 3 * h * I) is the non-embedding matmul
-    parameters (q/k/v/o projections and the gated MLP); ctx_t = position_t + 1 is the number of
-    tokens token t attends to (causal), and 4 * ctx * H * d counts QK^T and PV. The LM head
-    (2 * h * V) runs only on the one row per sequence whose logits are returned. Norms, RoPE,
-    softmax and the embedding lookup are left out.
-    """
-    h, q_dim, kv_dim = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    n_matmul = cfg.num_layers * (h * (q_dim + 2 * kv_dim) + q_dim * h + 3 * h * cfg.intermediate_size)
-    start, end = shape.cached_tokens, shape.cached_tokens + shape.new_tokens
-    ctx_sum = (end * (end + 1) - start * (start + 1)) // 2  # sum of (position + 1) over the new tokens
-    per_seq = (shape.new_tokens * 2 * n_matmul + cfg.num_layers * 4 * ctx_sum * q_dim
-               + 2 * h * cfg.vocab_size)
-    return shape.num_seqs * per_seq
+    """Model FLOPs of one step (benchmarks/flops.py): each sequence's new tokens after its cached ones, its
+    logits on one row."""
+    return shape.num_seqs * chunk_flops(cfg, shape.new_tokens, shape.cached_tokens, logit_rows=1)
 
 
 def seconds(fn: Callable[[], object]) -> float:
