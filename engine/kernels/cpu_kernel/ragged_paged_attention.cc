@@ -276,7 +276,8 @@ inline V vexp(V x) {
 // halves, l in {0-3, 8-11} then {4-7, 12-15}, so that each half's l + (l + 8) sums can be added before the
 // next half starts: 16 accumulators, 8 kept sums and a q column fit AVX-512's 32 registers.
 template <int kHeadDim>
-inline void scores2(const rf* qt, const float* ka, const float* kb, int64_t D, rf* out_a, rf* out_b) {
+inline void scores2(const rf* qt, const float* ka, const float* kb, int64_t head_dim, rf* out_a, rf* out_b) {
+  const int64_t D = kHeadDim > 0 ? kHeadDim : head_dim;  // a constant where the head size is compiled in
   const int64_t D16 = (D + kLanes - 1) / kLanes * kLanes;
   rf sa[4], sb[4];
 #pragma GCC unroll 2
@@ -306,7 +307,8 @@ inline void scores2(const rf* qt, const float* ka, const float* kb, int64_t D, r
 // time, l in {u, u + 8, u + 4, u + 12} for u = 0..3, which is what one of the tree's four sums after + 4
 // needs ((l + (l + 8)) + ((l + 4) + (l + 12))): 12 accumulators, a q column and a broadcast K element.
 template <int kHeadDim>
-inline void scores3(const rf* qt, const float* const* k, int64_t D, rf* out) {
+inline void scores3(const rf* qt, const float* const* k, int64_t head_dim, rf* out) {
+  const int64_t D = kHeadDim > 0 ? kHeadDim : head_dim;  // as in scores2
   const int64_t D16 = (D + kLanes - 1) / kLanes * kLanes;
   constexpr int kQuarter[4] = {0, 8, 4, 12};
   rf sq[3][4];
