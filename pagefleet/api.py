@@ -62,7 +62,7 @@ def generate(model: str | Engine, prompts: Sequence[Prompt], *, engine: Mapping[
 
 def _generate(model: str | Engine, prompts: Sequence[Prompt], engine: Mapping[str, Any] | None, dtype: str,
               sampling: dict[str, Any]) -> list[dict]:
-    sampling_cfg = _build(SamplingConfig, sampling, "sampling")
+    sampling_cfg = build_config(SamplingConfig, sampling, "sampling")
     lines = [(i + 1, _row(p, i)) for i, p in enumerate(prompts)]
     if isinstance(model, Engine):
         if engine is not None:
@@ -72,7 +72,7 @@ def _generate(model: str | Engine, prompts: Sequence[Prompt], engine: Mapping[st
     else:
         path, given = resolve_model(str(model), "model"), dict(engine or {})
         # Sized for this machine and these prompts as `pagefleet generate` sizes its engine; the keys given are kept.
-        eng, parsed = sized_engine(path, _build(EngineConfig, given, "engine"), dtype, frozenset(given), lines,
+        eng, parsed = sized_engine(path, build_config(EngineConfig, given, "engine"), dtype, frozenset(given), lines,
                                    sampling_cfg)
     if sampling_cfg.structured is not None:  # the call's structured output applies to every prompt: refused at once
         why = ("the model has no tokenizer" if eng.tokenizer is None
@@ -82,7 +82,7 @@ def _generate(model: str | Engine, prompts: Sequence[Prompt], engine: Mapping[st
     return sample_records(eng, parsed, sampling_cfg)
 
 
-def _build(cls: type, values: Mapping[str, Any], section: str) -> Any:
+def build_config(cls: type, values: Mapping[str, Any], section: str) -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - names)
     if unknown:

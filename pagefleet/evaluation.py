@@ -25,7 +25,8 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 
 from engine import Engine, EngineConfig
-from pagefleet.api import generate
+from orchestrator.local.generate import machine_sized_engine
+from pagefleet.api import build_config, generate
 
 _SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed"}
 """lm-eval generation kwargs (besides until, max_gen_toks and do_sample) and the sampling keys they set."""
@@ -35,7 +36,8 @@ _SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_
 class PagefleetLM(TemplateLM):
     """An lm-eval model over one pagefleet engine, built once (`model`: a checkpoint directory, or an Engine).
 
-    `engine`: `engine.*` keys (docs/config.md) for the engine built here; `max_gen_toks`: generate_until's default
+    `engine`: `engine.*` keys (docs/config.md) for the engine built here, the capacities not given sized for this
+    machine (docs/performance.md); `max_gen_toks`: generate_until's default
     completion length; `max_length`: the longest scored window (default: the engine's max_seq_len - 1, one token
     being drawn after a continuation)."""
 
@@ -49,7 +51,10 @@ class PagefleetLM(TemplateLM):
             self.engine = model
         else:
             keys = {**dict(engine or {}), **engine_keys}  # `--model_args model=DIR,max_seqs=64` gives flat keys
-            self.engine = Engine(os.fspath(model), EngineConfig(**keys), dtype=dtype)
+            # The capacities not given are sized for this machine, as `pagefleet generate` sizes them (the
+            # requests are not known yet: sequences up to max_seq_len).
+            self.engine = machine_sized_engine(os.fspath(model), build_config(EngineConfig, keys, "engine"), dtype,
+                                               frozenset(keys))
         if self.engine.tokenizer is None:
             raise ValueError("PagefleetLM needs the model's tokenizer (tokenizer files in the model directory)")
         self.tokenizer = self.engine.tokenizer

@@ -177,9 +177,20 @@ def sized_engine(model: str, config: EngineConfig, dtype: str, explicit: frozens
     naming the key to set when the budget cannot hold one sequence."""
     tokenizer, model_cfg = model_tokenizer(model), ModelConfig.from_pretrained(model)
     parsed = parse_lines(lines, tokenizer, model_cfg.vocab_size, sampling, model)
-    cfg = size_for_machine(config, model_cfg, dtype, this_machine(), explicit,
-                           longest=longest_sequence(parsed, sampling))
-    return Engine(model, cfg, dtype=dtype, tokenizer=tokenizer), parsed
+    engine = machine_sized_engine(model, config, dtype, explicit, longest_sequence(parsed, sampling), tokenizer,
+                                  model_cfg)
+    return engine, parsed
+
+
+def machine_sized_engine(model: str, config: EngineConfig, dtype: str, explicit: frozenset[str],
+                         longest: int | None = None, tokenizer=None, model_cfg: ModelConfig | None = None) -> Engine:
+    """A new engine for a resolved `model`, its capacities not in `explicit` sized for this machine
+    (engine/sizing/machine_sizing.py); `longest`: the most tokens a sequence of the workload reaches, None when
+    unknown (up to max_seq_len). `tokenizer` and `model_cfg`, when the caller has them, are not read again.
+    Raises ValueError naming the key to set when the budget cannot hold one sequence."""
+    model_cfg = model_cfg if model_cfg is not None else ModelConfig.from_pretrained(model)
+    cfg = size_for_machine(config, model_cfg, dtype, this_machine(), explicit, longest=longest)
+    return Engine(model, cfg, dtype=dtype, tokenizer=tokenizer if tokenizer is not None else model_tokenizer(model))
 
 
 def sample_records(engine, parsed: Iterable[tuple[int, ParsedLine]], sampling: SamplingConfig,

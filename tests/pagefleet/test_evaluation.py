@@ -18,6 +18,7 @@ from lm_eval.api.registry import get_model
 from lm_eval.tasks import TaskManager
 
 from engine.models.presets import write_model  # noqa: E402
+from engine.sizing.machine_sizing import STEP_TOKENS  # noqa: E402
 from pagefleet.evaluation import PagefleetLM  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -125,9 +126,19 @@ def test_rolling_loglikelihood_equals_the_hf_backend(model_dir):
 def test_pagefleet_is_an_lm_eval_model_name(model_dir):
     """As lm-eval's command line builds it from `--model pagefleet --model_args ...` (flat engine keys)."""
     assert get_model("pagefleet") is PagefleetLM
-    lm = PagefleetLM.create_from_arg_string(f"model={model_dir},max_seqs=4,max_seq_len=64,max_pages=32",
+    lm = PagefleetLM.create_from_arg_string(f"model={model_dir},max_seqs=16,max_seq_len=64,max_pages=64",
                                             {"batch_size": 1, "max_batch_size": None, "device": "cpu"})
-    assert lm.engine.config.max_seqs == 4 and lm.max_length == 63
+    assert lm.engine.config.max_seqs == 16 and lm.max_length == 63
+
+
+def test_the_capacities_not_given_are_sized_for_the_machine(model_dir):
+    """As `pagefleet generate` sizes them: prompts per step follow max_seqs (not the run path's default of 8, which
+    left a multiple-choice task's steps a third full), the step is the platform's token budget; given keys stay."""
+    config = PagefleetLM(model_dir, engine={"max_seqs": 16, "max_seq_len": 64, "max_pages": 64}).engine.config
+    assert (config.max_seqs, config.max_seq_len, config.max_pages) == (16, 64, 64)
+    assert config.max_seqs_in_prefill == 16 and config.max_prefill_size == STEP_TOKENS["cpu"]
+    with pytest.raises(ValueError, match="unknown engine key"):
+        PagefleetLM(model_dir, engine={"max_seq": 64})
 
 
 @pytest.mark.slow  # a second process loads lm-eval, the model and compiles the engine's programs again
