@@ -26,16 +26,37 @@ def pages_for(num_tokens: N, page_size: int) -> N:
     return -(-num_tokens // page_size)
 
 
-def pages_needed(num_prompt_tokens: N, max_new_tokens: int, page_size: int, n: int = 1, scored: N | int = 0) -> N:
+def pages_needed(num_prompt_tokens: N, max_new_tokens: int, page_size: int, n: int = 1, scored: N | int = 0,
+                 context_shared: bool = True) -> N:
     """Exact KV pages for one prompt and its `n` samples at full length: the samples share the prompt's full
     pages and each holds its own copy of the partial last one and its completion's pages.
 
     A scored row (`scored` 1; an array of 0/1 for many rows) is a context of `num_prompt_tokens` with `n`
     continuations of at most `max_new_tokens - 1` tokens each, plus the one token drawn after each: they share
     only the context's full pages before its last token (that token's logits score each continuation's first
-    token, so the prefix cache never serves its page: engine/kv/prefix_cache.py)."""
+    token, so the prefix cache never serves its page: engine/kv/prefix_cache.py), and only where the prefix cache
+    serves them (`context_shared`, `scored_context_shared`); else each holds all its pages."""
     shared = (num_prompt_tokens - scored) // page_size
+    if not context_shared:
+        shared = shared * (1 - scored)  # scored rows share nothing; a sampled row's samples still fork
     return shared + n * (pages_for(num_prompt_tokens + max_new_tokens, page_size) - shared)
+
+
+def scored_context_shared(config: EngineConfig, sampling: SamplingConfig) -> bool:
+    """Whether the continuations of a scored row share its context's pages (and compute them once): the prefix
+    cache serves a later continuation the context's full pages, unless it is off or every prompt token's logits
+    are asked for (sampling.prompt_logprobs: each continuation computes its whole prompt; engine/kv/prefix_cache.py)."""
+    return config.prefix_caching and sampling.prompt_logprobs is None
+
+
+def scored_prefill_tokens(num_context_tokens: int, continuation_lengths: Sequence[int], page_size: int,
+                          context_shared: bool = True) -> int:
+    """The prompt tokens a scored row's sequences compute: every continuation, the context once, and per later
+    continuation what the prefix cache does not serve it (the context after its shared full pages: its last
+    partial page or its last token's page), or the whole context where nothing is shared."""
+    shared = (num_context_tokens - 1) // page_size * page_size if context_shared else 0
+    return (num_context_tokens + (len(continuation_lengths) - 1) * (num_context_tokens - shared)
+            + sum(continuation_lengths))
 
 
 def scored_length_error(num_context_tokens: int, num_prompt_tokens: int) -> str | None:

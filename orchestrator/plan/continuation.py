@@ -72,11 +72,6 @@ def new_tokens(continuations: list[list[int]]) -> int:
     return 1 + max(map(len, continuations))
 
 
-def prefill_tokens(context: list[int], continuations: list[list[int]]) -> int:
-    """The tokens a scored row's prefill computes: its context once and every continuation."""
-    return len(context) + sum(map(len, continuations))
-
-
 def encode_continuations(encode, text: str, continuations: list[str] | list[list[int]]
                          ) -> tuple[list[int], list[list[int]]]:
     """(context ids, each continuation's ids) of a scored row whose prompt is `text` (`encode(text) -> ids`): text

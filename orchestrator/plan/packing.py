@@ -12,8 +12,10 @@ every sample runs to `max_new_tokens`. Four budgets bound a batch:
 
 A scored row (docs/records.md) is packed as a context of `L` tokens with one sequence per continuation (`k`
 of them, `sampling.n` being 1): it counts `k` sequences and `k` prompts in prefill, its prefill tokens are the
-context and every continuation, and its pages are the context's shared full pages plus, per continuation, the
-rest at its longest continuation and one drawn token (engine.pages_needed with `scored`).
+context, every continuation and what the prefix cache does not serve the later ones, and its pages are the
+context's shared full pages plus, per continuation, the rest at its longest continuation and one drawn token
+(engine.pages_needed and scored_prefill_tokens with `scored`). Where the cache serves them nothing
+(engine.prefix_caching off, or sampling.prompt_logprobs) each continuation counts its whole context.
 - **prefill tokens** (`packing.prefill_budget`, default `engine.max_prefill_size`, in tokens per
   engine step): the batch's prompts must be prefilled within `packing.max_prefill_steps` steps, so
   its prompt tokens (counted once per prompt; samples share the prefill) are at most
@@ -42,7 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine import EngineConfig, SamplingConfig, pages_needed
+from engine import EngineConfig, SamplingConfig, pages_needed, scored_context_shared, scored_prefill_tokens
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,8 @@ class PackingLimits:
     """Samples per batch."""
     max_prompts: int
     """Prompts per batch (max_seqs_in_prefill times prefill steps, and max_seqs // n)."""
+    context_shared: bool = True
+    """Whether a scored row's continuations share its context's pages (engine.scored_context_shared)."""
 
     @classmethod
     def resolve(cls, packing: PackingConfig, engine: EngineConfig, sampling: SamplingConfig) -> PackingLimits:
@@ -97,6 +101,7 @@ class PackingLimits:
             max_prompt_tokens=prefill * packing.max_prefill_steps,
             max_seqs=engine.max_seqs,
             max_prompts=min(engine.max_seqs_in_prefill * packing.max_prefill_steps, engine.max_seqs // sampling.n),
+            context_shared=scored_context_shared(engine, sampling),
         )
 
     def page_need(self, num_tokens: np.ndarray | int, max_new_tokens: np.ndarray | int | None = None,
@@ -109,7 +114,11 @@ class PackingLimits:
             return pages_needed(num_tokens, new, self.page_size, self.n)
         scored = np.asarray(continuations) > 0
         return pages_needed(num_tokens, new, self.page_size, np.where(scored, continuations, self.n),
-                            scored.astype(np.int64))
+                            scored.astype(np.int64), self.context_shared)
+
+    def scored_prefill(self, context: list[int], continuations: list[list[int]]) -> int:
+        """The prompt tokens a scored row's prefill computes (engine.scored_prefill_tokens)."""
+        return scored_prefill_tokens(len(context), list(map(len, continuations)), self.page_size, self.context_shared)
 
     def units(self, continuations: np.ndarray | int | None) -> np.ndarray | int:
         """Prompts an item counts as in the count budgets: 1, or a scored row's continuations (each its own

@@ -18,7 +18,7 @@ import pyarrow as pa
 
 from engine import SamplingConfig
 from orchestrator.config import RunConfig, diff_keys
-from orchestrator.plan.continuation import batch_samples, new_tokens, prefill_tokens
+from orchestrator.plan.continuation import batch_samples, new_tokens
 from orchestrator.plan.packing import PackingLimits, pack
 from orchestrator.plan.row_sampling import max_new_tokens
 from orchestrator.state.manifest import BatchRecord, batch_id
@@ -51,7 +51,7 @@ def retune(run_dir: RunDir, state: RunState, cfg: RunConfig) -> str | None:
     limits = PackingLimits.resolve(cfg.packing, cfg.engine, cfg.sampling)
     pending = state.with_status("pending")
     tables = {r.batch_id: parquet_io.read_parquet(run_dir.batch_file(r.batch_id)) for r in pending}
-    demand = {b: _demand(table, cfg.sampling) for b, table in tables.items()}
+    demand = {b: _demand(table, cfg.sampling, limits) for b, table in tables.items()}
     for b, table in tables.items():
         for pid, *need in zip(table.column("prompt_id").to_pylist(), *(d.tolist() for d in demand[b])):
             if (why := limits.why_unfit(*need)) is not None:
@@ -73,9 +73,9 @@ def retune(run_dir: RunDir, state: RunState, cfg: RunConfig) -> str | None:
     return message
 
 
-def _demand(prompts: pa.Table, sampling: SamplingConfig) -> tuple[np.ndarray, ...]:
+def _demand(prompts: pa.Table, sampling: SamplingConfig, limits: PackingLimits) -> tuple[np.ndarray, ...]:
     """i64[prompts] each: a batch table's prompt lengths, max_new_tokens, continuations (0 for a sampled row) and
-    prefill tokens, as the planner measured them (a scored row by continuation.new_tokens and prefill_tokens)."""
+    prefill tokens, as the planner measures them (a scored row by continuation.new_tokens and limits.scored_prefill)."""
     tokens = prompts.column("token_ids").to_pylist()
     scored = (prompts.column("continuations").to_pylist() if "continuations" in prompts.column_names
               else [None] * len(tokens))
@@ -83,7 +83,7 @@ def _demand(prompts: pa.Table, sampling: SamplingConfig) -> tuple[np.ndarray, ..
     return (np.array([len(t) for t in tokens], dtype=np.int64),
             np.array([n if not c else new_tokens(c) for n, c in zip(new.tolist(), scored)], dtype=np.int64),
             np.array([len(c or ()) for c in scored], dtype=np.int64),
-            np.array([len(t) if not c else prefill_tokens(t, c) for t, c in zip(tokens, scored)], dtype=np.int64))
+            np.array([len(t) if not c else limits.scored_prefill(t, c) for t, c in zip(tokens, scored)], dtype=np.int64))
 
 
 def _fits(lengths: np.ndarray, new: np.ndarray, continuations: np.ndarray, prefill: np.ndarray,
@@ -97,7 +97,7 @@ def _fits(lengths: np.ndarray, new: np.ndarray, continuations: np.ndarray, prefi
 def _repack(run_dir: RunDir, state: RunState, tables: dict[str, pa.Table], limits: PackingLimits,
             sampling: SamplingConfig, what: str, num_misfits: int) -> str:
     prompts = pa.concat_tables(tables.values()).sort_by("row")  # corpus order: the packing's tie-break
-    lengths, new, continuations, prefill = _demand(prompts, sampling)
+    lengths, new, continuations, prefill = _demand(prompts, sampling, limits)
     packing = pack(lengths, limits, max_new_tokens=new, continuations=continuations, prefill_tokens=prefill)
     generation = 1 + max((int(m.group(1)) for b in state.records if (m := _GENERATION.search(b))), default=0)
     records = []

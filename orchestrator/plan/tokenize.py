@@ -23,7 +23,7 @@ from engine import stop_ids_error, structured_error
 from orchestrator.plan.corpus import (CorpusConfig, Prompt, RawRow, Rejection, Shard, extract_prompt, passthrough,
                                  read_rows, row_id)
 from orchestrator.plan.continuation import (continuations_error, encode_continuations, is_scored, new_tokens,
-                                            prefill_tokens, row_continuations, scored_error)
+                                            row_continuations, scored_error)
 from orchestrator.plan.model_source import ModelSourceConfig, load_tokenizer
 from orchestrator.plan.openai_batch import native_row, row_fields
 from orchestrator.plan.packing import PackingLimits, leading_page_keys
@@ -52,7 +52,7 @@ SCHEMA = pa.schema([
     # continuation.new_tokens)
     ("continuations", pa.list_(pa.list_(pa.int32()))),  # a scored row's continuations' token ids, else null
     ("num_continuations", pa.int32()),  # how many (0: a sampled row)
-    ("prefill_tokens", pa.int32()),  # tokens its prefill computes (continuation.prefill_tokens), else num_tokens
+    ("prefill_tokens", pa.int32()),  # tokens its prefill computes (PackingLimits.scored_prefill), else num_tokens
 ])
 
 
@@ -123,7 +123,8 @@ class PromptTokenizer:
         new = (overrides or {}).get("max_new_tokens", self.limits.max_new_tokens)
         k, prefill = 0, None
         if continuations is not None:
-            new, k, prefill = new_tokens(continuations), len(continuations), prefill_tokens(tokens, continuations)
+            new, k = new_tokens(continuations), len(continuations)
+            prefill = self.limits.scored_prefill(tokens, continuations)
         if (why := out_of_vocabulary(tokens + [t for c in continuations or () for t in c], self.vocab_size)) is not None:
             return "out_of_vocabulary", why
         if (problem := length_error(len(tokens), new, self.max_seq_len)) is not None:
@@ -208,6 +209,7 @@ class PromptTokenizer:
                       for o, c in zip(overrides, kept_continuations)], pa.int32()),
             pa.array(kept_continuations, pa.list_(pa.list_(pa.int32()))),
             pa.array([len(c or ()) for c in kept_continuations], pa.int32()),
-            pa.array([len(t) if c is None else prefill_tokens(list(t), c) for t, c in zip(kept, kept_continuations)],
+            pa.array([len(t) if c is None else self.limits.scored_prefill(t, c)
+                      for t, c in zip(kept, kept_continuations)],
                      pa.int32()),
         ], schema=SCHEMA)

@@ -109,6 +109,33 @@ def test_four_continuations_compute_their_context_once(tmp_path):
     assert d2h["device_to_host_bytes_prompt_logprobs"] > 0
 
 
+@pytest.mark.parametrize("caching, prompt_logprobs", [(True, None), (False, None), (True, 2)])
+def test_the_planner_counts_a_scored_rows_pages_and_prefill_tokens_exactly(tmp_path, caching, prompt_logprobs):
+    """Four continuations of one length, run together with finished sequences keeping their pages
+    (cleanup_mode=end): the pages in use at the end are the planner's (PackingLimits.page_need), and the prompt
+    tokens computed its prefill tokens. With the prefix cache off, or with prompt_logprobs (each continuation
+    computes every prompt token), the continuations share nothing."""
+    from orchestrator.plan.continuation import new_tokens
+    from orchestrator.plan.packing import PackingConfig, PackingLimits
+
+    make_hf_model("llama3", tmp_path)
+    continuations = [[40 + i, 41 + i, 42 + i, 43 + i, 44 + i] for i in range(4)]
+    sampling = SamplingConfig(max_new_tokens=1, temperature=0.0, prompt_logprobs=prompt_logprobs)
+    engine = _engine(tmp_path, max_prefill_size=256, prefix_caching=caching, cleanup_mode="end")
+    limits = PackingLimits.resolve(PackingConfig(), engine.config, sampling)
+    pages = int(limits.page_need(len(CONTEXT), new_tokens(continuations), len(continuations)))
+    shared = (len(CONTEXT) - 1) // 4 if caching and prompt_logprobs is None else 0  # full pages before the last token
+    assert pages == shared + 4 * (-(-(len(CONTEXT) + 6) // 4) - shared)
+    for i, c in enumerate(continuations):
+        assert engine.add_request(Request("q", tuple(CONTEXT + c), sampling, i, num_context_tokens=len(CONTEXT))) is None
+    records = []
+    while engine.has_unfinished:
+        records += engine.step()
+    assert len(records) == 4 and all(r.error is None for r in records)
+    assert engine.snapshot()["pages_in_use"] == pages and engine.snapshot()["num_preemptions"] == 0
+    assert sum(engine.stats.prefill_tokens) == limits.scored_prefill(CONTEXT, continuations)
+
+
 def test_bad_continuations_are_reported(tmp_path):
     make_hf_model("llama3", tmp_path)
     [record] = _engine(tmp_path).generate([Request("q", (5, 6), GREEDY, num_context_tokens=2)])
