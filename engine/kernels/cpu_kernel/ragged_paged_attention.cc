@@ -140,7 +140,7 @@ inline V fma(V a, V b, V c) {
   for (int i = 0; i < n; ++i) r[i] = std::fma(a[i], b[i], c[i]);
   return r;
 }
-inline vi splat_i(int32_t x) { return vi{} + x; }
+inline vi splat_i(int32_t x) { return vi{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }  // (a broadcast)
 const vi lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
 // C * tanh(s / C) lane by lane (the reference's order: divide, tanh, multiply). Out of line, so that both
@@ -424,7 +424,7 @@ void run_lanes(const Problem& p, const Item& it, int64_t row0, int64_t rows, int
 // Per-thread buffers of the all-heads path, kept between items (an item is a few microseconds of work).
 struct Scratch {
   std::vector<float> f[7];
-  std::vector<int32_t> i[2];
+  std::vector<int32_t> i[3];
   float* take(int k, int64_t n, float fill) {
     f[k].assign(n, fill);
     return f[k].data();
@@ -525,6 +525,7 @@ void run_item(const Problem& p, const Item& it) {
   float* probs = buf.take(6, rows * ps_lanes, 0.f);
   int32_t* pos = buf.take_i(0, rows);
   int32_t* kv_off = buf.take_i(1, rows);
+  int32_t* seen = buf.take_i(2, ps_lanes);  // a row's key masks on the page (the exp pass reads the max pass's)
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t r = it.row_begin + i / heads, hq = head0 + i % heads;
     pos[i] = kv_len - q_len + static_cast<int32_t>(r - q_begin);
@@ -540,12 +541,14 @@ void run_item(const Problem& p, const Item& it) {
     const int32_t t0 = page_slot * static_cast<int32_t>(ps);
     const int32_t n = std::min<int32_t>(ps, end - t0);
     // The page after next is fetched into L2 a slice at a time, one slice per (16 keys, row) of this page's
-    // scores: a whole page of prefetches at once fills the CPU's queue of outstanding misses and stalls
-    // the walk where a spread one overlaps it.
+    // scores, per row of its softmax and per row group of its P times V: a whole page of prefetches at once
+    // fills the CPU's queue of outstanding misses and stalls the walk where a spread one overlaps it (on two
+    // AVX2 cores, slices over the scores alone still stalled a fifth of the kernel's time on the prefetches;
+    // over the whole page's work, decoding 64 x 1,400 tokens went from ~19 to ~15-16 ms).
     const char* ahead = page_slot + 2 <= last_slot
         ? reinterpret_cast<const char*>(p.kv + static_cast<int64_t>(seq_pages[page_slot + 2]) * page_floats) : nullptr;
     const int64_t ahead_lines = (page_floats * static_cast<int64_t>(sizeof(float)) + 63) / 64;
-    const int64_t score_steps = (n + kLanes - 1) / kLanes * rows;
+    const int64_t score_steps = (n + kLanes - 1) / kLanes * rows + 2 * rows;
     const int64_t lines_per_step = (ahead_lines + score_steps - 1) / score_steps;
     int64_t line = 0;
     // Scores, 16 keys at a time: each key's K row is read as it lies (16 columns a load) into its 16
@@ -586,32 +589,34 @@ void run_item(const Problem& p, const Item& it) {
       }
     }
     for (int64_t i = 0; i < rows; ++i) {
+      for (const int64_t stop = std::min(ahead_lines, line + lines_per_step); ahead && line < stop; ++line)
+        __builtin_prefetch(ahead + line * 64, 0, 2);
       const int32_t position = pos[i];
       float* sc = &scores[i * ps_lanes];
       float* pr = &probs[i * ps_lanes];
       // Mask, max and exp over the page's keys 16 at a time (vector lanes = keys).
-      auto visible = [&](int32_t j0) {
-        const vi key = splat_i(t0 + j0) + lane_index;
-        vi seen = (key <= splat_i(position)) & (key < splat_i(t0 + n));
-        if (p.window > 0) seen &= (splat_i(position) - key) < splat_i(p.window);
-        return seen;
-      };
       vf mxv = splat(m[i]);
       for (int32_t j0 = 0; j0 < n; j0 += kLanes) {
+        const vi key = splat_i(t0 + j0) + lane_index;
+        vi visible = (key <= splat_i(position)) & (key < splat_i(t0 + n));
+        if (p.window > 0) visible &= (splat_i(position) - key) < splat_i(p.window);
+        std::memcpy(&seen[j0], &visible, sizeof(visible));
         vf v;
         std::memcpy(&v, &sc[j0], sizeof(v));
         if (p.soft_cap > 0.f) v = soft_cap_scores(v, p.soft_cap);
-        v = visible(j0) ? v : splat(kMasked);
+        v = visible ? v : splat(kMasked);
         std::memcpy(&sc[j0], &v, sizeof(v));
         mxv = mxv > v ? mxv : v;
       }
       float mx = m[i];
       for (int lane = 0; lane < kLanes; ++lane) mx = std::max(mx, mxv[lane]);
-      alpha[i] = vexp(splat(m[i] - mx))[0];
+      alpha[i] = vexp(splat_as<rf>(m[i] - mx))[0];  // lane by lane: the one lane needed, on the narrower vector
       for (int32_t j0 = 0; j0 < n; j0 += kLanes) {
         vf v;
+        vi visible;
         std::memcpy(&v, &sc[j0], sizeof(v));
-        v = visible(j0) ? vexp(v - mx) : vf{};
+        std::memcpy(&visible, &seen[j0], sizeof(visible));
+        v = visible ? vexp(v - mx) : vf{};
         std::memcpy(&pr[j0], &v, sizeof(v));
       }
       float sum = 0.f;
@@ -624,7 +629,11 @@ void run_item(const Problem& p, const Item& it) {
     // Rows at a time: as many as 16 accumulator registers hold with AVX-512 (32 in all), 8 with AVX (16).
     constexpr int kPvRows = kHeadDim > 0 ? (kRowLanes == 16 ? 16 : 8) * kRowLanes / kHeadDim : 0;
     if constexpr (kPvRows > 0 && kHeadDim % kRowLanes == 0) {
-      for (; i + kPvRows <= rows; i += kPvRows) pv_rows<kHeadDim, kPvRows>(base, combined, n, &probs[i * ps_lanes], ps_lanes, &alpha[i], &kv_off[i], &acc[i * D]);
+      for (; i + kPvRows <= rows; i += kPvRows) {
+        for (const int64_t stop = std::min(ahead_lines, line + lines_per_step * kPvRows); ahead && line < stop; ++line)
+          __builtin_prefetch(ahead + line * 64, 0, 2);
+        pv_rows<kHeadDim, kPvRows>(base, combined, n, &probs[i * ps_lanes], ps_lanes, &alpha[i], &kv_off[i], &acc[i * D]);
+      }
     }
     for (; i < rows; ++i) {
       float* a = &acc[i * D];

@@ -123,6 +123,20 @@ def test_cpu_kernel_ragged_batch_matches_dense(page_size):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("window", [None, 20, 40])
+def test_decoding_rows_on_pages_of_several_key_blocks(impl, window):
+    """Single-token rows (the CPU kernel's all-heads path) on pages of 64 keys, four blocks of 16: each block's
+    causal and window mask is its own (a window of 20 or 40 starts inside a page and ends a block early)."""
+    batch = PagedBatch(np.random.default_rng(11), [150, 90, 33], page_size=64, num_pages=12, pages_per_seq=3)
+    prompts = [(0, 0, 149), (1, 0, 89), (2, 0, 32)]
+    batch.step(prompts, 4, 320, impl=impl, sliding_window=window, pages_per_block=1, queries_per_block=8)
+    chunks = [(0, 149, 150), (1, 89, 90), (2, 32, 33)]
+    for (s, a, b), o in zip(chunks, batch.step(chunks, 4, 8, impl=impl, sliding_window=window, pages_per_block=1,
+                                                queries_per_block=8)):
+        np.testing.assert_allclose(o, batch.dense(s, a, b, window), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("window, soft_cap", [(None, None), (9, 20.0)])
 def test_a_query_row_has_the_same_bits_in_every_kind_of_step(impl, window, soft_cap):
     """A token's attention output, bit for bit, whether it is a decoding sequence's one new token, the last
