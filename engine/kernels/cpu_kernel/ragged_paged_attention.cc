@@ -140,6 +140,11 @@ inline V fma(V a, V b, V c) {
   for (int i = 0; i < n; ++i) r[i] = std::fma(a[i], b[i], c[i]);
   return r;
 }
+template <class I = ri>
+inline I splat_ri(int32_t x) {  // (a broadcast)
+  if constexpr (sizeof(I) == 8 * sizeof(int32_t)) return I{x, x, x, x, x, x, x, x};
+  else return I{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+}
 inline vi splat_i(int32_t x) { return vi{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }  // (a broadcast)
 const vi lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
@@ -424,7 +429,7 @@ void run_lanes(const Problem& p, const Item& it, int64_t row0, int64_t rows, int
 // Per-thread buffers of the all-heads path, kept between items (an item is a few microseconds of work).
 struct Scratch {
   std::vector<float> f[7];
-  std::vector<int32_t> i[3];
+  std::vector<int32_t> i[2];
   float* take(int k, int64_t n, float fill) {
     f[k].assign(n, fill);
     return f[k].data();
@@ -453,7 +458,7 @@ void score_wide(const float* q, const float* const* key, int32_t kv_off, int64_t
   }
 }
 
-// kRows rows' P times V over a page's n keys (row r: probabilities pr[r * stride + j], rescale alpha[r],
+// kRows rows' P times V over a page's n keys (row r: probabilities pr[r + j * stride], rescale alpha[r],
 // K/V offset kv_off[r], accumulator acc[r * kHeadDim ...]): each row's columns in registers, keys in order,
 // the same multiply-adds as the row-by-row loop (a key of probability 0 is skipped there and here).
 template <int kHeadDim, int kRows>
@@ -472,7 +477,7 @@ void pv_rows(const float* base, int64_t combined, int32_t n, const float* pr, in
     const float* slot = base + j * combined * kHeadDim + kHeadDim;  // V of KV head 0; kv_off picks the head
 #pragma GCC unroll 4
     for (int r = 0; r < kRows; ++r) {
-      const float w = pr[r * stride + j];
+      const float w = pr[r + j * stride];
       if (w == 0.f) continue;
 #pragma GCC unroll 8
       for (int b = 0; b < kBlocks; ++b) {
@@ -494,7 +499,9 @@ void pv_rows(const float* base, int64_t combined, int32_t n, const float* pr, in
 // cannot guess them. (64 sequences decoding at 1,400 tokens of context, 8 heads over 4 KV heads of 64,
 // pages of 16: 21 ms a call with a whole page of prefetches at once and the keys gathered column by
 // column; 9-10 ms, about 20 GB/s of KV, with K rows read as they lie, P times V in registers and the
-// prefetches spread.) Items with more rows take one KV head and put the rows in vector lanes (run_lanes).
+// prefetches spread.) Its softmax puts rows in vector lanes, as run_lanes does: a max, an exp and a sum along
+// one row's keys each took a chain of dependent steps per row. Items with more rows take one KV head and put
+// the rows in vector lanes (run_lanes).
 template <int kHeadDim>  // > 0: head_dim known at compile time (loops unrolled); 0: any
 void run_item(const Problem& p, const Item& it) {
   const int64_t D = kHeadDim > 0 ? kHeadDim : p.head_dim, G = p.num_heads / p.num_kv_heads, ps = p.page_size;
@@ -515,17 +522,20 @@ void run_item(const Problem& p, const Item& it) {
 
   const int64_t ps_lanes = (ps + kLanes - 1) / kLanes * kLanes;  // score buffers in whole vectors
   const int64_t D16 = (D + kLanes - 1) / kLanes * kLanes;  // a q row with its columns past D as 0
+  // Rows in groups of kRowLanes for the softmax: a group's scores (then probabilities) lie key by key, the
+  // group's rows in the lanes of one vector (row i's key j at st[((i / R) * ps_lanes + j) * R + i % R]), so that
+  // the max, exp and key-ordered sum run for the group's rows at once instead of along one row's lanes.
+  constexpr int64_t R = kRowLanes;
+  const int64_t groups = (rows + R - 1) / R;
   Scratch& buf = scratch();
   float* qbuf = buf.take(0, rows * D16, 0.f);
   float* acc = buf.take(1, rows * D, 0.f);
-  float* m = buf.take(2, rows, kMasked);
-  float* l = buf.take(3, rows, 0.f);
-  float* alpha = buf.take(4, rows, 0.f);
-  float* scores = buf.take(5, rows * ps_lanes, 0.f);
-  float* probs = buf.take(6, rows * ps_lanes, 0.f);
-  int32_t* pos = buf.take_i(0, rows);
+  float* m = buf.take(2, groups * R, kMasked);
+  float* l = buf.take(3, groups * R, 0.f);
+  float* alpha = buf.take(4, groups * R, 0.f);
+  float* st = buf.take(5, groups * ps_lanes * R, 0.f);
+  int32_t* pos = buf.take_i(0, groups * R);  // rows past `rows` (a group's padding) see key 0 only: unused
   int32_t* kv_off = buf.take_i(1, rows);
-  int32_t* seen = buf.take_i(2, ps_lanes);  // a row's key masks on the page (the exp pass reads the max pass's)
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t r = it.row_begin + i / heads, hq = head0 + i % heads;
     pos[i] = kv_len - q_len + static_cast<int32_t>(r - q_begin);
@@ -551,6 +561,10 @@ void run_item(const Problem& p, const Item& it) {
     const int64_t score_steps = (n + kLanes - 1) / kLanes * rows + 2 * rows;
     const int64_t lines_per_step = (ahead_lines + score_steps - 1) / score_steps;
     int64_t line = 0;
+    auto prefetch = [&](int64_t steps) {
+      for (const int64_t stop = std::min(ahead_lines, line + lines_per_step * steps); ahead && line < stop; ++line)
+        __builtin_prefetch(ahead + line * 64, 0, 2);
+    };
     // Scores, 16 keys at a time: each key's K row is read as it lies (16 columns a load) into its 16
     // partial sums, then reduce16 sums the 16 keys' partials together, keys in lanes. Lanes past the page's
     // keys repeat its last key; the mask below hides them.
@@ -559,91 +573,97 @@ void run_item(const Problem& p, const Item& it) {
       const float* key[kLanes];  // slot -> its key's slot in the page
       for (int u = 0; u < kLanes; ++u) key[u] = base + std::min(j0 + slot_lane(u), j0 + nj - 1) * combined * D;
       for (int64_t i = 0; i < rows; ++i) {
-        for (const int64_t stop = std::min(ahead_lines, line + lines_per_step); ahead && line < stop; ++line)
-          __builtin_prefetch(ahead + line * 64, 0, 2);
+        prefetch(1);
+        alignas(64) float out[kLanes];  // row i's scores of keys j0 .. j0 + 15
         constexpr int64_t kMaxBlocks = kHeadDim > 0 ? (kHeadDim + kLanes - 1) / kLanes : 16;
         vf qv[kMaxBlocks];
         const int64_t blocks = D16 / kLanes;
         if (blocks > kMaxBlocks) {  // head_dim past 256: more q blocks than registers hold; same arithmetic
-          score_wide(&qbuf[i * D16], key, kv_off[i], D, &scores[i * ps_lanes + j0]);
-          continue;
-        }
-        for (int64_t b = 0; b < blocks; ++b) std::memcpy(&qv[b], &qbuf[i * D16 + b * kLanes], sizeof(vf));
+          score_wide(&qbuf[i * D16], key, kv_off[i], D, out);
+        } else {
+          for (int64_t b = 0; b < blocks; ++b) std::memcpy(&qv[b], &qbuf[i * D16 + b * kLanes], sizeof(vf));
 #if defined(__FMA__) && !defined(__AVX512F__)
-        const float* by_lane[kLanes];  // lane c's key: slot slot_lane(c)'s
-        for (int c = 0; c < kLanes; ++c) by_lane[c] = key[slot_lane(c)] + kv_off[i];
-        _mm256_storeu_ps(&scores[i * ps_lanes + j0], scores8(qv, blocks, by_lane, D));
-        _mm256_storeu_ps(&scores[i * ps_lanes + j0 + 8], scores8(qv, blocks, by_lane + 8, D));
+          const float* by_lane[kLanes];  // lane c's key: slot slot_lane(c)'s
+          for (int c = 0; c < kLanes; ++c) by_lane[c] = key[slot_lane(c)] + kv_off[i];
+          _mm256_store_ps(out, scores8(qv, blocks, by_lane, D));
+          _mm256_store_ps(out + 8, scores8(qv, blocks, by_lane + 8, D));
 #else
-        vf P[kLanes];
+          vf P[kLanes];
 #pragma GCC unroll 16
-        for (int u = 0; u < kLanes; ++u) {
-          const float* k = key[u] + kv_off[i];
-          vf a = vf{};
-          for (int64_t b = 0; b < blocks; ++b) a = fma(qv[b], load16(k + b * kLanes, D - b * kLanes), a);
-          P[u] = a;
-        }
-        const vf out = reduce16(P);
-        std::memcpy(&scores[i * ps_lanes + j0], &out, sizeof(out));
+          for (int u = 0; u < kLanes; ++u) {
+            const float* k = key[u] + kv_off[i];
+            vf a = vf{};
+            for (int64_t b = 0; b < blocks; ++b) a = fma(qv[b], load16(k + b * kLanes, D - b * kLanes), a);
+            P[u] = a;
+          }
+          const vf o = reduce16(P);
+          std::memcpy(out, &o, sizeof(o));
 #endif
+        }
+        float* dst = &st[((i / R) * ps_lanes + j0) * R + i % R];
+        for (int c = 0; c < kLanes; ++c) dst[c * R] = out[c];
       }
     }
-    for (int64_t i = 0; i < rows; ++i) {
-      for (const int64_t stop = std::min(ahead_lines, line + lines_per_step); ahead && line < stop; ++line)
-        __builtin_prefetch(ahead + line * 64, 0, 2);
-      const int32_t position = pos[i];
-      float* sc = &scores[i * ps_lanes];
-      float* pr = &probs[i * ps_lanes];
-      // Mask, max and exp over the page's keys 16 at a time (vector lanes = keys).
-      vf mxv = splat(m[i]);
-      for (int32_t j0 = 0; j0 < n; j0 += kLanes) {
-        const vi key = splat_i(t0 + j0) + lane_index;
-        vi visible = (key <= splat_i(position)) & (key < splat_i(t0 + n));
-        if (p.window > 0) visible &= (splat_i(position) - key) < splat_i(p.window);
-        std::memcpy(&seen[j0], &visible, sizeof(visible));
-        vf v;
-        std::memcpy(&v, &sc[j0], sizeof(v));
+    // Mask, max, exp and the key-ordered sum, a group of rows at a time (vector lanes = rows).
+    for (int64_t g = 0; g < groups; ++g) {
+      prefetch(std::min(R, rows - g * R));
+      float* sg = &st[g * ps_lanes * R];
+      ri position;
+      rf m_old, l_old;
+      std::memcpy(&position, &pos[g * R], sizeof(position));
+      std::memcpy(&m_old, &m[g * R], sizeof(m_old));
+      std::memcpy(&l_old, &l[g * R], sizeof(l_old));
+      auto visible = [&](int32_t j) {
+        const ri key = splat_ri(t0 + j);
+        ri seen = key <= position;
+        if (p.window > 0) seen &= (position - key) < splat_ri(p.window);
+        return seen;
+      };
+      rf mx = m_old;
+      for (int32_t j = 0; j < n; ++j) {
+        rf v;
+        std::memcpy(&v, &sg[j * R], sizeof(v));
         if (p.soft_cap > 0.f) v = soft_cap_scores(v, p.soft_cap);
-        v = visible ? v : splat(kMasked);
-        std::memcpy(&sc[j0], &v, sizeof(v));
-        mxv = mxv > v ? mxv : v;
+        v = visible(j) ? v : splat_as<rf>(kMasked);
+        std::memcpy(&sg[j * R], &v, sizeof(v));
+        mx = mx > v ? mx : v;
       }
-      float mx = m[i];
-      for (int lane = 0; lane < kLanes; ++lane) mx = std::max(mx, mxv[lane]);
-      alpha[i] = vexp(splat_as<rf>(m[i] - mx))[0];  // lane by lane: the one lane needed, on the narrower vector
-      for (int32_t j0 = 0; j0 < n; j0 += kLanes) {
-        vf v;
-        vi visible;
-        std::memcpy(&v, &sc[j0], sizeof(v));
-        std::memcpy(&visible, &seen[j0], sizeof(visible));
-        v = visible ? vexp(v - mx) : vf{};
-        std::memcpy(&pr[j0], &v, sizeof(v));
+      const rf a = vexp(m_old - mx);
+      rf sum = rf{};  // in key order, as run_lanes adds
+      for (int32_t j = 0; j < n; ++j) {
+        rf v;
+        std::memcpy(&v, &sg[j * R], sizeof(v));
+        v = visible(j) ? vexp(v - mx) : rf{};
+        std::memcpy(&sg[j * R], &v, sizeof(v));
+        sum = sum + v;
       }
-      float sum = 0.f;
-      for (int32_t j = 0; j < n; ++j) sum += pr[j];  // in key order, as run_lanes adds
-      l[i] = l[i] * alpha[i] + sum;
-      m[i] = mx;
+      const rf l_new = l_old * a + sum;
+      std::memcpy(&alpha[g * R], &a, sizeof(a));
+      std::memcpy(&l[g * R], &l_new, sizeof(l_new));
+      std::memcpy(&m[g * R], &mx, sizeof(mx));
     }
     // P times V, row by row in key order; kPvRows rows at a time keep their accumulators in registers.
     int64_t i = 0;
-    // Rows at a time: as many as 16 accumulator registers hold with AVX-512 (32 in all), 8 with AVX (16).
+    // Rows at a time: as many as 16 accumulator registers hold with AVX-512 (32 in all), 8 with AVX (16). A
+    // multiple of kPvRows never crosses a group (kPvRows divides R).
     constexpr int kPvRows = kHeadDim > 0 ? (kRowLanes == 16 ? 16 : 8) * kRowLanes / kHeadDim : 0;
+    static_assert(kPvRows == 0 || R % kPvRows == 0);
     if constexpr (kPvRows > 0 && kHeadDim % kRowLanes == 0) {
       for (; i + kPvRows <= rows; i += kPvRows) {
-        for (const int64_t stop = std::min(ahead_lines, line + lines_per_step * kPvRows); ahead && line < stop; ++line)
-          __builtin_prefetch(ahead + line * 64, 0, 2);
-        pv_rows<kHeadDim, kPvRows>(base, combined, n, &probs[i * ps_lanes], ps_lanes, &alpha[i], &kv_off[i], &acc[i * D]);
+        prefetch(kPvRows);
+        pv_rows<kHeadDim, kPvRows>(base, combined, n, &st[(i / R) * ps_lanes * R + i % R], R, &alpha[i], &kv_off[i],
+                                   &acc[i * D]);
       }
     }
     for (; i < rows; ++i) {
       float* a = &acc[i * D];
-      const float* pr = &probs[i * ps_lanes];
+      const float* pr = &st[(i / R) * ps_lanes * R + i % R];
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) a[d] *= alpha[i];
       for (int32_t j = 0; j < n; ++j) {
-        if (pr[j] == 0.f) continue;
+        const float w = pr[j * R];
+        if (w == 0.f) continue;
         const float* v = base + kv_off[i] + j * combined * D + D;
-        const float w = pr[j];
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) a[d] = std::fma(w, v[d], a[d]);
       }
