@@ -145,8 +145,6 @@ inline I splat_ri(int32_t x) {  // (a broadcast)
   if constexpr (sizeof(I) == 8 * sizeof(int32_t)) return I{x, x, x, x, x, x, x, x};
   else return I{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
 }
-inline vi splat_i(int32_t x) { return vi{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }  // (a broadcast)
-const vi lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
 // C * tanh(s / C) lane by lane (the reference's order: divide, tanh, multiply). Out of line, so that both
 // paths run the same instructions whatever the compiler would do with it inlined.
@@ -428,7 +426,7 @@ void run_lanes(const Problem& p, const Item& it, int64_t row0, int64_t rows, int
 
 // Per-thread buffers of the all-heads path, kept between items (an item is a few microseconds of work).
 struct Scratch {
-  std::vector<float> f[7];
+  std::vector<float> f[6];
   std::vector<int32_t> i[2];
   float* take(int k, int64_t n, float fill) {
     f[k].assign(n, fill);
@@ -534,7 +532,7 @@ void run_item(const Problem& p, const Item& it) {
   float* l = buf.take(3, groups * R, 0.f);
   float* alpha = buf.take(4, groups * R, 0.f);
   float* st = buf.take(5, groups * ps_lanes * R, 0.f);
-  int32_t* pos = buf.take_i(0, groups * R);  // rows past `rows` (a group's padding) see key 0 only: unused
+  int32_t* pos = buf.take_i(0, groups * R);  // a group's padding rows past `rows`: computed, never read
   int32_t* kv_off = buf.take_i(1, rows);
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t r = it.row_begin + i / heads, hq = head0 + i % heads;
