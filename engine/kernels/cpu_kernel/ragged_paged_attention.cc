@@ -335,6 +335,41 @@ inline void scores3(const rf* qt, const float* const* k, int64_t head_dim, rf* o
   for (int j = 0; j < 3; ++j) out[j] = (sq[j][0] + sq[j][2]) + (sq[j][1] + sq[j][3]);
 }
 
+// One page's step of the online softmax for kRowLanes rows in vector lanes (run_lanes, and the all-heads path's
+// row groups): key j's scores for the rows lie at s[j * kRowLanes]; they are soft-capped and masked (keys after a
+// row's position or outside its window) in place, then replaced by their probabilities exp(score - max) (0 where
+// masked), summed in key order. The rows' running max `m` and sum `l` move on; returns the factor that rescales
+// what the rows summed before this page.
+inline rf page_softmax(const Problem& p, float* s, int32_t n, int32_t t0, ri pos, rf& m, rf& l) {
+  auto visible = [&](int32_t j) {
+    const ri key = splat_ri(t0 + j);
+    ri seen = key <= pos;
+    if (p.window > 0) seen &= (pos - key) < splat_ri(p.window);
+    return seen;
+  };
+  rf mx = m;
+  for (int32_t j = 0; j < n; ++j) {
+    rf v;
+    std::memcpy(&v, &s[j * kRowLanes], sizeof(v));
+    if (p.soft_cap > 0.f) v = soft_cap_scores(v, p.soft_cap);
+    v = visible(j) ? v : splat_as<rf>(kMasked);
+    std::memcpy(&s[j * kRowLanes], &v, sizeof(v));
+    mx = mx > v ? mx : v;
+  }
+  const rf alpha = vexp(m - mx);
+  rf sum = rf{};
+  for (int32_t j = 0; j < n; ++j) {
+    rf v;
+    std::memcpy(&v, &s[j * kRowLanes], sizeof(v));
+    v = visible(j) ? vexp(v - mx) : rf{};
+    std::memcpy(&s[j * kRowLanes], &v, sizeof(v));
+    sum = sum + v;
+  }
+  l = l * alpha + sum;
+  m = mx;
+  return alpha;
+}
+
 // Rows [row0, row0 + kRowLanes) of an item (row = token * G + head in group; rows past `rows` are padding)
 // over its pages, with the rows in vector lanes: a key's scores for the rows are 64 multiply-adds of a q
 // column by one broadcast K element (plus the 15 adds of the score's tree), and a P row times V is 64 more,
@@ -365,7 +400,6 @@ void run_lanes(const Problem& p, const Item& it, int64_t row0, int64_t rows, int
   std::memcpy(&pos, pos_lanes, sizeof(pos));
   rf m = splat_as<rf>(kMasked), l = rf{};
   std::vector<rf> sc((ps + 7) / 8 * 8 + 2);  // scores are stored 8 keys at a time (and 3 computed at a time)
-  std::vector<ri> seen(ps);  // which lanes (rows) may see each key of the page
   const int32_t* seq_pages = p.pages + static_cast<int64_t>(s) * p.pages_per_seq;
   for (int32_t page_slot = begin / ps; page_slot * ps < end; ++page_slot) {
     const float* base = p.kv + static_cast<int64_t>(seq_pages[page_slot]) * ps * combined * D;
@@ -380,23 +414,7 @@ void run_lanes(const Problem& p, const Item& it, int64_t row0, int64_t rows, int
         scores3<kHeadDim>(qt.data(), k, D, &sc[j]);
       }
     }
-    rf mx = m;
-    for (int32_t j = 0; j < n; ++j) {
-      const ri kpos = ri{} + (t0 + j);
-      if (p.soft_cap > 0.f) sc[j] = soft_cap_scores(sc[j], p.soft_cap);
-      seen[j] = kpos <= pos;
-      if (p.window > 0) seen[j] &= (pos - kpos) < (ri{} + p.window);
-      sc[j] = seen[j] ? sc[j] : splat_as<rf>(kMasked);
-      mx = mx > sc[j] ? mx : sc[j];
-    }
-    const rf alpha = vexp(m - mx);
-    rf sum = rf{};
-    for (int32_t j = 0; j < n; ++j) {
-      sc[j] = seen[j] ? vexp(sc[j] - mx) : rf{};
-      sum += sc[j];
-    }
-    l = l * alpha + sum;
-    m = mx;
+    const rf alpha = page_softmax(p, reinterpret_cast<float*>(sc.data()), n, t0, pos, m, l);
     for (int64_t d0 = 0; d0 < D; d0 += 8) {  // 8 output columns at a time, kept in registers over the keys
       const int64_t nd = std::min<int64_t>(8, D - d0);
       rf a[8];
@@ -497,9 +515,9 @@ void pv_rows(const float* base, int64_t combined, int32_t n, const float* pr, in
 // cannot guess them. (64 sequences decoding at 1,400 tokens of context, 8 heads over 4 KV heads of 64,
 // pages of 16: 21 ms a call with a whole page of prefetches at once and the keys gathered column by
 // column; 9-10 ms, about 20 GB/s of KV, with K rows read as they lie, P times V in registers and the
-// prefetches spread.) Its softmax puts rows in vector lanes, as run_lanes does: a max, an exp and a sum along
-// one row's keys each took a chain of dependent steps per row. Items with more rows take one KV head and put
-// the rows in vector lanes (run_lanes).
+// prefetches spread.) Its softmax is run_lanes' (page_softmax), a group of rows in vector lanes: a max, an exp
+// and a sum along one row's keys each took a chain of dependent steps per row. Items with more rows take one KV
+// head and put the rows in vector lanes (run_lanes).
 template <int kHeadDim>  // > 0: head_dim known at compile time (loops unrolled); 0: any
 void run_item(const Problem& p, const Item& it) {
   const int64_t D = kHeadDim > 0 ? kHeadDim : p.head_dim, G = p.num_heads / p.num_kv_heads, ps = p.page_size;
@@ -605,40 +623,15 @@ void run_item(const Problem& p, const Item& it) {
     // Mask, max, exp and the key-ordered sum, a group of rows at a time (vector lanes = rows).
     for (int64_t g = 0; g < groups; ++g) {
       prefetch(std::min(R, rows - g * R));
-      float* sg = &st[g * ps_lanes * R];
       ri position;
-      rf m_old, l_old;
+      rf m_g, l_g;
       std::memcpy(&position, &pos[g * R], sizeof(position));
-      std::memcpy(&m_old, &m[g * R], sizeof(m_old));
-      std::memcpy(&l_old, &l[g * R], sizeof(l_old));
-      auto visible = [&](int32_t j) {
-        const ri key = splat_ri(t0 + j);
-        ri seen = key <= position;
-        if (p.window > 0) seen &= (position - key) < splat_ri(p.window);
-        return seen;
-      };
-      rf mx = m_old;
-      for (int32_t j = 0; j < n; ++j) {
-        rf v;
-        std::memcpy(&v, &sg[j * R], sizeof(v));
-        if (p.soft_cap > 0.f) v = soft_cap_scores(v, p.soft_cap);
-        v = visible(j) ? v : splat_as<rf>(kMasked);
-        std::memcpy(&sg[j * R], &v, sizeof(v));
-        mx = mx > v ? mx : v;
-      }
-      const rf a = vexp(m_old - mx);
-      rf sum = rf{};  // in key order, as run_lanes adds
-      for (int32_t j = 0; j < n; ++j) {
-        rf v;
-        std::memcpy(&v, &sg[j * R], sizeof(v));
-        v = visible(j) ? vexp(v - mx) : rf{};
-        std::memcpy(&sg[j * R], &v, sizeof(v));
-        sum = sum + v;
-      }
-      const rf l_new = l_old * a + sum;
+      std::memcpy(&m_g, &m[g * R], sizeof(m_g));
+      std::memcpy(&l_g, &l[g * R], sizeof(l_g));
+      const rf a = page_softmax(p, &st[g * ps_lanes * R], n, t0, position, m_g, l_g);
       std::memcpy(&alpha[g * R], &a, sizeof(a));
-      std::memcpy(&l[g * R], &l_new, sizeof(l_new));
-      std::memcpy(&m[g * R], &mx, sizeof(mx));
+      std::memcpy(&l[g * R], &l_g, sizeof(l_g));
+      std::memcpy(&m[g * R], &m_g, sizeof(m_g));
     }
     // P times V, row by row in key order; kPvRows rows at a time keep their accumulators in registers.
     int64_t i = 0;
