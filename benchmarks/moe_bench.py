@@ -6,8 +6,9 @@ expert multiplies its own tokens in tiles of 64 rows (engine/models/moe.py), so 
 `sum_e ceil(n_e / 64) * 64` expert rows, at most `T * k + E * 63`; the router adds `2 * T * H * E`. The dense twin
 computes `T` rows of a `k * I`-wide MLP. The figure printed is the bound, so it errs against the MoE.
 
-Run from the repository root (about a minute):
-    PYTHONPATH=$PWD JAX_PLATFORMS=cpu python benchmarks/moe_bench.py [--experts 8 32] [--top-k 2] [--reps 5]
+Every model's step is compiled first; then the models' steps alternate, `--reps` rounds, and the medians are
+printed. Run from the repository root (about a minute):
+    PYTHONPATH=$PWD JAX_PLATFORMS=cpu python benchmarks/moe_bench.py [--experts 8 32] [--top-k 2] [--reps 15]
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ def mlp_flops(tokens: int, experts: int, top_k: int) -> int:
     return LAYERS * (2 * rows * 3 * HIDDEN * EXPERT_SIZE + 2 * tokens * HIDDEN * experts)
 
 
-def step_seconds(path: Path, tokens: int, reps: int) -> float:
-    """Median seconds of one prefill step of `tokens` tokens (4 sequences) after a warm-up."""
+def step_runner(path: Path, tokens: int):
+    """A timed prefill step of `tokens` tokens (4 sequences), compiled and run once: call it for one more step."""
     config = EngineConfig(page_size=PAGE_SIZE, max_pages=4 * tokens // PAGE_SIZE + 8, max_prefill_size=tokens,
                           max_seqs=4)
     runner = ModelRunner(load_transformer(path), RunnerConfig.of(config), max_seq_len=tokens)
@@ -54,12 +55,12 @@ def step_seconds(path: Path, tokens: int, reps: int) -> float:
     pages = [list(range(i * per_seq // PAGE_SIZE, (i + 1) * per_seq // PAGE_SIZE)) for i in range(4)]
     chunks = [SeqChunk([7 + (i * 13 + j) % 500 for j in range(per_seq)], 0, pages[i]) for i in range(4)]
     runner.logits(chunks)
-    times = []
-    for _ in range(reps):
+
+    def step() -> float:
         t0 = time.perf_counter()
         runner.logits(chunks)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        return time.perf_counter() - t0
+    return step
 
 
 def main() -> None:
@@ -67,18 +68,26 @@ def main() -> None:
     parser.add_argument("--experts", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=2048, help="tokens in the timed prefill step")
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=15, help="timed steps of each model, alternated")
     args = parser.parse_args()
     k, tokens = args.top_k, args.tokens
     with tempfile.TemporaryDirectory() as tmp:
-        dense = step_seconds(write_model(preset(0, k), Path(tmp) / "dense"), tokens, args.reps)
+        # Every model's step is built first, then the steps alternate round by round (the machine's speed drifts).
+        steps = {0: step_runner(write_model(preset(0, k), Path(tmp) / "dense"), tokens)}
+        steps.update({e: step_runner(write_model(preset(e, k), Path(tmp) / f"moe{e}"), tokens) for e in args.experts})
+        times: dict[int, list[float]] = {e: [] for e in steps}
+        for _ in range(args.reps):
+            for e, step in steps.items():
+                times[e].append(step())
+        seconds = {e: statistics.median(t) for e, t in times.items()}
+        dense = seconds[0]
         print(f"dense twin (MLP {k * EXPERT_SIZE} wide): {tokens / dense:,.0f} tokens/s, "
               f"MLP {mlp_flops(tokens, 0, k) / 1e9:.2f} GFLOP per step of {tokens} tokens")
         for e in args.experts:
-            moe = step_seconds(write_model(preset(e, k), Path(tmp) / f"moe{e}"), tokens, args.reps)
             ratio = mlp_flops(tokens, e, k) / mlp_flops(tokens, 0, k)
-            print(f"MoE E={e} k={k}: {tokens / moe:,.0f} tokens/s (a step costs {moe / dense:.2f}x the dense twin's), "
-                  f"MLP FLOPs at most {ratio:.2f}x the dense twin's (a dense pass of every expert: {e / k:.0f}x)")
+            print(f"MoE E={e} k={k}: {tokens / seconds[e]:,.0f} tokens/s (a step costs {seconds[e] / dense:.2f}x the "
+                  f"dense twin's), MLP FLOPs at most {ratio:.2f}x the dense twin's (a dense pass of every expert: "
+                  f"{e / k:.0f}x)")
 
 
 if __name__ == "__main__":

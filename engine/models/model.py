@@ -98,11 +98,19 @@ class Transformer(eqx.Module):
             attn, pool = _attention(q, k, v, pool, layer_index.array, cos, sin, inputs, cfg, ax, settings,
                                     cfg.sliding_window)
 
-            def out_and_mlp(x: NamedArray, attn: NamedArray) -> NamedArray:
+            def out_and_norm(x: NamedArray, attn: NamedArray) -> tuple[NamedArray, NamedArray]:
                 x = x + hax.dot(attn, layer.attn.wo, axis=(ax.KVHeads, ax.QPerKV, ax.HeadSize))
-                h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-                if layer.moe is not None:  # expert tiles of the matmuls' row count on the CPU, ragged_dot elsewhere
-                    return x + moe_mlp(h, layer.moe, cfg.moe, settings.min_matmul_rows)
+                return x, rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
+
+            if layer.moe is not None:
+                # Expert tiles of the matmuls' row count on the CPU (ragged_dot elsewhere) over the whole step's
+                # rows, not a row tile's: an expert's rows then fill larger matmuls, and a row's bits are the same
+                # (every expert matmul has at least the row count that fixes them).
+                x, h = by_token_rows(out_and_norm, x, attn)
+                return (x + moe_mlp(h, layer.moe, cfg.moe, settings.min_matmul_rows, num_tokens), pool), None
+
+            def out_and_mlp(x: NamedArray, attn: NamedArray) -> NamedArray:
+                x, h = out_and_norm(x, attn)
                 gate = hax.dot(h, layer.w_gate, axis=ax.Embed)
                 up = hax.dot(h, layer.w_up, axis=ax.Embed)
                 return x + hax.dot(hax.nn.silu(gate) * up, layer.w_down, axis=ax.Mlp)

@@ -5,12 +5,15 @@ experts' outputs weighted by the router (engine/models/moe_config.py says how ea
 The grouped matmul has two forms, one result (within float32 rounding):
 - `jax.lax.ragged_dot` over the pairs sorted by expert (`expert_tile_rows` 0): the shape TPU and GPU grouped-matmul
   kernels take;
-- expert tiles (`expert_tile_rows` > 0, on the CPU): each expert's pairs padded to whole tiles of that many rows, one
-  matmul per tile of the expert's own weights, tiles past the used ones skipped. XLA's CPU backend lowers
-  `ragged_dot` as a dense pass of every expert over every row with a mask (E times the work), and its matmuls round a
-  row by the call's row count (engine/device/row_tiles.py); tiles of a fixed row count give work that follows the
-  active experts and rows whose bits do not depend on the rows beside them. The router runs on tiles of that many
-  rows as well.
+- expert tiles (`expert_tile_rows` > 0, on the CPU): each expert's pairs padded to whole units of that many rows, run
+  as matmuls of 4, 2 or 1 units of the expert's own weights, units past the used ones skipped. XLA's CPU backend
+  lowers `ragged_dot` as a dense pass of every expert over every row with a mask (E times the work), and its matmuls
+  round a row by the call's row count below 64 rows (engine/device/row_tiles.py); matmuls of at least that many rows
+  give work that follows the active experts and rows whose bits do not depend on the rows beside them. The router's
+  matmul is narrow and rounds by the row count even past 64, so it runs on tiles of exactly that many rows.
+
+The engine calls it once for a step's rows (not per row tile of the layer's other matmuls), so that an expert's rows
+fill large matmuls; the step's padding rows go to no expert.
 """
 
 from __future__ import annotations
@@ -33,12 +36,16 @@ class MoeMlp(eqx.Module):
     w_down: NamedArray  # [experts, expert_mlp, embed]
 
 
-def moe_mlp(h: NamedArray, moe: MoeMlp, cfg: MoeConfig, expert_tile_rows: int) -> NamedArray:
-    """The MLP's output for rows `h` [..., embed] (each row's own experts, router-weighted), same axes as `h`."""
+def moe_mlp(h: NamedArray, moe: MoeMlp, cfg: MoeConfig, expert_tile_rows: int,
+            num_rows: jax.Array | None = None) -> NamedArray:
+    """The MLP's output for rows `h` [..., embed] (each row's own experts, router-weighted), same axes as `h`.
+    `num_rows` (a traced int, with expert tiles): only the rows below it matter; the experts skip the others, whose
+    outputs are zeros."""
     rows_axes = tuple(a for a in h.axes if a.name != EMBED)
     x = h.rearrange((*rows_axes, h.resolve_axis(EMBED))).array
     x = x.reshape(-1, x.shape[-1])  # [R, H]
-    out = _moe_rows(x, *(w.array for w in (moe.router, moe.w_gate, moe.w_up, moe.w_down)), cfg, expert_tile_rows)
+    out = _moe_rows(x, *(w.array for w in (moe.router, moe.w_gate, moe.w_up, moe.w_down)), cfg, expert_tile_rows,
+                    num_rows)
     return hax.named(out.reshape(*(a.size for a in rows_axes), x.shape[-1]), (*rows_axes, h.resolve_axis(EMBED)))
 
 
@@ -60,16 +67,18 @@ def _expert(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array)
 
 
 def _moe_rows(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
-              cfg: MoeConfig, tile: int) -> jax.Array:
-    """x [R, H]; router [H, E]; w_gate, w_up [E, H, I]; w_down [E, I, H]."""
+              cfg: MoeConfig, tile: int, num_rows: jax.Array | None = None) -> jax.Array:
+    """x [R, H]; router [H, E]; w_gate, w_up [E, H, I]; w_down [E, I, H]. `num_rows`: see moe_mlp."""
     R, H = x.shape
     E, k = cfg.num_experts, cfg.top_k
     # The router's matmul is narrow (E columns): XLA's CPU kernels round it by the call's row count even past 64
     # rows, so on the CPU it runs on tiles of exactly `tile` rows too.
-    experts, weights = by_row_tiles(lambda x: route(x, router, cfg), tile, x)
+    experts, weights = by_row_tiles(lambda x: route(x, router, cfg), tile, x, num_rows=num_rows)
     pair_expert = experts.reshape(-1)  # [P]: pair p is row p // k, its (p % k)-th expert
+    if tile and num_rows is not None:  # the rows past num_rows go to no expert (E: past every group, not counted)
+        pair_expert = jnp.where(jnp.arange(R * k) // k < num_rows, pair_expert, E)
     order = jnp.argsort(pair_expert, stable=True)  # pairs grouped by expert, rows in order within one
-    counts = jnp.bincount(pair_expert, length=E)  # i32[E]
+    counts = jnp.bincount(pair_expert, length=E)  # i32[E] (E itself is not counted)
     rows_sorted = x[order // k]  # [P, H]
     if tile:
         y_sorted = _tiled_grouped_mlp(rows_sorted, pair_expert[order], counts, (w_gate, w_up, w_down), tile)
@@ -85,25 +94,42 @@ def _moe_rows(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Arra
     return out.astype(x.dtype)
 
 
+TILE_UNITS = (4, 2, 1)
+"""An expert's units of `expert_tile_rows` rows run in matmuls of 4 units while 4 are left, then of 2, then of 1 (on
+the CPU a matmul of 64 rows takes about twice the time per row of one of 256)."""
+
+
 def _tiled_grouped_mlp(rows: jax.Array, expert: jax.Array, counts: jax.Array,
                        weights: tuple[jax.Array, jax.Array, jax.Array], tile: int) -> jax.Array:
-    """The experts' MLP of `rows` [P, H] sorted by `expert` i32[P] (`counts` rows each), on tiles of `tile` rows that
-    each belong to one expert: expert e's rows fill ceil(counts[e] / tile) tiles, zero-padded."""
+    """The experts' MLP of `rows` [P, H] sorted by `expert` i32[P] (`counts` rows each; E, last: no expert, output
+    zeros), in matmuls of whole units of `tile` rows that each belong to one expert: expert e's rows fill
+    ceil(counts[e] / tile) units, zero-padded, and run as tiles of TILE_UNITS units, largest first. Every matmul
+    has at least `tile` rows, so a row's bits do not depend on which tile holds it (they are those of any such
+    matmul)."""
     P, H = rows.shape
     E = counts.shape[0]
-    num_tiles = -(-P // tile) + E  # enough for any routing: each expert wastes less than one tile
-    tiles_of = -(-counts // tile)  # tiles per expert
-    first_tile = jnp.cumsum(tiles_of) - tiles_of  # [E]
+    num_units = -(-P // tile) + E  # enough for any routing: each expert wastes less than one unit
+    units = -(-counts // tile)  # units per expert
+    first_unit = jnp.cumsum(units) - units  # [E]
     first_row = jnp.cumsum(counts) - counts  # [E]: the expert's first pair in `rows`
-    slot = first_tile[expert] * tile + (jnp.arange(P) - first_row[expert])  # each pair's row in the tiles
-    padded = jnp.zeros((num_tiles * tile, H), rows.dtype).at[slot].set(rows).reshape(num_tiles, tile, H)
-    tile_expert = jnp.searchsorted(jnp.cumsum(tiles_of), jnp.arange(num_tiles), side="right")
-    used = jnp.sum(tiles_of)
+    # Each pair's row in the units; a pair of no expert (E) gets none (out of range: not written, read as zeros).
+    slot = jnp.where(expert < E, first_unit[expert] * tile + (jnp.arange(P) - first_row[expert]), num_units * tile)
+    padded = jnp.zeros((num_units * tile, H), rows.dtype).at[slot].set(rows, mode="drop")
 
-    def one(t, out):
-        e = jnp.minimum(tile_expert[t], E - 1)
-        y = _expert(padded[t], *(w[e] for w in weights))
-        return out.at[t].set(y.astype(out.dtype))
+    def tiles(size: int, per_expert: jax.Array, first: jax.Array, out: jax.Array) -> jax.Array:
+        """Tiles of `size` units: `per_expert[e]` of expert e, from its unit `first[e]` on."""
+        ends = jnp.cumsum(per_expert)
 
-    out = jax.lax.fori_loop(0, used, one, jnp.zeros((num_tiles, tile, H), rows.dtype))
-    return out.reshape(num_tiles * tile, H)[slot]
+        def one(t, out):
+            e = jnp.minimum(jnp.searchsorted(ends, t, side="right"), E - 1)
+            start = (first[e] + size * (t - (ends[e] - per_expert[e]))) * tile
+            y = _expert(jax.lax.dynamic_slice_in_dim(padded, start, size * tile), *(w[e] for w in weights))
+            return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), start, 0)
+
+        return jax.lax.fori_loop(0, ends[-1], one, out)
+
+    out, first, left = jnp.zeros_like(padded), first_unit, units
+    for size in TILE_UNITS:
+        out = tiles(size, left // size, first, out)
+        first, left = first + left // size * size, left % size
+    return out.at[slot].get(mode="fill", fill_value=0)

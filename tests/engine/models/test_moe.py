@@ -52,22 +52,38 @@ def test_moe_block_equals_transformers(tmp_path, family, tile):
 
 
 def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(tmp_path):
-    """In expert tiles of 64 rows, the same row routed with 63 other rows, with 191 others, or alone (padded to the
-    tile) gives the same bits: every expert matmul has the same row count, whoever shares it."""
+    """In expert tiles of 64 rows, the same row routed with 63 other rows, with 255 or 1,023 others (an expert's rows
+    then run in matmuls of 128 and 256 rows), or alone (padded to the tile) gives the same bits: every expert matmul
+    has at least 64 rows, whoever shares it."""
     hf = make_hf_model("mixtral", tmp_path, seed=1)
     cfg = ModelConfig.from_pretrained(tmp_path)
     _, weights = _block(hf)
     rng = np.random.default_rng(5)
-    rows = rng.standard_normal((256, 64)).astype(np.float32)
+    rows = rng.standard_normal((1024, 64)).astype(np.float32)
     f = jax.jit(lambda x, *w: _moe_rows(x, *w, cfg.moe, 64))
     alone = np.stack([np.asarray(f(jnp.asarray(np.pad(rows[i:i + 1], ((0, 63), (0, 0)))), *weights))[0]
-                      for i in range(0, 256, 37)])
-    for n in (64, 256):
+                      for i in range(0, 1024, 37)])
+    for n in (64, 256, 1024):
         together = np.asarray(f(jnp.asarray(rows[:n]), *weights))
         np.testing.assert_array_equal(together[0:n:37], alone[:len(range(0, n, 37))])
     shuffled = rng.permutation(256)
     mixed = np.asarray(f(jnp.asarray(rows[shuffled]), *weights))
-    np.testing.assert_array_equal(mixed[np.argsort(shuffled)], np.asarray(f(jnp.asarray(rows), *weights)))
+    np.testing.assert_array_equal(mixed[np.argsort(shuffled)], np.asarray(f(jnp.asarray(rows[:256]), *weights)))
+
+
+def test_rows_past_num_rows_go_to_no_expert(tmp_path):
+    """A step's rows past its real tokens (its padding up to the shape bucket) are routed to no expert: the experts
+    compute no tile for them, their outputs are zeros, and the real rows keep their bits."""
+    hf = make_hf_model("mixtral", tmp_path, seed=1)
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    _, weights = _block(hf)
+    rows = np.random.default_rng(6).standard_normal((300, 64)).astype(np.float32)
+    f = jax.jit(lambda x, n, *w: _moe_rows(x, *w, cfg.moe, 64, n))
+    full = np.asarray(f(jnp.asarray(rows), 300, *weights))
+    for n in (1, 130, 299):
+        got = np.asarray(f(jnp.asarray(rows), n, *weights))
+        np.testing.assert_array_equal(got[:n], full[:n])
+        assert not got[n:].any(), f"rows past {n} were computed"
 
 
 @pytest.mark.parametrize("family", MOES)
