@@ -23,8 +23,11 @@ demo: $(STAMP)
 	@echo "make: running the demo (planning, then compiling and sampling on 2 slices: about 2 minutes on 2 cores)"
 	JAX_PLATFORMS=cpu $(VENV)/bin/pagefleet run configs/demo.yaml
 
+# Two pytest workers (pytest-xdist): much of a test's time is waiting (Ray start-up, subprocesses, compiling on one
+# thread), so two share two cores well: 43 -> 31 minutes on a 2-core AVX2 machine. PYTEST_WORKERS=0: one process.
+PYTEST_WORKERS ?= 2
 test: $(STAMP)
-	JAX_PLATFORMS=cpu $(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	JAX_PLATFORMS=cpu $(VENV)/bin/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	JAX_PLATFORMS=cpu $(VENV)/bin/python benchmarks/step_bench.py

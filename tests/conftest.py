@@ -13,8 +13,9 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# One persistent XLA compilation cache for the whole session, shared by every process it starts
-# (slice actors, `pagefleet run` subprocesses): the same step programs compile once, not once per process.
+# One persistent XLA compilation cache for the whole session, shared by every process it starts (pytest-xdist's
+# workers, which inherit it from the controller, slice actors, `pagefleet run` subprocesses): the same step programs
+# compile once, not once per process. The process that made it removes it at the end (the controller).
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import tempfile
 
