@@ -180,18 +180,33 @@ def leading_page_keys(token_ids: np.ndarray, page_size: int) -> np.ndarray:
     hash of the prefix modulo 2**64, so equal prefixes give equal keys; a rare collision only misplaces a
     prompt in the plan's order or miscounts the report, never changes a sample). Never 0 (0 means "none")."""
     tokens = np.asarray(token_ids, dtype=np.uint64)
-    pages = (len(tokens) - 1) // page_size if len(tokens) else 0
-    if pages <= 0:
-        return np.zeros(0, dtype=np.uint64)
-    n = pages * page_size
+    return leading_page_keys_of_many(tokens, np.array([0, len(tokens)], dtype=np.int64), page_size)[0]
+
+
+def leading_page_keys_of_many(tokens: np.ndarray, offsets: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """`leading_page_keys` of many prompts at once, prompt i being tokens[offsets[i]:offsets[i + 1]]: (u64[keys]
+    all their keys, prompt after prompt; i64[prompts + 1] where each prompt's keys start). Numpy over the whole
+    array (a shard's prompts in one pass), the same keys as one prompt at a time: modulo 2**64 the hash is exact."""
+    tokens = np.asarray(tokens, dtype=np.uint64)
+    offsets = np.asarray(offsets, dtype=np.int64)
+    starts, lengths = offsets[:-1], np.diff(offsets)
+    pages = np.maximum(lengths - 1, 0) // page_size
+    key_offsets = np.concatenate([[0], np.cumsum(pages)]).astype(np.int64)
+    if not key_offsets[-1]:
+        return np.zeros(0, dtype=np.uint64), key_offsets
     with np.errstate(over="ignore"):
-        # prefix(k) = sum_{j<k} (t_j + 1) * B^(k-1-j) = B^(k-1) * cumsum((t_j + 1) * B^-j), all modulo 2**64.
+        # A prompt's prefix of k tokens from position s: sum_{j<k} (t_{s+j} + 1) * B^(k-1-j)
+        # = B^(s+k-1) * (C[s+k] - C[s]), where C[i] = sum_{p<i} (t_p + 1) * B^-p: all modulo 2**64 (B is odd).
+        n = len(tokens)
         inv = np.cumprod(np.concatenate([[np.uint64(1)], np.full(n - 1, _KEY_BASE_INV, dtype=np.uint64)]))
         fwd = np.cumprod(np.concatenate([[np.uint64(1)], np.full(n - 1, _KEY_BASE, dtype=np.uint64)]))
-        prefix = fwd * np.cumsum((tokens[:n] + np.uint64(1)) * inv)
-    keys = prefix[page_size - 1::page_size]
+        cumulative = np.concatenate([[np.uint64(0)], np.cumsum((tokens + np.uint64(1)) * inv)])
+        prompt = np.repeat(np.arange(len(pages)), pages)
+        page = np.arange(key_offsets[-1]) - key_offsets[prompt] + 1  # 1.. within its prompt
+        ends = starts[prompt] + page * page_size
+        keys = fwd[ends - 1] * (cumulative[ends] - cumulative[starts[prompt]])
     keys[keys == 0] = 1
-    return keys
+    return keys, key_offsets
 
 
 def shareable_prompt_tokens(page_keys: list[np.ndarray] | np.ndarray, page_size: int) -> int:

@@ -7,8 +7,9 @@ from hypothesis import strategies as st
 
 from engine.config import EngineConfig, SamplingConfig
 from engine import pages_needed
-from orchestrator.plan.packing import (PackingConfig, PackingLimits, leading_page_keys, lower_bound, pack,
-                                  shareable_prompt_tokens)
+from orchestrator.plan import packing as packing_module
+from orchestrator.plan.packing import (PackingConfig, PackingLimits, leading_page_keys, leading_page_keys_of_many,
+                                       lower_bound, pack, shareable_prompt_tokens)
 
 
 def limits(page_size=16, max_pages=256, max_seqs=16, in_prefill=4, prefill=256, steps=4, n=1, new=32):
@@ -96,6 +97,26 @@ def test_leading_page_keys_name_the_prefix_up_to_each_full_page_before_the_last_
     assert c[0] == a[0] and c[1] != a[1]  # a prefix key covers every token before it, not its page alone
     assert len(leading_page_keys(np.arange(16), 16)) == 0  # one page whose last token must be computed
     assert shareable_prompt_tokens([a, b, c], 16) == 16 * (8 - 5)  # a[0] twice more, a[1] once more
+
+
+def test_page_keys_of_a_shard_at_once_are_each_prompts_polynomial_hash():
+    """The whole-shard form (one numpy pass over every prompt) gives each prompt the keys of the hash written out:
+    prefix of k tokens -> sum (t_j + 1) * B^(k-1-j) modulo 2**64 (0 becomes 1), at every full page before the
+    last token, for empty, one-token, page-aligned and long prompts at several page sizes."""
+    rng = np.random.default_rng(3)
+    base = int(packing_module._KEY_BASE)
+    for page_size in (1, 4, 16):
+        prompts = [rng.integers(0, 150_000, n) for n in (0, 1, page_size, page_size + 1, 2 * page_size, 3, 97, 300)]
+        offsets = np.concatenate([[0], np.cumsum([len(p) for p in prompts])])
+        keys, key_offsets = leading_page_keys_of_many(np.concatenate(prompts), offsets, page_size)
+        for i, p in enumerate(prompts):
+            expected, prefix = [], 0
+            for k, t in enumerate(p[:-1] if len(p) else (), 1):
+                prefix = (prefix * base + int(t) + 1) % 2**64
+                if k % page_size == 0:
+                    expected.append(prefix or 1)
+            assert keys[key_offsets[i]:key_offsets[i + 1]].tolist() == expected, (page_size, len(p))
+            assert leading_page_keys(p, page_size).tolist() == expected
 
 
 def test_prompts_sharing_a_leading_page_pack_together_and_are_counted_as_shareable():
