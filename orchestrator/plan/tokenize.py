@@ -26,7 +26,7 @@ from orchestrator.plan.continuation import (continuations_error, encode_continua
                                             row_continuations, scored_error)
 from orchestrator.plan.model_source import ModelSourceConfig, load_tokenizer
 from orchestrator.plan.openai_batch import native_row, row_fields
-from orchestrator.plan.packing import PackingLimits, leading_page_keys
+from orchestrator.plan.packing import PackingLimits, leading_page_keys_of_many
 from orchestrator.plan.prompt_checks import out_of_vocabulary, render_chat
 from orchestrator.plan.response_format import with_response_format
 from orchestrator.plan.row_sampling import apply, overrides_json, row_overrides
@@ -80,6 +80,8 @@ class PromptTokenizer:
         self.openai_batch = corpus.format == "openai_batch"  # lines become native rows (openai_batch.py)
         self.corpus = row_fields(corpus)
         self.sampling = sampling or SamplingConfig(max_new_tokens=limits.max_new_tokens, n=limits.n)
+        self._by_length: dict[int, tuple[str, str] | None] = {}
+        """`check` of a row without its own sampling settings or continuations, by its length (its ids aside)."""
 
     def render(self, messages: list[dict]) -> str | Rejection:
         """A chat as the tokenizer's chat template renders it, or why it cannot be."""
@@ -117,6 +119,16 @@ class PromptTokenizer:
               continuations: list[list[int]] | None = None) -> tuple[str, str] | None:
         """Why a tokenized prompt (a scored row's context, with its `continuations`) cannot run with its row's
         sampling `overrides` (row_sampling), or None."""
+        if not overrides and continuations is None:  # the common row: all but its ids depend on its length alone
+            if (why := out_of_vocabulary(tokens, self.vocab_size)) is not None:
+                return "out_of_vocabulary", why
+            if len(tokens) not in self._by_length:
+                self._by_length[len(tokens)] = self._check(tokens, None, None)
+            return self._by_length[len(tokens)]
+        return self._check(tokens, overrides, continuations)
+
+    def _check(self, tokens: list[int], overrides: dict | None,
+               continuations: list[list[int]] | None) -> tuple[str, str] | None:
         sampling = apply(self.sampling, overrides)
         if continuations is not None and (why := scored_error(sampling) or continuations_error(tokens, continuations)):
             return tuple(why.split(": ", 1))  # type: ignore[return-value]
@@ -192,6 +204,7 @@ class PromptTokenizer:
         sizes = np.fromiter((len(t) for t in kept), dtype=np.int64, count=len(kept))
         offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
         values = np.fromiter(itertools.chain.from_iterable(kept), dtype=np.int32, count=int(sizes.sum()))
+        keys, key_offsets = leading_page_keys_of_many(values, offsets, self.limits.page_size)
         return pa.Table.from_arrays([
             pa.array([r.row for r in raw_rows], pa.int64()),
             pa.array(prompt_ids, pa.string()),
@@ -201,8 +214,7 @@ class PromptTokenizer:
             pa.array(details, pa.string()),
             pa.array(np.full(len(raw_rows), shard.file_index, dtype=np.int32)),  # an index keeps summaries small
             pa.array([r.line for r in raw_rows], pa.int64()),
-            pa.array([leading_page_keys(np.asarray(t, dtype=np.int64), self.limits.page_size) for t in kept],
-                     pa.list_(pa.uint64())),
+            pa.ListArray.from_arrays(pa.array(key_offsets.astype(np.int32)), pa.array(keys, pa.uint64())),
             pa.array([k if r is None else None for k, r in zip(kept_columns, reasons)], pa.string()),
             pa.array([overrides_json(o) if r is None else None for o, r in zip(overrides, reasons)], pa.string()),
             pa.array([o.get("max_new_tokens", self.limits.max_new_tokens) if c is None else new_tokens(c)

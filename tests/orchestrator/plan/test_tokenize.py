@@ -183,3 +183,16 @@ def test_scored_rows_carry_their_continuations_and_what_cannot_be_scored_is_one_
     assert table["s"]["reason"] == "bad_continuation" and table["p"]["reason"] is None
     assert table["s"]["detail"].startswith("a row with a continuation is scored, one record per continuation; set "
                                            "sampling.n to 1 (it is 2)")
+
+
+def test_a_rows_verdict_is_its_own_when_rows_of_its_length_came_before(tiny_model):
+    """`check` remembers the verdict of a plain row by its length: a row of the same length with ids outside the
+    vocabulary, or with its own max_new_tokens, still gets its own reason."""
+    tokenizer = stage(tiny_model, max_seq_len=64)
+    tokenizer.vocab_size = 100
+    assert tokenizer.check([5, 6, 7]) is None
+    assert tokenizer.check([5, 6, 700])[0] == "out_of_vocabulary"
+    assert tokenizer.check([5, 6, 7], {"max_new_tokens": 62})[0] == "too_long"
+    assert tokenizer.check([5, 6, 8]) is None
+    assert tokenizer.check([5] * 60)[0] == "too_long"  # 60 + 16 new tokens > 64
+    assert tokenizer.check([6] * 60)[0] == "too_long"
