@@ -206,7 +206,8 @@ def _plan_into(cfg: RunConfig, run_dir: RunDir, files: list[str]) -> tuple[PlanS
     in_process = corpus_bytes(files) <= cfg.corpus.in_process_bytes
     tokenizer_args = (cfg.model, cfg.corpus, limits, context, decoder_config(cfg.model).get("vocab_size"), cfg.sampling)
     tokenized, counts = tokenize(shards, tokenizer_args, cfg.cluster, in_process)
-    phase(f"counting and tokenizing the rows of {len(shards)} shards " + ("here" if in_process else "on Ray Data"))
+    phase(f"counting and tokenizing the rows of {len(shards)} shards "
+          + ("here" if in_process else f"on Ray Data ({tokenized.workers} tokenizers)"))
     if sum(rows for rows, _ in counts) == 0:  # e.g. only blank lines: nothing to tokenize
         return PlanStats.build(0, [], np.zeros(0, np.int64), pack(np.zeros(0, np.int64), limits), 0), []
     summary = _summaries(tokenized.summaries())

@@ -108,10 +108,10 @@ class OnRayData:
         data_context = DataContext.get_current()
         data_context.enable_progress_bars = False  # the capacity report is the output; phases are logged
         data_context.print_on_execution_start = False
+        workers = max(1, min(len(shards), free_cpus()))  # read before the counting tasks take any
         count = ray.remote(num_cpus=1)(count_rows)
         counts = ray.get([count.remote(s) for s in shards])
         shards = number_shards(shards, counts)
-        workers = max(1, min(len(shards), int(ray.available_resources().get("CPU", 1))))
         if sum(rows for rows, _ in counts) == 0:
             return cls(None, workers), counts
         with warnings.catch_warnings():  # max_restarts has no named parameter in map_batches (Ray 2.60)
@@ -145,6 +145,16 @@ class OnRayData:
             .groupby("batch", num_partitions=partitions) \
             .map_groups(lambda group: write_batch(group, batches_dir, num_batches), batch_format="pyarrow")
         return sum(t.num_rows for t in written.iter_batches(batch_format="pyarrow", batch_size=None))
+
+
+def free_cpus() -> int:
+    """The CPUs free in the Ray cluster now. Read while nothing of the plan runs: just after tasks end Ray's
+    count of free resources lags (it reads no CPUs at all for a moment), and a pool sized from it would be one
+    tokenizer on a cluster of many CPUs; the cluster's total stands in when the count has no CPU entry."""
+    import ray
+
+    free = ray.available_resources().get("CPU")
+    return int(free if free is not None else ray.cluster_resources().get("CPU", 1))
 
 
 def tokenize(shards: list[Shard], tokenizer_args: tuple, cluster: ClusterConfig,

@@ -37,10 +37,10 @@ def _plan_of(run_dir: Path) -> dict[str, object]:
 def test_a_plan_made_here_equals_the_plan_made_on_ray_data(tiny_model, tmp_path, monkeypatch, ray_local):
     corpus = tmp_path / "corpus.jsonl"
     _corpus(corpus)
-    where = []
+    where, made = [], []
     real = tokenized.tokenize
     monkeypatch.setattr("orchestrator.plan.planner.tokenize",
-                        lambda *args: where.append(args[-1]) or real(*args))
+                        lambda *args: where.append(args[-1]) or made.append(real(*args)) or made[-1])
     results = {}
     for name, limit in (("here", 2**20), ("ray", 0)):
         cfg = load_run_config(None, [f"--name={name}", f"--run_dir={tmp_path / name}", f"--corpus.path={corpus}",
@@ -50,6 +50,7 @@ def test_a_plan_made_here_equals_the_plan_made_on_ray_data(tiny_model, tmp_path,
         plan(cfg)
         results[name] = _plan_of(tmp_path / name)
     assert where == [True, False]  # one plan each way
+    assert made[1][0].workers == 2  # a tokenizer on each of the cluster's CPUs (Ray's lagging free count read one)
     assert len(results["here"]["batches"]) > 1 and "duplicate_id" in results["here"]["rejected"]
     assert "expected_samples" in results["here"]["manifest"]  # the scored rows were planned
     assert results["here"] == results["ray"]
