@@ -81,13 +81,26 @@ class InProcess:
     def write_batches(self, batch_of_row: np.ndarray, position_of_row: np.ndarray, batches_dir: str,
                       num_batches: int, tokens: int) -> int:
         """Write every batch file; returns how many were written."""
-        assigned = assign_batches(self.table, batch_of_row, position_of_row).sort_by("batch")
-        batches = assigned["batch"].to_numpy()
-        starts = np.flatnonzero(np.r_[True, batches[1:] != batches[:-1]]) if len(batches) else np.zeros(0, np.int64)
-        ends = np.r_[starts[1:], len(batches)]
-        for start, end in zip(starts, ends):
-            write_batch(assigned.slice(start, end - start), batches_dir, num_batches)
-        return len(starts)
+        return write_grouped([assign_batches(self.table, batch_of_row, position_of_row)], batches_dir, num_batches)
+
+
+def write_grouped(parts: list[pa.Table], batches_dir: str, num_batches: int) -> int:
+    """Write the batch file of every batch among `parts` (assign_batches tables; a batch's rows may be spread over
+    several); returns how many were written."""
+    assigned = pa.concat_tables(parts).sort_by("batch")
+    batches = assigned["batch"].to_numpy()
+    starts = np.flatnonzero(np.r_[True, batches[1:] != batches[:-1]]) if len(batches) else np.zeros(0, np.int64)
+    ends = np.r_[starts[1:], len(batches)]
+    for start, end in zip(starts, ends):
+        write_batch(assigned.slice(start, end - start), batches_dir, num_batches)
+    return len(starts)
+
+
+def split_by_batch(table: pa.Table, assignment: tuple[np.ndarray, np.ndarray], bounds: np.ndarray) -> list[pa.Table]:
+    """The accepted rows of a tokenized block, cut into the batch ranges [bounds[p], bounds[p + 1])."""
+    assigned = assign_batches(table, *assignment).sort_by("batch")
+    cuts = np.searchsorted(assigned["batch"].to_numpy(), bounds)
+    return [assigned.slice(cuts[p], cuts[p + 1] - cuts[p]) for p in range(len(bounds) - 1)]
 
 
 @dataclass
@@ -131,20 +144,22 @@ class OnRayData:
 
     def write_batches(self, batch_of_row: np.ndarray, position_of_row: np.ndarray, batches_dir: str,
                       num_batches: int, tokens: int) -> int:
-        """Group the `tokens` accepted token ids by batch on Ray workers (hash partitions of about 32 MiB of them
-        each, at least one per worker) and write the batch files there; returns how many were written."""
+        """Group the `tokens` accepted token ids by batch on Ray workers (ranges of batches holding about 32 MiB of
+        them each, at least one per worker) and write the batch files there; returns how many were written."""
         import ray
 
         assignment = ray.put((batch_of_row, position_of_row))
         partitions = min(max(self.workers, min(256, tokens * 4 // 2**25)), max(1, num_batches))
-
-        def assign(table: pa.Table) -> pa.Table:
-            return assign_batches(table, *ray.get(assignment))
-
-        written = self.dataset.map_batches(assign, batch_format="pyarrow", batch_size=None) \
-            .groupby("batch", num_partitions=partitions) \
-            .map_groups(lambda group: write_batch(group, batches_dir, num_batches), batch_format="pyarrow")
-        return sum(t.num_rows for t in written.iter_batches(batch_format="pyarrow", batch_size=None))
+        bounds = np.linspace(0, num_batches, partitions + 1).round().astype(np.int64)
+        # Plain tasks, not a Ray Data group-by: each tokenized block is cut into contiguous ranges of batches, and
+        # one task per range gathers its pieces and writes the range's files (Ray Data's shuffle cost more than
+        # the writing).
+        split = ray.remote(num_cpus=1, num_returns=partitions)(
+            lambda *args: parts if len(parts := split_by_batch(*args)) > 1 else parts[0])  # one return: no list
+        pieces = [split.remote(block, assignment, bounds) for block in self.dataset.to_arrow_refs()]
+        pieces = [p if partitions > 1 else [p] for p in pieces]
+        write = ray.remote(num_cpus=1)(lambda *parts: write_grouped(list(parts), batches_dir, num_batches))
+        return sum(ray.get([write.remote(*[p[i] for p in pieces]) for i in range(partitions)]))
 
 
 def free_cpus() -> int:
