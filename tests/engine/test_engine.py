@@ -62,19 +62,21 @@ def test_sample_does_not_depend_on_its_batch(checkpoint, preset, impl, count):
     prompts = varied_prompts(512, count=count, seed=5)  # 1 to 400 tokens
     settings = [SamplingConfig(max_new_tokens=10, temperature=0.0, seed=3),
                 SamplingConfig(max_new_tokens=10, temperature=0.8, top_p=0.9, top_k=50, seed=3)]
+    alone = Engine(path, EngineConfig(max_pages=64, max_seq_len=512, attention_impl=impl))
+    engines = [Engine(path, config) for config in (
+        EngineConfig(max_pages=200, max_seqs=16, max_seq_len=512, attention_impl=impl),
+        EngineConfig(page_size=4, max_pages=150, max_seqs=3, max_seqs_in_prefill=2, max_prefill_size=64,
+                     max_seq_len=512, attention_impl=impl))]  # each runs both settings, one after the other
     for sampling in settings:
         requests = [Request(f"q{i}", tuple(p), sampling) for i, p in enumerate(prompts)]
-        alone = Engine(path, EngineConfig(max_pages=64, max_seq_len=512, attention_impl=impl))
         reference = {r.prompt_id: alone.generate([r])[0].token_ids for r in requests[:8]}  # the 7 edge lengths too
         batched = []
-        for config in (EngineConfig(max_pages=200, max_seqs=16, max_seq_len=512, attention_impl=impl),
-                       EngineConfig(page_size=4, max_pages=150, max_seqs=3, max_seqs_in_prefill=2, max_prefill_size=64,
-                                    max_seq_len=512, attention_impl=impl)):
+        for engine in engines:
             shuffled = list(requests)
             np.random.default_rng(1).shuffle(shuffled)
-            got = {c.prompt_id: c.token_ids for c in Engine(path, config).generate(shuffled)}
+            got = {c.prompt_id: c.token_ids for c in engine.generate(shuffled)}
             for pid, tokens in reference.items():
-                assert got[pid] == tokens, f"{pid} with {sampling} under {config}"
+                assert got[pid] == tokens, f"{pid} with {sampling} under {engine.config}"
             batched.append(got)
         assert batched[0] == batched[1], f"the two batchings differ with {sampling}"  # every prompt
 
