@@ -33,7 +33,7 @@ bench: $(STAMP)
 	JAX_PLATFORMS=cpu $(VENV)/bin/python benchmarks/step_bench.py
 
 bench-plan: $(STAMP)
-	JAX_PLATFORMS=cpu RAY_AUTH_MODE=disabled $(VENV)/bin/python benchmarks/plan_bench.py --num-prompts 1000000 --num-cpus 2
+	JAX_PLATFORMS=cpu RAY_AUTH_MODE=disabled $(VENV)/bin/python benchmarks/plan_bench.py --num-prompts 1000000 --num-cpus 2 --repeats 3
 
 bench-resume: $(STAMP)
 	$(VENV)/bin/python benchmarks/resume_bench.py --batches 100000 --repeats 3

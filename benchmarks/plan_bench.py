@@ -6,7 +6,7 @@ Prints prompts/s of `plan` (Ray already started; reading, tokenizing, packing an
 directory), the tokenizer's own batch-encode throughput on the same texts in a separate process
 (`tokenizer._tokenizer.encode_batch`, its Rust thread pool using every core; corpus parsing not timed), their ratio
 (goal >= 0.7), and the head process's peak RSS (goal < 4 GiB). --repeats N plans N times and
-reports medians (use it on small corpora).
+reports medians, the plan and the tokenizer alternated.
 """
 
 from __future__ import annotations
@@ -129,8 +129,8 @@ def main() -> int:
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
-    times = []
-    for i in range(args.repeats):
+    times, bases = [], []
+    for i in range(args.repeats):  # plan and tokenizer alternated: the machine's drift reaches both alike
         run_dir = work / f"run-{i}"
         shutil.rmtree(run_dir, ignore_errors=True)
         cfg = load_run_config(None, [f"--model.path={model}", f"--corpus.path={corpus}", f"--run_dir={run_dir}",
@@ -139,19 +139,21 @@ def main() -> int:
         start = time.perf_counter()
         result = plan(cfg)
         times.append(time.perf_counter() - start)
-        print(f"plan {i}: {times[-1]:.1f} s", flush=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        bases.append(json.loads(subprocess.run([sys.executable, __file__, "--baseline", str(model), str(corpus)],
+                                               check=True, capture_output=True, text=True).stdout.splitlines()[-1]))
+        print(f"plan {i}: {times[-1]:.1f} s; tokenizer alone: {bases[-1]['seconds']:.1f} s", flush=True)
     ray.shutdown()
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-    base = json.loads(subprocess.run([sys.executable, __file__, "--baseline", str(model), str(corpus)],
-                                     check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+    base = {"seconds": statistics.median(b["seconds"] for b in bases)}
+    base["prompts_per_s"] = bases[0]["prompts"] / base["seconds"]
     plan_s = statistics.median(times)
     rate = result.stats.rows_read / plan_s
     print(result.stats.format())
     print(f"prompts:                   {result.stats.rows_read:,}")
     print(f"plan time (median of {len(times)}):  {plan_s:.1f} s (Ray already started)")
     print(f"plan throughput:           {rate:,.0f} prompts/s")
-    print(f"tokenizer batch-encode:    {base['prompts_per_s']:,.0f} prompts/s ({base['seconds']:.1f} s)")
+    print(f"tokenizer batch-encode:    {base['prompts_per_s']:,.0f} prompts/s ({base['seconds']:.1f} s, median of {len(bases)})")
     print(f"ratio plan / tokenizer:    {rate / base['prompts_per_s']:.2f} (goal >= 0.7)")
     print(f"head peak RSS:             {peak_rss / 2**30:.2f} GiB (goal < 4 GiB)")
     return 0
