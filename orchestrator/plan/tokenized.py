@@ -1,8 +1,9 @@
 """The tokenized corpus, where planning keeps it: in this process for a small corpus, on Ray Data for a large one.
 
 Both run the same code on the same shards (`count_rows`, `PromptTokenizer.tokenize_shard`, `assign_batches`,
-`write_batch`), so a plan does not depend on where it was made; only the place and the start-up differ. Ray Data
-starts an actor pool and loads the tokenizer in each actor (seconds before the first row); a corpus of at most
+`write_grouped`), so a plan does not depend on where it was made; only the place and the start-up differ. Ray Data
+starts an actor pool (a tokenizer per free CPU) and loads the tokenizer in each actor (seconds before the first
+row); Ray tasks then write the batch files, each over a range of batches; a corpus of at most
 `corpus.in_process_bytes` is read, tokenized and grouped into batch files by the head itself instead, which holds
 its token ids (a few bytes per corpus byte) for the length of the plan.
 """
