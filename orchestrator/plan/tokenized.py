@@ -153,8 +153,7 @@ class OnRayData:
         partitions = min(max(self.workers, min(256, tokens * 4 // 2**25)), max(1, num_batches))
         bounds = np.linspace(0, num_batches, partitions + 1).round().astype(np.int64)
         # Plain tasks, not a Ray Data group-by: each tokenized block is cut into contiguous ranges of batches, and
-        # one task per range gathers its pieces and writes the range's files (Ray Data's shuffle cost more than
-        # the writing).
+        # one task per range gathers its pieces and writes the range's files with the in-process path's code.
         split = ray.remote(num_cpus=1, num_returns=partitions)(
             lambda *args: parts if len(parts := split_by_batch(*args)) > 1 else parts[0])  # one return: no list
         pieces = [split.remote(block, assignment, bounds) for block in self.dataset.to_arrow_refs()]
