@@ -47,10 +47,13 @@ def test_a_plan_made_here_equals_the_plan_made_on_ray_data(tiny_model, tmp_path,
                                      f"--model.path={tiny_model}", "--engine.max_seqs=4", "--engine.max_pages=64",
                                      "--engine.page_size=4", "--sampling.max_new_tokens=4",
                                      "--corpus.shard_bytes=400", f"--corpus.in_process_bytes={limit}"])
+        free = tokenized.free_cpus()  # 2 unless an earlier test's actor still holds a CPU
         plan(cfg)
         results[name] = _plan_of(tmp_path / name)
     assert where == [True, False]  # one plan each way
-    assert made[1][0].workers == 2  # a tokenizer on each of the cluster's CPUs (Ray's lagging free count read one)
+    # A tokenizer on each CPU free when planning starts (read after the row counts, Ray's lagging count gave one).
+    assert free >= 2, f"only {free} CPU free in the test's Ray: an earlier test left an actor holding one"
+    assert made[1][0].workers == free
     assert len(results["here"]["batches"]) > 1 and "duplicate_id" in results["here"]["rejected"]
     assert "expected_samples" in results["here"]["manifest"]  # the scored rows were planned
     assert results["here"] == results["ray"]
