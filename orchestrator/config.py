@@ -35,8 +35,9 @@ PLAN_ENGINE_KEYS = ("page_size", "max_seq_len")
 # Capacities: how much one batch (and the engine) holds at once. Samples do not depend on them, so a run may be
 # resumed with others (e.g. on other hardware); pending batches are re-packed when they no longer fit.
 CAPACITY_ENGINE_KEYS = ("max_pages", "max_seqs", "max_seqs_in_prefill", "max_prefill_size")
-# Keys that never change the samples or the plan.
-NOT_SAMPLE_AFFECTING = ("corpus.shard_bytes", "corpus.in_process_bytes", "model.cache_dir")
+# Keys that never change the samples (corpus.window_* shape the batches of a new plan, not what a resume reads).
+NOT_SAMPLE_AFFECTING = ("corpus.shard_bytes", "corpus.in_process_bytes", "corpus.window_rows",
+                        "corpus.window_bytes", "model.cache_dir")
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,18 @@ class CorpusConfig:
     in_process_bytes: int = 16 * 2**20
     """A corpus of at most this many bytes (as stored) is read and tokenized in the head's own process rather than on
     Ray Data, whose start-up takes seconds; 0: always Ray Data. The same code runs either way: the plan is the same."""
+    window_rows: int = 1_000_000
+    """Rows the head plans at a time, at most: it tokenizes, packs and writes the batches of one window of consecutive
+    rows before the next, so its memory follows the window, not the corpus's size. Prompts pack (and share prefixes)
+    within their window; the samples do not depend on it."""
+    window_bytes: int = 2**30
+    """Corpus bytes (as stored) a planning window holds, at most, at the corpus's average bytes per row: long prompts
+    make windows of fewer rows than corpus.window_rows (their token ids and page keys grow with their length)."""
+
+    def __post_init__(self) -> None:
+        for name in ("window_rows", "window_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"corpus.{name} must be at least 1, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -66,6 +78,8 @@ class Shard:
     first_row: int = 0
     first_line: int = 1
     file_index: int = 0  # position of `file` in the sorted corpus file list
+    window_start: int = 0  # the rows read now: those of the planning window [window_start, window_end)
+    window_end: int = -1  # -1: to the shard's end
 
 
 @dataclass(frozen=True)
@@ -270,6 +284,17 @@ def loads_row(text: str):
         return json.loads(text)
     except RecursionError:
         raise ValueError("the row is nested too deeply to read") from None
+
+
+def window_shards(shards: list[Shard], counts: list[tuple[int, int]], start: int, end: int) -> list[Shard]:
+    """The numbered shards holding rows [start, end), each reading only those rows (a shard across a window's edge is
+    read by both windows, each keeping its own rows)."""
+    return [replace(s, window_start=start, window_end=end) for s, (rows, _) in zip(shards, counts)
+            if rows and s.first_row < end and s.first_row + rows > start]
+
+
+def in_window(shard: Shard, row: int) -> bool:
+    return shard.window_start <= row and (shard.window_end < 0 or row < shard.window_end)
 
 
 def number_shards(shards: list[Shard], counts: list[tuple[int, int]]) -> list[Shard]:

@@ -217,20 +217,35 @@ def shareable_prompt_tokens(page_keys: list[np.ndarray] | np.ndarray, page_size:
     return page_size * int(len(flat) - len(np.unique(flat)))
 
 
+def bound_totals(num_tokens: np.ndarray, limits: PackingLimits, max_new_tokens: np.ndarray | None = None,
+                 continuations: np.ndarray | None = None, prefill_tokens: np.ndarray | None = None) -> np.ndarray:
+    """What `lower_bound` divides by the limits: [KV pages, prefill tokens, sequence units, prompts] (int64[4]). The
+    totals of several planning windows add up to their corpus's."""
+    num_tokens = np.asarray(num_tokens, dtype=np.int64)
+    if len(num_tokens) == 0:
+        return np.zeros(4, np.int64)
+    count = int(np.sum(limits.units(continuations))) if continuations is not None else len(num_tokens)
+    prefill = num_tokens if prefill_tokens is None else np.asarray(prefill_tokens, dtype=np.int64)
+    return np.array([int(limits.page_need(num_tokens, max_new_tokens, continuations).sum()), int(prefill.sum()),
+                     count, len(num_tokens)], np.int64)
+
+
+def lower_bound_of(totals: np.ndarray, limits: PackingLimits) -> int:
+    """No packing can use fewer batches: the largest of the page, prefill and sequence-count bounds of `totals`
+    (bound_totals)."""
+    pages, prefill, count, prompts = (int(t) for t in totals)
+    return max(
+        math.ceil(pages / limits.max_pages),
+        math.ceil(prefill / limits.max_prompt_tokens),
+        math.ceil(count * limits.n / limits.max_seqs),
+        math.ceil(prompts / limits.max_prompts),
+    )
+
+
 def lower_bound(num_tokens: np.ndarray, limits: PackingLimits, max_new_tokens: np.ndarray | None = None,
                 continuations: np.ndarray | None = None, prefill_tokens: np.ndarray | None = None) -> int:
     """No packing can use fewer batches: the largest of the page, prefill and sequence-count bounds."""
-    num_tokens = np.asarray(num_tokens, dtype=np.int64)
-    if len(num_tokens) == 0:
-        return 0
-    count = int(np.sum(limits.units(continuations))) if continuations is not None else len(num_tokens)
-    prefill = num_tokens if prefill_tokens is None else np.asarray(prefill_tokens, dtype=np.int64)
-    return max(
-        math.ceil(int(limits.page_need(num_tokens, max_new_tokens, continuations).sum()) / limits.max_pages),
-        math.ceil(int(prefill.sum()) / limits.max_prompt_tokens),
-        math.ceil(count * limits.n / limits.max_seqs),
-        math.ceil(count / limits.max_prompts),
-    )
+    return lower_bound_of(bound_totals(num_tokens, limits, max_new_tokens, continuations, prefill_tokens), limits)
 
 
 def sharing_order(tokens: np.ndarray, first_page_keys: np.ndarray | None) -> np.ndarray:

@@ -1,9 +1,12 @@
 """Planning a run: read and tokenize the corpus, pack, and write the run directory.
 
-Streaming: a large corpus is tokenized by Ray Data shard by shard into the object store (spilling to disk when
-large); the head only pulls per-row summaries (row, id, token count, reason), packs them, and Ray workers then
-group the token ids by batch and write one parquet file per batch, so the head never holds the token ids. A corpus
-of at most `corpus.in_process_bytes` goes through the same steps in the head's own process (tokenized.py).
+Streaming, a window at a time: the corpus's rows are counted, then planned `corpus.window_rows` rows at a time. A
+window of a large corpus is tokenized by Ray Data shard by shard into the object store (spilling to disk when large);
+the head only pulls the window's per-row summaries (row, id, token count, reason), packs them, and Ray workers then
+group the token ids by batch and write one parquet file per batch, so the head never holds the token ids; then the
+next window. What the head keeps across windows is bounded: counts and per-batch figures for the report, the
+accepted ids as digests (windows.py), the batches' records. A corpus of at most `corpus.in_process_bytes` goes through
+the same steps in the head's own process (tokenized.py).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,21 +28,23 @@ import pyarrow.compute as pc
 from engine import structured_error
 from orchestrator.config import RunConfig, plan_changes
 from orchestrator.json_out import dumps
-from orchestrator.plan.corpus import corpus_fingerprint, list_files, split_shards
+from orchestrator.plan.corpus import CorpusConfig, corpus_fingerprint, list_files, split_shards, window_shards
 from orchestrator.plan.model_source import (decoder_config, load_tokenizer, max_seq_len, model_fingerprint,
                                             tokenizer_fingerprint)
 from orchestrator.plan.continuation import batch_samples
-from orchestrator.plan.packing import PackingLimits, lower_bound, pack, shareable_prompt_tokens
-from orchestrator.plan.report import PlanStats
-from orchestrator.plan.tokenized import SUMMARY_COLUMNS, corpus_bytes, tokenize
+from orchestrator.plan.packing import PackingLimits, bound_totals, pack, shareable_prompt_tokens
+from orchestrator.plan.report import PlanStats, PlanTally
+from orchestrator.plan.tokenized import (SUMMARY_COLUMNS, Assignment, InProcess, OnRayData, corpus_bytes, count,
+                                         tokenize)
+from orchestrator.plan.windows import LineSpool, SeenIds
 from orchestrator.plan.weights_identity import check_weights, weights_digest, weights_identity
 from orchestrator.state.disk_full import disk_full
+from orchestrator.state.faults import crash_point
 from orchestrator.state.manifest import BatchRecord, batch_id, write_manifest
 from orchestrator.state.output_plan import first_foreign, plan_fingerprint
 from orchestrator.state.run_lock import run_lock
 from orchestrator.state.rundir import PlanMismatch, RunDir, config_hash, versions
 from orchestrator.storage import location, object_append, storage
-from orchestrator.storage.atomic import atomic_write_text
 from orchestrator.surface import setting
 
 log = logging.getLogger(__name__)
@@ -189,6 +195,10 @@ def _nothing_accepted(stats: PlanStats, run_dir: RunDir, cfg: RunConfig) -> str:
 
 
 def _plan_into(cfg: RunConfig, run_dir: RunDir, files: list[str]) -> tuple[PlanStats, list[BatchRecord]]:
+    """Count the corpus's rows, then plan it a window of `corpus.window_rows` rows at a time: tokenize the window,
+    reject its bad rows (and ids an earlier row holds), pack it, write its batch files, and let it go. Batches are
+    numbered across windows in corpus order; what is kept from one window to the next is bounded (PlanTally, SeenIds
+    and the records of the batches)."""
     limits = PackingLimits.resolve(cfg.packing, cfg.engine, cfg.sampling)
     context = max_seq_len(cfg.model, cfg.engine)
     if run_dir.batches.exists():  # leftovers of an interrupted plan
@@ -203,55 +213,96 @@ def _plan_into(cfg: RunConfig, run_dir: RunDir, files: list[str]) -> tuple[PlanS
         clock = time.perf_counter()
 
     shards = split_shards(files, cfg.corpus.shard_bytes)
-    in_process = corpus_bytes(files) <= cfg.corpus.in_process_bytes
+    stored = corpus_bytes(files)
+    in_process = stored <= cfg.corpus.in_process_bytes
+    shards, counts, workers = count(shards, cfg.cluster, in_process)
+    num_rows = sum(rows for rows, _ in counts)
+    phase(f"counting the {num_rows:,} rows of {len(shards)} shards")
+    if num_rows == 0:  # e.g. only blank lines: nothing to tokenize
+        return PlanTally().stats(limits), []
     tokenizer_args = (cfg.model, cfg.corpus, limits, context, decoder_config(cfg.model).get("vocab_size"), cfg.sampling)
-    tokenized, counts = tokenize(shards, tokenizer_args, cfg.cluster, in_process)
-    phase(f"counting and tokenizing the rows of {len(shards)} shards "
-          + ("here" if in_process else f"on Ray Data ({tokenized.workers} tokenizers)"))
-    if sum(rows for rows, _ in counts) == 0:  # e.g. only blank lines: nothing to tokenize
-        return PlanStats.build(0, [], np.zeros(0, np.int64), pack(np.zeros(0, np.int64), limits), 0), []
-    summary = _summaries(tokenized.summaries())
-    summary = _reject_duplicates(summary)
+    id_bound = num_rows  # more than any batch index: names stay the same width whatever the windows pack to
+    seen = SeenIds(str(run_dir.batches), id_bound)
+    tally, records = PlanTally(), []
+    window = window_rows(cfg.corpus, num_rows, stored)
+    windows = range(0, num_rows, window)
+    began = time.monotonic()
+    if len(windows) > 1:  # a long plan: a line a window (the terminal and `ray job logs` both show stderr)
+        print(f"plan: {num_rows:,} rows in {len(windows)} windows of {window:,} rows (corpus.window_rows, "
+              "corpus.window_bytes)", file=sys.stderr, flush=True)
+    with LineSpool() as rejected_lines:
+        for w, start in enumerate(windows):
+            end = min(start + window, num_rows)
+            where = f" (window {w + 1}/{len(windows)}: rows {start:,}-{end - 1:,})" if len(windows) > 1 else ""
+            tokenized = tokenize(window_shards(shards, counts, start, end), tokenizer_args, workers)
+            phase(f"tokenizing{where} " + (f"on Ray Data ({workers} tokenizers)" if workers else "here"))
+            records += _plan_window(tokenized, start, end, limits, run_dir, files, seen, tally, rejected_lines, phase,
+                                    where, len(records))
+            tokenized.release()
+            if len(windows) > 1:
+                elapsed = time.monotonic() - began
+                print(f"plan: window {w + 1}/{len(windows)} done: {end:,} rows, {len(records):,} batches, "
+                      f"{elapsed:,.0f} s (about {elapsed * (num_rows - end) / end:,.0f} s to go)",
+                      file=sys.stderr, flush=True)
+            crash_point("window_planned")
+        os.sync()  # one durability barrier for every batch file, before the manifest refers to them
+        rejected_lines.commit(run_dir.rejected)
+    return tally.stats(limits), records
+
+
+def window_rows(corpus: CorpusConfig, num_rows: int, stored_bytes: int) -> int:
+    """Rows a planning window holds: corpus.window_rows, fewer where corpus.window_bytes holds fewer rows at the
+    corpus's average bytes per row (the same for every window, so a window's rows follow from the counts alone)."""
+    return max(1, min(corpus.window_rows, corpus.window_bytes * num_rows // max(1, stored_bytes)))
+
+
+def _plan_window(tokenized: InProcess | OnRayData, start: int, end: int, limits: PackingLimits, run_dir: RunDir,
+                 files: list[str], seen: SeenIds, tally: PlanTally, rejected_lines: LineSpool, phase,
+                 where: str, first_batch: int) -> list[BatchRecord]:
+    """Plan rows [start, end) into batches first_batch, first_batch + 1, ...: their records."""
+    summary = _summaries(tokenized.summaries(), start, end)
+    summary = _reject_duplicates(summary, seen)
     accepted = summary.filter(pc.is_null(summary["reason"]))
     rejected = summary.filter(pc.is_valid(summary["reason"]))
-    _write_rejected(run_dir, rejected, files)
+    rejected_lines.write(_rejected_lines(rejected, files))
     lengths = accepted["num_tokens"].to_numpy().astype(np.int64)
     new_tokens = accepted["max_new_tokens"].to_numpy().astype(np.int64)
     if (new_tokens == limits.max_new_tokens).all():  # no row sets its own: the run's, as packing defaults to
         new_tokens = None
-    phase("collecting summaries and rejections")
     continuations = accepted["num_continuations"].to_numpy().astype(np.int64)
     prefill = accepted["prefill_tokens"].to_numpy().astype(np.int64)
     if not continuations.any():  # no scored row: every prompt is measured by its length and max_new_tokens alone
         continuations = prefill = None
     first_keys, all_keys = _page_keys(accepted)
+    phase(f"collecting summaries and rejections{where}")
     packing = pack(lengths, limits, first_keys, new_tokens, continuations, prefill)
     num_batches = packing.num_batches
 
-    rows = accepted["row"].to_numpy()
-    num_rows = summary.num_rows
-    batch_of_row = np.full(num_rows, -1, dtype=np.int32)  # summary rows are 0..num_rows-1 in order
-    position_of_row = np.zeros(num_rows, dtype=np.int32)
-    batch_of_row[rows] = packing.batch_of_item()
+    rows = accepted["row"].to_numpy() - start
+    batch_of_row = np.full(end - start, -1, dtype=np.int32)  # the window's rows are start..end-1 in order
+    position_of_row = np.zeros(end - start, dtype=np.int32)
+    batch_of_item = first_batch + packing.batch_of_item()
+    batch_of_row[rows] = batch_of_item
     position_of_row[rows[packing.order]] = np.arange(len(packing.order), dtype=np.int32)
-    phase(f"packing into {packing.num_batches} batches")
+    seen.add(accepted["prompt_id"].to_pylist(), batch_of_item)
+    phase(f"packing into {num_batches} batches{where}")
     if num_batches:
-        written = tokenized.write_batches(batch_of_row, position_of_row, str(run_dir.batches), num_batches,
+        assignment = Assignment(start, batch_of_row, position_of_row, seen.id_bound)
+        written = tokenized.write_batches(assignment, str(run_dir.batches), (first_batch, first_batch + num_batches),
                                           int(lengths.sum()))
         if written != num_batches:
             raise RuntimeError(f"internal error: wrote {written} batch files for {num_batches} batches")
-        os.sync()  # one durability barrier for every batch file, before the manifest refers to them
-    phase(f"writing {num_batches} batch files")
-    records = [
-        BatchRecord(batch_id(b, num_batches), num_prompts=int(packing.offsets[b + 1] - packing.offsets[b]),
+    phase(f"writing {num_batches} batch files{where}")
+    tally.add(end - start, rejected["reason"].to_pylist(), lengths, packing,
+              bound_totals(lengths, limits, new_tokens, continuations, prefill),
+              shareable_prompt_tokens(all_keys, limits.page_size))
+    return [
+        BatchRecord(batch_id(first_batch + b, seen.id_bound),
+                    num_prompts=int(packing.offsets[b + 1] - packing.offsets[b]),
                     num_prompt_tokens=int(packing.num_prompt_tokens[b]), num_pages=int(packing.num_pages[b]),
                     expected_samples=None if continuations is None else batch_samples(continuations[packing.batch(b)]))
         for b in range(num_batches)
     ]
-    stats = PlanStats.build(num_rows, rejected["reason"].to_pylist(), lengths, packing,
-                            lower_bound(lengths, limits, new_tokens, continuations, prefill),
-                            shareable_prompt_tokens(all_keys, limits.page_size))
-    return stats, records
 
 
 def _page_keys(accepted: pa.Table) -> tuple[np.ndarray, np.ndarray]:
@@ -265,36 +316,40 @@ def _page_keys(accepted: pa.Table) -> tuple[np.ndarray, np.ndarray]:
     return first, flat
 
 
-def _summaries(parts: list[pa.Table]) -> pa.Table:
+def _summaries(parts: list[pa.Table], start: int, end: int) -> pa.Table:
     table = pa.concat_tables(parts) if parts else pa.table({c: [] for c in SUMMARY_COLUMNS})
     table = table.sort_by("row")
-    if not np.array_equal(table["row"].to_numpy(), np.arange(table.num_rows)):
+    if not np.array_equal(table["row"].to_numpy(), np.arange(start, end)):
         raise RuntimeError("internal error: corpus rows were lost or duplicated while tokenizing")
     return table
 
 
-def _reject_duplicates(summary: pa.Table) -> pa.Table:
-    """A prompt id seen before (in corpus order) rejects the later row: ids must be unique."""
+def _reject_duplicates(summary: pa.Table, seen: SeenIds) -> pa.Table:
+    """A prompt id seen before (in corpus order: earlier in this window, or accepted in an earlier one) rejects the
+    later row: ids must be unique."""
     ok = pc.is_null(summary["reason"])
     ids = summary["prompt_id"].combine_chunks()
     first = pa.table({"id": ids, "row": summary["row"]}).filter(ok).group_by("id", use_threads=False).aggregate([("row", "min")])
-    if first.num_rows == int(pc.sum(ok.cast(pa.int64())).as_py() or 0):
+    earlier = seen.earlier_rows(ids.filter(ok).to_pylist())
+    if first.num_rows == int(pc.sum(ok.cast(pa.int64())).as_py() or 0) and not earlier:
         return summary
     first_row = dict(zip(first["id"].to_pylist(), first["row_min"].to_pylist()))
+    accepted_ids = ids.filter(ok).to_pylist()
+    first_row.update({accepted_ids[i]: row for i, row in earlier.items()})  # an earlier window's row comes first
     reasons, details = summary["reason"].to_pylist(), summary["detail"].to_pylist()
+    rows = summary["row"].to_pylist()
     for i, (pid, reason) in enumerate(zip(ids.to_pylist(), reasons)):
-        if reason is None and first_row[pid] != i:
+        if reason is None and first_row[pid] != rows[i]:
             reasons[i], details[i] = "duplicate_id", f"prompt id {pid!r} already used by row {first_row[pid]}"
     return summary.set_column(summary.schema.get_field_index("reason"), "reason", pa.array(reasons, pa.string())) \
         .set_column(summary.schema.get_field_index("detail"), "detail", pa.array(details, pa.string()))
 
 
-def _write_rejected(run_dir: RunDir, rejected: pa.Table, files: list[str]) -> None:
-    lines = [dumps({"row": r["row"], "prompt_id": r["prompt_id"], "reason": r["reason"], "detail": r["detail"],
-                         "file": files[r["file_index"]], "line": r["line"], "num_tokens": r["num_tokens"] or None})
-             for r in rejected.to_pylist()]
-    atomic_write_text(run_dir.rejected, "".join(line + "\n" for line in lines))
-
+def _rejected_lines(rejected: pa.Table, files: list[str]) -> list[str]:
+    """rejected.jsonl's lines for a window's rejected rows."""
+    return [dumps({"row": r["row"], "prompt_id": r["prompt_id"], "reason": r["reason"], "detail": r["detail"],
+                   "file": files[r["file_index"]], "line": r["line"], "num_tokens": r["num_tokens"] or None})
+            for r in rejected.to_pylist()]
 
 
 def check_same_plan(run_dir: RunDir, cfg: RunConfig, fingerprints: dict[str, str]) -> None:

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from orchestrator.plan.packing import Packing
+from orchestrator.plan.packing import Packing, PackingLimits, lower_bound_of
 
 
 def _spread(values: np.ndarray) -> list[float]:
@@ -36,28 +36,6 @@ class PlanStats:
     shareable_prompt_tokens: int = 0
     """Prompt tokens in full leading pages that an earlier prompt also has: what a prefix cache may serve
     (packing.shareable_prompt_tokens). Batches are sized without counting on it."""
-
-    @classmethod
-    def build(cls, rows_read: int, rejected_reasons: list[str], lengths: np.ndarray, packing: Packing,
-              lower_bound: int, shareable_prompt_tokens: int = 0) -> PlanStats:
-        hist: list[list[int]] = []
-        if len(lengths):
-            edges = 2 ** np.arange(0, int(np.ceil(np.log2(max(2, int(lengths.max()) + 1)))) + 1)
-            counts, _ = np.histogram(lengths, bins=edges)
-            hist = [[int(a), int(b), int(c)] for a, b, c in zip(edges[:-1], edges[1:], counts) if c]
-        return cls(
-            rows_read=rows_read,
-            accepted=len(lengths),
-            rejected=dict(sorted(Counter(rejected_reasons).items())),
-            num_batches=packing.num_batches,
-            lower_bound=lower_bound,
-            prompts_per_batch=_spread(np.diff(packing.offsets)),
-            pages_per_batch=_spread(packing.num_pages),
-            prefill_tokens_per_batch=_spread(packing.num_prompt_tokens),
-            total_prompt_tokens=int(lengths.sum()),
-            length_histogram=hist,
-            shareable_prompt_tokens=shareable_prompt_tokens,
-        )
 
     @property
     def efficiency_ratio(self) -> float:
@@ -99,3 +77,53 @@ class PlanStats:
             for lo, hi, count in self.length_histogram:
                 lines.append(f"  {lo:>6}-{hi - 1:<6} {count:>10,} {'#' * max(1, round(40 * count / peak))}")
         return "\n".join(lines)
+
+
+@dataclass
+class PlanTally:
+    """The report's figures gathered window by window (the planner packs the corpus a window of rows at a time): counts,
+    a power-of-two length histogram and the per-batch figures, never a row's own."""
+
+    rows_read: int = 0
+    rejected: Counter = field(default_factory=Counter)
+    accepted: int = 0
+    total_prompt_tokens: int = 0
+    length_counts: np.ndarray = field(default_factory=lambda: np.zeros(64, np.int64))
+    """Accepted prompts whose length has k + 1 binary digits (2**k <= length < 2**(k + 1)), by k."""
+    bound_totals: np.ndarray = field(default_factory=lambda: np.zeros(4, np.int64))
+    """packing.bound_totals summed over the windows."""
+    shareable_prompt_tokens: int = 0
+    per_batch: list[np.ndarray] = field(default_factory=list)
+    """Each window's [prompts, pages, prefill tokens] per batch (int64[3, batches])."""
+
+    def add(self, rows_read: int, rejected_reasons: list[str], lengths: np.ndarray, packing: Packing,
+            bound_totals: np.ndarray, shareable_prompt_tokens: int = 0) -> PlanTally:
+        """Count one window: its rows, its rejections' reasons, its accepted prompts' lengths and its packing."""
+        self.rows_read += rows_read
+        self.rejected.update(rejected_reasons)
+        lengths = np.asarray(lengths, dtype=np.int64)
+        self.accepted += len(lengths)
+        self.total_prompt_tokens += int(lengths.sum())
+        positive = lengths[lengths > 0]
+        self.length_counts += np.bincount(np.floor(np.log2(positive)).astype(np.int64), minlength=64)[:64]
+        self.bound_totals += bound_totals
+        self.shareable_prompt_tokens += shareable_prompt_tokens
+        self.per_batch.append(np.stack([np.diff(packing.offsets), packing.num_pages, packing.num_prompt_tokens])
+                              .astype(np.int64).reshape(3, -1))
+        return self
+
+    def stats(self, limits: PackingLimits) -> PlanStats:
+        per_batch = np.concatenate(self.per_batch, axis=1) if self.per_batch else np.zeros((3, 0), np.int64)
+        return PlanStats(
+            rows_read=self.rows_read,
+            accepted=self.accepted,
+            rejected=dict(sorted(self.rejected.items())),
+            num_batches=per_batch.shape[1],
+            lower_bound=lower_bound_of(self.bound_totals, limits),
+            prompts_per_batch=_spread(per_batch[0]),
+            pages_per_batch=_spread(per_batch[1]),
+            prefill_tokens_per_batch=_spread(per_batch[2]),
+            total_prompt_tokens=self.total_prompt_tokens,
+            length_histogram=[[2 ** k, 2 ** (k + 1), int(c)] for k, c in enumerate(self.length_counts) if c],
+            shareable_prompt_tokens=self.shareable_prompt_tokens,
+        )

@@ -20,8 +20,8 @@ import pyarrow as pa
 
 from engine import SamplingConfig, length_error
 from engine import stop_ids_error, structured_error
-from orchestrator.plan.corpus import (CorpusConfig, Prompt, RawRow, Rejection, Shard, extract_prompt, passthrough,
-                                 read_rows, row_id)
+from orchestrator.plan.corpus import (CorpusConfig, Prompt, RawRow, Rejection, Shard, extract_prompt, in_window,
+                                      passthrough, read_rows, row_id)
 from orchestrator.plan.continuation import (continuations_error, encode_continuations, is_scored, new_tokens,
                                             row_continuations, scored_error)
 from orchestrator.plan.model_source import ModelSourceConfig, load_tokenizer
@@ -161,7 +161,7 @@ class PromptTokenizer:
         return pid if isinstance(pid, str) else None
 
     def tokenize_shard(self, shard: Shard) -> pa.Table:
-        raw_rows = list(read_rows(shard))
+        raw_rows = [r for r in read_rows(shard) if in_window(shard, r.row)]
         if self.openai_batch:
             raw_rows = [native_row(raw, self.sampling) for raw in raw_rows]
         parsed = [extract_prompt(raw, self.corpus) for raw in raw_rows]

@@ -5,7 +5,10 @@ Both run the same code on the same shards (`count_rows`, `PromptTokenizer.tokeni
 starts an actor pool (a tokenizer per free CPU) and loads the tokenizer in each actor (seconds before the first
 row); Ray tasks then write the batch files, each over a range of batches; a corpus of at most
 `corpus.in_process_bytes` is read, tokenized and grouped into batch files by the head itself instead, which holds
-its token ids (a few bytes per corpus byte) for the length of the plan.
+its token ids (a few bytes per corpus byte) for the length of a window.
+
+Either way the corpus is counted first (every shard's rows), then planned a window of `corpus.window_rows` rows at a
+time (planner.py): each window is tokenized, packed and written, then released.
 """
 
 from __future__ import annotations
@@ -42,20 +45,32 @@ def corpus_bytes(files: list[str]) -> int:
     return sum(storage.filesystem(f)[0].size(storage.filesystem(f)[1]) for f in files)
 
 
-def assign_batches(table: pa.Table, batch_of_row: np.ndarray, position_of_row: np.ndarray) -> pa.Table:
+@dataclass(frozen=True)
+class Assignment:
+    """Where the packing put each row of a planning window: `batch[r - first_row]` (-1: rejected) and
+    `position[r - first_row]` for the window's row r; `id_bound` names the files (manifest.batch_id)."""
+
+    first_row: int
+    batch: np.ndarray
+    position: np.ndarray
+    id_bound: int
+
+
+def assign_batches(table: pa.Table, assignment: Assignment) -> pa.Table:
     """The accepted rows of a tokenized table, each with its batch and its position in that batch."""
-    rows = table["row"].to_numpy()
+    rows = table["row"].to_numpy() - assignment.first_row
+    batch_of_row, position_of_row = assignment.batch, assignment.position
     table = table.select(BATCH_SCHEMA.names)
     table = table.append_column("batch", pa.array(batch_of_row[rows]))
     table = table.append_column("position", pa.array(position_of_row[rows]))
     return table.filter(pc.greater_equal(table["batch"], 0))
 
 
-def write_batch(group: pa.Table, batches_dir: str, num_batches: int) -> pa.Table:
+def write_batch(group: pa.Table, batches_dir: str, id_bound: int) -> pa.Table:
     """batches/<id>.parquet of one batch's rows (prompts longest first); its (batch, num_prompts)."""
     group = group.sort_by("position")
     index = int(group["batch"][0].as_py())
-    path = f"{batches_dir}/{batch_id(index, num_batches)}.parquet"
+    path = f"{batches_dir}/{batch_id(index, id_bound)}.parquet"
     crash_point("batch_file")
     atomic_write_parquet(path, group.select(BATCH_SCHEMA.names).cast(BATCH_SCHEMA), fsync=False)
     return pa.table({"batch": [index], "num_prompts": [group.num_rows]})
@@ -63,29 +78,29 @@ def write_batch(group: pa.Table, batches_dir: str, num_batches: int) -> pa.Table
 
 @dataclass
 class InProcess:
-    """The tokenized corpus as one table in this process."""
+    """A planning window's tokenized rows as one table in this process."""
 
     table: pa.Table
 
     @classmethod
-    def tokenize(cls, shards: list[Shard], tokenizer_args: tuple) -> tuple[InProcess, list[tuple[int, int]]]:
-        counts = [count_rows(s) for s in shards]
-        shards = number_shards(shards, counts)
-        if sum(rows for rows, _ in counts) == 0:
-            return cls(SCHEMA.empty_table()), counts
+    def tokenize(cls, shards: list[Shard], tokenizer_args: tuple) -> InProcess:
+        if not shards:
+            return cls(SCHEMA.empty_table())
         tokenizer = PromptTokenizer(*tokenizer_args)
-        return cls(pa.concat_tables([tokenizer.tokenize_shard(s) for s in shards])), counts
+        return cls(pa.concat_tables([tokenizer.tokenize_shard(s) for s in shards]))
 
     def summaries(self) -> list[pa.Table]:
         return [self.table.select(SUMMARY_COLUMNS)]
 
-    def write_batches(self, batch_of_row: np.ndarray, position_of_row: np.ndarray, batches_dir: str,
-                      num_batches: int, tokens: int) -> int:
-        """Write every batch file; returns how many were written."""
-        return write_grouped([assign_batches(self.table, batch_of_row, position_of_row)], batches_dir, num_batches)
+    def write_batches(self, assignment: Assignment, batches_dir: str, batches: tuple[int, int], tokens: int) -> int:
+        """Write the window's batch files; returns how many were written."""
+        return write_grouped([assign_batches(self.table, assignment)], batches_dir, assignment.id_bound)
+
+    def release(self) -> None:
+        self.table = SCHEMA.empty_table()
 
 
-def write_grouped(parts: list[pa.Table], batches_dir: str, num_batches: int) -> int:
+def write_grouped(parts: list[pa.Table], batches_dir: str, id_bound: int) -> int:
     """Write the batch file of every batch among `parts` (assign_batches tables; a batch's rows may be spread over
     several); returns how many were written."""
     assigned = pa.concat_tables(parts).sort_by("batch")
@@ -93,72 +108,69 @@ def write_grouped(parts: list[pa.Table], batches_dir: str, num_batches: int) -> 
     starts = np.flatnonzero(np.r_[True, batches[1:] != batches[:-1]]) if len(batches) else np.zeros(0, np.int64)
     ends = np.r_[starts[1:], len(batches)]
     for start, end in zip(starts, ends):
-        write_batch(assigned.slice(start, end - start), batches_dir, num_batches)
+        write_batch(assigned.slice(start, end - start), batches_dir, id_bound)
     return len(starts)
 
 
-def split_by_batch(table: pa.Table, assignment: tuple[np.ndarray, np.ndarray], bounds: np.ndarray) -> list[pa.Table]:
+def split_by_batch(table: pa.Table, assignment: Assignment, bounds: np.ndarray) -> list[pa.Table]:
     """The accepted rows of a tokenized block, cut into the batch ranges [bounds[p], bounds[p + 1])."""
-    assigned = assign_batches(table, *assignment).sort_by("batch")
+    assigned = assign_batches(table, assignment).sort_by("batch")
     cuts = np.searchsorted(assigned["batch"].to_numpy(), bounds)
     return [assigned.slice(cuts[p], cuts[p + 1] - cuts[p]) for p in range(len(bounds) - 1)]
 
 
 @dataclass
 class OnRayData:
-    """The tokenized corpus as a materialized Ray Data dataset, spread over the cluster's object stores."""
+    """A planning window's tokenized rows as a materialized Ray Data dataset, spread over the cluster's object
+    stores."""
 
     dataset: object
     workers: int
 
     @classmethod
-    def tokenize(cls, shards: list[Shard], tokenizer_args: tuple,
-                 cluster: ClusterConfig) -> tuple[OnRayData, list[tuple[int, int]]]:
+    def tokenize(cls, shards: list[Shard], tokenizer_args: tuple, workers: int) -> OnRayData:
         import ray
-        from ray.data import DataContext
 
-        ensure_ray(cluster)
-        quiet_ray_data()
-        data_context = DataContext.get_current()
-        data_context.enable_progress_bars = False  # the capacity report is the output; phases are logged
-        data_context.print_on_execution_start = False
-        workers = max(1, min(len(shards), free_cpus()))  # read before the counting tasks take any
-        count = ray.remote(num_cpus=1)(count_rows)
-        counts = ray.get([count.remote(s) for s in shards])
-        shards = number_shards(shards, counts)
-        if sum(rows for rows, _ in counts) == 0:
-            return cls(None, workers), counts
+        if not shards:
+            return cls(None, workers)
         with warnings.catch_warnings():  # max_restarts has no named parameter in map_batches (Ray 2.60)
             warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
             dataset = ray.data.from_items([shard_item(s) for s in shards], override_num_blocks=len(shards)).map_batches(
                 PromptTokenizer, fn_constructor_args=tokenizer_args,
-                batch_size=1, compute=ray.data.ActorPoolStrategy(size=workers), batch_format="numpy",
+                batch_size=1, compute=ray.data.ActorPoolStrategy(size=max(1, min(len(shards), workers))),
+                batch_format="numpy",
                 # No actor restarts: Ray Data hands its actors their arguments as object refs, which a restart may
                 # not recover (Ray says so in an E-level core_worker line on every plan). A lost tokenizer fails the
                 # plan, and rerunning plans afresh.
                 max_restarts=0,
             ).materialize()
-        return cls(dataset, workers), counts
+        return cls(dataset, workers)
+
+    def release(self) -> None:
+        """Free the window's blocks in the object store before the next window is tokenized."""
+        self.dataset = None
 
     def summaries(self) -> list[pa.Table]:
         return list(self.dataset.select_columns(SUMMARY_COLUMNS).iter_batches(batch_format="pyarrow", batch_size=None))
 
-    def write_batches(self, batch_of_row: np.ndarray, position_of_row: np.ndarray, batches_dir: str,
-                      num_batches: int, tokens: int) -> int:
-        """Group the `tokens` accepted token ids by batch on Ray workers (ranges of batches holding about 32 MiB of
-        them each, at least one per worker) and write the batch files there; returns how many were written."""
+    def write_batches(self, assignment: Assignment, batches_dir: str, batches: tuple[int, int], tokens: int) -> int:
+        """Group the window's `tokens` accepted token ids by batch on Ray workers (ranges of `batches`, [first, end),
+        holding about 32 MiB of them each, at least one per worker) and write the batch files there; returns how many
+        were written."""
         import ray
 
-        assignment = ray.put((batch_of_row, position_of_row))
-        partitions = min(max(self.workers, min(256, tokens * 4 // 2**25)), max(1, num_batches))
-        bounds = np.linspace(0, num_batches, partitions + 1).round().astype(np.int64)
+        first, end = batches
+        id_bound = assignment.id_bound
+        assignment = ray.put(assignment)
+        partitions = min(max(self.workers, min(256, tokens * 4 // 2**25)), max(1, end - first))
+        bounds = np.linspace(first, end, partitions + 1).round().astype(np.int64)
         # Plain tasks, not a Ray Data group-by: each tokenized block is cut into contiguous ranges of batches, and
         # one task per range gathers its pieces and writes the range's files with the in-process path's code.
         split = ray.remote(num_cpus=1, num_returns=partitions)(
             lambda *args: parts if len(parts := split_by_batch(*args)) > 1 else parts[0])  # one return: no list
         pieces = [split.remote(block, assignment, bounds) for block in self.dataset.to_arrow_refs()]
         pieces = [p if partitions > 1 else [p] for p in pieces]
-        write = ray.remote(num_cpus=1)(lambda *parts: write_grouped(list(parts), batches_dir, num_batches))
+        write = ray.remote(num_cpus=1)(lambda *parts: write_grouped(list(parts), batches_dir, id_bound))
         return sum(ray.get([write.remote(*[p[i] for p in pieces]) for i in range(partitions)]))
 
 
@@ -172,9 +184,29 @@ def free_cpus() -> int:
     return int(free if free is not None else ray.cluster_resources().get("CPU", 1))
 
 
-def tokenize(shards: list[Shard], tokenizer_args: tuple, cluster: ClusterConfig,
-             in_process: bool) -> tuple[InProcess | OnRayData, list[tuple[int, int]]]:
-    """The tokenized corpus (here or on Ray Data) and each shard's (rows, lines)."""
+def count(shards: list[Shard], cluster: ClusterConfig, in_process: bool) -> tuple[list[Shard], list[tuple[int, int]], int]:
+    """Each shard numbered (its first row and line), each shard's (rows, lines), and how many tokenizers a window
+    gets on Ray Data (0 in process): the CPUs free before the counting tasks take any, read once for the whole plan
+    (see free_cpus)."""
     if in_process:
+        counts = [count_rows(s) for s in shards]
+        return number_shards(shards, counts), counts, 0
+    import ray
+    from ray.data import DataContext
+
+    ensure_ray(cluster)
+    quiet_ray_data()
+    data_context = DataContext.get_current()
+    data_context.enable_progress_bars = False  # the capacity report is the output; phases are logged
+    data_context.print_on_execution_start = False
+    workers = max(1, min(len(shards), free_cpus()))
+    remote_count = ray.remote(num_cpus=1)(count_rows)
+    counts = ray.get([remote_count.remote(s) for s in shards])
+    return number_shards(shards, counts), counts, workers
+
+
+def tokenize(shards: list[Shard], tokenizer_args: tuple, workers: int) -> InProcess | OnRayData:
+    """A window's shards (corpus.window_shards) tokenized here (`workers` 0) or on Ray Data."""
+    if not workers:
         return InProcess.tokenize(shards, tokenizer_args)
-    return OnRayData.tokenize(shards, tokenizer_args, cluster)
+    return OnRayData.tokenize(shards, tokenizer_args, workers)

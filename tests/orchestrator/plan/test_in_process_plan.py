@@ -1,5 +1,5 @@
 """A small corpus is planned in the head's own process, a large one on Ray Data: the same code on the same shards,
-so the plan is the same either way (batch files, manifest, rejections), byte for byte."""
+so the plan is the same either way (batch files, manifest, rejections), byte for byte, window by window."""
 
 from __future__ import annotations
 
@@ -40,20 +40,21 @@ def test_a_plan_made_here_equals_the_plan_made_on_ray_data(tiny_model, tmp_path,
     where, made = [], []
     real = tokenized.tokenize
     monkeypatch.setattr("orchestrator.plan.planner.tokenize",
-                        lambda *args: where.append(args[-1]) or made.append(real(*args)) or made[-1])
+                        lambda *args: where.append(args[-1] == 0) or made.append(real(*args)) or made[-1])
     results = {}
     for name, limit in (("here", 2**20), ("ray", 0)):
         cfg = load_run_config(None, [f"--name={name}", f"--run_dir={tmp_path / name}", f"--corpus.path={corpus}",
                                      f"--model.path={tiny_model}", "--engine.max_seqs=4", "--engine.max_pages=64",
                                      "--engine.page_size=4", "--sampling.max_new_tokens=4",
-                                     "--corpus.shard_bytes=400", f"--corpus.in_process_bytes={limit}"])
+                                     "--corpus.shard_bytes=400", f"--corpus.in_process_bytes={limit}",
+                                     "--corpus.window_rows=30"])  # three windows: p3 reused 57 rows later
         free = tokenized.free_cpus()  # 2 unless an earlier test's actor still holds a CPU
         plan(cfg)
         results[name] = _plan_of(tmp_path / name)
-    assert where == [True, False]  # one plan each way
+    assert where == [True] * 3 + [False] * 3  # one plan each way, three windows each
     # A tokenizer on each CPU free when planning starts (read after the row counts, Ray's lagging count gave one).
     assert free >= 2, f"only {free} CPU free in the test's Ray: an earlier test left an actor holding one"
-    assert made[1][0].workers == free
+    assert made[3].workers == free
     assert len(results["here"]["batches"]) > 1 and "duplicate_id" in results["here"]["rejected"]
     assert "expected_samples" in results["here"]["manifest"]  # the scored rows were planned
     assert results["here"] == results["ray"]
