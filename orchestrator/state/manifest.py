@@ -12,7 +12,7 @@ from typing import Literal
 from orchestrator.json_out import dumps
 from orchestrator.state.lock import RunDirLocked
 from orchestrator.storage import generations, storage
-from orchestrator.storage.atomic import atomic_write_text
+from orchestrator.storage.atomic import atomic_write
 
 Status = Literal["pending", "running", "done", "failed"]
 
@@ -57,6 +57,12 @@ class BatchRecord:
 FIELDS = tuple(f.name for f in fields(BatchRecord))
 
 
+def _lines(records: list[BatchRecord]) -> bytes:
+    return "".join(dumps({name: getattr(r, name) for name in FIELDS
+                          if name != "expected_samples" or r.expected_samples is not None}) + "\n"
+                   for r in records).encode()
+
+
 def digest_path(path: str | Path) -> str:
     """Where the head keeps the sha256 of the manifest it last wrote: batches.jsonl.sha256 beside it."""
     return f"{path}.sha256"
@@ -81,26 +87,33 @@ def write_manifest(path: str | Path, records: list[BatchRecord], before_replace=
     manifest must not exist yet, as when planning): a second head that wrote in between (this one
     stalled and lost its lock) makes this raise ManifestConflict instead of being overwritten.
     """
-    data = "".join(dumps({name: getattr(r, name) for name in FIELDS
-                          if name != "expected_samples" or r.expected_samples is not None}) + "\n"
-                   for r in records).encode()
-    written = None
-    if not storage.is_object_store(path):
-        atomic_write_text(path, data.decode(), before_replace=before_replace)
-    else:
-        if before_replace is not None:
-            before_replace()
-        try:
-            if generation is None:
-                written = generations.create_if_absent(str(path), data)
-            else:
-                written = generations.replace_if_generation(str(path), data, generation)
-        except generations.PreconditionFailed:
-            expected = "absent" if generation is None else f"at generation {generation}"
-            raise ManifestConflict(f"{path} was written by another head (this head expected it {expected}); stopping "
-                                   "without overwriting it: the other head owns the run now") from None
-    # After the manifest: a crash in between leaves a digest that does not match, and the next resume checks the
-    # manifest line by line, as it checks one somebody edited.
+    # The digest goes after the manifest: a crash in between leaves a digest that does not match, and the next resume
+    # checks the manifest line by line, as it checks one somebody edited.
+    if not storage.is_object_store(path):  # streamed to the temporary file: a million records are not held twice
+        digest = hashlib.sha256()
+
+        def write(tmp: str) -> None:
+            with open(tmp, "wb") as f:
+                for start in range(0, len(records), _CHUNK_LINES):
+                    chunk = _lines(records[start:start + _CHUNK_LINES])
+                    digest.update(chunk)
+                    f.write(chunk)
+
+        atomic_write(path, write, before_replace=before_replace)
+        storage.write_atomic(digest_path(path), digest.hexdigest().encode())
+        return None
+    data = _lines(records)
+    if before_replace is not None:
+        before_replace()
+    try:
+        if generation is None:
+            written = generations.create_if_absent(str(path), data)
+        else:
+            written = generations.replace_if_generation(str(path), data, generation)
+    except generations.PreconditionFailed:
+        expected = "absent" if generation is None else f"at generation {generation}"
+        raise ManifestConflict(f"{path} was written by another head (this head expected it {expected}); stopping "
+                               "without overwriting it: the other head owns the run now") from None
     storage.write_atomic(digest_path(path), hashlib.sha256(data).hexdigest().encode())
     return written
 
