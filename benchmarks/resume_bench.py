@@ -2,9 +2,9 @@
 run directory of N one-prompt batches, half of them done, against the same at 10,000 batches.
 
 The run directory is real files written with pagefleet's own writers: a batch file per batch, an output per done
-batch (stamped for the plan, with its stats), batches.jsonl and its digest, run.json. Each figure is measured in a
-fresh process (its peak RSS is the process's), median of --repeats. Writing the run directory takes about
-7 ms a batch (minutes at 100,000 batches); pass --keep DIR to write it once and reuse it.
+batch (stamped for the plan, with its stats; every batch's are hard links to the first's, see write_run),
+batches.jsonl and its digest, run.json. Each figure is measured in a fresh process (its peak RSS is the process's),
+median of --repeats. Pass --keep DIR to write the run directories once and reuse them.
 
 Run from the repository root:
     PYTHONPATH=$PWD python benchmarks/resume_bench.py [--batches 100000] [--repeats 3] [--keep DIR]
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -52,26 +53,35 @@ print(json.dumps({"s": time.perf_counter() - start, "rss": resource.getrusage(re
 
 
 def write_run(root: Path, batches: int) -> None:
-    """N one-prompt batches, the first half done."""
+    """N one-prompt batches, the first half done. The first batch's file and output are written with pagefleet's
+    writers; every other batch's are hard links to them (status and the resume read the files' names and sizes, never
+    their contents), so a million batches take a minute to lay out, not two hours."""
     if (root / "batches.jsonl").exists():
         return
     (root / "batches").mkdir(parents=True, exist_ok=True)
     (root / "outputs").mkdir(exist_ok=True)
     plan = plan_fingerprint(FINGERPRINTS)
+    first = batch_id(0, batches)
+    template_batch, template_output = root / "batches" / f"{first}.parquet", root / "outputs" / f"{first}.parquet"
+    atomic_write_parquet(template_batch, pa.table(
+        {"prompt_id": ["p0"], "row": [0], "token_ids": [[1, 2, 3]], "passthrough": [None], "sampling": [None],
+         "continuations": [None]},
+        schema=BATCH_SCHEMA), fsync=False)
+    row = {f.name: None for f in SAMPLE_SCHEMA} | {"prompt_id": "p0", "generation_index": 0, "row": 0,
+                                                   "batch_id": first, "token_ids": [4], "completion": "x"}
+    table = with_stats(pa.Table.from_pylist([row], schema=SAMPLE_SCHEMA), BatchStats(1, 1, 0.1, 1, 0.5, 1))
+    atomic_write_parquet(template_output, stamp(table, plan, ["p0"]), fsync=False)
+    output_bytes = template_output.stat().st_size
     records = []
     for b in range(batches):
-        bid, pid = batch_id(b, batches), f"p{b}"
-        atomic_write_parquet(root / "batches" / f"{bid}.parquet", pa.table(
-            {"prompt_id": [pid], "row": [b], "token_ids": [[1, 2, 3]], "passthrough": [None], "sampling": [None]},
-            schema=BATCH_SCHEMA), fsync=False)
+        bid = batch_id(b, batches)
+        if b:
+            os.link(template_batch, root / "batches" / f"{bid}.parquet")
         if b < batches // 2:
-            row = {f.name: None for f in SAMPLE_SCHEMA} | {"prompt_id": pid, "generation_index": 0, "row": b,
-                                                           "batch_id": bid, "token_ids": [4], "completion": "x"}
-            table = with_stats(pa.Table.from_pylist([row], schema=SAMPLE_SCHEMA), BatchStats(1, 1, 0.1, 1, 0.5, 1))
-            path = root / "outputs" / f"{bid}.parquet"
-            atomic_write_parquet(path, stamp(table, plan, [pid]), fsync=False)
+            if b:
+                os.link(template_output, root / "outputs" / f"{bid}.parquet")
             records.append(BatchRecord(bid, "done", num_prompts=1, num_prompt_tokens=3, output=f"outputs/{bid}.parquet",
-                                       num_samples=1, num_output_tokens=1, output_bytes=path.stat().st_size))
+                                       num_samples=1, num_output_tokens=1, output_bytes=output_bytes))
         else:
             records.append(BatchRecord(bid, num_prompts=1, num_prompt_tokens=3))
     (root / "run.json").write_text(json.dumps({"fingerprints": FINGERPRINTS, "sample_affecting": {"sampling": {"n": 1}},
