@@ -284,7 +284,7 @@ def _plan_window(tokenized: InProcess | OnRayData, start: int, end: int, limits:
     batch_of_item = first_batch + packing.batch_of_item()
     batch_of_row[rows] = batch_of_item
     position_of_row[rows[packing.order]] = np.arange(len(packing.order), dtype=np.int32)
-    seen.add(accepted["prompt_id"].to_pylist(), batch_of_item)
+    seen.add(accepted["prompt_id"], batch_of_item)
     phase(f"packing into {num_batches} batches{where}")
     if num_batches:
         assignment = Assignment(start, batch_of_row, position_of_row, seen.id_bound)
@@ -330,12 +330,12 @@ def _reject_duplicates(summary: pa.Table, seen: SeenIds) -> pa.Table:
     ok = pc.is_null(summary["reason"])
     ids = summary["prompt_id"].combine_chunks()
     first = pa.table({"id": ids, "row": summary["row"]}).filter(ok).group_by("id", use_threads=False).aggregate([("row", "min")])
-    earlier = seen.earlier_rows(ids.filter(ok).to_pylist())
+    accepted_ids = ids.filter(ok)
+    earlier = seen.earlier_rows(accepted_ids)
     if first.num_rows == int(pc.sum(ok.cast(pa.int64())).as_py() or 0) and not earlier:
         return summary
     first_row = dict(zip(first["id"].to_pylist(), first["row_min"].to_pylist()))
-    accepted_ids = ids.filter(ok).to_pylist()
-    first_row.update({accepted_ids[i]: row for i, row in earlier.items()})  # an earlier window's row comes first
+    first_row.update({accepted_ids[i].as_py(): row for i, row in earlier.items()})  # an earlier window comes first
     reasons, details = summary["reason"].to_pylist(), summary["detail"].to_pylist()
     rows = summary["row"].to_pylist()
     for i, (pid, reason) in enumerate(zip(ids.to_pylist(), reasons)):

@@ -2,7 +2,8 @@
 accepted prompt ids of earlier windows, to reject a later row that reuses one, and the rejected rows' lines.
 
 Both stay small beside the corpus: an id is kept as a 64-bit digest and its batch (12 bytes a prompt, 120 MB at 10M
-prompts), and rejected lines go to a local file until the plan ends.
+prompts), computed from the Arrow buffers without a Python string a row, and rejected lines go to a local file until
+the plan ends.
 """
 
 from __future__ import annotations
@@ -14,15 +15,37 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from orchestrator.state.batch_files import read_batch
 from orchestrator.state.manifest import batch_id
 from orchestrator.storage.atomic import atomic_write
 
 
-def _digests(ids: list[str]) -> np.ndarray:
-    # hash() is salted per process, which is all a plan needs: every digest is made and compared in this one.
-    return np.fromiter((hash(i) for i in ids), dtype=np.int64, count=len(ids))
+_PRIME = np.uint64(0x100000001B3)  # FNV's 64-bit prime: odd, so every byte's weight is a unit mod 2**64
+
+
+def _digests(ids: pa.Array) -> np.ndarray:
+    """A 64-bit digest of each string (a polynomial in its UTF-8 bytes, mod 2**64; null as empty), from the Arrow
+    buffers at once: no Python string is made, so a window's million ids leave no garbage behind in the head. Equal
+    strings get equal digests; unequal ones rarely do, and SeenIds checks every match against the id itself."""
+    if isinstance(ids, pa.ChunkedArray):
+        ids = ids.combine_chunks()
+    ids = pc.fill_null(ids.cast(pa.large_string()), "")
+    if len(ids) == 0:
+        return np.zeros(0, np.uint64)
+    offsets = np.frombuffer(ids.buffers()[1], dtype=np.int64)[ids.offset:ids.offset + len(ids) + 1]
+    data = np.frombuffer(ids.buffers()[2] or b"", dtype=np.uint8)[offsets[0]:offsets[-1]]
+    starts, ends = offsets[:-1] - offsets[0], offsets[1:] - offsets[0]
+    lengths = ends - starts
+    with np.errstate(over="ignore"):  # arithmetic mod 2**64 is the point
+        powers = np.ones(int(lengths.max()) + 1, np.uint64)
+        powers[1:] = np.cumprod(np.full(len(powers) - 1, _PRIME, dtype=np.uint64))
+        from_end = np.repeat(ends - 1, lengths) - np.arange(len(data))  # each byte's place, counted from its id's end
+        terms = (data.astype(np.uint64) + np.uint64(1)) * powers[from_end]
+        running = np.concatenate([np.zeros(1, np.uint64), np.cumsum(terms, dtype=np.uint64)])
+        return (running[ends] - running[starts]) * _PRIME + lengths.astype(np.uint64)
 
 
 class SeenIds:
@@ -34,33 +57,33 @@ class SeenIds:
         self.batches_dir, self.id_bound = batches_dir, id_bound
         self.windows: list[tuple[np.ndarray, np.ndarray]] = []
 
-    def add(self, ids: list[str], batches: np.ndarray) -> None:
-        """Remember a packed window's accepted `ids`, in the batches `batches` (one each)."""
+    def add(self, ids: pa.Array, batches: np.ndarray) -> None:
+        """Remember a packed window's accepted `ids` (strings), in the batches `batches` (one each)."""
         digests = _digests(ids)
         order = np.argsort(digests, kind="stable")
         self.windows.append((digests[order], np.asarray(batches, dtype=np.uint32)[order]))
 
-    def earlier_rows(self, ids: list[str | None]) -> dict[int, int]:
-        """{i: the row that already holds ids[i]} for each id an earlier window accepted (None ids are skipped)."""
-        if not self.windows:
+    def earlier_rows(self, ids: pa.Array) -> dict[int, int]:
+        """{i: the row that already holds ids[i]} for each id (strings, no nulls) an earlier window accepted."""
+        if not self.windows or len(ids) == 0:
             return {}
-        index = [i for i, pid in enumerate(ids) if pid is not None]
-        digests = _digests([ids[i] for i in index])
+        digests = _digests(ids)
         wanted: dict[int, set[str]] = defaultdict(set)  # batch -> ids to look for in its file
+        candidates: dict[int, str] = {}
         for sorted_digests, batches in self.windows:
-            at = np.searchsorted(sorted_digests, digests)
-            for k in np.flatnonzero(sorted_digests[np.minimum(at, len(sorted_digests) - 1)] == digests):
-                pos = at[k]
-                while pos < len(sorted_digests) and sorted_digests[pos] == digests[k]:  # equal digests sit together
-                    wanted[int(batches[pos])].add(ids[index[k]])
-                    pos += 1
+            first = np.searchsorted(sorted_digests, digests, side="left")
+            last = np.searchsorted(sorted_digests, digests, side="right")  # equal digests sit together
+            for k in np.flatnonzero(last > first):
+                candidates[int(k)] = pid = ids[int(k)].as_py()
+                for pos in range(first[k], last[k]):
+                    wanted[int(batches[pos])].add(pid)
         found: dict[str, int] = {}
         for batch in sorted(wanted):
             table = read_batch(f"{self.batches_dir}/{batch_id(batch, self.id_bound)}.parquet", ["prompt_id", "row"])
             for pid, row in zip(table["prompt_id"].to_pylist(), table["row"].to_pylist()):
                 if pid in wanted[batch]:
                     found[pid] = min(row, found.get(pid, row))
-        return {i: found[pid] for i, pid in enumerate(ids) if pid is not None and pid in found}
+        return {k: found[pid] for k, pid in candidates.items() if pid in found}
 
 
 class LineSpool:

@@ -86,7 +86,7 @@ def test_a_corpus_of_several_windows_has_every_row_once_and_packs_within_three_p
     assert whole.stats.num_batches > 40  # enough batches for 3% to mean something
 
     # Digests only point to candidates: were every id's digest the same, the plan would not change.
-    monkeypatch.setattr(windows, "_digests", lambda ids: np.zeros(len(ids), dtype=np.int64))
+    monkeypatch.setattr(windows, "_digests", lambda ids: np.zeros(len(ids), dtype=np.uint64))
     plan(load_run_config(None, _args(tiny_model, corpus, tmp_path / "colliding", WINDOW)))
     assert _plan_of(tmp_path / "colliding") == _plan_of(tmp_path / "windowed")
 
