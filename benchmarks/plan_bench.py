@@ -6,7 +6,8 @@ Prints prompts/s of `plan` (Ray already started; reading, tokenizing, packing an
 directory), the tokenizer's own batch-encode throughput on the same texts in a separate process
 (`tokenizer._tokenizer.encode_batch`, its Rust thread pool using every core; corpus parsing not timed), their ratio
 (goal >= 0.7), and the head process's peak RSS (goal <= 1.5 GiB at 10M prompts). --repeats N plans N times and
-reports medians, the plan and the tokenizer alternated.
+reports medians, the plan and the tokenizer alternated. --median-words 1500 plans prompts of ~2k tokens instead;
+--set KEY=VALUE passes a config override (e.g. corpus.window_rows).
 """
 
 from __future__ import annotations
@@ -51,16 +52,18 @@ def write_tokenizer(path: Path) -> None:
     (path / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 8192}))
 
 
-def write_corpus(path: Path, num_prompts: int, seed: int = 0) -> None:
-    """JSON lines with log-normal word counts (median ~40 words, long tail), one chat row in ten."""
+def write_corpus(path: Path, num_prompts: int, seed: int = 0, median_words: float | None = None) -> None:
+    """JSON lines with log-normal word counts (median `median_words`, e**3.7 ~ 40 by default, long tail), one chat row
+    in ten."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
     words = np.array(WORDS)
+    mu, most = (3.7, 1500) if median_words is None else (np.log(median_words), 7000)  # ~7k tokens fit the 8k context
     with open(path, "w") as f:
         for start in range(0, num_prompts, 10_000):
             count = min(10_000, num_prompts - start)
-            lengths = np.clip(rng.lognormal(3.7, 0.8, count).astype(int), 1, 1500)
+            lengths = np.clip(rng.lognormal(mu, 0.8, count).astype(int), 1, most)
             pool = words[rng.integers(0, len(words), int(lengths.sum()))]
             cuts = np.concatenate([[0], np.cumsum(lengths)])
             lines = []
@@ -95,11 +98,32 @@ def baseline(model: str, corpus: str) -> dict:
     return {"prompts": len(texts) + len(chats), "seconds": elapsed, "prompts_per_s": (len(texts) + len(chats)) / elapsed}
 
 
+def watch_anon_rss() -> list[int]:
+    """[the process's peak RssAnon in bytes], kept up to date by a thread sampling /proc/self/status (Linux)."""
+    import threading
+
+    peak = [0]
+
+    def sample() -> None:
+        while True:
+            for line in open("/proc/self/status"):
+                if line.startswith("RssAnon:"):
+                    peak[0] = max(peak[0], int(line.split()[1]) * 1024)
+            time.sleep(0.2)
+
+    threading.Thread(target=sample, daemon=True).start()
+    return peak
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-prompts", type=int, default=1_000_000)
     parser.add_argument("--num-cpus", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--median-words", type=float, default=None,
+                        help="median prompt length in words (~1 token each); 1500 gives prompts of ~2k tokens on average")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for the plan, e.g. --set corpus.window_rows=100000")
     parser.add_argument("--workdir", default=None, help="where the corpus, tokenizer and run directories go (kept)")
     parser.add_argument("--baseline", nargs=2, metavar=("MODEL", "CORPUS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -109,13 +133,14 @@ def main() -> int:
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="plan_bench_"))
     work.mkdir(parents=True, exist_ok=True)
-    model, corpus = work / "model", work / f"corpus-{args.num_prompts}.jsonl"
+    suffix = "" if args.median_words is None else f"-w{args.median_words:g}"
+    model, corpus = work / "model", work / f"corpus-{args.num_prompts}{suffix}.jsonl"
     if not (model / "tokenizer.json").exists():
         model.mkdir(exist_ok=True)
         write_tokenizer(model)
     if not corpus.exists():
         t = time.perf_counter()
-        write_corpus(corpus, args.num_prompts)
+        write_corpus(corpus, args.num_prompts, median_words=args.median_words)
         print(f"wrote {corpus} ({corpus.stat().st_size / 2**20:,.0f} MiB) in {time.perf_counter() - t:.0f} s", flush=True)
 
     import logging
@@ -129,13 +154,15 @@ def main() -> int:
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
+    peak_anon = watch_anon_rss()
     times, bases = [], []
     for i in range(args.repeats):  # plan and tokenizer alternated: the machine's drift reaches both alike
         run_dir = work / f"run-{i}"
         shutil.rmtree(run_dir, ignore_errors=True)
         cfg = load_run_config(None, [f"--model.path={model}", f"--corpus.path={corpus}", f"--run_dir={run_dir}",
                                      "--sampling.max_new_tokens=256", "--engine.max_pages=4096", "--engine.max_seqs=64",
-                                     "--engine.max_seqs_in_prefill=16", "--engine.max_prefill_size=1024"])
+                                     "--engine.max_seqs_in_prefill=16", "--engine.max_prefill_size=1024",
+                                     *[f"--{kv}" for kv in args.set]])
         start = time.perf_counter()
         result = plan(cfg)
         times.append(time.perf_counter() - start)
@@ -156,6 +183,8 @@ def main() -> int:
     print(f"tokenizer batch-encode:    {base['prompts_per_s']:,.0f} prompts/s ({base['seconds']:.1f} s, median of {len(bases)})")
     print(f"ratio plan / tokenizer:    {rate / base['prompts_per_s']:.2f} (goal >= 0.7)")
     print(f"head peak RSS:             {peak_rss / 2**30:.2f} GiB (goal <= 1.5 GiB at 10M prompts)")
+    print(f"  of which its own memory: {peak_anon[0] / 2**30:.2f} GiB at most (RssAnon, sampled every 0.2 s; the rest is "
+          "files mapped in and object-store pages it read, shared with Ray's object store)")
     return 0
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -72,14 +73,15 @@ def write_run(root: Path, batches: int) -> None:
     table = with_stats(pa.Table.from_pylist([row], schema=SAMPLE_SCHEMA), BatchStats(1, 1, 0.1, 1, 0.5, 1))
     atomic_write_parquet(template_output, stamp(table, plan, ["p0"]), fsync=False)
     output_bytes = template_output.stat().st_size
+    link_batch, link_output = _linker(template_batch), _linker(template_output)
     records = []
     for b in range(batches):
         bid = batch_id(b, batches)
         if b:
-            os.link(template_batch, root / "batches" / f"{bid}.parquet")
+            link_batch(root / "batches" / f"{bid}.parquet")
         if b < batches // 2:
             if b:
-                os.link(template_output, root / "outputs" / f"{bid}.parquet")
+                link_output(root / "outputs" / f"{bid}.parquet")
             records.append(BatchRecord(bid, "done", num_prompts=1, num_prompt_tokens=3, output=f"outputs/{bid}.parquet",
                                        num_samples=1, num_output_tokens=1, output_bytes=output_bytes))
         else:
@@ -87,6 +89,22 @@ def write_run(root: Path, batches: int) -> None:
     (root / "run.json").write_text(json.dumps({"fingerprints": FINGERPRINTS, "sample_affecting": {"sampling": {"n": 1}},
                                                "plan": {"accepted": batches, "rows_read": batches}}))
     write_manifest(root / "batches.jsonl", records)
+
+
+def _linker(template: Path):
+    """A function that makes its path a hard link to `template`, or to a copy of it once a file has 60,000 links (ext4
+    allows 65,000)."""
+    source, count = [template], [0]
+
+    def link(path: Path) -> None:
+        if count[0] == 60_000:
+            source[0], count[0] = path, 0
+            shutil.copyfile(template, path)
+            return
+        os.link(source[0], path)
+        count[0] += 1
+
+    return link
 
 
 def measure(root: Path, what: str) -> dict:
