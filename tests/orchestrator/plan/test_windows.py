@@ -131,3 +131,17 @@ def test_a_window_holds_window_rows_or_fewer_where_window_bytes_holds_fewer():
     assert window_rows(CorpusConfig(window_rows=800, window_bytes=30_000), 3000, 300_000) == 300  # 100 bytes a row
     assert window_rows(CorpusConfig(window_bytes=1), 3000, 300_000) == 1  # never empty
     assert window_rows(CorpusConfig(), 5, 0) == 1_000_000  # no size known (0 bytes listed): one window of 5 rows
+
+
+def test_id_digests_are_equal_for_equal_ids_wherever_the_ids_sit_in_their_arrays():
+    import pyarrow as pa
+
+    ids = pa.array(["p1", "p2", "p1", "ab", "ba", "", "p1" * 300, "é", None] + [f"r{i}" for i in range(50_000)])
+    digests = windows._digests(ids)
+    assert digests[0] == digests[2] and digests[0] != digests[1] and digests[3] != digests[4]
+    assert digests[5] == digests[8]  # a null reads as empty (rows without an id are rejected before this)
+    assert len(set(digests[9:].tolist())) == 50_000
+    assert windows._digests(ids.slice(2, 5)).tolist() == digests[2:7].tolist()  # an offset slice of a buffer
+    chunked = pa.chunked_array([ids.slice(0, 4), ids.slice(4)])
+    assert windows._digests(chunked).tolist() == digests.tolist()
+    assert windows._digests(pa.array([], pa.string())).tolist() == []
