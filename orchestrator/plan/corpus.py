@@ -57,7 +57,7 @@ class CorpusConfig:
     """Rows the head plans at a time, at most: it tokenizes, packs and writes the batches of one window of consecutive
     rows before the next, so its memory follows the window, not the corpus's size. Prompts pack (and share prefixes)
     within their window; the samples do not depend on it."""
-    window_bytes: int = 2**30
+    window_bytes: int = 2**29
     """Corpus bytes (as stored) a planning window holds, at most, at the corpus's average bytes per row: long prompts
     make windows of fewer rows than corpus.window_rows (their token ids and page keys grow with their length)."""
 

@@ -318,7 +318,8 @@ def _page_keys(accepted: pa.Table) -> tuple[np.ndarray, np.ndarray]:
 
 def _summaries(parts: list[pa.Table], start: int, end: int) -> pa.Table:
     table = pa.concat_tables(parts) if parts else pa.table({c: [] for c in SUMMARY_COLUMNS})
-    table = table.sort_by("row")
+    if not np.all(np.diff(table["row"].to_numpy()) > 0):  # blocks often come in order: then no copy of the window
+        table = table.sort_by("row")
     if not np.array_equal(table["row"].to_numpy(), np.arange(start, end)):
         raise RuntimeError("internal error: corpus rows were lost or duplicated while tokenizing")
     return table
