@@ -1,10 +1,10 @@
 """Planning a run: read and tokenize the corpus, pack, and write the run directory.
 
-Streaming, a window at a time: the corpus's rows are counted, then planned `corpus.window_rows` rows at a time. A
-window of a large corpus is tokenized by Ray Data shard by shard into the object store (spilling to disk when large);
-the head only pulls the window's per-row summaries (row, id, token count, reason), packs them, and Ray workers then
-group the token ids by batch and write one parquet file per batch, so the head never holds the token ids; then the
-next window. What the head keeps across windows is bounded: counts and per-batch figures for the report, the
+Streaming, a window at a time: the corpus's rows are counted, then planned a window of rows at a time
+(`corpus.window_rows`, fewer for long rows: `corpus.window_bytes`). A window of a large corpus is tokenized by Ray
+Data shard by shard into the object store (spilling to disk when large); the head only pulls the window's per-row
+summaries (row, id, token count, reason), packs them, and Ray workers then group the token ids by batch and write one
+parquet file per batch, so the head never holds the token ids; then the next window. What the head keeps across windows is bounded: counts and per-batch figures for the report, the
 accepted ids as digests (windows.py), the batches' records. A corpus of at most `corpus.in_process_bytes` goes through
 the same steps in the head's own process (tokenized.py).
 """
@@ -195,7 +195,7 @@ def _nothing_accepted(stats: PlanStats, run_dir: RunDir, cfg: RunConfig) -> str:
 
 
 def _plan_into(cfg: RunConfig, run_dir: RunDir, files: list[str]) -> tuple[PlanStats, list[BatchRecord]]:
-    """Count the corpus's rows, then plan it a window of `corpus.window_rows` rows at a time: tokenize the window,
+    """Count the corpus's rows, then plan it a window of rows at a time (window_rows): tokenize the window,
     reject its bad rows (and ids an earlier row holds), pack it, write its batch files, and let it go. Batches are
     numbered across windows in corpus order; what is kept from one window to the next is bounded (PlanTally, SeenIds
     and the records of the batches)."""
