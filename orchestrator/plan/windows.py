@@ -24,6 +24,7 @@ from orchestrator.storage.atomic import atomic_write
 
 
 _PRIME = np.uint64(0x100000001B3)  # FNV's 64-bit prime: odd, so every byte's weight is a unit mod 2**64
+_CHUNK = 16_384
 
 
 def _digests(ids: pa.Array) -> np.ndarray:
@@ -32,6 +33,8 @@ def _digests(ids: pa.Array) -> np.ndarray:
     strings get equal digests; unequal ones rarely do, and SeenIds checks every match against the id itself."""
     if isinstance(ids, pa.ChunkedArray):
         ids = ids.combine_chunks()
+    if len(ids) > _CHUNK:  # the arrays below take ~30 bytes per byte of ids: a chunk at a time keeps them small
+        return np.concatenate([_digests(ids.slice(i, _CHUNK)) for i in range(0, len(ids), _CHUNK)])
     ids = pc.fill_null(ids.cast(pa.large_string()), "")
     if len(ids) == 0:
         return np.zeros(0, np.uint64)
