@@ -34,8 +34,9 @@ class PlanStats:
     length_histogram: list[list[int]] = field(default_factory=list)
     """[[lo, hi, count], ...] of accepted prompts' token counts, power-of-two buckets lo..hi-1."""
     shareable_prompt_tokens: int = 0
-    """Prompt tokens in full leading pages that an earlier prompt also has: what a prefix cache may serve
-    (packing.shareable_prompt_tokens). Batches are sized without counting on it."""
+    """Prompt tokens in full leading pages that an earlier prompt of the same planning window also has: what a prefix
+    cache may serve (packing.shareable_prompt_tokens; pages shared only across windows are not counted). Batches are
+    sized without counting on it."""
 
     @property
     def efficiency_ratio(self) -> float:
