@@ -238,12 +238,7 @@ class Driver:
                 self._fault = f"every slice failed, so the remaining batches stay pending ({reasons})"
                 return
             for slot in live:
-                while slot.ready and (not self._state.running_on(slot.name)
-                                      or slot.gang.samples_held < self._samples_in_flight):
-                    batch_id = self._next_batch()
-                    if batch_id is None:
-                        break
-                    self._dispatch(slot, batch_id)
+                self._top_up(slot)
             if not announced and all(s.ready for s in live):
                 announced = True
                 self.events.emit(SlicesReady(tuple(
@@ -273,6 +268,9 @@ class Driver:
         elif event.kind == "started":
             self.events.emit(SliceStarted.from_info(slot.name, event.info))
         elif event.kind == "results":
+            # The poll brought the slice's count of finished samples: send its next batches first, then write the
+            # results (outputs, fsynced): a slice whose queue ran low must not wait on the head's disk.
+            self._top_up(slot)
             for result in event.results:
                 self._result(slot, result)
 
@@ -306,6 +304,15 @@ class Driver:
     def _next_batch(self) -> str | None:
         """The first pending batch whose retry backoff is over (RunState keeps the order and the attempts)."""
         return self._state.next_due(time.time(), self.cfg.retry.wait_s)
+
+    def _top_up(self, slot: _Slot) -> None:
+        """Send the slice pending batches until it holds `_samples_in_flight` unfinished samples (or one batch)."""
+        while slot.ready and (not self._state.running_on(slot.name)
+                              or slot.gang.samples_held < self._samples_in_flight):
+            batch_id = self._next_batch()
+            if batch_id is None:
+                return
+            self._dispatch(slot, batch_id)
 
     def _dispatch(self, slot: _Slot, batch_id: str) -> None:
         record = self._state.mark_running(batch_id, slot.name)

@@ -207,21 +207,27 @@ def test_second_head_is_refused(run_model, tmp_path, capsys):
 
 
 def test_occupancy_with_early_stops(ray_local, run_model, tmp_path):
-    """Completions that stop at varied lengths: the engine is refilled across batches, slots stay busy."""
+    """Completions that stop at varied lengths: the engine is refilled across batches, slots stay busy.
+
+    The budget is 4 x engine.max_seqs here, not the default 2 x: the tiny model's engine steps take ~2 ms, so the
+    default's queue (about one engine-full of samples, ~25 tokens each) lasts ~50 ms, and on a loaded 2-core
+    machine the head's reply (a Ray poll, a dispatch, the slice reading the batch file) sometimes took longer
+    (0.8996 once in CI). Real engines' steps are 10x slower and more."""
     corpus = write_run_corpus(tmp_path / "corpus.jsonl", 96, seed=3)
     run_dir = tmp_path / "run"
     cfg = load_run_config(None, run_args(run_model, corpus, run_dir, "--cluster.num_slices=1",
                                          "--sampling.max_new_tokens=40", "--sampling.temperature=1.0",
-                                         "--sampling.stop=[th]", "--engine.max_pages=160"))
+                                         "--sampling.stop=[th]", "--engine.max_pages=160",
+                                         "--cluster.samples_in_flight_per_slice=32"))
     outcome = Driver(cfg, show_progress=False).run()
     assert outcome.exit_code == 0
     table = collect(run_dir)
     reasons = Counter(table["finish_reason"].to_pylist())
     stopped = [len(t) for t, r in zip(table["token_ids"].to_pylist(), table["finish_reason"].to_pylist()) if r == "stop"]
     assert 0.2 * len(table) < reasons["stop"] < 0.9 * len(table) and len(set(stopped)) >= 8
-    # The engine is never short of queued sequences here until the last batch (0.943 on every run, however
-    # fast): the head counts the slice's unfinished samples, not its unfinished batches. Counting batches
-    # (a batch's early-stopped samples held its budget until its last sample ended) gave 0.83-0.87.
+    # The engine is never short of queued sequences here until the last batch (0.94 unloaded): the head counts
+    # the slice's unfinished samples, not its unfinished batches. Counting batches (a batch's early-stopped
+    # samples held its budget until its last sample ended) gave 0.83-0.87.
     assert outcome.summary["mean_occupancy"] >= 0.9, outcome.summary
     assert status(run_dir)["mean_occupancy"] == pytest.approx(outcome.summary["mean_occupancy"], abs=1e-3)
     # The engine loop's time in device calls and in host work, from the slice's timeline (one slice here).
@@ -229,6 +235,32 @@ def test_occupancy_with_early_stops(ray_local, run_model, tmp_path):
     assert device_s > 0 and host_s > 0 and device_s + host_s <= outcome.summary["session_s"], outcome.summary
     assert status(run_dir)["engine_time"] == pytest.approx({"device_s": device_s, "host_s": host_s}, abs=1e-3)
     assert "% of the engine loop on the host" in format_status(status(run_dir))
+
+
+def test_the_head_tops_a_slice_up_before_it_writes_outputs(ray_local, run_model, tmp_path, monkeypatch):
+    """A poll that brings a slice's results also brings its count of finished samples: the head sends the slice its
+    next batches first and only then writes the results (outputs, fsynced), so a slice whose queue ran low never
+    waits on the head's disk. (The head wrote first: with 2 ms engine steps, a loaded machine's slower writes
+    left the engine short of sequences.) Checked at every output write: no slice below its budget while a
+    batch waits."""
+    import orchestrator.run.driver as driver
+
+    def checked_write(*args, **kwargs):
+        for slot in head.slots:
+            held = slot.gang.samples_held
+            assert held >= budget or head._next_batch() is None, f"{slot.name} holds {held} < {budget} samples"
+        written.append(args[0])
+        return write(*args, **kwargs)
+
+    write, written = driver.atomic_write_parquet, []
+    monkeypatch.setattr(driver, "atomic_write_parquet", checked_write)
+    corpus = write_run_corpus(tmp_path / "corpus.jsonl", 96, seed=3)
+    cfg = load_run_config(None, run_args(run_model, corpus, tmp_path / "run", "--cluster.num_slices=1",
+                                         "--sampling.max_new_tokens=40", "--sampling.temperature=1.0",
+                                         "--sampling.stop=[th]", "--engine.max_pages=160"))
+    head, budget = Driver(cfg, show_progress=False), cfg.samples_in_flight_per_slice
+    outcome = head.run()
+    assert outcome.exit_code == 0 and len(written) == outcome.summary["batches_done"] == 19
 
 
 def test_slices_that_cannot_start_end_the_run_with_the_reason(ray_local, run_model, tmp_path, monkeypatch):
