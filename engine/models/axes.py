@@ -22,10 +22,11 @@ PAGE_SLOT = "page_slot"
 KV_COMBINED = "kv_combined"  # K and V interleaved per KV head: k0 v0 k1 v1 ...
 EXPERTS = "experts"  # a mixture of experts' experts (engine/models/moe.py)
 EXPERT_MLP = "expert_mlp"  # one expert's MLP width
+ROUTES = "routes"  # the router's output: one score per expert (the router is replicated; the experts are not)
 
-# A mixture of experts is split over `model` as the dense MLP is: each expert's MLP width (every device holds a
-# slice of every expert).
-TENSOR_PARALLEL = {KV_HEADS: "model", MLP: "model", KV_COMBINED: "model", EXPERT_MLP: "model"}
+# A mixture of experts is spread over `model` whole (expert parallelism): each device holds num_experts / T experts;
+# the router, which every device runs, is replicated.
+TENSOR_PARALLEL = {KV_HEADS: "model", MLP: "model", KV_COMBINED: "model", EXPERTS: "model"}
 
 
 @dataclass(frozen=True)

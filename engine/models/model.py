@@ -107,7 +107,8 @@ class Transformer(eqx.Module):
                 # rows, not a row tile's: an expert's rows then fill larger matmuls, and a row's bits are the same
                 # (every expert matmul has at least the row count that fixes them).
                 x, h = by_token_rows(out_and_norm, x, attn)
-                return (x + moe_mlp(h, layer.moe, cfg.moe, settings.min_matmul_rows, num_tokens), pool), None
+                mlp = moe_mlp(h, layer.moe, cfg.moe, settings.min_matmul_rows, num_tokens, settings.mesh)
+                return (x + mlp, pool), None
 
             def out_and_mlp(x: NamedArray, attn: NamedArray) -> NamedArray:
                 x, h = out_and_norm(x, attn)

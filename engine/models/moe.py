@@ -14,6 +14,13 @@ The grouped matmul has two forms, one result (within float32 rounding):
 
 The engine calls it once for a step's rows (not per row tile of the layer's other matmuls), so that an expert's rows
 fill large matmuls; the step's padding rows go to no expert.
+
+Expert parallelism: on a mesh whose `model` axis has T devices, each device holds num_experts / T whole experts
+(engine/models/axes.py). Every device routes every row (the rows and the router are replicated), runs only its own
+experts' pairs, and the pairs' outputs are summed over `model`: each pair's output is nonzero on one device only, so
+the sum is exact and a row's output has the bits it has on one device (its experts' matmuls are the same matmuls;
+the router's weighting and the sum over a row's experts run after, on every device alike). The sum moves k outputs
+a row, k times the all-reduce of a tensor-parallel MLP: the price of those bits.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ import haliax as hax
 import jax
 import jax.numpy as jnp
 from haliax import NamedArray
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from engine.device.row_tiles import by_row_tiles
 from engine.models.axes import EMBED
@@ -37,15 +46,24 @@ class MoeMlp(eqx.Module):
 
 
 def moe_mlp(h: NamedArray, moe: MoeMlp, cfg: MoeConfig, expert_tile_rows: int,
-            num_rows: jax.Array | None = None) -> NamedArray:
+            num_rows: jax.Array | None = None, mesh: Mesh | None = None) -> NamedArray:
     """The MLP's output for rows `h` [..., embed] (each row's own experts, router-weighted), same axes as `h`.
     `num_rows` (a traced int, with expert tiles): only the rows below it matter; the experts skip the others, whose
-    outputs are zeros."""
+    outputs are zeros. `mesh`: with several devices over `model`, the experts are spread over them (module doc)."""
     rows_axes = tuple(a for a in h.axes if a.name != EMBED)
     x = h.rearrange((*rows_axes, h.resolve_axis(EMBED))).array
     x = x.reshape(-1, x.shape[-1])  # [R, H]
-    out = _moe_rows(x, *(w.array for w in (moe.router, moe.w_gate, moe.w_up, moe.w_down)), cfg, expert_tile_rows,
-                    num_rows)
+    weights = tuple(w.array for w in (moe.router, moe.w_gate, moe.w_up, moe.w_down))
+    if mesh is not None and mesh.shape.get("model", 1) > 1:
+        def rows(x, router, w_gate, w_up, w_down, *num_rows):
+            return _moe_rows(x, router, w_gate, w_up, w_down, cfg, expert_tile_rows, *num_rows, expert_axis="model")
+
+        experts, rep = P("model", None, None), P()
+        extra = () if num_rows is None else (num_rows,)
+        out = jax.shard_map(rows, mesh=mesh, in_specs=(rep, rep, experts, experts, experts, *(rep for _ in extra)),
+                            out_specs=rep, check_vma=False)(x, *weights, *extra)
+    else:
+        out = _moe_rows(x, *weights, cfg, expert_tile_rows, num_rows)
     return hax.named(out.reshape(*(a.size for a in rows_axes), x.shape[-1]), (*rows_axes, h.resolve_axis(EMBED)))
 
 
@@ -67,18 +85,23 @@ def _expert(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array)
 
 
 def _moe_rows(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
-              cfg: MoeConfig, tile: int, num_rows: jax.Array | None = None) -> jax.Array:
-    """x [R, H]; router [H, E]; w_gate, w_up [E, H, I]; w_down [E, I, H]. `num_rows`: see moe_mlp."""
+              cfg: MoeConfig, tile: int, num_rows: jax.Array | None = None, expert_axis: str | None = None
+              ) -> jax.Array:
+    """x [R, H]; router [H, E]; w_gate, w_up [E', H, I]; w_down [E', I, H]: every expert (E' = E), or, inside a
+    shard_map over `expert_axis`, this device's E' = E / T of them (module doc). `num_rows`: see moe_mlp."""
     R, H = x.shape
-    E, k = cfg.num_experts, cfg.top_k
+    k, local = cfg.top_k, w_gate.shape[0]
     # The router's matmul is narrow (E columns): XLA's CPU kernels round it by the call's row count even past 64
     # rows, so on the CPU it runs on tiles of exactly `tile` rows too.
     experts, weights = by_row_tiles(lambda x: route(x, router, cfg), tile, x, num_rows=num_rows)
     pair_expert = experts.reshape(-1)  # [P]: pair p is row p // k, its (p % k)-th expert
-    if tile and num_rows is not None:  # the rows past num_rows go to no expert (E: past every group, not counted)
-        pair_expert = jnp.where(jnp.arange(R * k) // k < num_rows, pair_expert, E)
+    if expert_axis is not None:  # this device's experts by local index; another device's: none (local)
+        pair_expert = pair_expert - jax.lax.axis_index(expert_axis) * local
+        pair_expert = jnp.where((pair_expert >= 0) & (pair_expert < local), pair_expert, local)
+    if tile and num_rows is not None:  # the rows past num_rows go to no expert (local: past every group, not counted)
+        pair_expert = jnp.where(jnp.arange(R * k) // k < num_rows, pair_expert, local)
     order = jnp.argsort(pair_expert, stable=True)  # pairs grouped by expert, rows in order within one
-    counts = jnp.bincount(pair_expert, length=E)  # i32[E] (E itself is not counted)
+    counts = jnp.bincount(pair_expert, length=local)  # i32[E'] (no expert is not counted)
     rows_sorted = x[order // k]  # [P, H]
     if tile:
         y_sorted = _tiled_grouped_mlp(rows_sorted, pair_expert[order], counts, (w_gate, w_up, w_down), tile)
@@ -86,7 +109,10 @@ def _moe_rows(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Arra
         gate = jax.lax.ragged_dot(rows_sorted, w_gate, counts)
         up = jax.lax.ragged_dot(rows_sorted, w_up, counts)
         y_sorted = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, counts)
+        y_sorted = jnp.where((pair_expert[order] < local)[:, None], y_sorted, 0)  # pairs of no expert here: zeros
     y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(R, k, H)  # back to pair order
+    if expert_axis is not None:
+        y = jax.lax.psum(y, expert_axis)  # each pair's output from its expert's device; zeros from the others
     weighted = y.astype(jnp.float32) * weights[..., None]
     out = weighted[:, 0]
     for j in range(1, k):  # in expert order, as transformers' index_add over experts
@@ -108,7 +134,8 @@ def _tiled_grouped_mlp(rows: jax.Array, expert: jax.Array, counts: jax.Array,
     matmul)."""
     P, H = rows.shape
     E = counts.shape[0]
-    num_units = -(-P // tile) + E  # enough for any routing: each expert wastes less than one unit
+    # Enough for any routing (each expert wastes less than one unit), and for the largest tile's slice.
+    num_units = max(-(-P // tile) + E, max(TILE_UNITS))
     units = -(-counts // tile)  # units per expert
     first_unit = jnp.cumsum(units) - units  # [E]
     first_row = jnp.cumsum(counts) - counts  # [E]: the expert's first pair in `rows`

@@ -210,7 +210,7 @@ PRESETS: dict[str, Preset] = {
                            expert_size=96),
     "tiny-qwen3-moe": Preset("qwen3_moe", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512,
-                             max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=1000000.0, num_experts=6,
+                             max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=1000000.0, num_experts=8,
                              experts_per_token=3, expert_size=48, dense_layers=(1,)),
     "llama-40m": Preset("llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=10, num_attention_heads=8,
                         num_key_value_heads=4, head_dim=64, vocab_size=8192, max_position_embeddings=4096,

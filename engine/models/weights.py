@@ -26,7 +26,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P, 
 
 from engine import ranged_file
 import engine.files as files
-from engine.models.axes import EXPERT_MLP, EXPERTS, TENSOR_PARALLEL, ModelAxes
+from engine.models.axes import EXPERT_MLP, EXPERTS, ROUTES, TENSOR_PARALLEL, ModelAxes
 from engine.models.checkpoint_check import CheckpointError, canonical_names, check_checkpoint
 from engine.models.gemma_model import GemmaLayer, GemmaTransformer
 from engine.models.model import Attention, DecoderLayer, Transformer
@@ -244,7 +244,7 @@ def _build(checkpoint_cfg: ModelConfig, one: Callable, stacked: Callable, tp: in
         moe, X, I = cfg.moe, Axis(EXPERTS, cfg.moe.num_experts), Axis(EXPERT_MLP, cfg.moe.expert_size)
         names = lambda which: [moe.expert_tensor(i, e, which) for e in range(X.size)]  # noqa: E731
         return dict(w_gate=None, w_up=None, w_down=None, moe=MoeMlp(
-            router=one(moe.router_tensor(i), (E, X), t), w_gate=(stack or one)(names(0), (X, E, I), t),
+            router=one(moe.router_tensor(i), (E, Axis(ROUTES, X.size)), t), w_gate=(stack or one)(names(0), (X, E, I), t),
             w_up=(stack or one)(names(1), (X, E, I), t), w_down=(stack or one)(names(2), (X, I, E), t)))
 
     if cfg.moe is None:

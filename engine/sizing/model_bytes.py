@@ -31,8 +31,8 @@ class ParamCount:
 
 def count_params(cfg: ModelConfig) -> ParamCount:
     """Parameters of the decoder from its config: Llama's layer (Llama, Mistral, Qwen2, Qwen3), Gemma's four norms,
-    QK-norm, and the mixtures of experts Mixtral and Qwen3-MoE, whose every expert is held (split over tp by its MLP
-    width, the router replicated)."""
+    QK-norm, and the mixtures of experts Mixtral and Qwen3-MoE, whose every expert is held (spread whole over tp:
+    num_experts / tp a chip, the router replicated)."""
     hidden, head_dim = cfg.hidden_size, cfg.head_dim
     q_out, kv_out = cfg.num_heads * head_dim, cfg.num_kv_heads * head_dim
     attention = hidden * q_out + 2 * hidden * kv_out + q_out * hidden  # q, k, v, o

@@ -108,12 +108,12 @@ def test_two_hosts_equal_each_other_and_one_device(tmp_path, models):
         assert any(seeded[i] != seeded[i + 1] for i in range(0, len(seeded), 2)), f"{spec}: samples of a prompt all equal"
 
 
-@pytest.mark.slow  # ~75 s; the default run covers its parts: the experts sharded over 4 devices in one process
+@pytest.mark.slow  # ~75 s; the default run covers its parts: the experts spread over 4 devices in one process
 # (tests/engine/models/test_moe.py) and a slice of two processes (the dense test above)
 def test_a_mixture_of_experts_over_two_hosts_equals_one_device(tmp_path):
-    """tiny-qwen3-moe (6 experts, top-3, a dense layer between sparse ones) at model 2 (data 2 x model 2) and model 4
-    (across both hosts): each device holds its slice of every expert's MLP width and of the dense MLP
-    (engine/models/tensor_parallel.py), the router's choice is every device's, and the tokens are one device's."""
+    """tiny-qwen3-moe (8 experts, top-3, a dense layer between sparse ones) at model 2 (data 2 x model 2) and model 4
+    (across both hosts): each device holds 8 / model whole experts (expert parallelism, engine/models/moe.py) and its
+    slice of the dense MLP, every device routes every row, and the tokens are one device's."""
     model = presets.write_model("tiny-qwen3-moe", tmp_path / "tiny-qwen3-moe")
     for spec, a, ref in two_hosts_and_one_device(tmp_path, [f"{model}:2", f"{model}:4"]):
         assert a["stats"] == ref["stats"], f"{spec}: the slice's steps differ from one device's"

@@ -51,6 +51,44 @@ def test_moe_block_equals_transformers(tmp_path, family, tile):
     np.testing.assert_allclose(np.asarray(got), ref, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("tile", [0, 64])
+@pytest.mark.parametrize("width", [2, 4])
+def test_experts_spread_over_devices_give_one_devices_bits(tmp_path, tile, width):
+    """Expert parallelism: the 8 experts spread over 2 or 4 devices of `model` (each holds 8 / width whole experts,
+    routes every row and runs only its own experts' pairs; the pairs' outputs are summed over `model`) give the MoE
+    block's output of one device bit for bit in expert tiles (the CPU's form), with padding rows past `num_rows`.
+    ragged_dot (TPU and GPU) within float32 rounding here: XLA's CPU backend lowers it as a masked pass over every
+    expert, whose rounding follows the number of experts a device holds."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from engine.models.moe import MoeMlp, moe_mlp
+    import haliax as hax
+
+    hf = make_hf_model("mixtral", tmp_path, seed=1)
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    _, (router, w_gate, w_up, w_down) = _block(hf)
+    x = hax.named(jnp.asarray(np.random.default_rng(2).standard_normal((100, 64)).astype(np.float32)),
+                  ("token", "embed"))
+    mesh = Mesh(np.array(jax.devices()[:width]).reshape(1, width), ("data", "model"))
+
+    def moe(where):
+        place = (lambda w, spec: w) if where is None else (lambda w, spec: jax.device_put(w, NamedSharding(mesh, spec)))
+        experts = P("model", None, None)
+        return MoeMlp(router=hax.named(place(router, P()), ("embed", "routes")),
+                      w_gate=hax.named(place(w_gate, experts), ("experts", "embed", "expert_mlp")),
+                      w_up=hax.named(place(w_up, experts), ("experts", "embed", "expert_mlp")),
+                      w_down=hax.named(place(w_down, experts), ("experts", "expert_mlp", "embed")))
+
+    f = jax.jit(lambda x, moe, n, mesh_: moe_mlp(x, moe, cfg.moe, tile, n if tile else None, mesh_).array,
+                static_argnums=3)
+    one = np.asarray(f(x, moe(None), jnp.int32(91), None))
+    spread = np.asarray(f(x, moe(mesh), jnp.int32(91), mesh))
+    if tile:
+        assert np.abs(one[:91]).min() > 0 and (one[91:] == 0).all()
+        np.testing.assert_array_equal(spread, one)
+    else:
+        np.testing.assert_allclose(spread, one, atol=1e-6, rtol=0)
+
+
 def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(tmp_path):
     """In expert tiles of 64 rows, the same row routed with 63 other rows, with 255 or 1,023 others (an expert's rows
     then run in matmuls of 128 and 256 rows), or alone (padded to the tile) gives the same bits: every expert matmul
@@ -143,8 +181,9 @@ def test_hub_checkpoints_keep_one_tensor_per_expert(tmp_path):
 
 @pytest.mark.parametrize("preset, width", [("tiny-mixtral", 2), ("tiny-qwen3-moe", 4)])
 def test_tensor_parallel_samples_as_one_device(tmp_path, preset, width):
-    """Every expert split by its MLP width over `model` (as the dense MLP): one device's tokens, logprobs within
-    1e-4 (the split down projections sum partial products in another order)."""
+    """The experts spread whole over `model` (expert parallelism): each device holds 8 / width experts at their full
+    MLP width, and reads only those; one device's tokens, logprobs within 1e-4 (attention's split output projection
+    sums partial products in another order; the experts' outputs are one device's bits)."""
     path = write_model(preset, tmp_path / "model")
     rng = np.random.default_rng(3)
     requests = [Request(f"r{i}", tuple(rng.integers(6, VOCAB, int(n)).tolist()),
@@ -156,8 +195,12 @@ def test_tensor_parallel_samples_as_one_device(tmp_path, preset, width):
     engine = Engine(path, config, mesh=mesh)
     got = engine.generate(requests)
     sparse = next(layer for layer in engine.runner.model.layers if layer.moe is not None)
-    expert_size = sparse.moe.w_gate.array.shape[-1]
-    assert {s.data.shape[-1] for s in sparse.moe.w_gate.array.addressable_shards} == {expert_size // width}
+    num_experts, _, expert_size = sparse.moe.w_gate.array.shape
+    for w in (sparse.moe.w_gate, sparse.moe.w_up, sparse.moe.w_down):
+        assert {s.data.shape[0] for s in w.array.addressable_shards} == {num_experts // width}
+        assert {s.index[0].start for s in w.array.addressable_shards} == set(range(0, num_experts, num_experts // width))
+    assert {s.data.shape[-1] for s in sparse.moe.w_gate.array.addressable_shards} == {expert_size}
+    assert {s.data.shape for s in sparse.moe.router.array.addressable_shards} == {sparse.moe.router.array.shape}
     assert [c.token_ids for c in got] == [c.token_ids for c in one]
     for a, b in zip(got, one):
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4, rtol=0)

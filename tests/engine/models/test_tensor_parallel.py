@@ -78,3 +78,21 @@ def test_widths_the_rule_allows_and_refuses():
     assert "MLP width 100" in tensor_parallel_error(_cfg(8, 8, 100), 8)
     with pytest.raises(MeshError, match=r"cluster.mesh.model=3: .*one of \[1, 2, 4, 8\]"):
         kv_replicas(_cfg(8, 2), 3)
+
+
+def test_a_mixture_of_experts_needs_a_width_that_divides_its_experts():
+    """Experts are spread whole over `model` (expert parallelism): the width must divide the number of experts, not
+    the expert MLP width. Qwen3-30B-A3B: 128 experts, 4 KV heads, 32 heads; Mixtral-8x7B: 8 experts, 8 KV heads."""
+    from pathlib import Path
+
+    configs = Path(__file__).resolve().parents[3] / "configs" / "models"
+    qwen = ModelConfig.from_pretrained(configs / "qwen3-30b-a3b")
+    mixtral = ModelConfig.from_pretrained(configs / "mixtral-8x7b")
+    assert (qwen.moe.num_experts, mixtral.moe.num_experts) == (128, 8)
+    assert valid_widths(qwen) == [1, 2, 4, 8, 16, 32] and valid_widths(mixtral) == [1, 2, 4, 8]
+    hf = {"model_type": "mixtral", "vocab_size": 16, "hidden_size": 64, "intermediate_size": 96,
+          "num_hidden_layers": 1, "num_attention_heads": 8, "num_key_value_heads": 8, "num_local_experts": 6,
+          "num_experts_per_tok": 2}
+    six = ModelConfig.from_hf(hf)  # expert MLP width 96 divides over 4; 6 experts do not
+    assert "6 experts do not divide over 4 devices" in tensor_parallel_error(six, 4)
+    assert tensor_parallel_error(six, 2) is None and valid_widths(six) == [1, 2]
