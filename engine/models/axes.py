@@ -23,10 +23,12 @@ KV_COMBINED = "kv_combined"  # K and V interleaved per KV head: k0 v0 k1 v1 ...
 EXPERTS = "experts"  # a mixture of experts' experts (engine/models/moe.py)
 EXPERT_MLP = "expert_mlp"  # one expert's MLP width
 ROUTES = "routes"  # the router's output: one score per expert (the router is replicated; the experts are not)
+SHARED_MLP = "shared_mlp"  # a shared expert's MLP width (Qwen2-MoE), split over `model` as the dense MLP's
+SHARED_GATE = "shared_gate"  # the shared expert's gate: one output
 
 # A mixture of experts is spread over `model` whole (expert parallelism): each device holds num_experts / T experts;
 # the router, which every device runs, is replicated.
-TENSOR_PARALLEL = {KV_HEADS: "model", MLP: "model", KV_COMBINED: "model", EXPERTS: "model"}
+TENSOR_PARALLEL = {KV_HEADS: "model", MLP: "model", KV_COMBINED: "model", EXPERTS: "model", SHARED_MLP: "model"}
 
 
 @dataclass(frozen=True)

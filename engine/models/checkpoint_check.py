@@ -99,6 +99,12 @@ def _expert_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[tuple[int, .
         shapes.update({moe.expert_tensor(layer, x, 0): ((moe.expert_size, e), (size, "hidden_size")),
                        moe.expert_tensor(layer, x, 1): ((moe.expert_size, e), (size, "hidden_size")),
                        moe.expert_tensor(layer, x, 2): ((e, moe.expert_size), ("hidden_size", size))})
+    if moe.shared_expert_size:
+        s, field = moe.shared_expert_size, "shared_expert_intermediate_size"
+        shapes.update({moe.shared_tensor(layer, 0): ((s, e), (field, "hidden_size")),
+                       moe.shared_tensor(layer, 1): ((s, e), (field, "hidden_size")),
+                       moe.shared_tensor(layer, 2): ((e, s), ("hidden_size", field)),
+                       moe.shared_gate_tensor(layer): ((1, e), ("1", "hidden_size"))})
     return shapes
 
 

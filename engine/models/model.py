@@ -21,7 +21,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from engine.kernels.attention import ragged_paged_attention, write_kv
 from engine.models.axes import EMBED, HEAD_SIZE, KV_COMBINED, PAGE, PAGE_SLOT, TOKEN, ModelAxes
 from engine.models.model_config import ModelConfig
-from engine.models.moe import MoeMlp, moe_mlp
+from engine.models.moe import MoeMlp, moe_mlp, shared_expert
 from engine.device.row_tiles import by_named_rows, row_tile
 from engine.device.step_inputs import StepInputs
 
@@ -108,6 +108,8 @@ class Transformer(eqx.Module):
                 # (every expert matmul has at least the row count that fixes them).
                 x, h = by_token_rows(out_and_norm, x, attn)
                 mlp = moe_mlp(h, layer.moe, cfg.moe, settings.min_matmul_rows, num_tokens, settings.mesh)
+                if layer.moe.shared is not None:  # Qwen2-MoE: in row tiles, as the dense MLP
+                    mlp = mlp + by_token_rows(lambda h: shared_expert(h, layer.moe.shared), h)
                 return (x + mlp, pool), None
 
             def out_and_mlp(x: NamedArray, attn: NamedArray) -> NamedArray:

@@ -37,6 +37,8 @@ def _check_sizes(hf: dict) -> None:
         value = hf.get(key)
         if value is None or (key == "sliding_window" and value is False):
             continue
+        if key == "sliding_window" and value == 0 and hf.get("use_sliding_window") is False:
+            continue  # transformers' Qwen2MoeConfig saves 0 for "no window" when use_sliding_window is false
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
             raise UnsupportedModelError(f"config.json {key}={value!r}: must be a whole number from 1 to {limit:,} "
                                         "(is this the model's own config.json?)")

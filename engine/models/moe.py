@@ -34,15 +34,32 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from engine.device.row_tiles import by_row_tiles
-from engine.models.axes import EMBED
+from engine.models.axes import EMBED, SHARED_GATE, SHARED_MLP
 from engine.models.moe_config import MoeConfig
 
 
+class SharedExpert(eqx.Module):
+    """Qwen2-MoE's shared expert: a SwiGLU MLP every token runs, times a sigmoid gate, added to the experts' output."""
+    w_gate: NamedArray  # [embed, shared_mlp]
+    w_up: NamedArray  # [embed, shared_mlp]
+    w_down: NamedArray  # [shared_mlp, embed]
+    gate: NamedArray  # [embed, shared_gate]: one output
+
+
 class MoeMlp(eqx.Module):
-    router: NamedArray  # [embed, experts]
+    router: NamedArray  # [embed, routes]
     w_gate: NamedArray  # [experts, embed, expert_mlp]
     w_up: NamedArray  # [experts, embed, expert_mlp]
     w_down: NamedArray  # [experts, expert_mlp, embed]
+    shared: SharedExpert | None = None
+
+
+def shared_expert(h: NamedArray, shared: SharedExpert) -> NamedArray:
+    """The shared expert's gated output for rows `h` [..., embed], as transformers' Qwen2MoeSparseMoeBlock computes
+    it: sigmoid(h @ gate) * down(silu(h @ w_gate) * (h @ w_up)). Split over `model` by its width, as the dense MLP."""
+    y = hax.dot(hax.nn.silu(hax.dot(h, shared.w_gate, axis=EMBED)) * hax.dot(h, shared.w_up, axis=EMBED),
+                shared.w_down, axis=SHARED_MLP)
+    return hax.nn.sigmoid(hax.dot(h, shared.gate, axis=EMBED))[SHARED_GATE, 0] * y
 
 
 def moe_mlp(h: NamedArray, moe: MoeMlp, cfg: MoeConfig, expert_tile_rows: int,

@@ -18,6 +18,8 @@ class MoeConfig:
     router: str  # the router's tensor under `prefix`: "gate"
     expert_names: tuple[str, str, str]  # each expert's gate, up and down projections: ("w1", "w3", "w2") for Mixtral
     fields: tuple[str, str]  # the config.json fields of the number of experts and of `expert_size`
+    shared_expert_size: int = 0
+    """Qwen2-MoE's shared expert: a SwiGLU MLP of this width that every token runs, gated by a sigmoid (0: none)."""
 
     def expert_tensor(self, layer: int, expert: int, which: int) -> str:
         """The Hugging Face name of expert `expert`'s projection `which` (0 gate, 1 up, 2 down) in layer `layer`."""
@@ -25,3 +27,11 @@ class MoeConfig:
 
     def router_tensor(self, layer: int) -> str:
         return f"model.layers.{layer}.{self.prefix}.{self.router}.weight"
+
+    def shared_tensor(self, layer: int, which: int) -> str:
+        """The shared expert's projection `which` (0 gate, 1 up, 2 down) in layer `layer`."""
+        return f"model.layers.{layer}.{self.prefix}.shared_expert.{('gate_proj', 'up_proj', 'down_proj')[which]}.weight"
+
+    def shared_gate_tensor(self, layer: int) -> str:
+        """The shared expert's gate: one output per token, through a sigmoid."""
+        return f"model.layers.{layer}.{self.prefix}.shared_expert_gate.weight"

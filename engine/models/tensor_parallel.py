@@ -9,7 +9,8 @@ The engine shards attention by KV head and the MLP by its width over the mesh's 
   query heads. The model then runs as an equivalent one with `T` KV heads (`sharded_config`): query head h
   still reads the K and V of its original KV head, so the samples are those of one device.
 - The MLP width must divide over T as well, and a mixture of experts' number of experts: each device holds
-  `num_experts / T` whole experts (expert parallelism, engine/models/moe.py).
+  `num_experts / T` whole experts (expert parallelism, engine/models/moe.py); a shared expert's width (Qwen2-MoE)
+  is split as the dense MLP's.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ def tensor_parallel_error(cfg: ModelConfig, tp: int) -> str | None:
     if cfg.intermediate_size % tp:
         return (f"the model's MLP width {cfg.intermediate_size} does not divide over {tp} devices "
                 f"(choose one of {valid_widths(cfg)})")
+    if cfg.moe is not None and cfg.moe.shared_expert_size % tp:
+        return (f"the model's shared expert MLP width {cfg.moe.shared_expert_size} does not divide over {tp} devices "
+                f"(choose one of {valid_widths(cfg)})")
     if cfg.moe is not None and cfg.moe.num_experts % tp:
         return (f"the model's {cfg.moe.num_experts} experts do not divide over {tp} devices, each of which holds "
                 f"whole experts (choose one of {valid_widths(cfg)})")
@@ -45,7 +49,8 @@ def valid_widths(cfg: ModelConfig) -> list[int]:
     """Every tensor-parallel width the model runs at, smallest first."""
     return [t for t in range(1, cfg.num_heads + 1)
             if (cfg.num_kv_heads % t == 0 or (t % cfg.num_kv_heads == 0 and cfg.num_heads % t == 0))
-            and cfg.intermediate_size % t == 0 and (cfg.moe is None or cfg.moe.num_experts % t == 0)]
+            and cfg.intermediate_size % t == 0
+            and (cfg.moe is None or (cfg.moe.num_experts % t == 0 and cfg.moe.shared_expert_size % t == 0))]
 
 
 def kv_replicas(cfg: ModelConfig, tp: int) -> int:

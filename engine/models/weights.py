@@ -26,12 +26,12 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P, 
 
 from engine import ranged_file
 import engine.files as files
-from engine.models.axes import EXPERT_MLP, EXPERTS, ROUTES, TENSOR_PARALLEL, ModelAxes
+from engine.models.axes import EXPERT_MLP, EXPERTS, ROUTES, SHARED_GATE, SHARED_MLP, TENSOR_PARALLEL, ModelAxes
 from engine.models.checkpoint_check import CheckpointError, canonical_names, check_checkpoint
 from engine.models.gemma_model import GemmaLayer, GemmaTransformer
 from engine.models.model import Attention, DecoderLayer, Transformer
 from engine.models.model_config import ModelConfig
-from engine.models.moe import MoeMlp
+from engine.models.moe import MoeMlp, SharedExpert
 from engine.models.tensor_parallel import MeshError, kv_replicas, sharded_config
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64,
@@ -243,9 +243,15 @@ def _build(checkpoint_cfg: ModelConfig, one: Callable, stacked: Callable, tp: in
     def experts(i: int) -> dict:
         moe, X, I = cfg.moe, Axis(EXPERTS, cfg.moe.num_experts), Axis(EXPERT_MLP, cfg.moe.expert_size)
         names = lambda which: [moe.expert_tensor(i, e, which) for e in range(X.size)]  # noqa: E731
+        shared = None
+        if moe.shared_expert_size:
+            S, tensor = Axis(SHARED_MLP, moe.shared_expert_size), lambda which: moe.shared_tensor(i, which)  # noqa: E731
+            shared = SharedExpert(w_gate=one(tensor(0), (E, S), t), w_up=one(tensor(1), (E, S), t),
+                                  w_down=one(tensor(2), (S, E), t),
+                                  gate=one(moe.shared_gate_tensor(i), (E, Axis(SHARED_GATE, 1)), t))
         return dict(w_gate=None, w_up=None, w_down=None, moe=MoeMlp(
             router=one(moe.router_tensor(i), (E, Axis(ROUTES, X.size)), t), w_gate=(stack or one)(names(0), (X, E, I), t),
-            w_up=(stack or one)(names(1), (X, E, I), t), w_down=(stack or one)(names(2), (X, I, E), t)))
+            w_up=(stack or one)(names(1), (X, E, I), t), w_down=(stack or one)(names(2), (X, I, E), t), shared=shared))
 
     if cfg.moe is None:
         layers = layer(stacked, dense(stacked))

@@ -31,8 +31,9 @@ class ParamCount:
 
 def count_params(cfg: ModelConfig) -> ParamCount:
     """Parameters of the decoder from its config: Llama's layer (Llama, Mistral, Qwen2, Qwen3), Gemma's four norms,
-    QK-norm, and the mixtures of experts Mixtral and Qwen3-MoE, whose every expert is held (spread whole over tp:
-    num_experts / tp a chip, the router replicated)."""
+    QK-norm, and the mixtures of experts Mixtral, Qwen3-MoE and Qwen2-MoE, whose every expert is held (spread whole
+    over tp: num_experts / tp a chip, the router replicated; Qwen2-MoE's shared expert split as the dense MLP, its
+    gate replicated). The final norm is the `hidden` replicated beside the layers'."""
     hidden, head_dim = cfg.hidden_size, cfg.head_dim
     q_out, kv_out = cfg.num_heads * head_dim, cfg.num_kv_heads * head_dim
     attention = hidden * q_out + 2 * hidden * kv_out + q_out * hidden  # q, k, v, o
@@ -43,13 +44,15 @@ def count_params(cfg: ModelConfig) -> ParamCount:
     sparse = sum(moe.sparse_layers) if moe else 0
     experts = moe.num_experts * 3 * hidden * moe.expert_size if moe else 0  # every expert's gate, up, down
     router = moe.num_experts * hidden if moe else 0  # replicated
+    shared = 3 * hidden * moe.shared_expert_size if moe else 0  # Qwen2-MoE's shared expert: split as the dense MLP
+    shared_gate = hidden if moe and moe.shared_expert_size else 0  # its gate: replicated
     norms_per_layer = (4 if cfg.style.gemma_norms else 2) * hidden  # input, post-attention (Gemma: and around the MLP)
     if cfg.qk_norm:
         norms_per_layer += 2 * head_dim
     embeddings = cfg.vocab_size * hidden * (1 if cfg.tie_word_embeddings else 2)
     return ParamCount(
-        replicated=embeddings + cfg.num_layers * norms_per_layer + hidden + sparse * router,  # + final norm
-        sharded=cfg.num_layers * attention + (cfg.num_layers - sparse) * dense_mlp + sparse * experts,
+        replicated=embeddings + cfg.num_layers * norms_per_layer + hidden + sparse * (router + shared_gate),
+        sharded=cfg.num_layers * attention + (cfg.num_layers - sparse) * dense_mlp + sparse * (experts + shared),
     )
 
 

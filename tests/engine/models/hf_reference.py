@@ -42,6 +42,10 @@ FAMILIES = {
     "qwen3_moe": dict(cls="Qwen3MoeConfig", rope_theta=1000000.0, rms_norm_eps=1e-6, use_sliding_window=False,
                       num_experts=6, num_experts_per_tok=3, moe_intermediate_size=48, norm_topk_prob=False,
                       mlp_only_layers=[1], layers=3),
+    # Qwen2-MoE: qwen3_moe's experts (8 here) plus a shared expert of width 96 behind a sigmoid gate; q/k/v biases.
+    "qwen2_moe": dict(cls="Qwen2MoeConfig", rope_theta=1000000.0, rms_norm_eps=1e-6, use_sliding_window=False,
+                      num_experts=8, num_experts_per_tok=3, moe_intermediate_size=48, norm_topk_prob=False,
+                      shared_expert_intermediate_size=96, mlp_only_layers=[1], layers=3),
 }
 GEMMA_NORMS = ("gemma2", "gemma3_text")  # RMSNorm as (1 + weight): weights drawn around 0, not 1
 

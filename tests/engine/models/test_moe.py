@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import haliax as hax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,15 +17,15 @@ from jax.sharding import Mesh
 from engine.config import EngineConfig, SamplingConfig
 from engine.engine import Engine
 from engine.models.model_config import ModelConfig, UnsupportedModelError
-from engine.models.moe import _moe_rows
+from engine.models.moe import SharedExpert, _moe_rows, shared_expert
 from engine.models.presets import write_model
 from engine.scheduling.sequence import Request
 from tests.engine.models.hf_reference import generate_records, hf_greedy_logprobs, make_hf_model, prompts_1_to_250
 
 VOCAB = 512
 MIN_GAP = 1e-3
-MOES = ["mixtral", "qwen3_moe"]
-SEEDS = {"mixtral": 0, "qwen3_moe": 0}  # seeds whose greedy runs hold no near-tie (asserted: top-2 gap > MIN_GAP)
+MOES = ["mixtral", "qwen3_moe", "qwen2_moe"]
+SEEDS = {"mixtral": 0, "qwen3_moe": 0, "qwen2_moe": 0}  # seeds whose greedy runs hold no near-tie (asserted: top-2 gap > MIN_GAP)
 
 
 def _block(hf, layer: int = 0):
@@ -40,7 +41,8 @@ def _block(hf, layer: int = 0):
 @pytest.mark.parametrize("family", MOES)
 @pytest.mark.parametrize("tile", [0, 64])  # ragged_dot; expert tiles of 64 rows (the CPU's form)
 def test_moe_block_equals_transformers(tmp_path, family, tile):
-    """The router (softmax, top-k, renormalized as the family says) and the experts' weighted sum: 1e-5."""
+    """The router (softmax, top-k, renormalized as the family says) and the experts' weighted sum, plus Qwen2-MoE's
+    gated shared expert: 1e-5."""
     hf = make_hf_model(family, tmp_path, seed=1)
     cfg = ModelConfig.from_pretrained(tmp_path)
     mlp, weights = _block(hf)
@@ -48,7 +50,22 @@ def test_moe_block_equals_transformers(tmp_path, family, tile):
     with torch.no_grad():
         ref = mlp(torch.tensor(x)[None])[0].numpy()
     got = jax.jit(lambda x, *w: _moe_rows(x, *w, cfg.moe, tile))(jnp.asarray(x), *weights)
+    if family == "qwen2_moe":
+        assert cfg.moe.shared_expert_size == 96
+        got = got + shared_expert(hax.named(jnp.asarray(x), ("token", "embed")), _shared(mlp)).array
+    else:
+        assert cfg.moe.shared_expert_size == 0
     np.testing.assert_allclose(np.asarray(got), ref, atol=1e-5, rtol=0)
+
+
+def _shared(mlp) -> SharedExpert:
+    """transformers' shared expert and its gate (Qwen2-MoE) as ours: [embed, shared_mlp] ..., gate [embed, 1]."""
+    w = lambda linear: jnp.asarray(linear.weight.detach().numpy().T)  # noqa: E731
+    e = mlp.shared_expert
+    return SharedExpert(w_gate=hax.named(w(e.gate_proj), ("embed", "shared_mlp")),
+                        w_up=hax.named(w(e.up_proj), ("embed", "shared_mlp")),
+                        w_down=hax.named(w(e.down_proj), ("shared_mlp", "embed")),
+                        gate=hax.named(w(mlp.shared_expert_gate), ("embed", "shared_gate")))
 
 
 @pytest.mark.parametrize("tile", [0, 64])
@@ -128,7 +145,8 @@ def test_rows_past_num_rows_go_to_no_expert(tmp_path):
 def test_generate_greedy_tokens_and_logprobs_equal_transformers(tmp_path, family):
     """16 prompts of 1 to 250 tokens through `pagefleet generate`, 40 new tokens each, 6 at once in 60 pages of 16
     (preemption asserted): transformers' greedy tokens (batch 1), and logprobs within 1e-4. Mixtral: 8 experts,
-    top-2; Qwen3-MoE: 6 experts, top-3, not renormalized, its middle layer dense."""
+    top-2; Qwen3-MoE: 6 experts, top-3, not renormalized, its middle layer dense; Qwen2-MoE: as Qwen3-MoE with 8
+    experts, a gated shared expert and q/k/v biases."""
     new_tokens = 40
     hf = make_hf_model(family, tmp_path / "model", vocab=VOCAB, seed=SEEDS[family])
     prompts = prompts_1_to_250(16, seed=1, vocab=VOCAB)
@@ -144,6 +162,23 @@ def test_generate_greedy_tokens_and_logprobs_equal_transformers(tmp_path, family
 
 BASE = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 4,
         "num_attention_heads": 2, "num_key_value_heads": 1}
+
+
+def test_config_reads_qwen2_moes_shared_expert():
+    """Qwen2-MoE: Qwen3-MoE's router and sparse layers, a shared expert (its config class's defaults when absent),
+    q/k/v biases unless qkv_bias is false; the released Qwen1.5-MoE writes sliding_window beside use_sliding_window
+    false, and transformers saves 0 there: no window either way."""
+    qwen2 = ModelConfig.from_hf({**BASE, "model_type": "qwen2_moe", "num_experts": 8, "num_experts_per_tok": 2,
+                                 "shared_expert_intermediate_size": 24, "mlp_only_layers": [0],
+                                 "use_sliding_window": False, "sliding_window": 0})
+    assert (qwen2.moe.num_experts, qwen2.moe.top_k, qwen2.moe.shared_expert_size) == (8, 2, 24)
+    assert qwen2.moe.sparse_layers == (False, True, True, True) and qwen2.qkv_bias and qwen2.sliding_window is None
+    defaults = ModelConfig.from_hf({**BASE, "model_type": "qwen2_moe", "qkv_bias": False})
+    assert (defaults.moe.num_experts, defaults.moe.top_k, defaults.moe.expert_size,
+            defaults.moe.shared_expert_size) == (60, 4, 1408, 5632) and not defaults.qkv_bias
+    assert ModelConfig.from_hf({**BASE, "model_type": "qwen3_moe"}).moe.shared_expert_size == 0
+    with pytest.raises(UnsupportedModelError, match="sliding_window=0"):
+        ModelConfig.from_hf({**BASE, "model_type": "qwen2_moe", "sliding_window": 0})
 
 
 def test_config_reads_each_familys_router_and_sparse_layers():
@@ -163,7 +198,8 @@ def test_config_reads_each_familys_router_and_sparse_layers():
      r"^config.json num_local_experts=2 and num_experts_per_tok=3: need"),
     ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 0}, r"^config.json num_experts=4 and"),
     ({"model_type": "qwen3_moe", "decoder_sparse_step": 0}, r"^config.json decoder_sparse_step=0"),
-    ({"model_type": "qwen2_moe"}, r"^config.json model_type='qwen2_moe' is not supported"),
+    ({"model_type": "qwen2_moe", "shared_expert_intermediate_size": 0},
+     r"^config.json shared_expert_intermediate_size=0: must be a whole number from 1"),
 ])
 def test_unsupported_moe_fields_are_refused_in_one_line(hf, message):
     with pytest.raises(UnsupportedModelError, match=message):
@@ -179,12 +215,16 @@ def test_hub_checkpoints_keep_one_tensor_per_expert(tmp_path):
     assert transformers.AutoConfig.from_pretrained(tmp_path).model_type == "mixtral"
 
 
-@pytest.mark.parametrize("preset, width", [("tiny-mixtral", 2), ("tiny-qwen3-moe", 4)])
+@pytest.mark.parametrize("preset, width", [("tiny-mixtral", 2), ("tiny-qwen3-moe", 4), ("qwen2_moe", 4)])
 def test_tensor_parallel_samples_as_one_device(tmp_path, preset, width):
     """The experts spread whole over `model` (expert parallelism): each device holds 8 / width experts at their full
     MLP width, and reads only those; one device's tokens, logprobs within 1e-4 (attention's split output projection
     sums partial products in another order; the experts' outputs are one device's bits)."""
-    path = write_model(preset, tmp_path / "model")
+    if preset.startswith("tiny-"):
+        path = write_model(preset, tmp_path / "model")
+    else:  # transformers' own Qwen2-MoE: its shared expert split over `model` by its width, as the dense MLP
+        make_hf_model(preset, tmp_path / "model", vocab=VOCAB)
+        path = tmp_path / "model"
     rng = np.random.default_rng(3)
     requests = [Request(f"r{i}", tuple(rng.integers(6, VOCAB, int(n)).tolist()),
                         SamplingConfig(max_new_tokens=12, temperature=t, seed=2, logprobs=True))
@@ -201,6 +241,24 @@ def test_tensor_parallel_samples_as_one_device(tmp_path, preset, width):
         assert {s.index[0].start for s in w.array.addressable_shards} == set(range(0, num_experts, num_experts // width))
     assert {s.data.shape[-1] for s in sparse.moe.w_gate.array.addressable_shards} == {expert_size}
     assert {s.data.shape for s in sparse.moe.router.array.addressable_shards} == {sparse.moe.router.array.shape}
+    if sparse.moe.shared is not None:
+        width_shared = sparse.moe.shared.w_gate.array.shape[-1]
+        assert {s.data.shape[-1] for s in sparse.moe.shared.w_gate.array.addressable_shards} == {width_shared // width}
     assert [c.token_ids for c in got] == [c.token_ids for c in one]
     for a, b in zip(got, one):
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
+
+
+def test_a_qwen2_moe_checkpoint_without_its_shared_expert_gate_is_named(tmp_path):
+    """The header check knows Qwen2-MoE's shared expert: a checkpoint without its gate is refused naming the tensor,
+    before any weight is read."""
+    from safetensors.numpy import load_file, save_file
+
+    from engine.models.checkpoint_check import CheckpointError, check_checkpoint
+
+    make_hf_model("qwen2_moe", tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.2.mlp.shared_expert_gate.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="model.layers.2.mlp.shared_expert_gate.weight"):
+        check_checkpoint(tmp_path, ModelConfig.from_pretrained(tmp_path))
