@@ -73,10 +73,14 @@ class RunState:
         for repair in repairs:
             state.event(f"batches.jsonl repaired from the plan: {repair}")
         state._dirty = bool(repairs)
-        sizes = storage.list_sizes(run_dir.outputs, ".parquet")  # one listing, not a request per batch
+        outputs = run_dir.outputs
+        sizes = storage.list_sizes(outputs, ".parquet")  # one listing, not a request per batch
         for r in list(state.records.values()):
-            output = run_dir.outputs / f"{r.batch_id}.parquet"
-            size = sizes.get(output.name)
+            size = sizes.get(f"{r.batch_id}.parquet")
+            if (r.status == "done" and size is not None and size == r.output_bytes) or (r.status == "pending"
+                                                                                      and size is None):
+                continue  # the common cases, a million times in a big run: nothing to do, no path built
+            output = outputs / f"{r.batch_id}.parquet"
             if r.status == "done":
                 if size is None:
                     state.update(r.batch_id, status="pending", output=None)
