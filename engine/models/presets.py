@@ -36,7 +36,7 @@ LM_HEAD_LOGIT_STD = 8.0
 With tied embeddings the head is the N(0, 1) embedding table, so logits have std ~sqrt(hidden_size)
 (8 for the tiny presets' hidden size 64)."""
 
-Family = Literal["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
+Family = Literal["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,8 @@ class Preset:
     """Each expert's MLP width (Mixtral's is intermediate_size)."""
     dense_layers: tuple[int, ...] = ()
     """Qwen3-MoE's `mlp_only_layers`: layers with the dense MLP."""
+    shared_expert_size: int = 0
+    """Qwen2-MoE's shared expert width (0: none)."""
 
     def sparse(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
@@ -81,7 +83,7 @@ class Preset:
     @property
     def attention_bias(self) -> bool:
         """Qwen2 has biases on q/k/v projections; the others have none."""
-        return self.family == "qwen2"
+        return self.family in ("qwen2", "qwen2_moe")
 
     def hf_config(self, bos_token_id: int, eos_token_id: int) -> dict[str, Any]:
         """The config.json dict in classic HF form (`rope_theta`/`rope_scaling` at top level)."""
@@ -119,6 +121,12 @@ class Preset:
                 config.update(num_experts=self.num_experts, num_experts_per_tok=self.experts_per_token,
                               moe_intermediate_size=self.expert_size, norm_topk_prob=False, decoder_sparse_step=1,
                               mlp_only_layers=list(self.dense_layers))
+        elif self.family == "qwen2_moe":
+            config.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_hidden_layers,
+                          qkv_bias=True, num_experts=self.num_experts, num_experts_per_tok=self.experts_per_token,
+                          moe_intermediate_size=self.expert_size, norm_topk_prob=False, decoder_sparse_step=1,
+                          mlp_only_layers=list(self.dense_layers),
+                          shared_expert_intermediate_size=self.shared_expert_size)
         elif self.family == "mixtral":
             config.update(sliding_window=None, num_local_experts=self.num_experts,
                           num_experts_per_tok=self.experts_per_token)
@@ -159,6 +167,11 @@ class Preset:
                     weights[p + f"{mlp}.experts.{e}.{names[0]}.weight"] = linear(self.expert_size, h)
                     weights[p + f"{mlp}.experts.{e}.{names[1]}.weight"] = linear(self.expert_size, h)
                     weights[p + f"{mlp}.experts.{e}.{names[2]}.weight"] = linear(h, self.expert_size)
+                if self.shared_expert_size:
+                    weights[p + "mlp.shared_expert.gate_proj.weight"] = linear(self.shared_expert_size, h)
+                    weights[p + "mlp.shared_expert.up_proj.weight"] = linear(self.shared_expert_size, h)
+                    weights[p + "mlp.shared_expert.down_proj.weight"] = linear(h, self.shared_expert_size)
+                    weights[p + "mlp.shared_expert_gate.weight"] = linear(1, h)
             else:
                 weights[p + "mlp.gate_proj.weight"] = linear(self.intermediate_size, h)
                 weights[p + "mlp.up_proj.weight"] = linear(self.intermediate_size, h)
@@ -175,8 +188,9 @@ class Preset:
         """Parameter count (tied embeddings counted once)."""
         h, q_dim, kv_dim = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
         per_layer = 2 * h * q_dim + 2 * h * kv_dim + 2 * h
-        mlps = sum(self.num_experts * (3 * h * self.expert_size + h) if self.sparse(i) else 3 * h * self.intermediate_size
-                   for i in range(self.num_hidden_layers))
+        shared = 3 * h * self.shared_expert_size + h if self.shared_expert_size else 0  # and its gate
+        mlps = sum(self.num_experts * (3 * h * self.expert_size + h) + shared if self.sparse(i)
+                   else 3 * h * self.intermediate_size for i in range(self.num_hidden_layers))
         if self.attention_bias:
             per_layer += q_dim + 2 * kv_dim
         if self.qk_norm:
@@ -212,6 +226,11 @@ PRESETS: dict[str, Preset] = {
                              num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512,
                              max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=1000000.0, num_experts=8,
                              experts_per_token=3, expert_size=48, dense_layers=(1,)),
+    # Qwen2-MoE: tiny-qwen3-moe's experts without QK-norm, with q/k/v biases and a shared expert 96 wide.
+    "tiny-qwen2-moe": Preset("qwen2_moe", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+                             max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=1000000.0, num_experts=8,
+                             experts_per_token=3, expert_size=48, dense_layers=(1,), shared_expert_size=96),
     "llama-40m": Preset("llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=10, num_attention_heads=8,
                         num_key_value_heads=4, head_dim=64, vocab_size=8192, max_position_embeddings=4096,
                         rms_norm_eps=1e-5, rope_theta=500000.0),

@@ -24,11 +24,11 @@ def tiny_llama(tmp_path_factory):
 # experts' grouped matmuls, whose rows share experts), on the native CPU kernel (`auto` on a float32 CPU pool) and,
 # for Qwen3, on the reference attention. Batch invariance runs for all five by default; the prefix-cache and
 # preemption tests run by default on Llama, Qwen3 on the reference attention and Qwen3-MoE, and under -m slow also on
-# Qwen3 on the CPU kernel and Mixtral (their layers' bits are those batch invariance checks; the cache and the
+# Qwen3 on the CPU kernel, Mixtral and Qwen2-MoE (its shared expert runs in row tiles, as a dense MLP) (their layers' bits are those batch invariance checks; the cache and the
 # preemption add no path of their own to them).
 BIT_IDENTITY = [("tiny-llama", "auto"), ("tiny-qwen3", "auto"), ("tiny-qwen3", "reference"), ("tiny-mixtral", "auto"),
-                ("tiny-qwen3-moe", "auto")]
-SLOW_ONLY = {("tiny-qwen3", "auto"), ("tiny-mixtral", "auto")}
+                ("tiny-qwen3-moe", "auto"), ("tiny-qwen2-moe", "auto")]
+SLOW_ONLY = {("tiny-qwen3", "auto"), ("tiny-mixtral", "auto"), ("tiny-qwen2-moe", "auto")}
 
 
 @pytest.fixture(scope="module")

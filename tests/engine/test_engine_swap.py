@@ -22,7 +22,7 @@ WINDOW = 12  # the sliding-window model's window: shorter than every sequence he
 # own here (test_engine.py runs their batch invariance by default), so they run under -m slow with the window model.
 @pytest.fixture(scope="module", params=["tiny-llama", pytest.param("tiny-qwen3", marks=pytest.mark.slow),
                                         "tiny-qwen3-reference", pytest.param("tiny-mixtral", marks=pytest.mark.slow),
-                                        "tiny-qwen3-moe",
+                                        "tiny-qwen3-moe", pytest.param("tiny-qwen2-moe", marks=pytest.mark.slow),
                                         pytest.param("tiny-mistral-window", marks=pytest.mark.slow)])
 def model(request, tmp_path_factory):
     """(a preset's checkpoint, the attention_impl its engines use: `-reference` the reference attention, else the

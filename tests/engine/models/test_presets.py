@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from engine.models.presets import PRESETS, write_model
 from engine.tokenizer.tokenizer_builder import SPECIAL_TOKENS
 
-TINY = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-mixtral", "tiny-qwen3-moe"]
+TINY = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe"]
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
@@ -102,7 +102,7 @@ def test_tokenizer_round_trips_text(name: str, tokenizers: dict, text: str) -> N
     tokenizer = tokenizers[name]
     decoded = tokenizer.decode(tokenizer(text)["input_ids"])
     # Qwen2Tokenizer always NFC-normalises (see engine/tokenizer/tokenizer_builder.py).
-    expected = unicodedata.normalize("NFC", text) if name in ("tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe") else text
+    expected = unicodedata.normalize("NFC", text) if name in ("tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen2-moe") else text
     assert decoded == expected
 
 
