@@ -28,7 +28,8 @@ class ClusterConfig:
     mesh: dict[str, int] = field(default_factory=lambda: {"model": 1})
     """Named mesh axes inside a slice: `model` is each engine's tensor-parallel width T (a divisor of the model's KV
     heads, or a multiple of them that divides its attention heads: each KV head is then replicated T / kv_heads
-    times); `data` is D, the slice's independent engines, each on T devices of one host with its own scheduler,
+    times; T also divides the MLP width and, for a mixture of experts, the number of experts, spread whole over
+    the T devices); `data` is D, the slice's independent engines, each on T devices of one host with its own scheduler,
     KV pool and copy of the weights (D x T must equal the slice's devices; on a multi-host slice every host runs
     D / hosts_per_slice of them, with no collective across hosts). Checked at the head against the devices and
     the model's config.json before any slice starts."""
