@@ -12,7 +12,7 @@ BASE = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 8, "num_hidden_
 
 def test_every_family_is_registered_by_its_model_type_and_names_its_architecture():
     assert SUPPORTED_MODEL_TYPES == ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3", "mixtral",
-                                     "qwen3_moe") == tuple(FAMILIES)
+                                     "qwen3_moe", "qwen2_moe") == tuple(FAMILIES)
     for model_type, family in FAMILIES.items():
         assert family.model_type == model_type
         assert family.architecture.endswith("ForCausalLM") or family.architecture == "Gemma3ForConditionalGeneration"
@@ -27,6 +27,8 @@ def test_every_family_is_registered_by_its_model_type_and_names_its_architecture
     ("mistral", {}, False, 4),
     ("qwen2", {}, True, None),  # Qwen2's window needs use_sliding_window
     ("qwen2", {"use_sliding_window": True}, True, 4),
+    ("qwen2_moe", {}, True, None),  # Qwen2's attention; its biases follow qkv_bias
+    ("qwen2_moe", {"qkv_bias": False}, False, None),
 ])
 def test_each_family_sets_the_shared_attention_as_its_config_says(model_type, extra, bias, window):
     cfg = ModelConfig.from_hf({**BASE, "model_type": model_type, **extra})
