@@ -18,16 +18,14 @@ Each output keeps the names its users read (docs/tracking.md, docs/run-directory
 from __future__ import annotations
 
 import json
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.observe.timeline import (engine_time, figure_lines, host_kv, mean_occupancy, prefix_cache, read_timeline,
                                            transfers)
-from orchestrator.state.manifest import BatchRecord, read_manifest
+from orchestrator.state.manifest import STATUSES, BatchRecord, manifest_totals, read_manifest, read_totals
 from orchestrator.state.rundir import RunDir
 
-STATUSES = ("pending", "running", "done", "failed")
 _READ = object()  # RunSummary.read's default session: read progress.json
 
 
@@ -68,25 +66,26 @@ class RunSummary:
 
     @classmethod
     def read(cls, run_dir: RunDir, records: list[BatchRecord] | None = None, session: Any = _READ,
-             timeline: list[dict] | None = None) -> RunSummary:
+             timeline: list[dict] | None = None, totals: dict | None = None) -> RunSummary:
         """The run directory's figures. The head passes its `records` (those it has just written to the manifest)
         and its `session` figures (those it has just written to progress.json; None for a head that ran no
-        session); left out, both are read from the directory, as is `timeline` (read_timeline)."""
-        if records is None:
-            records = read_manifest(run_dir.manifest)
+        session); left out, both are read from the directory, as is `timeline` (read_timeline). `totals`: the
+        manifest's (manifest_totals), when the caller has them; else from `records`, else from the totals the head
+        wrote beside the manifest (read_totals), else from the manifest."""
+        if totals is None:
+            totals = manifest_totals(records) if records is not None else (
+                read_totals(run_dir.manifest) or manifest_totals(read_manifest(run_dir.manifest)))
         if session is _READ:
             session = _read_json(run_dir.progress)
         if timeline is None:
             timeline = read_timeline(run_dir)
         plan = run_dir.read_run_json().get("plan", {}) if run_dir.run_json.exists() else {}
-        counts = Counter(r.status for r in records)
-        done = [r for r in records if r.status == "done"]
         return cls(
-            run_dir=str(run_dir.root), counts={s: counts.get(s, 0) for s in STATUSES},
-            prompts=sum(r.num_prompts for r in records), prompts_done=sum(r.num_prompts for r in done),
+            run_dir=str(run_dir.root), counts={s: totals["counts"].get(s, 0) for s in STATUSES},
+            prompts=totals["prompts"], prompts_done=totals["prompts_done"],
             rows_rejected=plan.get("rows_read", 0) - plan.get("accepted", 0),
-            samples_done=sum(r.num_samples for r in done), output_tokens=sum(r.num_output_tokens for r in done),
-            failed=tuple(FailedBatch(r.batch_id, r.attempts, r.error) for r in records if r.status == "failed"),
+            samples_done=totals["samples_done"], output_tokens=totals["output_tokens"],
+            failed=tuple(FailedBatch(*f) for f in totals["failed"]),
             session=session, mean_occupancy=mean_occupancy(timeline), engine_time=engine_time(timeline),
             prefix_cache=prefix_cache(timeline), preemption=host_kv(timeline), transfers=transfers(timeline))
 

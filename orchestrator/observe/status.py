@@ -10,7 +10,7 @@ from pathlib import Path
 
 from orchestrator.observe.run_summary import RunSummary
 from orchestrator.observe.timeline import figure_lines
-from orchestrator.state.manifest import read_manifest
+from orchestrator.state.manifest import manifest_totals, read_manifest, read_totals
 from orchestrator.state.manifest_check import check_manifest
 from orchestrator.state.object_lock import holder
 from orchestrator.state.rundir import RunDir
@@ -44,9 +44,12 @@ def status(run_dir_path: str | Path) -> dict:
     if not run_dir.manifest.exists():
         raise FileNotFoundError(f"{run_dir.manifest} not found: {run_dir.root} is not a planned run directory "
                                 "(`pagefleet plan CONFIG` or `pagefleet run CONFIG` makes one)")
-    records = read_manifest(run_dir.manifest)
-    check_manifest(run_dir, records)  # a manifest that disagrees with the plan is named, never counted
-    return RunSummary.read(run_dir, records).status_figures(head_holding(run_dir))
+    totals = read_totals(run_dir.manifest)  # those the head wrote with this very manifest (checked when written)
+    if totals is None:  # else every line: a manifest that disagrees with the plan is named, never counted
+        records = read_manifest(run_dir.manifest)
+        check_manifest(run_dir, records)
+        totals = manifest_totals(records)
+    return RunSummary.read(run_dir, totals=totals).status_figures(head_holding(run_dir))
 
 
 def format_status(s: dict) -> str:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Literal
@@ -15,6 +17,7 @@ from orchestrator.storage import generations, storage
 from orchestrator.storage.atomic import atomic_write
 
 Status = Literal["pending", "running", "done", "failed"]
+STATUSES: tuple[Status, ...] = ("pending", "running", "done", "failed")
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,7 @@ def write_manifest(path: str | Path, records: list[BatchRecord], before_replace=
 
         atomic_write(path, write, before_replace=before_replace)
         storage.write_atomic(digest_path(path), digest.hexdigest().encode())
+        _write_totals(path, records, {"sha256": digest.hexdigest()})
         return None
     data = _lines(records)
     if before_replace is not None:
@@ -115,7 +119,68 @@ def write_manifest(path: str | Path, records: list[BatchRecord], before_replace=
         raise ManifestConflict(f"{path} was written by another head (this head expected it {expected}); stopping "
                                "without overwriting it: the other head owns the run now") from None
     storage.write_atomic(digest_path(path), hashlib.sha256(data).hexdigest().encode())
+    _write_totals(path, records, {"generation": written})
     return written
+
+
+def manifest_totals(records: Iterable[BatchRecord]) -> dict:
+    """What `status` and the run summary read from a manifest: batches per status, prompts (all, and done),
+    samples and output tokens of the done batches, and each failed batch as [batch_id, attempts, error]."""
+    counts: Counter[str] = Counter()
+    prompts = prompts_done = samples_done = output_tokens = 0
+    failed = []
+    for r in records:
+        counts[r.status] += 1
+        prompts += r.num_prompts
+        if r.status == "done":
+            prompts_done += r.num_prompts
+            samples_done += r.num_samples
+            output_tokens += r.num_output_tokens
+        elif r.status == "failed":
+            failed.append([r.batch_id, r.attempts, r.error])
+    return {"counts": {s: counts.get(s, 0) for s in STATUSES}, "prompts": prompts, "prompts_done": prompts_done,
+            "samples_done": samples_done, "output_tokens": output_tokens, "failed": failed}
+
+
+def totals_path(path: str | Path) -> str:
+    """batches.totals.json beside the manifest: its `manifest_totals`, written by the head right after the manifest,
+    with the manifest's identity (its sha256 locally, where an edit in place can keep the size and, within a clock
+    tick, the mtime; its generation on an object store, which every write changes)."""
+    return str(path).removesuffix(".jsonl") + ".totals.json"
+
+
+def read_totals(path: str | Path) -> dict | None:
+    """The manifest's totals as the head wrote them beside it, or None when the manifest is no longer the one they
+    were computed from (replaced or edited since, or a crash between the two writes) or they are missing: then
+    read the manifest itself. `status` reads these instead of every line of a manifest of a million batches."""
+    try:
+        saved = json.loads(storage.read_text(totals_path(path)))
+    except (FileNotFoundError, ValueError):
+        return None
+    identity = _identity(path)
+    if not isinstance(saved, dict) or identity is None or saved.get("manifest") != identity:
+        return None
+    return saved.get("totals")
+
+
+def _identity(path: str | Path) -> dict | None:
+    """Which manifest this is: any write or edit changes it. Locally its sha256, read a MiB at a time (a manifest of
+    a million batches hashes in well under a second; parsing it takes seconds)."""
+    if storage.is_object_store(path):
+        info = generations.object_info(str(path))
+        return None if info is None else {"generation": info["generation"]}
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    except FileNotFoundError:
+        return None
+    return {"sha256": digest.hexdigest()}
+
+
+def _write_totals(path: str | Path, records: list[BatchRecord], identity: dict | None) -> None:
+    storage.write_atomic(totals_path(path), dumps({"manifest": identity, "totals": manifest_totals(records)}).encode())
 
 
 _CHUNK_LINES = 4096

@@ -26,11 +26,10 @@ import dataclasses
 from collections import Counter
 
 from orchestrator.plan.continuation import batch_samples
-from orchestrator.state.manifest import BatchRecord, CorruptRunFile
+from orchestrator.state.manifest import STATUSES, BatchRecord, CorruptRunFile
 from orchestrator.state.rundir import RunDir
 from orchestrator.storage import parquet_io
 
-STATUSES = ("pending", "running", "done", "failed")
 _RESTORE = ("restore batches.jsonl from a backup, or plan afresh into a new run directory (--name=NAME) and move "
             "the outputs/ over: outputs that belong to the new plan are adopted")
 
