@@ -48,6 +48,10 @@ def test_transformers_loads_every_weight(name: str, written: dict[str, pathlib.P
     model = _load(written[name])
     assert type(model).__name__ == json.loads((written[name] / "config.json").read_text())["architectures"][0]
     assert sum(p.numel() for p in model.parameters()) == preset.num_parameters
+    from engine.models.model_config import ModelConfig
+    from engine.sizing.model_bytes import count_params
+
+    assert count_params(ModelConfig.from_pretrained(written[name])).total == preset.num_parameters  # `pagefleet size`
     tied = model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert tied == preset.tie_word_embeddings
     if preset.attention_bias:
