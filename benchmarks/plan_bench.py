@@ -4,7 +4,8 @@
 
 Prints prompts/s of `plan` (Ray already started; reading, tokenizing, packing and writing the run
 directory), the tokenizer's own batch-encode throughput on the same texts in a separate process
-(`tokenizer._tokenizer.encode_batch`, its Rust thread pool using every core; corpus parsing not timed), their ratio
+(`tokenizer._tokenizer.encode_batch_fast`, the call the planner makes, its Rust thread pool using every core;
+corpus parsing not timed), their ratio
 (goal >= 0.7), and the head process's peak RSS (goal <= 1.5 GiB at 10M prompts). --repeats N plans N times and
 reports medians, the plan and the tokenizer alternated. --median-words 1500 plans prompts of ~2k tokens instead;
 --set KEY=VALUE passes a config override (e.g. corpus.window_rows).
@@ -93,7 +94,7 @@ def baseline(model: str, corpus: str) -> dict:
     start = time.perf_counter()
     for group, special in ((texts, True), (chats, False)):
         for i in range(0, len(group), 10_000):  # the Rust backend directly: the fastest way to encode
-            tok._tokenizer.encode_batch(group[i:i + 10_000], add_special_tokens=special)
+            tok._tokenizer.encode_batch_fast(group[i:i + 10_000], add_special_tokens=special)
     elapsed = time.perf_counter() - start
     return {"prompts": len(texts) + len(chats), "seconds": elapsed, "prompts_per_s": (len(texts) + len(chats)) / elapsed}
 

@@ -58,10 +58,11 @@ SCHEMA = pa.schema([
 
 def batch_encode(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
     """`tokenizer(texts)["input_ids"]`, straight from the Rust backend when there is one (same ids,
-    without building Python encodings; tests check the two agree)."""
+    without building Python encodings; tests check the two agree): its `encode_batch_fast`, which skips the
+    character offsets nobody here reads (~17% faster than `encode_batch` on the plan bench's texts)."""
     backend = getattr(tokenizer, "_tokenizer", None)
     if getattr(tokenizer, "is_fast", False) and backend is not None:
-        return [e.ids for e in backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
+        return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)]
     return tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
 
 
