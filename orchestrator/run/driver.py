@@ -306,7 +306,10 @@ class Driver:
         return self._state.next_due(time.time(), self.cfg.retry.wait_s)
 
     def _top_up(self, slot: _Slot) -> None:
-        """Send the slice pending batches until it holds `_samples_in_flight` unfinished samples (or one batch)."""
+        """Send the slice pending batches until it holds `_samples_in_flight` unfinished samples (or one batch);
+        nothing once the run is stopping (a stop asked for, or a fault)."""
+        if self.stop.is_set() or self._fault is not None:
+            return
         while slot.ready and (not self._state.running_on(slot.name)
                               or slot.gang.samples_held < self._samples_in_flight):
             batch_id = self._next_batch()
