@@ -6,6 +6,10 @@ them. A token computed in a 4,096-token prompt step, in a 40-token chunk after c
 8-row decode step would then differ in the last bits, and so would its logprobs. Run on tiles that always
 fall in one kernel class (at least 64 rows for matmuls, exactly 8 rows for sampling), every row goes through
 the same arithmetic in every step. Tiles past a step's real rows are skipped (`num_rows`).
+
+A reduction over a short axis is the exception: XLA's CPU backend sums a row of 16 to 128 elements (a head's
+QK-norm) in an order that depends on how many rows the call has, at every tile size (a [64, 8, 128] call rounds
+other rows than a [512, 8, 128] one). Such sums go through `ordered_sum`, whose order is fixed.
 """
 
 from __future__ import annotations
@@ -27,6 +31,21 @@ def row_tile(rows: int, min_rows: int) -> int:
     """The tile for `rows` rows when every matmul needs at least `min_rows` (0: no tiles): `rows` itself within
     [min_rows, MAX_TILE] (one tile, padded up to `min_rows`), else MAX_TILE."""
     return min(max(rows, min_rows), max(MAX_TILE, min_rows)) if min_rows else 0
+
+
+def ordered_sum(x: NamedArray, axis: str) -> NamedArray:
+    """The sum over `axis` in one fixed order, by halves (elementwise adds of the two halves, zero-padded to a
+    power of two, until one element is left): its bits do not depend on the other axes' sizes, unlike `hax.sum`'s
+    over a short axis on the CPU (module doc)."""
+    rest = tuple(a for a in x.axes if a.name != axis)
+    a = x.rearrange((*rest, x.resolve_axis(axis))).array
+    n = a.shape[-1]
+    width = 1 << max(0, (n - 1).bit_length())
+    a = jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, width - n)])
+    while a.shape[-1] > 1:
+        half = a.shape[-1] // 2
+        a = a[..., :half] + a[..., half:]
+    return hax.named(a[..., 0], rest)
 
 
 def by_row_tiles(f: Callable, tile: int, *xs, num_rows: jax.Array | None = None):

@@ -26,7 +26,7 @@ from haliax import NamedArray
 from engine.device.row_tiles import by_named_rows, row_tile
 from engine.device.step_inputs import StepInputs
 from engine.models.axes import EMBED, HEAD_SIZE, TOKEN, ModelAxes
-from engine.models.model import Attention, StepSettings, _attention, _qkv, rope_tables, unstack_layers
+from engine.models.model import Attention, StepSettings, _attention, _qkv, mean_square, rope_tables, unstack_layers
 from engine.models.model_config import ModelConfig
 
 
@@ -62,9 +62,9 @@ class GemmaTransformer(eqx.Module):
         cfg, ax = self.config, self.axes
         eps = cfg.rms_norm_eps
         Token = hax.Axis(TOKEN, inputs.token_ids.shape[0])
-        x = self.embed.take(ax.Vocab, hax.named(inputs.token_ids, Token))
+        x = self.embed.take(ax.Vocab, hax.named(inputs.token_ids, Token))  # scaled in layer 0's row tiles (below)
         # transformers keeps sqrt(hidden_size) as a float32 tensor and casts it to the weights' dtype.
-        x = x * jnp.asarray(np.float32(cfg.hidden_size**0.5)).astype(x.dtype)
+        scale = jnp.asarray(np.float32(cfg.hidden_size**0.5)).astype(x.dtype)
         tables = {False: rope_tables(cfg, inputs.positions)}
         if cfg.style.local_rope_theta is not None:
             tables[True] = rope_tables(cfg, inputs.positions, sliding=True)
@@ -75,15 +75,22 @@ class GemmaTransformer(eqx.Module):
             return by_named_rows(f, tile, TOKEN, *xs, num_rows=num_tokens)
 
         for i, layer in enumerate(self.layers):
+            def residual(x: NamedArray, i: int = i) -> NamedArray:
+                """The residual stream entering layer i: layer 0 scales the embeddings inside each of its row tiles.
+                A product computed outside them could be fused into the residual add after attention (one FMA, one
+                rounding) in a step whose rows fill the tile exactly, and rounded first in a step padded to it, so
+                a token's bits would depend on the step's size."""
+                return x * scale if i == 0 else x
+
             def qkv(x: NamedArray, layer: GemmaLayer = layer):
-                q, k, v = _qkv(layer.attn, gemma_rms_norm(x, layer.attn_norm, eps), ax)
+                q, k, v = _qkv(layer.attn, gemma_rms_norm(residual(x), layer.attn_norm, eps), ax)
                 if layer.q_norm is not None:
                     q, k = gemma_rms_norm(q, layer.q_norm, eps, HEAD_SIZE), gemma_rms_norm(k, layer.k_norm, eps, HEAD_SIZE)
                 return q, k, v
 
             def out_and_mlp(x: NamedArray, attn: NamedArray, layer: GemmaLayer = layer) -> NamedArray:
                 out = hax.dot(attn, layer.attn.wo, axis=(ax.KVHeads, ax.QPerKV, ax.HeadSize))
-                x = x + gemma_rms_norm(out, layer.post_attn_norm, eps)
+                x = residual(x) + gemma_rms_norm(out, layer.post_attn_norm, eps)
                 h = gemma_rms_norm(x, layer.mlp_norm, eps)
                 gate = hax.dot(h, layer.w_gate, axis=ax.Embed)
                 up = hax.dot(h, layer.w_up, axis=ax.Embed)
@@ -113,5 +120,5 @@ class GemmaTransformer(eqx.Module):
 def gemma_rms_norm(x: NamedArray, weight: NamedArray, eps: float, axis: str = EMBED) -> NamedArray:
     """transformers' Gemma RMSNorm over `axis`: x / rms(x) * (1 + weight), all in float32, then cast to x's dtype."""
     x32 = x.astype(jnp.float32)
-    variance = hax.mean(x32 * x32, axis=axis)
+    variance = mean_square(x32, axis)
     return (x32 * hax.rsqrt(variance + eps) * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)

@@ -22,7 +22,7 @@ from engine.kernels.attention import ragged_paged_attention, write_kv
 from engine.models.axes import EMBED, HEAD_SIZE, KV_COMBINED, PAGE, PAGE_SLOT, TOKEN, ModelAxes
 from engine.models.model_config import ModelConfig
 from engine.models.moe import MoeMlp, moe_mlp, shared_expert
-from engine.device.row_tiles import by_named_rows, row_tile
+from engine.device.row_tiles import by_named_rows, ordered_sum, row_tile
 from engine.device.step_inputs import StepInputs
 
 
@@ -152,10 +152,19 @@ def unstack_layers(model: Transformer) -> Transformer:
     return eqx.tree_at(lambda m: m.layers, model, layers)
 
 
+def mean_square(x32: NamedArray, axis: str) -> NamedArray:
+    """The mean of x² over `axis` (an RMSNorm's variance), in float32: over a head (`HEAD_SIZE`, QK-norm) in a
+    fixed order (row_tiles.ordered_sum), whose bits do not depend on the step's rows; over the model's width with
+    `hax.mean`, which is row-independent there."""
+    if axis == HEAD_SIZE:
+        return ordered_sum(x32 * x32, axis) / np.float32(x32.axis_size(axis))
+    return hax.mean(x32 * x32, axis=axis)
+
+
 def rms_norm(x: NamedArray, weight: NamedArray, eps: float, axis: str = EMBED) -> NamedArray:
     """Hugging Face's RMSNorm over `axis`: normalise in float32, cast back, then scale."""
     x32 = x.astype(jnp.float32)
-    variance = hax.mean(x32 * x32, axis=axis)
+    variance = mean_square(x32, axis)
     return weight * (x32 * hax.rsqrt(variance + eps)).astype(x.dtype)
 
 

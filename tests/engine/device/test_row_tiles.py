@@ -83,3 +83,27 @@ def test_tiles_past_num_rows_are_not_computed_and_the_rows_before_are_the_same_b
         computed = -(-n // 16) * 16  # whole tiles
         assert (got[:computed] == whole[:computed]).all()
         assert (got[computed:] == 0).all(), n
+
+
+def test_a_heads_mean_square_is_the_same_bits_in_any_step():
+    """QK-norm over a head of 128 (8 heads, as Qwen3-8B's keys): its variance summed with `hax.mean` and fused
+    into the normalization, XLA's CPU backend rounds rows differently at 64, 128 and 256 rows than at 512;
+    `mean_square` sums in a fixed order."""
+    from engine.models.axes import HEAD_SIZE
+    from engine.models.model import mean_square
+
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((512, 8, 128)).astype(np.float32)
+
+    def rows(f, m):
+        axes = (hax.Axis("token", m), hax.Axis("kv_heads", 8), hax.Axis(HEAD_SIZE, 128))
+        return np.asarray(jax.jit(lambda a: f(hax.named(a, axes)).array)(x[:m]))
+
+    fixed = lambda a: a * hax.rsqrt(mean_square(a, HEAD_SIZE) + 1e-6)  # noqa: E731
+    plain = lambda a: a * hax.rsqrt(hax.mean(a * a, axis=HEAD_SIZE) + 1e-6)  # noqa: E731
+    for m in (64, 128, 256):
+        assert (rows(fixed, m) == rows(fixed, 512)[:m]).all(), m
+    assert any((rows(plain, m) != rows(plain, 512)[:m]).any() for m in (64, 128, 256)), \
+        "hax.mean no longer depends on the row count here: the test shows nothing"
+    x64 = x.astype(np.float64)
+    np.testing.assert_allclose(rows(fixed, 512), x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-6), rtol=1e-6)

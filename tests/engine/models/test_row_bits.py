@@ -1,0 +1,41 @@
+"""A token's logits are the same bits whatever step computes it: alone in a step of one 64-row tile, beside a
+long prompt in a step of one 256-row tile, or after one in a step of 512 rows. The engine's guarantee that a
+sample does not depend on its batch rests on this, per family; greedy logprobs of the tiny test models are often
+exactly 0, so a sample-level test alone could miss a difference in the last bits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.config import EngineConfig
+from engine.device.runner import ModelRunner, SeqChunk
+from engine.device.runner_config import RunnerConfig
+from engine.models.weights import load_transformer
+from tests.engine.models.hf_reference import make_hf_model
+
+PAGE = 16
+# Qwen3 at a released model's head shape (8 KV heads of 128): its QK-norm sums over a short axis, which XLA's CPU
+# backend rounds by the call's row count (engine/device/row_tiles.py).
+FAMILIES = {"llama3": {}, "gemma2": {}, "gemma3_text": {}, "qwen3_moe": {},
+            "qwen3": dict(heads=8, kv_heads=8, head_dim=128)}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def runner(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    make_hf_model(request.param, path, vocab=512, **FAMILIES[request.param])
+    config = EngineConfig(page_size=PAGE, max_pages=96, max_seqs=4, max_prefill_size=1024, max_seq_len=1024)
+    return ModelRunner(load_transformer(path), RunnerConfig.of(config), max_seq_len=1024)
+
+
+def test_a_tokens_logits_do_not_depend_on_the_step_around_it(runner):
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(3, 500, 15).tolist()
+    long = rng.integers(3, 500, 480).tolist()
+    pages = lambda first, n: list(range(first, first + -(-n // PAGE)))  # noqa: E731
+    alone = runner.logits([SeqChunk(prompt, 0, pages(0, 15))])[0]
+    beside = runner.logits([SeqChunk(prompt, 0, pages(0, 15)), SeqChunk(long[:200], 0, pages(10, 200))])[0]
+    after = runner.logits([SeqChunk(long, 0, pages(10, 480)), SeqChunk(prompt, 0, pages(0, 15))])[1]
+    assert (np.asarray(beside) == np.asarray(alone)).all(), "a 256-row step"
+    assert (np.asarray(after) == np.asarray(alone)).all(), "a 512-row step"
