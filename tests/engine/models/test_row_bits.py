@@ -12,19 +12,22 @@ from engine.config import EngineConfig
 from engine.device.runner import ModelRunner, SeqChunk
 from engine.device.runner_config import RunnerConfig
 from engine.models.weights import load_transformer
-from tests.engine.models.hf_reference import make_hf_model
+from tests.engine.models.hf_reference import FAMILIES, make_hf_model
 
 PAGE = 16
-# Qwen3 at a released model's head shape (8 KV heads of 128): its QK-norm sums over a short axis, which XLA's CPU
-# backend rounds by the call's row count (engine/device/row_tiles.py).
-FAMILIES = {"llama3": {}, "gemma2": {}, "gemma3_text": {}, "qwen3_moe": {},
-            "qwen3": dict(heads=8, kv_heads=8, head_dim=128)}
+# Every family at its test shape, and the QK-norm families at a released model's head shape too (8 KV heads of
+# 128, as Qwen3-8B; Gemma 3 27B's heads are 128 wide): a QK-norm sums over a short axis, which XLA's CPU backend
+# rounds by the call's row count (engine/device/row_tiles.py).
+BIG_HEADS = dict(heads=8, kv_heads=8, head_dim=128)
+CASES = {**{family: (family, {}) for family in FAMILIES},
+         "qwen3-heads-of-128": ("qwen3", BIG_HEADS), "gemma3_text-heads-of-128": ("gemma3_text", BIG_HEADS)}
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module", params=list(CASES))
 def runner(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    make_hf_model(request.param, path, vocab=512, **FAMILIES[request.param])
+    family, shape = CASES[request.param]
+    path = tmp_path_factory.mktemp(family)
+    make_hf_model(family, path, vocab=512, **shape)
     config = EngineConfig(page_size=PAGE, max_pages=96, max_seqs=4, max_prefill_size=1024, max_seq_len=1024)
     return ModelRunner(load_transformer(path), RunnerConfig.of(config), max_seq_len=1024)
 
