@@ -36,7 +36,7 @@ LM_HEAD_LOGIT_STD = 8.0
 With tied embeddings the head is the N(0, 1) embedding table, so logits have std ~sqrt(hidden_size)
 (8 for the tiny presets' hidden size 64)."""
 
-Family = Literal["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe"]
+Family = Literal["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "gemma2", "gemma3_text"]
 
 
 @dataclass(frozen=True)
@@ -71,14 +71,33 @@ class Preset:
     """Qwen3-MoE's `mlp_only_layers`: layers with the dense MLP."""
     shared_expert_size: int = 0
     """Qwen2-MoE's shared expert width (0: none)."""
+    sliding_window: int | None = None
+    """Gemma: the sliding-window layers' window in tokens."""
+    full_attention_every: int = 0
+    """Gemma: every this-many-th layer attends to the whole context, the others within `sliding_window`."""
+    attn_logit_softcap: float | None = None
+    """Gemma 2: attention scores soft-capped at this value."""
+    final_logit_softcap: float | None = None
+    """Gemma 2 (and Gemma 3's causal LM): logits soft-capped at this value."""
+    local_rope_theta: float | None = None
+    """Gemma 3: the sliding layers' RoPE base (the full layers' is `rope_theta`, scaled by `rope_scaling`)."""
+
+    @property
+    def gemma(self) -> bool:
+        """Gemma's layer: (1 + weight) norms, four a layer, embeddings scaled by sqrt(hidden_size), a GeGLU MLP."""
+        return self.family in ("gemma2", "gemma3_text")
+
+    def layer_types(self) -> list[str]:
+        return ["sliding_attention" if (i + 1) % self.full_attention_every else "full_attention"
+                for i in range(self.num_hidden_layers)]
 
     def sparse(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
     def qk_norm(self) -> bool:
-        """Qwen3 normalises each query and key head (weights of head_dim); the others do not."""
-        return self.family in ("qwen3", "qwen3_moe")
+        """Qwen3 and Gemma 3 normalise each query and key head (weights of head_dim); the others do not."""
+        return self.family in ("qwen3", "qwen3_moe", "gemma3_text")
 
     @property
     def attention_bias(self) -> bool:
@@ -130,6 +149,15 @@ class Preset:
         elif self.family == "mixtral":
             config.update(sliding_window=None, num_local_experts=self.num_experts,
                           num_experts_per_tok=self.experts_per_token)
+        elif self.gemma:
+            del config["hidden_act"]
+            config.update(hidden_activation="gelu_pytorch_tanh", attention_bias=False,
+                          query_pre_attn_scalar=self.head_dim, sliding_window=self.sliding_window,
+                          layer_types=self.layer_types(), attn_logit_softcapping=self.attn_logit_softcap,
+                          final_logit_softcapping=self.final_logit_softcap)
+            if self.family == "gemma3_text":
+                config.update(rope_local_base_freq=self.local_rope_theta,
+                              sliding_window_pattern=self.full_attention_every)
         else:
             config.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_hidden_layers)
         return config
@@ -142,8 +170,10 @@ class Preset:
         def linear(out_features: int, in_features: int) -> np.ndarray:
             return rng.normal(0.0, 1.0 / math.sqrt(in_features), (out_features, in_features)).astype(np.float32)
 
-        def norm() -> np.ndarray:
-            return (1.0 + rng.normal(0.0, NORM_WEIGHT_STD, (h,))).astype(np.float32)
+        center = 0.0 if self.gemma else 1.0  # Gemma's norms scale by (1 + weight)
+
+        def norm(width: int = h) -> np.ndarray:
+            return (center + rng.normal(0.0, NORM_WEIGHT_STD, (width,))).astype(np.float32)
 
         weights = {"model.embed_tokens.weight": rng.normal(0.0, EMBED_STD, (self.vocab_size, h)).astype(np.float32)}
         for i in range(self.num_hidden_layers):
@@ -157,8 +187,7 @@ class Preset:
                     weights[p + f"self_attn.{name}_proj.bias"] = rng.normal(0.0, BIAS_STD, (dim,)).astype(np.float32)
             if self.qk_norm:
                 for name in ("q_norm", "k_norm"):
-                    weights[p + f"self_attn.{name}.weight"] = (
-                        1.0 + rng.normal(0.0, NORM_WEIGHT_STD, (self.head_dim,))).astype(np.float32)
+                    weights[p + f"self_attn.{name}.weight"] = norm(self.head_dim)
             if self.sparse(i):
                 mlp, names = ("block_sparse_moe", ("w1", "w3", "w2")) if self.family == "mixtral" else (
                     "mlp", ("gate_proj", "up_proj", "down_proj"))
@@ -178,6 +207,9 @@ class Preset:
                 weights[p + "mlp.down_proj.weight"] = linear(h, self.intermediate_size)
             weights[p + "input_layernorm.weight"] = norm()
             weights[p + "post_attention_layernorm.weight"] = norm()
+            if self.gemma:
+                weights[p + "pre_feedforward_layernorm.weight"] = norm()
+                weights[p + "post_feedforward_layernorm.weight"] = norm()
         weights["model.norm.weight"] = norm()
         if not self.tie_word_embeddings:
             weights["lm_head.weight"] = rng.normal(0.0, LM_HEAD_LOGIT_STD / math.sqrt(h), (self.vocab_size, h)).astype(np.float32)
@@ -187,7 +219,7 @@ class Preset:
     def num_parameters(self) -> int:
         """Parameter count (tied embeddings counted once)."""
         h, q_dim, kv_dim = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
-        per_layer = 2 * h * q_dim + 2 * h * kv_dim + 2 * h
+        per_layer = 2 * h * q_dim + 2 * h * kv_dim + (4 if self.gemma else 2) * h
         shared = 3 * h * self.shared_expert_size + h if self.shared_expert_size else 0  # and its gate
         mlps = sum(self.num_experts * (3 * h * self.expert_size + h) + shared if self.sparse(i)
                    else 3 * h * self.intermediate_size for i in range(self.num_hidden_layers))
@@ -231,6 +263,19 @@ PRESETS: dict[str, Preset] = {
                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
                              max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=1000000.0, num_experts=8,
                              experts_per_token=3, expert_size=48, dense_layers=(1,), shared_expert_size=96),
+    # Gemma 2: layers alternating sliding (a 32-token window) and full, soft-capped scores and logits (Gemma 2's
+    # released caps).
+    "tiny-gemma2": Preset("gemma2", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=2048,
+                          rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True, sliding_window=32,
+                          full_attention_every=2, attn_logit_softcap=50.0, final_logit_softcap=30.0),
+    # Gemma 3: five sliding layers (a 32-token window, RoPE base 10,000) to one full (base 1e6, linear scaling 8),
+    # QK-norm, no soft-capping, as the released Gemma 3 models.
+    "tiny-gemma3": Preset("gemma3_text", hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+                          max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                          rope_scaling={"rope_type": "linear", "factor": 8.0}, tie_word_embeddings=True,
+                          sliding_window=32, full_attention_every=6, local_rope_theta=10000.0),
     "llama-40m": Preset("llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=10, num_attention_heads=8,
                         num_key_value_heads=4, head_dim=64, vocab_size=8192, max_position_embeddings=4096,
                         rms_norm_eps=1e-5, rope_theta=500000.0),

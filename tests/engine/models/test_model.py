@@ -26,7 +26,7 @@ PAGE_SIZE = 16
 LOGIT_ATOL = 1e-4
 MIN_GAP = 1e-3
 # Seeds are chosen so that no greedy step of the test is a near-tie (the test asserts it; see MIN_GAP).
-MODEL_SEEDS = {"tiny-llama": 0, "tiny-mistral": 3, "tiny-qwen2": 0, "tiny-qwen3": 0}  # ten times the logit tolerance: a pass is equality, not luck
+MODEL_SEEDS = {"tiny-llama": 0, "tiny-mistral": 3, "tiny-qwen2": 0, "tiny-qwen3": 0, "tiny-gemma2": 0, "tiny-gemma3": 0}  # ten times the logit tolerance: a pass is equality, not luck
 
 
 class PagedSequences:
@@ -82,7 +82,7 @@ def make_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     return [rng.integers(3, vocab, n).tolist() for n in PROMPT_LENS]
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"])
+@pytest.fixture(scope="module", params=list(MODEL_SEEDS))
 def family(request, tmp_path_factory):
     """A preset written by `init-model`'s code, and transformers' model loaded from the same directory."""
     path = write_model(request.param, tmp_path_factory.mktemp(request.param), seed=MODEL_SEEDS[request.param])

@@ -20,7 +20,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from engine.models.presets import PRESETS, write_model
 from engine.tokenizer.tokenizer_builder import SPECIAL_TOKENS
 
-TINY = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe"]
+TINY = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe",
+        "tiny-gemma2", "tiny-gemma3"]
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
@@ -68,9 +69,19 @@ def test_config_round_trips(name: str, written: dict[str, pathlib.Path]) -> None
                 "rms_norm_eps", "tie_word_embeddings"):
         assert getattr(config, key) == getattr(preset, key), key
     assert config.num_key_value_heads < config.num_attention_heads
-    assert config.hidden_act == "silu"
-    # transformers 5 folds rope_theta and rope_scaling into `rope_parameters` when loading.
-    rope = config.rope_parameters
+    if preset.gemma:  # the tanh GELU; windows and soft-caps as the preset says; Gemma 3: a RoPE per layer kind
+        assert config.hidden_activation == "gelu_pytorch_tanh"
+        assert config.layer_types == preset.layer_types() and config.sliding_window == preset.sliding_window
+        assert config.attn_logit_softcapping == preset.attn_logit_softcap
+        assert config.final_logit_softcapping == preset.final_logit_softcap
+        rope = config.rope_parameters
+        if preset.family == "gemma3_text":
+            assert rope["sliding_attention"] == {"rope_type": "default", "rope_theta": preset.local_rope_theta}
+            rope = rope["full_attention"]
+    else:
+        assert config.hidden_act == "silu"
+        # transformers 5 folds rope_theta and rope_scaling into `rope_parameters` when loading.
+        rope = config.rope_parameters
     assert rope["rope_theta"] == preset.rope_theta
     if preset.rope_scaling is None:
         assert rope.get("rope_type", "default") == "default"
