@@ -42,3 +42,16 @@ def test_a_tokens_logits_do_not_depend_on_the_step_around_it(runner):
     after = runner.logits([SeqChunk(long, 0, pages(10, 480)), SeqChunk(prompt, 0, pages(0, 15))])[1]
     assert (np.asarray(beside) == np.asarray(alone)).all(), "a 256-row step"
     assert (np.asarray(after) == np.asarray(alone)).all(), "a 512-row step"
+
+
+def test_a_tokens_logits_are_the_same_computed_in_a_prompt_or_decoded(runner):
+    """Recompute preemption, the prefix cache and swap rest on this: a position's KV and logits are the same bits
+    whether its token came in a prompt chunk or was decoded one step at a time."""
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(3, 500, 40).tolist()
+    pages = lambda first, n: list(range(first, first + -(-n // PAGE)))  # noqa: E731
+    whole = np.asarray(runner.logits([SeqChunk(prompt, 0, pages(0, 40))])[0])
+    runner.logits([SeqChunk(prompt[:23], 0, pages(10, 40))])
+    for i in range(23, 40):  # then one token a step, the way a sample's own tokens are computed
+        decoded = np.asarray(runner.logits([SeqChunk(prompt[i:i + 1], i, pages(10, 40))])[0])
+    assert (decoded == whole).all()
