@@ -22,10 +22,11 @@ def tiny_llama(tmp_path_factory):
 
 # The bit-identity tests run for each family with its own layer (Qwen3's QK-norm and head_dim, the mixtures of
 # experts' grouped matmuls, whose rows share experts), on the native CPU kernel (`auto` on a float32 CPU pool) and,
-# for Qwen3, on the reference attention. Batch invariance runs for all five by default; the prefix-cache and
-# preemption tests run by default on Llama, Qwen3 on the reference attention and Qwen3-MoE, and under -m slow also on
-# Qwen3 on the CPU kernel, Mixtral and Qwen2-MoE (its shared expert runs in row tiles, as a dense MLP) (their layers' bits are those batch invariance checks; the cache and the
-# preemption add no path of their own to them).
+# for Qwen3, on the reference attention. By default these run on Llama, Qwen3 on the reference attention and
+# Qwen3-MoE, and under -m slow also on Qwen3 on the CPU kernel, Mixtral and Qwen2-MoE (its shared expert runs in row
+# tiles, as a dense MLP): what differs between families is their layer, whose bits for a row every family's
+# default run checks in tests/engine/models/test_row_bits.py (alone, beside and after other rows, in a prompt
+# chunk or decoded); batching, the cache and preemption add no path of their own to them.
 BIT_IDENTITY = [("tiny-llama", "auto"), ("tiny-qwen3", "auto"), ("tiny-qwen3", "reference"), ("tiny-mixtral", "auto"),
                 ("tiny-qwen3-moe", "auto"), ("tiny-qwen2-moe", "auto")]
 SLOW_ONLY = {("tiny-qwen3", "auto"), ("tiny-mixtral", "auto"), ("tiny-qwen2-moe", "auto")}
@@ -51,10 +52,10 @@ def model_impl(request, checkpoint):
     return checkpoint(preset), impl
 
 
-# 16 prompts in the default run (every family, both batchings: max_seqs 16, and max_seqs 3 with 4-token pages);
-# 64 under -m slow.
+# 16 prompts in the default run (both batchings: max_seqs 16, and max_seqs 3 with 4-token pages); 64 under -m slow.
 @pytest.mark.parametrize("count", [16, pytest.param(64, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("preset, impl", BIT_IDENTITY, ids=[f"{m}-{i}" for m, i in BIT_IDENTITY])
+@pytest.mark.parametrize("preset, impl", [pytest.param(*p, marks=pytest.mark.slow) if p in SLOW_ONLY else p
+                                          for p in BIT_IDENTITY], ids=[f"{m}-{i}" for m, i in BIT_IDENTITY])
 def test_sample_does_not_depend_on_its_batch(checkpoint, preset, impl, count):
     """The same (prompt, seed) gives the same tokens run alone, shuffled inside a batch of `count`, and under
     other max_seqs, page_size and max_pages: greedy, and with temperature 0.8 / top-p 0.9 / top-k 50."""
