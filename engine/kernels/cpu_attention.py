@@ -55,12 +55,25 @@ def load() -> None:
         raise KernelUnavailable(reason)
 
 
+ROPE_TARGET = "pagefleet_rope_f32"
+
+
 def _load(library: Path) -> None:
     try:
-        handler = ctypes.cdll.LoadLibrary(str(library)).PagefleetRaggedPagedAttentionF32
+        lib = ctypes.cdll.LoadLibrary(str(library))
+        handler, rope = lib.PagefleetRaggedPagedAttentionF32, lib.PagefleetRopeF32
     except (OSError, AttributeError) as err:
         raise KernelUnavailable(f"loading {library} failed: {err}") from err
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+    jax.ffi.register_ffi_target(ROPE_TARGET, jax.ffi.pycapsule(rope), platform="cpu")
+
+
+def rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [T, heads, D] rotated by RoPE (cos, sin: f32[T, D], rotate-half layout), float32, in native code: each
+    product rounded before the sum, wherever the step's program puts it (XLA would contract one product into an FMA
+    in some fusions and not in others); `load()` first."""
+    return jax.ffi.ffi_call(ROPE_TARGET, jax.ShapeDtypeStruct(x.shape, jnp.float32))(
+        x.astype(jnp.float32), cos.astype(jnp.float32), sin.astype(jnp.float32))
 
 
 def prepare_in_background() -> None:

@@ -18,6 +18,7 @@ import numpy as np
 from haliax import NamedArray
 from jax.sharding import Mesh, PartitionSpec as P
 
+from engine.kernels import cpu_attention
 from engine.kernels.attention import ragged_paged_attention, write_kv
 from engine.models.axes import EMBED, HEAD_SIZE, KV_COMBINED, PAGE, PAGE_SLOT, TOKEN, ModelAxes
 from engine.models.model_config import ModelConfig
@@ -211,10 +212,16 @@ def _attention(q: NamedArray, k: NamedArray, v: NamedArray, pool: NamedArray, la
     queries see `window` tokens back (None: all), scores scaled by `cfg.attn_scale` and soft-capped as the
     family says."""
     Token = q.resolve_axis(TOKEN)
-    q = _rotate(q.rearrange((Token, ax.KVHeads, ax.QPerKV, ax.HeadSize)).array, cos, sin)
+    q = q.rearrange((Token, ax.KVHeads, ax.QPerKV, ax.HeadSize)).array
     q = q.reshape(Token.size, cfg.num_heads, cfg.head_dim)  # [T, H, d]; head = kv_head * q_per_kv + g
-    k = _rotate(k.rearrange((Token, ax.KVHeads, ax.HeadSize)).array, cos, sin)  # [T, kvh, d]
+    k = k.rearrange((Token, ax.KVHeads, ax.HeadSize)).array  # [T, kvh, d]
     v = v.rearrange((Token, ax.KVHeads, ax.HeadSize)).array  # [T, kvh, d]
+    # With the native CPU kernel, RoPE runs in its library too (cpu_attention.rope): XLA would recompute the
+    # rotation inside the fusion that writes K to the pool and contract a product into an FMA there in some steps
+    # and not in others, so a position's K would depend on the step that computed it.
+    native_rope = settings.impl == "cpu_kernel"
+    if not native_rope:
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
 
     # This layer's pages sit at an offset in the one pool shared by all layers.
     page_offset = layer * settings.num_pages
@@ -222,7 +229,9 @@ def _attention(q: NamedArray, k: NamedArray, v: NamedArray, pool: NamedArray, la
                       inputs.slot_mapping + page_offset * pool.axis_size(PAGE_SLOT), jnp.iinfo(jnp.int32).max)
     pages = inputs.page_indices + page_offset
 
-    def attend(q, k, v, kv, slots, kv_lens, pages, cu_q_lens, num_seqs):
+    def attend(q, k, v, kv, slots, kv_lens, pages, cu_q_lens, num_seqs, cos, sin):
+        if native_rope:
+            q, k = cpu_attention.rope(q, cos, sin).astype(q.dtype), cpu_attention.rope(k, cos, sin).astype(k.dtype)
         kv = write_kv(kv, k, v, slots)
         out = ragged_paged_attention(
             q, kv, kv_lens, pages, cu_q_lens, num_seqs, sm_scale=cfg.attn_scale, sliding_window=window,
@@ -236,9 +245,10 @@ def _attention(q: NamedArray, k: NamedArray, v: NamedArray, pool: NamedArray, la
     if mesh is not None and mesh.size > 1:
         heads, rep = P(None, "model", None), P()
         attend = jax.shard_map(attend, mesh=mesh,
-                               in_specs=(heads, heads, heads, P(None, None, "model", None), rep, rep, rep, rep, rep),
+                               in_specs=(heads, heads, heads, P(None, None, "model", None), rep, rep, rep, rep, rep,
+                                         rep, rep),
                                out_specs=(heads, P(None, None, "model", None)), check_vma=False)
-    out, kv = attend(q, k, v, pool.array, slots, inputs.kv_lens, pages, inputs.cu_q_lens, inputs.num_seqs)
+    out, kv = attend(q, k, v, pool.array, slots, inputs.kv_lens, pages, inputs.cu_q_lens, inputs.num_seqs, cos, sin)
     out = hax.named(out.reshape(Token.size, cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim),
                     (Token, ax.KVHeads, ax.QPerKV, ax.HeadSize))
     return out, hax.named(kv, pool.axes)

@@ -732,7 +732,41 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
   return ffi::Error::Success();
 }
 
+// RoPE in Hugging Face's rotate-half layout: out = x * cos + rotate_half(x) * sin, each product rounded before the
+// sum (built with -ffp-contract=off), as torch computes it. x: [T, heads, D]; cos, sin: [T, D].
+ffi::Error RopeImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin,
+                    ffi::ResultBuffer<ffi::F32> out) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 3 || cos.dimensions().size() != 2) return ffi::Error::InvalidArgument("bad ranks");
+  const int64_t T = xd[0], H = xd[1], D = xd[2], half = D / 2;
+  const float *xs = x.typed_data(), *c = cos.typed_data(), *sn = sin.typed_data();
+  float* o = out->typed_data();
+  for (int64_t t = 0; t < T; ++t) {
+    const float *ct = c + t * D, *st = sn + t * D;
+    for (int64_t h = 0; h < H; ++h) {
+      const float* xr = xs + (t * H + h) * D;
+      float* orow = o + (t * H + h) * D;
+      for (int64_t d = 0; d < half; ++d) {
+        const float a = xr[d] * ct[d], b = -xr[d + half] * st[d];
+        orow[d] = a + b;
+      }
+      for (int64_t d = half; d < D; ++d) {
+        const float a = xr[d] * ct[d], b = xr[d - half] * st[d];
+        orow[d] = a + b;
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagefleetRopeF32, RopeImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagefleetRaggedPagedAttentionF32, Impl,
                               ffi::Ffi::Bind()
