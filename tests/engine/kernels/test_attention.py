@@ -303,3 +303,20 @@ def test_cpu_kernel_score_order_is_the_same_in_both_paths_at_real_head_dims(head
         p = np.exp(s - s.max(-1, keepdims=True))
         np.testing.assert_allclose(alone, np.einsum("hk,khd->hd", p / p.sum(-1, keepdims=True), v[:t + 1]),
                                    atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("rows, heads, head_dim", [(1, 2, 16), (37, 8, 64), (64, 8, 128)])
+def test_cpu_rope_is_torchs_rotation_bit_for_bit(rows, heads, head_dim):
+    """The native RoPE (used with the CPU kernel) rounds each product before the sum, as transformers' CPU torch does
+    (`q * cos + rotate_half(q) * sin`): the same bits for any number of rows."""
+    import torch
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, heads, head_dim)).astype(np.float32) * 3
+    angles = rng.uniform(0, 1000, (rows, head_dim // 2)).astype(np.float32)
+    cos = np.cos(np.concatenate([angles, angles], -1)).astype(np.float32)
+    sin = np.sin(np.concatenate([angles, angles], -1)).astype(np.float32)
+    xt, ct, st = torch.from_numpy(x), torch.from_numpy(cos)[:, None], torch.from_numpy(sin)[:, None]
+    expected = (xt * ct + rotate_half(xt) * st).numpy()
+    assert (np.asarray(cpu_attention.rope(jnp.asarray(x), jnp.asarray(cos), jnp.asarray(sin))) == expected).all()

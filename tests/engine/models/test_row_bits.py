@@ -55,3 +55,30 @@ def test_a_tokens_logits_are_the_same_computed_in_a_prompt_or_decoded(runner):
     for i in range(23, 40):  # then one token a step, the way a sample's own tokens are computed
         decoded = np.asarray(runner.logits([SeqChunk(prompt[i:i + 1], i, pages(10, 40))])[0])
     assert (decoded == whole).all()
+
+
+def test_scanned_layers_over_four_devices_give_a_position_the_same_bits_in_a_prompt_or_decoded(tmp_path, monkeypatch):
+    """The layers as one scanned program (as on a TPU) at `model: 4`: XLA recomputed RoPE inside the fusion that
+    writes K to the pool and rounded it differently in a prefill and a decode step (a position's K, and every
+    logit after it, differed), until RoPE ran in the native library beside the CPU kernel."""
+    import dataclasses
+
+    import engine.device.runner as runner_module
+    from engine.distributed import slice_mesh
+    from engine.models.presets import PRESETS, write_model
+
+    monkeypatch.setattr(runner_module, "unstack_layers", lambda model: model)  # keep the stacked layers: a scan
+    kv4 = dataclasses.replace(PRESETS["tiny-llama"], num_attention_heads=8, num_key_value_heads=4, head_dim=8)
+    mesh = slice_mesh(4)
+    config = EngineConfig(page_size=PAGE, max_pages=96, max_seqs=4, max_prefill_size=1024, max_seq_len=1024)
+    runner = ModelRunner(load_transformer(write_model(kv4, tmp_path / "kv4"), mesh=mesh), RunnerConfig.of(config),
+                         max_seq_len=1024, mesh=mesh)
+    assert not isinstance(runner.model.layers, tuple)
+    prompt = np.random.default_rng(0).integers(3, 500, 16).tolist()
+    pages = lambda first, n: list(range(first, first + -(-n // PAGE)))  # noqa: E731
+    whole = np.asarray(runner.logits([SeqChunk(prompt, 0, pages(0, 16))])[0])
+    runner.logits([SeqChunk(prompt[:15], 0, pages(10, 16))])
+    last = np.asarray(runner.logits([SeqChunk(prompt[15:], 15, pages(10, 16))])[0])
+    for i, token in enumerate(prompt):  # every position decoded
+        decoded = np.asarray(runner.logits([SeqChunk([token], i, pages(20, i + 1))])[0])
+    assert (last == whole).all() and (decoded == whole).all()
