@@ -23,23 +23,31 @@ CASES = {**{family: (family, {}) for family in FAMILIES},
          "qwen3-heads-of-128": ("qwen3", BIG_HEADS), "gemma3_text-heads-of-128": ("gemma3_text", BIG_HEADS)}
 
 
+def _runner(path, mesh=None) -> ModelRunner:
+    config = EngineConfig(page_size=PAGE, max_pages=96, max_seqs=4, max_prefill_size=1024, max_seq_len=1024)
+    return ModelRunner(load_transformer(path, mesh=mesh), RunnerConfig.of(config), max_seq_len=1024, mesh=mesh)
+
+
+def _pages(first: int, num_tokens: int) -> list[int]:
+    """Consecutive pages from `first` for `num_tokens` tokens (the tests give each sequence its own range)."""
+    return list(range(first, first + -(-num_tokens // PAGE)))
+
+
 @pytest.fixture(scope="module", params=list(CASES))
 def runner(request, tmp_path_factory):
     family, shape = CASES[request.param]
     path = tmp_path_factory.mktemp(family)
     make_hf_model(family, path, vocab=512, **shape)
-    config = EngineConfig(page_size=PAGE, max_pages=96, max_seqs=4, max_prefill_size=1024, max_seq_len=1024)
-    return ModelRunner(load_transformer(path), RunnerConfig.of(config), max_seq_len=1024)
+    return _runner(path)
 
 
 def test_a_tokens_logits_do_not_depend_on_the_step_around_it(runner):
     rng = np.random.default_rng(0)
     prompt = rng.integers(3, 500, 15).tolist()
     long = rng.integers(3, 500, 480).tolist()
-    pages = lambda first, n: list(range(first, first + -(-n // PAGE)))  # noqa: E731
-    alone = runner.logits([SeqChunk(prompt, 0, pages(0, 15))])[0]
-    beside = runner.logits([SeqChunk(prompt, 0, pages(0, 15)), SeqChunk(long[:200], 0, pages(10, 200))])[0]
-    after = runner.logits([SeqChunk(long, 0, pages(10, 480)), SeqChunk(prompt, 0, pages(0, 15))])[1]
+    alone = runner.logits([SeqChunk(prompt, 0, _pages(0, 15))])[0]
+    beside = runner.logits([SeqChunk(prompt, 0, _pages(0, 15)), SeqChunk(long[:200], 0, _pages(10, 200))])[0]
+    after = runner.logits([SeqChunk(long, 0, _pages(10, 480)), SeqChunk(prompt, 0, _pages(0, 15))])[1]
     assert (np.asarray(beside) == np.asarray(alone)).all(), "a 256-row step"
     assert (np.asarray(after) == np.asarray(alone)).all(), "a 512-row step"
 
@@ -49,11 +57,10 @@ def test_a_tokens_logits_are_the_same_computed_in_a_prompt_or_decoded(runner):
     whether its token came in a prompt chunk or was decoded one step at a time."""
     rng = np.random.default_rng(1)
     prompt = rng.integers(3, 500, 40).tolist()
-    pages = lambda first, n: list(range(first, first + -(-n // PAGE)))  # noqa: E731
-    whole = np.asarray(runner.logits([SeqChunk(prompt, 0, pages(0, 40))])[0])
-    runner.logits([SeqChunk(prompt[:23], 0, pages(10, 40))])
+    whole = np.asarray(runner.logits([SeqChunk(prompt, 0, _pages(0, 40))])[0])
+    runner.logits([SeqChunk(prompt[:23], 0, _pages(10, 40))])
     for i in range(23, 40):  # then one token a step, the way a sample's own tokens are computed
-        decoded = np.asarray(runner.logits([SeqChunk(prompt[i:i + 1], i, pages(10, 40))])[0])
+        decoded = np.asarray(runner.logits([SeqChunk(prompt[i:i + 1], i, _pages(10, 40))])[0])
     assert (decoded == whole).all()
 
 
@@ -69,16 +76,12 @@ def test_scanned_layers_over_four_devices_give_a_position_the_same_bits_in_a_pro
 
     monkeypatch.setattr(runner_module, "unstack_layers", lambda model: model)  # keep the stacked layers: a scan
     kv4 = dataclasses.replace(PRESETS["tiny-llama"], num_attention_heads=8, num_key_value_heads=4, head_dim=8)
-    mesh = slice_mesh(4)
-    config = EngineConfig(page_size=PAGE, max_pages=96, max_seqs=4, max_prefill_size=1024, max_seq_len=1024)
-    runner = ModelRunner(load_transformer(write_model(kv4, tmp_path / "kv4"), mesh=mesh), RunnerConfig.of(config),
-                         max_seq_len=1024, mesh=mesh)
+    runner = _runner(write_model(kv4, tmp_path / "kv4"), mesh=slice_mesh(4))
     assert not isinstance(runner.model.layers, tuple)
     prompt = np.random.default_rng(0).integers(3, 500, 16).tolist()
-    pages = lambda first, n: list(range(first, first + -(-n // PAGE)))  # noqa: E731
-    whole = np.asarray(runner.logits([SeqChunk(prompt, 0, pages(0, 16))])[0])
-    runner.logits([SeqChunk(prompt[:15], 0, pages(10, 16))])
-    last = np.asarray(runner.logits([SeqChunk(prompt[15:], 15, pages(10, 16))])[0])
+    whole = np.asarray(runner.logits([SeqChunk(prompt, 0, _pages(0, 16))])[0])
+    runner.logits([SeqChunk(prompt[:15], 0, _pages(10, 16))])
+    last = np.asarray(runner.logits([SeqChunk(prompt[15:], 15, _pages(10, 16))])[0])
     for i, token in enumerate(prompt):  # every position decoded
-        decoded = np.asarray(runner.logits([SeqChunk([token], i, pages(20, i + 1))])[0])
+        decoded = np.asarray(runner.logits([SeqChunk([token], i, _pages(20, i + 1))])[0])
     assert (last == whole).all() and (decoded == whole).all()
