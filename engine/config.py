@@ -84,6 +84,13 @@ class EngineConfig:
     recompute is cheap: less than a page of the sequence's computed tokens is outside its prompt pages the
     prefix cache holds.
     Without a host pool (engine.host_kv_pages=0) `auto` recomputes and `swap` is an error."""
+    kv_groups: Literal["auto", "off"] = "auto"
+    """`auto`: each group of layers with one attention kind has its own page table, and a sliding-window layer's
+    pages go back to the pool once every position in them has left the window (Gemma 2 and 3 hold a window's
+    pages in their sliding layers, Mistral in every layer, instead of the whole sequence's); with
+    engine.host_kv_pages > 0 a model with layers of two kinds keeps one table (the host pool copies pages of one
+    table). `off`: one page table for every layer, each holding every position. Samples are the same either way.
+    Models without a sliding window have one table either way."""
     debug_invariants: bool = False
     """Check page-allocator and sequence invariants after every step (slow; for debugging)."""
 
@@ -101,6 +108,8 @@ class EngineConfig:
             raise ValueError(f"engine.host_kv_pages must be at least 0, got {self.host_kv_pages}")
         if self.preemption not in ("recompute", "swap", "auto"):
             raise ValueError(f"engine.preemption must be recompute, swap or auto, got {self.preemption!r}")
+        if self.kv_groups not in ("auto", "off"):
+            raise ValueError(f"engine.kv_groups must be auto or off, got {self.kv_groups!r}")
         if self.preemption == "swap" and self.host_kv_pages == 0:
             raise ValueError("engine.preemption=swap needs a host pool: set engine.host_kv_pages > 0")
         if self.max_seqs_in_prefill > self.max_seqs:

@@ -21,6 +21,7 @@ from engine.kernels.attention import prepare_attention_impl
 from engine.sizing.capacity import check_pool, max_seq_len, scored_sampling_error, validate_request
 from engine.config import DTYPES, EngineConfig
 from engine.distributed import agree
+from engine.kv.kv_groups import KVGroups
 from engine.models.model_config import ModelConfig
 from engine.record import SampleRecord
 from engine.device.runner import ModelRunner
@@ -71,23 +72,27 @@ class Engine:
         self.load_report: dict = {}
         """`load_s` and `bytes_read` (from an object store: only this host's shards; 0 for a local checkpoint)."""
         model = load_transformer(model_path, dtype=jdtype, mesh=mesh, config=self.model_config, report=self.load_report)
-        runner = ModelRunner(model, RunnerConfig.of(config), self.max_seq_len, eos_token_ids, mesh=mesh, kv_dtype=jdtype)
-        self._setup(config, runner, self.model_config.vocab_size, eos_token_ids, tokenizer,
-                    self.model_config.image_token_id)
+        cfg = self.model_config
+        groups = KVGroups.for_engine([cfg.layer_window(i) for i in range(cfg.num_layers)], config.kv_groups,
+                                     config.host_kv_pages)
+        runner = ModelRunner(model, RunnerConfig.of(config, groups), self.max_seq_len, eos_token_ids, mesh=mesh,
+                             kv_dtype=jdtype)
+        self._setup(config, runner, cfg.vocab_size, eos_token_ids, tokenizer, cfg.image_token_id, groups)
 
     @classmethod
     def from_runner(cls, runner, config: EngineConfig, vocab_size: int, eos_token_ids: Iterable[int],
-                    tokenizer=None) -> "Engine":
+                    tokenizer=None, groups: KVGroups | None = None) -> "Engine":
         """An engine over a given runner: anything with `run(SchedulerOutput) -> RunnerOutput`, `reset`,
         `clock`, `transfers` (a TransferLedger) and `max_seq_len` (a dummy model drives the loop in tests).
         Single-host."""
         engine = cls.__new__(cls)
         engine._multihost, engine._requests_digest, engine._requests_agreed = False, None, True
-        engine._setup(config, runner, vocab_size, set(eos_token_ids), tokenizer)
+        engine._setup(config, runner, vocab_size, set(eos_token_ids), tokenizer, groups=groups)
         return engine
 
     def _setup(self, config: EngineConfig, runner, vocab_size: int, eos_token_ids: set[int], tokenizer,
-               image_token_id: int | None = None) -> None:
+               image_token_id: int | None = None, groups: KVGroups | None = None) -> None:
+        """`groups`: the KV pool's layer groups, the runner's too (None: one page table for every layer)."""
         self.config = config
         self.image_token_id = image_token_id  # a multimodal checkpoint's image placeholder: refused in prompts
         self.runner = runner
@@ -101,7 +106,7 @@ class Engine:
         self._decode = (lambda ids: "") if tokenizer is None else text_decoder(tokenizer, skip_special_tokens=True)
         self._decode_special = (lambda ids: "") if tokenizer is None else text_decoder(tokenizer)
         self._special_texts = frozenset() if tokenizer is None else special_token_texts(tokenizer)
-        self.scheduler = Scheduler(SchedulerConfig.of(config), self.max_seq_len)
+        self.scheduler = Scheduler(SchedulerConfig.of(config, groups), self.max_seq_len)
         self._arrivals = 0
         self.stats = EngineStats()
 

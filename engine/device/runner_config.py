@@ -28,7 +28,8 @@ class RunnerConfig:
         return self.kv.max_pages
 
     @classmethod
-    def of(cls, config) -> "RunnerConfig":
-        """The sub-config of an EngineConfig (or anything with these attributes)."""
+    def of(cls, config, groups=None) -> "RunnerConfig":
+        """The sub-config of an EngineConfig (or anything with these attributes), with the model's layer groups
+        (engine/kv/kv_groups.py; None: one page table for every layer)."""
         return cls(config.max_seqs, config.decode_steps, config.attention_impl, config.attn_pages_per_block,
-                   config.attn_queries_per_block, config.attn_tiles_per_group, KVCacheConfig.of(config))
+                   config.attn_queries_per_block, config.attn_tiles_per_group, KVCacheConfig.of(config, groups))

@@ -20,13 +20,13 @@ page list's allocator itself:
   with the next device call: page-outs, then page-ins, then the page-ins issued ahead; the forks' copies after
   the step.
 
-Per-layer-group page tables (sliding-window layers; vLLM v1's hybrid KV cache manager) fit behind this API:
-today every layer shares one page table, so a sequence holds one page list (`Sequence.pages`). With groups,
-each group of layers with one attention kind gets its own allocator (and prefix-cache keys) here, a sequence
-holds one page list per group, `allocate` asks each group for what it lacks (a sliding-window group frees the
-pages that slid out of its window and asks for at most a window's worth), and `SchedulerOutput` carries one
-page table per group. The scheduler's calls keep their shape: it asks for tokens, not pages, and gets yes or
-no; only this manager and the runner's KV pool learn about groups.
+Layer groups (engine/kv/kv_groups.py, vLLM v1's hybrid KV cache manager): each group of layers of one attention kind
+has its own page table, and a sequence one page list per group (`Sequence.pages`). The allocator's pages are the
+groups' units, any group using any; a new page of a sequence is one unit in every group. Before it allocates for
+a sequence, the manager gives back the pages of its sliding groups that every position it will still compute has
+left the window of (`release`): such a group holds a window's pages, not the sequence's. The prefix cache keeps a
+chain per group (engine/kv/prefix_cache.py); the host pool's copies (swap, the host tier) move units too. The
+scheduler's calls keep their shape: it asks for tokens, not pages, and gets yes or no.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.kv.kv_cache_config import KVCacheConfig
+from engine.kv.kv_groups import NONE, held
 from engine.kv.page_allocator import PageAllocator
 from engine.kv.prefix_cache import PrefixCache
 from engine.scheduling.sequence import Sequence
@@ -58,10 +59,11 @@ class KVCopies:
 class KVCacheManager:
     def __init__(self, config: KVCacheConfig) -> None:
         self.config = config
-        self.allocator = PageAllocator(config.max_pages)
+        self.groups = config.layer_groups
+        self.allocator = PageAllocator(self.groups.units(config.max_pages))
         self.swapper = Swapper(config, self.allocator)  # the host pool: swap preemption and the host tier
         self.prefix = PrefixCache(config, self.allocator, self.swapper)
-        self.staging = Staging(config.page_size, self.allocator)
+        self.staging = Staging(config.page_size, self.allocator, self.groups.num_groups)
         self._copies: tuple[list[int], list[int]] = ([], [])  # forks' copies decided since `take_copies`
 
     # -- pages for a step ------------------------------------------------------------------------
@@ -74,42 +76,66 @@ class KVCacheManager:
     def num_used(self) -> int:
         return self.allocator.num_used
 
+    def release(self, seq: Sequence) -> None:
+        """Give back the pages of the sequence's sliding groups that lie wholly before the window of its next
+        token to compute (no later query sees them); they stay cached (evictable) when the prefix cache holds them."""
+        ps = self.config.page_size
+        for g, pages in enumerate(seq.pages):
+            end = min(self.groups.first_needed(g, seq.num_computed, ps), len(pages))
+            gone = [p for p in pages[:end] if p != NONE]
+            if gone:
+                self.allocator.free(gone)
+                pages[:end] = [NONE] * end
+
+    def _extend(self, seq: Sequence, units: list[int]) -> None:
+        """Add the same number of new pages to each of the sequence's groups, from `units`."""
+        num = len(units) // self.groups.num_groups
+        if not seq.pages:
+            seq.pages = [[] for _ in range(self.groups.num_groups)]
+        for g, pages in enumerate(seq.pages):
+            pages.extend(units[g * num:(g + 1) * num])
+
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Pages for `num_tokens` tokens past the sequence's computed ones, or False (nothing taken)."""
-        pages = self.allocator.allocate(seq.pages_short(num_tokens, self.config.page_size))
-        if pages is None:
+        self.release(seq)
+        units = self.allocator.allocate(seq.pages_short(num_tokens, self.config.page_size) * self.groups.num_groups)
+        if units is None:
             return False
-        seq.pages.extend(pages)
+        self._extend(seq, units)
         return True
 
     def reserve(self, seqs: list[Sequence], num_pages: list[int]) -> bool:
-        """`num_pages[i]` more pages for each `seqs[i]`, all of them or none (False)."""
-        if sum(num_pages) > self.allocator.num_free:
+        """`num_pages[i]` more pages (of each group) for each `seqs[i]`, all of them or none (False)."""
+        for seq in seqs:
+            self.release(seq)
+        G = self.groups.num_groups
+        if sum(num_pages) * G > self.allocator.num_free:
             return False
         for seq, n in zip(seqs, num_pages):
             if n:
-                seq.pages.extend(self.allocator.allocate(n))
+                self._extend(seq, self.allocator.allocate(n * G))
         return True
 
     def free(self, seq: Sequence) -> None:
         """Give the sequence's pages back (cached ones stay cached, evictable)."""
-        self.allocator.free(seq.pages)
+        self.allocator.free(held(seq.pages))
         seq.pages = []
 
     def fork(self, parent: Sequence, sibling: Sequence) -> bool:
         """Map the parent's full prompt pages for a sibling and give it a page for a copy (made after this step)
         of the parent's partial last prompt page; False (nothing taken) when no page is free for that copy."""
-        ps = self.config.page_size
+        ps, G = self.config.page_size, self.groups.num_groups
         num_full = parent.num_prompt_tokens // ps
         partial = parent.num_prompt_tokens % ps != 0
-        own = self.allocator.allocate(1) if partial else []
+        own = self.allocator.allocate(G) if partial else []
         if own is None:
             return False
-        self.allocator.share(parent.pages[:num_full])
-        sibling.pages = parent.pages[:num_full] + own
+        shared = [pages[:num_full] for pages in parent.pages]
+        self.allocator.share(held(shared))
+        sibling.pages = [pages + own[g:g + 1] for g, pages in enumerate(shared)]
         if partial:
-            self._copies[0].append(parent.pages[num_full])
-            self._copies[1].append(own[0])
+            self._copies[0].extend(pages[num_full] for pages in parent.pages)
+            self._copies[1].extend(own)
         return True
 
     # -- the prefix cache at admission -----------------------------------------------------------
@@ -134,6 +160,7 @@ class KVCacheManager:
     def swap_out(self, seq: Sequence) -> bool:
         """A sequence leaving the running set: its pages go to the host pool (True), or are freed (False; its
         tokens are recomputed later, so its computed count is 0 again)."""
+        self.release(seq)  # pages slid out since its last allocation: not copied
         if self.swapper.swap_out(seq):
             return True
         self.free(seq)
@@ -143,7 +170,10 @@ class KVCacheManager:
 
     def swap_in(self, seq: Sequence, num_tokens: int, ahead: bool) -> bool:
         """Map a swapped-out sequence's pages again with room for `num_tokens` more (see Swapper.swap_in)."""
-        return self.swapper.swap_in(seq, num_tokens, ahead)
+        if not self.swapper.swap_in(seq, num_tokens, ahead):
+            return False
+        self.release(seq)  # cached pages found again before its window
+        return True
 
     def can_stage(self, seq: Sequence, num_pages: int) -> bool:
         return self.staging.has_room(seq, num_pages)
@@ -189,15 +219,21 @@ class KVCacheManager:
         """Raise AssertionError unless the pages `holders` (and the staged sequences) map, the host pool's
         pages and both tiers of the prefix cache agree."""
         alloc, swapper = self.allocator, self.swapper
-        alloc.check([s.pages for s in holders + self.staging.seqs])
+        alloc.check([held(s.pages) for s in holders + self.staging.seqs])
         self.staging.check(waiting)
-        swapper.host.check([s.swapped.host for s in waiting if s.swapped is not None]
+        swapper.host.check([held(s.swapped.host) for s in waiting if s.swapped is not None]
                            + [swapper.cache.host_pages(), swapper.releasing])
         swapper.cache.check()
         on_device = {alloc.uid(p) for p in range(alloc.num_pages)} - {-1}
         assert not any(uid in swapper.cache for uid in on_device), "a cached page is in both tiers"
         for s in holders:
-            assert all(alloc.refcount(p) >= 1 for p in s.pages)
+            assert all(alloc.refcount(p) >= 1 for p in held(s.pages))
+            assert len({len(pages) for pages in s.pages}) <= 1 and len(s.pages) in (0, self.groups.num_groups)
+            for g, pages in enumerate(s.pages):  # given back: a leading run of pages before the window, at most
+                gone = pages.count(NONE)
+                assert NONE not in pages[gone:], f"group {g}: a page given back after one held"
+                assert gone <= self.groups.first_needed(g, s.num_computed, self.config.page_size), \
+                    f"group {g}: a page inside the window was given back"
 
     def snapshot(self) -> dict[str, int]:
         """The pool's counts (host-side state only)."""
@@ -209,3 +245,4 @@ class KVCacheManager:
 
     def stuck_message(self) -> str:
         return f"{self.allocator.num_free} of {self.allocator.num_pages} are free"
+

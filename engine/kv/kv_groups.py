@@ -76,6 +76,13 @@ class KVGroups:
             open_group[w] = (g, n + 1)
         return cls(tuple(windows), tuple(layer_group), tuple(layer_slot))
 
+    @classmethod
+    def for_engine(cls, layer_windows: Sequence[int | None], mode: str, host_kv_pages: int) -> "KVGroups":
+        """The groups an engine runs (`engine.kv_groups` `mode`, auto or off): with a host pool (swap, the prefix
+        cache's host tier), whose copies move pages of one table, a model of two kinds keeps one table."""
+        groups = cls.of(layer_windows, grouped=mode == "auto")
+        return cls.single(len(layer_windows)) if groups.num_groups > 1 and host_kv_pages > 0 else groups
+
     def first_needed(self, group: int, num_computed: int, page_size: int) -> int:
         """The first page a group still needs for a sequence whose next token to compute is at `num_computed`:
         the first page of that token's window (0 for a group without one)."""
@@ -87,3 +94,8 @@ class KVGroups:
         (what the KV cache manager does before each of its steps)."""
         n = -(-num_tokens // page_size)
         return sum(n - self.first_needed(g, num_tokens, page_size) for g in range(self.num_groups))
+
+
+def held(pages: list[list[int]]) -> list[int]:
+    """The pages a sequence's page lists (one per group) hold: every group's, the ones given back left out."""
+    return [p for group in pages for p in group if p != NONE]

@@ -11,8 +11,10 @@ previous page's tokens of the same prompt (-1 for the first page) and the page's
 stands for the whole chain before it, so the key names every token the page's KV depends on; the lookup is a
 dict lookup, which confirms the key by equality (a hash collision can never map the wrong KV). A cached page
 stays cached while its count is 0 and is only reclaimed (least recently freed first) when `allocate` runs
-out of free pages; reclaiming a page uncaches its descendants too (their keys name it), and they are never in
-use then, since a sequence maps a prompt's pages from the first one on.
+out of free pages; reclaiming a page uncaches its descendants too (their keys name it). They are not in use
+then, since a sequence maps a prompt's pages from the first one on, except in a sliding-window layer group
+(engine/kv/kv_groups.py), whose sequence gives back the pages before its window: a descendant it still holds stays
+in use, uncached, and the sequence caches no page after it.
 
 Each cached page also carries a uid, its identity across tiers: the host tier (engine/kv/host_cache.py) keys a
 spilled page by its parent's uid, since a device page number is reused once the page is reclaimed. When
@@ -29,12 +31,17 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 PageKey = tuple[int, tuple[int, ...]]
-"""A cached page's identity: (parent page or -1, the page's token ids)."""
+"""A cached page's identity: (parent page, or -1 - its layer group for a prompt's first page, the page's token ids)."""
 
 
-def page_key(pages: list[int], token_ids: list[int], i: int, page_size: int) -> PageKey:
-    """The key of a sequence's page i: the page before it (or -1) and the page's token ids."""
-    return (pages[i - 1] if i else -1, tuple(token_ids[i * page_size:(i + 1) * page_size]))
+def page_key(pages: list[int], token_ids: list[int], i: int, page_size: int, group: int = 0) -> PageKey | None:
+    """The key of page i of a sequence's page list in one layer group (engine/kv/kv_groups.py): the page before it
+    (-1 - group for the first: each group's chain has its own root) and the page's token ids; None when the page
+    before it was given back (kv_groups.NONE, a window shorter than a page): the chain cannot go on."""
+    parent = pages[i - 1] if i else -1 - group
+    if i and parent < 0:
+        return None
+    return parent, tuple(token_ids[i * page_size:(i + 1) * page_size])
 
 
 class PageAllocationError(RuntimeError):
@@ -69,6 +76,9 @@ class PageAllocator:
     def num_cached(self) -> int:
         """Pages the prefix cache can serve (in use or evictable)."""
         return len(self._page_of)
+
+    def is_cached(self, page: int) -> bool:
+        return self._key[page] is not None
 
     def uid(self, page: int) -> int:
         """A cached page's uid (its identity in every tier), -1 for an uncached one."""
@@ -129,6 +139,22 @@ class PageAllocator:
     def lookup(self, key: PageKey) -> int | None:
         """The cached page under `key`, or None."""
         return self._page_of.get(key)
+
+    def lookup_chain(self, token_ids: list[int], end: int, page_size: int, num_groups: int) -> list[list[int]]:
+        """The cached pages holding the leading full pages of `token_ids` (at most `end`) in each of `num_groups`
+        layer groups, as many in every group, shared (mapped once more): one page list per group, or [] for none."""
+        found: list[list[int]] = [[] for _ in range(num_groups)]
+        for i in range(end):
+            pages = [self.lookup(page_key(found[g], token_ids, i, page_size, g)) for g in range(num_groups)]
+            if None in pages:
+                break
+            for g, page in enumerate(pages):
+                found[g].append(page)
+        if not found[0]:
+            return []
+        for pages in found:
+            self.share(pages)
+        return found
 
     def cache(self, page: int, key: PageKey, uid: int | None = None) -> bool:
         """Make an in-use page findable under `key` (its KV is, or is being, computed for those tokens); False

@@ -19,19 +19,20 @@ from engine.scheduling.sequence import Sequence
 
 
 class Staging:
-    def __init__(self, page_size: int, allocator: PageAllocator) -> None:
+    def __init__(self, page_size: int, allocator: PageAllocator, num_groups: int = 1) -> None:
         self.page_size = page_size
         self.allocator = allocator
+        self.num_groups = num_groups  # a page of a sequence is a unit in each layer group (engine/kv/kv_groups.py)
         self.seqs: list[Sequence] = []  # waiting sequences staged (their page-ins issued), oldest first
 
     def has_room(self, seq: Sequence, num_pages: int) -> bool:
-        """Whether staging `seq`, which maps `num_pages` more pages now, leaves free pages for every staged
+        """Whether staging `seq`, which maps `num_pages` more pages (of each group) now, leaves free pages for every staged
         sequence (it too) to grow into all its pending tokens at its admission. A staged sequence never gives its
         pages back (its page-ins would be paid twice), so this keeps the first one admissible whatever runs."""
         ps = self.page_size
         later = (sum(q.pages_short(q.num_pending, ps) for q in self.seqs)
                  + max(0, seq.pages_short(seq.num_pending, ps) - num_pages))
-        return num_pages + later <= self.allocator.num_free
+        return (num_pages + later) * self.num_groups <= self.allocator.num_free
 
     def add(self, seq: Sequence) -> None:
         self.seqs.append(seq)

@@ -33,7 +33,8 @@ from __future__ import annotations
 from engine.sizing.capacity import pages_for
 from engine.kv.kv_cache_config import KVCacheConfig
 from engine.kv.host_cache import HostPrefixCache
-from engine.kv.page_allocator import EvictedPage, HostPageAllocator, PageAllocator, page_key
+from engine.kv.kv_groups import NONE, held
+from engine.kv.page_allocator import EvictedPage, HostPageAllocator, PageAllocator
 from engine.scheduling.sequence import Sequence, SwappedPages
 
 
@@ -41,9 +42,10 @@ class Swapper:
     def __init__(self, config: KVCacheConfig, allocator: PageAllocator) -> None:
         self.config = config
         self.allocator = allocator
-        self.host = HostPageAllocator(config.host_kv_pages)
-        self.cache = HostPrefixCache()  # the prefix cache's host tier
-        self.tiered = config.prefix_caching and config.host_kv_pages > 0
+        # Units of every group (engine/kv/kv_groups.py): host_kv_pages pages of every layer.
+        self.host = HostPageAllocator(config.layer_groups.units(config.host_kv_pages))
+        self.cache = HostPrefixCache()  # the prefix cache's host tier (one group only: KVGroups.for_engine)
+        self.tiered = config.prefix_caching and config.host_kv_pages > 0 and config.layer_groups.num_groups == 1
         if self.tiered:
             allocator.on_evict = self._spill
         self.pages_out = self.pages_in = 0  # pages copied each way, since the engine started
@@ -113,16 +115,19 @@ class Swapper:
         if mode == "auto" and self.recompute_is_cheap(seq):
             return False
         kept = pages_for(seq.num_computed, self.config.page_size)
-        host = self._host_pages(kept)
+        out = [[p for p in pages[:kept]] for pages in seq.pages]  # the pages holding computed tokens
+        host = self._host_pages(len(held(out)))
         if host is None:
             self.num_fallbacks += 1
             return False
-        self._out[0].extend(seq.pages[:kept])
+        self._out[0].extend(held(out))
         self._out[1].extend(host)
-        self.allocator.free(seq.pages)
-        seq.swapped = SwappedPages(host, seq.num_cached_pages)
+        it = iter(host)
+        self.allocator.free(held(seq.pages))
+        seq.swapped = SwappedPages([[NONE if p == NONE else next(it) for p in pages] for pages in out],
+                                   seq.num_cached_pages)
         seq.pages = []
-        self.pages_out += kept
+        self.pages_out += len(host)
         self.num_swaps += 1
         return True
 
@@ -138,27 +143,34 @@ class Swapper:
         (nothing changed) when the device pool cannot hold them now. `ahead`: stage it instead (its computed
         tokens' pages only; `admit` later)."""
         st, ps = seq.swapped, self.config.page_size
-        found: list[int] = []  # the leading cached prompt pages still on the device: no copy needed
-        while len(found) < st.num_cached_pages and self.config.prefix_caching:
-            page = self.allocator.lookup(page_key(found, seq.token_ids, len(found), ps))
-            if page is None:
-                break
-            self.allocator.share([page])
-            found.append(page)
-        missing = st.host[len(found):]
-        short = 0 if ahead else max(0, pages_for(seq.num_computed + num_tokens, ps) - len(st.host))
-        new = self.allocator.allocate(len(missing) + short)
+        # The leading cached prompt pages still on the device: no copy needed.
+        found = (self.allocator.lookup_chain(seq.token_ids, st.num_cached_pages, ps, len(st.host))
+                 if self.config.prefix_caching else [])
+        num_found = len(found[0]) if found else 0
+        # Per group, the pages after those found, NONE before the window of the next token (not paged in: a page
+        # given back now could be reused by a sequence this step while its copy lands at the next).
+        groups = self.config.layer_groups
+        first = [groups.first_needed(g, seq.num_computed, ps) for g in range(len(st.host))]
+        missing = [[NONE if i < first[g] else h for i, h in enumerate(pages) if i >= num_found]
+                   for g, pages in enumerate(st.host)]
+        short = 0 if ahead else max(0, pages_for(seq.num_computed + num_tokens, ps) - len(st.host[0]))
+        new = self.allocator.allocate(len(held(missing)) + short * len(st.host))
         if new is None:
-            self.allocator.free(found)
+            self.allocator.free(held(found))
             return False
         ops = self._in_ahead if ahead else self._in
-        ops[0].extend(missing)
-        ops[1].extend(new[:len(missing)])
-        seq.pages = found + new
-        seq.num_cached_pages = len(found)
-        self.pages_in += len(missing)
+        ops[0].extend(held(missing))
+        ops[1].extend(new[:len(held(missing))])
+        it = iter(new)
+        pages = [(found[g] if found else []) + [NONE if h == NONE else next(it) for h in group]
+                 for g, group in enumerate(missing)]
+        for group in pages:
+            group.extend(next(it) for _ in range(short))
+        seq.pages = pages
+        seq.num_cached_pages = num_found
+        self.pages_in += len(held(missing))
         if ahead:
-            self.pages_in_ahead += len(missing)
+            self.pages_in_ahead += len(held(missing))
             seq.staged = True
         else:
             self.admit(seq)
@@ -168,7 +180,7 @@ class Swapper:
         """A swapped-out sequence whose pages are mapped again runs: its host pages go (once this step's copies
         are handed over), and its computed tokens were not recomputed."""
         st = seq.swapped
-        self._releasing.extend(st.host)
+        self._releasing.extend(held(st.host))
         # Pages past the ones found again are copies: a page of the prompt's cache chain is not cached twice.
         seq.caching = seq.caching and seq.num_cached_pages == st.num_cached_pages
         seq.swapped, seq.staged = None, False

@@ -24,7 +24,7 @@ class PlannedDecode:
     resume: bool = False
     limits: list[int] = field(default_factory=list)
     budgets: list[int] = field(default_factory=list)
-    chain_pages: list[list[int]] | None = None
+    chain_pages: list[list[list[int]]] | None = None
 
 
 class DecodePlanner:

@@ -49,10 +49,12 @@ class SchedulerConfig:
         return self.kv.page_size
 
     @classmethod
-    def of(cls, config) -> "SchedulerConfig":
-        """The sub-config of an EngineConfig."""
+    def of(cls, config, groups=None) -> "SchedulerConfig":
+        """The sub-config of an EngineConfig, with the model's layer groups (engine/kv/kv_groups.py; None: one page
+        table for every layer)."""
         return cls(config.max_seqs, config.max_seqs_in_prefill, config.max_prefill_size, config.cleanup_mode,
-                   config.decode_steps, config.pipeline_decode, config.debug_invariants, KVCacheConfig.of(config))
+                   config.decode_steps, config.pipeline_decode, config.debug_invariants,
+                   KVCacheConfig.of(config, groups))
 
 
 @dataclass
@@ -204,14 +206,14 @@ class Scheduler:
             decode = DecodeCall([q.arrival for q in seqs], [not q.finished for q in seqs], planned.resume,
                                 [q.token_ids[-1] for q in seqs] if fresh else [],
                                 [q.num_computed for q in seqs] if fresh else [],
-                                [tuple(q.pages) for q in seqs],
+                                [tuple(map(tuple, q.pages)) for q in seqs],
                                 [row_sampling(q) for q in seqs] if fresh else [],
                                 planned.limits, planned.budgets,
-                                None if planned.chain_pages is None else [list(p) for p in planned.chain_pages])
+                                None if planned.chain_pages is None else [[list(g) for g in p] for p in planned.chain_pages])
             rows = seqs
         out = SchedulerOutput(
             [ScheduledChunk(c.seq.arrival, tuple(c.seq.token_ids[c.start:c.start + c.num_tokens]), c.start,
-                            tuple(c.seq.pages), c.completes, *c.seq.score_targets(c.start, c.num_tokens),
+                            tuple(map(tuple, c.seq.pages)), c.completes, *c.seq.score_targets(c.start, c.num_tokens),
                             c.seq.request.sampling.prompt_logprobs or 0) for c in chunks] if decode is None else [],
             [q.arrival for q in rows] if decode is None else [], [row_sampling(q) for q in rows] if decode is None else [],
             row_chunk, copies.copies, decode, copies.swap_out, copies.swap_in, copies.swap_in_ahead)
@@ -316,7 +318,7 @@ class Scheduler:
                 hit = seq.num_computed
                 self.kv.admit_staged(seq)
             elif swapped:  # its pages come back (from the host or the prefix cache): nothing is recomputed
-                stage = ahead and self.kv.can_stage(seq, len(seq.swapped.host))
+                stage = ahead and self.kv.can_stage(seq, len(seq.swapped.host[0]))
                 if not self.kv.swap_in(seq, 0 if stage else n, stage):
                     break
             else:
@@ -366,7 +368,7 @@ class Scheduler:
         assert self.slots_in_use <= self.config.max_seqs, "more live sequences than engine.max_seqs"
         for s in self.running:
             assert 0 <= s.num_computed <= len(s.token_ids) <= self.max_seq_len, f"sequence {s.request.prompt_id}"
-            assert len(s.pages) * self.config.page_size >= s.num_computed
+            assert s.num_pages * self.config.page_size >= s.num_computed
 
     def stuck_message(self) -> str:
         head = self.waiting[0] if self.waiting else None

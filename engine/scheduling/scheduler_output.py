@@ -22,7 +22,8 @@ class ScheduledChunk:
     seq_id: int
     token_ids: tuple[int, ...]  # the chunk's new tokens
     start: int  # the sequence's computed tokens when scheduled = position of the first new token
-    pages: tuple[int, ...]  # the sequence's pages, covering at least start + num_tokens tokens
+    pages: tuple[tuple[int, ...], ...]  # the sequence's pages in each layer group (Sequence.pages), covering at
+    # least start + num_tokens tokens
     completes: bool  # the chunk reaches the sequence's last token, so its logits pick the next token
     score_offset: int = 0  # chunk offset of the first token whose logits score the token after it
     score_targets: tuple[int, ...] = ()  # the tokens scored from offsets score_offset, score_offset + 1, ...
@@ -52,11 +53,12 @@ class DecodeCall:
     resume: bool = False
     token_ids: list[int] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
-    pages: list[tuple[int, ...]] = field(default_factory=list)  # each row's pages when scheduled (chained too)
+    pages: list[tuple[tuple[int, ...], ...]] = field(default_factory=list)  # each row's pages (of each group)
+    # when scheduled (chained too)
     sampling: list[RowSampling] = field(default_factory=list)
     limits: list[int] = field(default_factory=list)
     budgets: list[int] = field(default_factory=list)
-    chain_pages: list[list[int]] | None = None
+    chain_pages: list[list[list[int]]] | None = None
 
 
 @dataclass(frozen=True)

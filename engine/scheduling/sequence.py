@@ -51,9 +51,10 @@ class TokenScore:
 
 @dataclass
 class SwappedPages:
-    """Where a swapped-out sequence's pages are (engine.preemption swap): its page i in host page `host[i]`."""
+    """Where a swapped-out sequence's pages are (engine.preemption swap): its page i of group g in host page
+    `host[g][i]` (kv_groups.NONE: a page it had given back)."""
 
-    host: list[int]
+    host: list[list[int]]
     num_cached_pages: int  # the sequence's num_cached_pages when it was swapped out
 
 
@@ -70,7 +71,10 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)  # prompt followed by generated tokens
     logprobs: list[float] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
-    pages: list[int] = field(default_factory=list)
+    pages: list[list[int]] = field(default_factory=list)
+    """Its pages, one list per layer group of the pool (engine/kv/kv_groups.py), all of one length (`num_pages`;
+    page i holds tokens i * page_size ..), kv_groups.NONE where a sliding group gave a page back; [] when it holds
+    none. The KV cache manager's alone to change."""
     num_preemptions: int = 0
     siblings: list["Sequence"] = field(default_factory=list)
     """Other samples of the same prompt, waiting to fork from this one when its prompt is computed."""
@@ -134,9 +138,14 @@ class Sequence:
         generated = len(self.token_ids) - self.num_prompt_tokens
         return min(self.request.sampling.max_new_tokens - generated, max_seq_len - len(self.token_ids) + 1)
 
+    @property
+    def num_pages(self) -> int:
+        """Pages the sequence has in each group (given back or not)."""
+        return len(self.pages[0]) if self.pages else 0
+
     def pages_short(self, num_tokens: int, page_size: int) -> int:
-        """Pages the sequence lacks to hold `num_tokens` tokens past its computed ones."""
-        return max(0, pages_for(self.num_computed + num_tokens, page_size) - len(self.pages))
+        """Pages (of each group) the sequence lacks to hold `num_tokens` tokens past its computed ones."""
+        return max(0, pages_for(self.num_computed + num_tokens, page_size) - self.num_pages)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ def _record_reads(engine) -> list[tuple[list[int], set[int]]]:
 
     def recording(out):
         pages = [c.pages for c in out.chunks] if out.decode is None else out.decode.pages
-        calls.append((list(out.swap_in_ahead[1]), {p for q in pages for p in q}))
+        calls.append((list(out.swap_in_ahead[1]), {p for q in pages for group in q for p in group}))
         return run(out)
 
     engine.runner.run = recording

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from engine import EngineConfig, Request, SamplingConfig, pages_needed
 from engine.engine import Engine
+from engine.kv.kv_groups import NONE, KVGroups, held
 from engine.scheduling.scheduler_output import RunnerOutput, SchedulerOutput
 from engine.stats import DeviceClock
 from engine.device.transfers import TransferLedger
@@ -33,12 +34,14 @@ def next_token(context: tuple[int, ...], base_key, sampled: bool) -> int:
 class DummyRunner:
     """The runner's contract (SchedulerOutput in, RunnerOutput out) over a fake KV pool."""
 
-    def __init__(self, config: EngineConfig, max_seq_len: int) -> None:
+    def __init__(self, config: EngineConfig, max_seq_len: int, groups: KVGroups | None = None) -> None:
         self.config, self.max_seq_len = config, max_seq_len
+        self.groups = groups or KVGroups.single(1)
         self.clock = DeviceClock()
         self.transfers = TransferLedger()  # a dummy moves nothing: every call's bytes are 0
         self.kv: dict[int, int] = {}
         self.host: dict[int, int] = {}  # the host pool: host slot -> token id
+        self.generated: dict[int, dict[int, int]] = {}  # sequence id -> position -> token written past the prompt
         self.written = 0  # KV entries written by steps (a swapped sequence writes none of its old ones again)
         self._ahead = None
         self.first_scheduled: list = []  # sequences in the order their first prompt chunk ran
@@ -47,10 +50,32 @@ class DummyRunner:
 
     def _slot(self, pages, pos: int) -> int:
         ps = self.config.page_size
+        assert pages[pos // ps] != NONE, f"position {pos} is in a page given back"
         return pages[pos // ps] * ps + pos % ps
 
-    def _context(self, pages, n: int) -> tuple[int, ...]:
-        return tuple(self.kv[self._slot(pages, p)] for p in range(n))
+    def _write(self, pages, pos: int, token: int, seq_id: int) -> None:
+        """A token's KV goes to its page in every layer group (the units of all groups come from one allocator)."""
+        for group in pages:
+            self.kv[self._slot(group, pos)] = token
+        self.generated.setdefault(seq_id, {})[pos] = token
+        self.written += 1
+
+    def _context(self, pages, n: int, seq_id: int, query: int | None = None) -> tuple[int, ...]:
+        """The tokens before position n read back through the page table of a group without a window (the dummy
+        model reads them all; when every group slides, from the prompt and what this runner wrote for the
+        sequence); every sliding group must hold the same in the window of the query at `query` (default n - 1:
+        positions query - window + 1 .. query)."""
+        if None in self.groups.windows:
+            full = self.groups.windows.index(None)
+            context = tuple(self.kv[self._slot(pages[full], p)] for p in range(n))
+        else:
+            prompt, written = self.seqs[seq_id].request.prompt_token_ids, self.generated.get(seq_id, {})
+            context = tuple(prompt[p] if p < len(prompt) else written[p] for p in range(n))
+        query = n - 1 if query is None else query
+        for g, window in enumerate(self.groups.windows):
+            for p in range(0 if window is None else max(0, query - window + 1), n):
+                assert self.kv[self._slot(pages[g], p)] == context[p], f"group {g} lost position {p}"
+        return context
 
     def _draw(self, context, sampling) -> int:
         return next_token(context, sampling.base_key, sampling.temperature > 0)
@@ -81,9 +106,8 @@ class DummyRunner:
                 if c.start == 0 and all(s is not seq for s in self.first_scheduled):
                     self.first_scheduled.append(seq)
                 for p, token in enumerate(c.token_ids, c.start):
-                    self.kv[self._slot(c.pages, p)] = token
-                    self.written += 1
-                contexts.append(self._context(c.pages, c.start + c.num_tokens))
+                    self._write(c.pages, p, token, c.seq_id)
+                contexts.append(self._context(c.pages, c.start + c.num_tokens, c.seq_id))
                 assert contexts[-1] == tuple(seq.token_ids[:c.start + c.num_tokens]), "the KV lost a token"
             tokens = [self._draw(contexts[i], q) for q, i in zip(out.row_sampling, out.row_chunk)]
             ps = self.config.page_size
@@ -97,20 +121,19 @@ class DummyRunner:
             pending = self._ahead
         else:
             pending = self._decode(list(zip(call.token_ids, call.starts, call.pages, call.limits, call.budgets,
-                                            call.sampling)))
+                                            call.sampling, call.seq_ids)))
         self._ahead = None if call.chain_pages is None else self._chain(pending, call.chain_pages)
         return pending[1]
 
     def _decode(self, rows):
         K = self.config.decode_steps
         tokens, steps = np.zeros((K, len(rows)), np.int32), np.zeros(len(rows), np.int32)
-        for r, (token, start, pages, limit, _, seq) in enumerate(rows):
+        for r, (token, start, pages, limit, _, seq, seq_id) in enumerate(rows):
             if limit == 0:  # a row done before this call: it writes and reads nothing
                 continue
-            context = list(self._context(pages, start))
+            context = list(self._context(pages, start, seq_id, query=start))  # before the call writes position start
             for i in range(limit):
-                self.kv[self._slot(pages, start + i)] = token
-                self.written += 1
+                self._write(pages, start + i, token, seq_id)
                 context.append(token)
                 token = self._draw(tuple(context), seq)
                 tokens[i, r], steps[r] = token, i + 1
@@ -121,13 +144,13 @@ class DummyRunner:
     def _chain(self, pending, pages):
         rows, prev = pending
         K, chained = self.config.decode_steps, []
-        for r, (token, start, _, limit, remaining, seq) in enumerate(rows):
+        for r, (token, start, _, limit, remaining, seq, seq_id) in enumerate(rows):
             steps = int(prev.steps[r])
             last = int(prev.tokens[steps - 1, r]) if steps else token
             stopped = steps > 0 and last == EOS
             left = remaining - steps
             live = len(pages[r]) > 0 and limit > 0 and not stopped
-            chained.append((last, start + steps, pages[r], min(K, left) if live else 0, left, seq))
+            chained.append((last, start + steps, pages[r], min(K, left) if live else 0, left, seq, seq_id))
         return self._decode(chained)
 
     def reset(self, physical: bool) -> None:
@@ -151,9 +174,9 @@ def reference(request: Request, max_seq_len: int) -> list[int]:
     return out
 
 
-def make_engine(config: EngineConfig, max_seq_len: int = 64) -> Engine:
-    runner = DummyRunner(config, max_seq_len)
-    engine = Engine.from_runner(runner, config, VOCAB, {EOS})
+def make_engine(config: EngineConfig, max_seq_len: int = 64, groups: KVGroups | None = None) -> Engine:
+    runner = DummyRunner(config, max_seq_len, groups)
+    engine = Engine.from_runner(runner, config, VOCAB, {EOS}, groups=groups)
     add = engine.scheduler.add
 
     def add_and_record(seq) -> None:  # the runner checks its KV against the sequences' tokens
@@ -183,6 +206,25 @@ def test_samples_equal_the_dummy_model_alone_and_pages_balance(config, workload,
     """Whatever the capacities (preemption when pages run short, chunked prefill, forks, multi-step calls
     and calls run ahead), every sample is the one its request gives alone, and after the call no page is held.
     Requests arrive in two groups, the second while the first runs."""
+    run_workload(make_engine(config), config, workload, split, data)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(config=configs, workload=workloads, split=st.integers(0, 10), window=st.sampled_from([1, 3, 4, 7, 13]),
+       layers=st.sampled_from([(True, False), (True, True, False), (False, True, True, True, True, True), (True,)]),
+       data=st.data())
+def test_layer_groups_hold_only_their_window_and_give_the_same_samples(config, workload, split, window, layers, data):
+    """The same, with the pool in layer groups (engine/kv/kv_groups.py): sliding groups of `window` tokens beside a
+    group of full attention, or one sliding group (Mistral). Every step writes each token to its page in every group and reads each sliding
+    group's window back (the dummy runner asserts they hold the tokens), while the manager gives back the pages
+    that slid out: the samples are those of the request alone, and the invariants (a given-back page only before
+    the window) hold after every step."""
+    groups = KVGroups.of([window if sliding else None for sliding in layers])
+    engine = make_engine(config, groups=groups)
+    run_workload(engine, config, workload, split, data)
+
+
+def run_workload(engine: Engine, config: EngineConfig, workload, split: int, data) -> None:
     rng = np.random.default_rng(len(workload))
     requests = []
     for i, (length, new, n, sampled) in enumerate(workload):
@@ -190,7 +232,6 @@ def test_samples_equal_the_dummy_model_alone_and_pages_balance(config, workload,
         prompt = tuple(int(t) for t in rng.integers(1, VOCAB, length))
         sampling = SamplingConfig(max_new_tokens=min(new, 64 - length), temperature=1.0 if sampled else 0.0, seed=i, n=n)
         requests += [Request(f"p{i}", prompt, sampling, generation_index=g) for g in range(n)]
-    engine = make_engine(config)
     done = []
     for r in requests[:split]:
         assert engine.add_request(r) is None
@@ -204,7 +245,7 @@ def test_samples_equal_the_dummy_model_alone_and_pages_balance(config, workload,
         sched = engine.scheduler
         # Pages are held by running and retained sequences, and by waiting ones staged with page-ins issued.
         holders = sched.running + sched.retained + [s for s in sched.waiting if s.staged]
-        assert sched.allocator.num_used == len({p for s in holders for p in s.pages})
+        assert sched.allocator.num_used == len({p for s in holders for p in held(s.pages)})
     assert sorted((c.prompt_id, c.generation_index) for c in done) == sorted((r.prompt_id, r.generation_index)
                                                                            for r in requests)
     by_key = {(c.prompt_id, c.generation_index): c for c in done}
@@ -220,7 +261,7 @@ def test_samples_equal_the_dummy_model_alone_and_pages_balance(config, workload,
     assert engine.scheduler.allocator.num_used == 0 and engine.scheduler.allocator.max_refcount == 0
     swapper = engine.scheduler.swapper  # no sequence is swapped out: the host pool holds the host tier's pages only
     assert swapper.host.num_used == len(swapper.cache) and (swapper.tiered or not swapper.cache)
-    assert swapper.host.peak_used <= config.host_kv_pages
+    assert swapper.host.peak_used <= swapper.host.num_pages
     engine.reset()
     assert swapper.host.num_used == 0
     engine.scheduler.allocator.check()
@@ -237,9 +278,9 @@ def test_siblings_share_full_prompt_pages_and_copy_the_partial_one():
     seqs = engine.scheduler.running
     alloc = engine.scheduler.allocator
     assert len(seqs) == 3 and all(len(q.token_ids) == 11 for q in seqs)
-    assert {tuple(q.pages[:2]) for q in seqs} == {tuple(seqs[0].pages[:2])}
-    assert [alloc.refcount(p) for p in seqs[0].pages[:2]] == [3, 3]
-    assert len({q.pages[2] for q in seqs}) == 3 and all(alloc.refcount(q.pages[2]) == 1 for q in seqs)
+    assert {tuple(q.pages[0][:2]) for q in seqs} == {tuple(seqs[0].pages[0][:2])}
+    assert [alloc.refcount(p) for p in seqs[0].pages[0][:2]] == [3, 3]
+    assert len({q.pages[0][2] for q in seqs}) == 3 and all(alloc.refcount(q.pages[0][2]) == 1 for q in seqs)
 
 
 def test_preemption_frees_pages_and_recompute_restores_the_samples():
@@ -390,7 +431,7 @@ def test_a_later_sequence_of_the_same_step_maps_the_pages_an_earlier_one_compute
     out, counts = engine.scheduler.schedule()
     assert [c.num_tokens for c in out.chunks] == [21, 1, 1]  # the two later prompts compute only their last token
     assert counts.cache_query_tokens == 63 and counts.cache_hit_tokens == 40
-    assert [c.pages[:5] for c in out.chunks[1:]] == [out.chunks[0].pages[:5]] * 2
+    assert [c.pages[0][:5] for c in out.chunks[1:]] == [out.chunks[0].pages[0][:5]] * 2
     engine.scheduler.reset()
     assert [c.token_ids for c in make_engine(config).generate(requests)] == [reference(r, 64) for r in requests]
 
