@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.kv.kv_cache_config import KVCacheConfig
+
+if TYPE_CHECKING:
+    from engine.kv.kv_groups import KVGroups
 
 
 @dataclass(frozen=True)
@@ -28,7 +32,7 @@ class RunnerConfig:
         return self.kv.max_pages
 
     @classmethod
-    def of(cls, config) -> "RunnerConfig":
-        """The sub-config of an EngineConfig (or anything with these attributes)."""
+    def of(cls, config, groups: "KVGroups | None" = None) -> "RunnerConfig":
+        """The sub-config of an EngineConfig (or anything with these attributes), with the model's KV `groups`."""
         return cls(config.max_seqs, config.decode_steps, config.attention_impl, config.attn_pages_per_block,
-                   config.attn_queries_per_block, config.attn_tiles_per_group, KVCacheConfig.of(config))
+                   config.attn_queries_per_block, config.attn_tiles_per_group, KVCacheConfig.of(config, groups))

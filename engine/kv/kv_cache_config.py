@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.kv.kv_groups import KVGroups
 
 
 @dataclass(frozen=True)
@@ -14,9 +18,10 @@ class KVCacheConfig:
     host_kv_pages: int  # host pool pages (swap and the prefix cache's host tier); 0: none
     prefix_caching: bool
     preemption: str  # recompute | swap | auto
+    groups: "KVGroups | None" = None  # the layers' page tables (engine/kv/kv_groups.py); None: one for every layer
 
     @classmethod
-    def of(cls, config) -> "KVCacheConfig":
-        """The sub-config of an EngineConfig (or anything with these attributes)."""
+    def of(cls, config, groups: "KVGroups | None" = None) -> "KVCacheConfig":
+        """The sub-config of an EngineConfig (or anything with these attributes), with the model's `groups`."""
         return cls(config.page_size, config.max_pages, config.host_kv_pages, config.prefix_caching,
-                   config.preemption)
+                   config.preemption, groups)
