@@ -254,7 +254,9 @@ def _attention(q: NamedArray, k: NamedArray, v: NamedArray, pool: NamedArray, la
     return out, hax.named(kv, pool.axes)
 
 
-def kv_pool_axes(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple[hax.Axis, ...]:
-    """The pool holds every layer's pages: [layers * num_pages, page_size, 2 * kv_heads, head_dim]."""
-    return (hax.Axis(PAGE, cfg.num_layers * num_pages), hax.Axis(PAGE_SLOT, page_size),
+def kv_pool_axes(cfg: ModelConfig, num_pages: int, page_size: int, layers_per_unit: int | None = None
+                 ) -> tuple[hax.Axis, ...]:
+    """The pool holds every layer's pages: [layers_per_unit * num_pages, page_size, 2 * kv_heads, head_dim], in
+    `num_pages` units of `layers_per_unit` layers (KVGroups; default: pages of every layer)."""
+    return (hax.Axis(PAGE, (layers_per_unit or cfg.num_layers) * num_pages), hax.Axis(PAGE_SLOT, page_size),
             hax.Axis(KV_COMBINED, 2 * cfg.num_kv_heads), hax.Axis(HEAD_SIZE, cfg.head_dim))
