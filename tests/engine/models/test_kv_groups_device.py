@@ -65,10 +65,11 @@ class Pages:
         return [list(p) for p in self.held[s]]
 
 
-def run(model, groups: KVGroups | None, impl: str, seed: int) -> tuple[list[np.ndarray], int]:
+def run(model, groups: KVGroups | None, impl: str, seed: int, mesh=None) -> tuple[list[np.ndarray], int]:
     """Prompts in chunks, several sequences a step, then single decode steps and one multi-step call: each step's
     logits (the multi-step call's tokens and logprobs), and the pages given back."""
-    runner = ModelRunner(model, RunnerConfig.of(EngineConfig(**CONFIG, attention_impl=impl), groups), max_seq_len=128)
+    runner = ModelRunner(model, RunnerConfig.of(EngineConfig(**CONFIG, attention_impl=impl), groups), max_seq_len=128,
+                         mesh=mesh)
     pages = Pages(runner.kv_groups, runner.kv.num_pages, seed)
     rng = np.random.default_rng(0)
     tokens = [rng.integers(3, 500, n).tolist() for n in PROMPT_LENS]
@@ -104,6 +105,27 @@ def test_grouped_page_tables_give_the_bits_of_one_table(gemma3, impl):
     assert kept == 0 and given_back > 50 and len(one) == len(grouped)
     for step, (a, b) in enumerate(zip(one, grouped)):
         assert np.array_equal(a, b), f"{impl}: step {step}"
+
+
+def test_scanned_layers_over_four_devices_read_their_groups_tables(tmp_path, monkeypatch):
+    """The layers as one scanned program (a traced layer index picks its group and slot) with attention per device
+    at `model: 4`: two groups of one full-attention layer each give the bits of one table."""
+    import dataclasses
+
+    import engine.device.runner as runner_module
+    from engine.distributed import slice_mesh
+    from engine.models.presets import PRESETS, write_model
+
+    monkeypatch.setattr(runner_module, "unstack_layers", lambda model: model)
+    kv4 = dataclasses.replace(PRESETS["tiny-llama"], num_attention_heads=8, num_key_value_heads=4, head_dim=8)
+    mesh = slice_mesh(4)
+    model = load_transformer(write_model(kv4, tmp_path / "kv4"), mesh=mesh)
+    assert not isinstance(model.layers, tuple) and model.config.num_layers == 2
+    two = KVGroups((None, None), (1, 0), (0, 0))  # layer 0 reads the second table
+    one, _ = run(model, None, "reference", seed=1, mesh=mesh)
+    grouped, _ = run(model, two, "reference", seed=2, mesh=mesh)
+    for step, (a, b) in enumerate(zip(one, grouped)):
+        assert np.array_equal(a, b), f"step {step}"
 
 
 def test_a_token_in_a_page_given_back_is_refused(gemma3):
