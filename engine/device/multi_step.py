@@ -19,7 +19,7 @@ from engine.device.device_calls import bucket, host_arrays, pick_rows, replicate
 from engine.models.model import StepSettings, Transformer
 # Bound here and in engine/device/runner.py: tests patch `_sampling_mode` in both to force a sampling program.
 from engine.sampling.row_sampling import RowSampling, sampling_arrays as _sampling_arrays, sampling_mode as _sampling_mode
-from engine.device.step_inputs import StepInputs
+from engine.device.step_inputs import StepInputs, group_pages, token_slots
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,9 @@ class DecodeRow:
 
     token_id: int  # the sequence's last token, not yet in the cache
     start: int  # its position = tokens of this sequence already in the cache
-    pages: Sequence[int]  # the sequence's pages, covering at least start + limit tokens
+    # The sequence's pages in each KV layer group (`group_pages`: a flat list for one group), each list covering at
+    # least start + limit tokens; kv_groups.NONE for a page slid out of its group's window.
+    pages: Sequence[Sequence[int]] | Sequence[int]
     limit: int  # most decode steps this row may take (>= 1)
     sampling: RowSampling  # position = start + 1, the index of the first token it generates
 
@@ -43,6 +45,7 @@ def _forward_sample_steps(model: Transformer, pool, settings: StepSettings, num_
     (i32[S, E], padded with -1). A done row writes no more KV; the loop ends when every row is done.
     Step i is the single decode step for the same tokens: same inputs, same 1-query attention, same key
     (the generated token's position), so the tokens are those of `num_steps` single steps.
+    page_indices (i32[G, S, P]) holds each row's pages in every KV layer group, as StepInputs does.
     Penalties (`penalties`, None unless the mode penalizes) count each step's new token before the next step,
     as the single steps' token histories would. Returns tokens i32[K, S] and logprobs f32[K, S] (entries past a
     row's steps are junk), steps i32[S] and the rows' completion token counts i32[S, V] after the call (None
@@ -65,8 +68,8 @@ def _forward_sample_steps(model: Transformer, pool, settings: StepSettings, num_
         # A done row repeats its last position (its write is dropped, its token ignored): every index stays
         # inside the pages it was given.
         positions = starts + jnp.minimum(i, jnp.maximum(limits - 1, 0))  # i32[S]
-        pages = jnp.take_along_axis(page_indices, (positions // page_size)[:, None], axis=1)[:, 0]  # i32[S]
-        slots = jnp.where(active, pages * page_size + positions % page_size, settings.num_pages * page_size)
+        slots = jnp.where(active, token_slots(page_indices, rows, positions, page_size),
+                          settings.num_pages * page_size)  # i32[G, S]
         # The CPU kernel skips a row with no keys: a done row's attention (its token is ignored) costs nothing.
         kv_lens = jnp.where(present & (active | (settings.impl != "cpu_kernel")), positions + 1, 0)
         inputs = StepInputs(tokens, positions, slots, cu_q_lens, kv_lens, page_indices, num_seqs, logits_indices)
@@ -128,7 +131,7 @@ class PendingSteps:
 
 
 class MultiStepCalls:
-    """ModelRunner's multi-step calls: they use its model, KV pool, clock, transfer ledger, step settings,
+    """ModelRunner's multi-step calls: they use its model, KV pool and groups, clock, transfer ledger, step settings,
     `decode_bucket` and `_penalties`."""
 
     def dispatch_multi_step(self, rows: Sequence[DecodeRow], stop_ids: Sequence[int], num_steps: int,
@@ -142,9 +145,10 @@ class MultiStepCalls:
         pad = S - len(rows)
         for r, row in enumerate(rows):
             end = row.start + row.limit
-            if (row.limit < 1 or end > self.max_seq_len or pages_for(end, ps) > len(row.pages)
+            num_pages = len(group_pages(row.pages, self.kv_groups.num_groups)[0])
+            if (row.limit < 1 or end > self.max_seq_len or pages_for(end, ps) > num_pages
                     or row.sampling.position != row.start + 1):
-                raise ValueError(f"decode row {r}: {row.limit} steps from position {row.start} with {len(row.pages)} "
+                raise ValueError(f"decode row {r}: {row.limit} steps from position {row.start} with {num_pages} "
                                  f"pages (page_size {ps}, max_seq_len {self.max_seq_len})")
         # E is fixed per engine (one compile) unless rows bring stop ids of their own (sampling.stop_token_ids).
         row_stops = [sorted(set(stop_ids) | set(row.sampling.stop_token_ids)) for row in rows]
@@ -171,12 +175,12 @@ class MultiStepCalls:
 
     def chain_multi_step(self, prev: PendingSteps, pages: Sequence[Sequence[int]], num_steps: int) -> PendingSteps:
         """Dispatch the call that continues `prev`'s rows from its device outputs, before the host has read
-        them: the host's work on `prev`'s tokens then overlaps this call. `pages[r]` must cover row r's
-        position after `prev` plus `min(num_steps, remaining)` (the scheduler reserves both calls' pages at
-        once); an empty `pages[r]` makes row r take no steps (the host finished it)."""
+        them: the host's work on `prev`'s tokens then overlaps this call. `pages[r]` (as `DecodeRow.pages`) must
+        cover row r's position after `prev` plus `min(num_steps, remaining)` (the scheduler reserves both calls'
+        pages at once); an empty `pages[r]` makes row r take no steps (the host finished it)."""
         S = prev.steps.shape[0]
         live = np.zeros(S, bool)
-        live[:len(pages)] = [len(p) > 0 for p in pages]
+        live[:len(pages)] = [len(group_pages(p, self.kv_groups.num_groups)[0]) > 0 for p in pages]
         with self.clock.timing(), self.transfers.sending(step_inputs=live, sampling=prev.stops):
             token_ids, starts, remaining, limits = _chain(prev.tokens, prev.steps, prev.token_ids, prev.starts,
                                                           prev.remaining, prev.limits, live, prev.stops, num_steps)
@@ -186,9 +190,12 @@ class MultiStepCalls:
     def _launch(self, token_ids, starts, limits, remaining, mode: str, sampling: tuple, stops: np.ndarray,
                 num_rows: int, pages: Sequence[Sequence[int]], num_steps: int,
                 penalties: tuple | None = None) -> PendingSteps:
-        page_array = np.zeros((stops.shape[0], self.pages_per_seq), np.int32)
+        G = self.kv_groups.num_groups
+        page_array = np.zeros((G, stops.shape[0], self.pages_per_seq), np.int32)
         for r, row_pages in enumerate(pages):
-            page_array[r, :len(row_pages)] = row_pages
+            for g, group in enumerate(group_pages(row_pages, G)):
+                page_array[g, r, :len(group)] = group
+        np.maximum(page_array, 0, out=page_array)  # NONE: page 0, never read (StepInputs.page_indices)
         num_seqs = np.array([num_rows], np.int32)
         with self.clock.timing(), self.transfers.sending(step_inputs=num_seqs, page_tables=page_array,
                                                          sampling=(*sampling, stops, *host_arrays(penalties))):

@@ -24,7 +24,9 @@ from engine.sizing.capacity import pages_for
 from engine.device.device_calls import (MIN_SEQ_BUCKET, MIN_TOKEN_BUCKET, bucket, host_arrays, pick_rows, replicated,
                                         score_inputs_of, score_rows, settle)
 from engine.kv.kv_cache import KVCache
+from engine.kv.kv_groups import KVGroups
 from engine.models.model import StepSettings, Transformer, unstack_layers
+from engine.models.model_config import ModelConfig
 from engine.device.multi_step import DecodeRow, MultiStepCalls, PendingSteps
 from engine.device.runner_config import RunnerConfig
 # Bound here and in engine/device/multi_step.py: tests patch `_sampling_mode` in both; callers build rows as
@@ -35,7 +37,7 @@ from engine.sampling.sampler import penalty_state
 from engine.sampling.structured import Constraint, mask_words
 from engine.scheduling.scheduler_output import RunnerOutput, SchedulerOutput, ScoredTokens
 from engine.stats import DeviceClock
-from engine.device.step_inputs import StepInputs
+from engine.device.step_inputs import StepInputs, group_pages, token_slots
 from engine.device.transfers import TransferLedger
 
 # On the CPU, every matmul takes at least this many rows (StepSettings.min_matmul_rows) and sampling runs
@@ -51,7 +53,9 @@ class SeqChunk:
 
     token_ids: Sequence[int]
     start: int  # position of the first new token = tokens of this sequence already in the cache
-    pages: Sequence[int]  # the sequence's pages, covering at least start + len(token_ids) tokens
+    # The sequence's pages in each KV layer group (`group_pages`: a flat list for one group), each list covering at
+    # least start + len(token_ids) tokens; kv_groups.NONE for a page slid out of its group's window.
+    pages: Sequence[Sequence[int]] | Sequence[int]
 
 
 @dataclass(frozen=True)
@@ -125,13 +129,24 @@ _step_sample_score = jax.jit(_forward_sample_score, donate_argnums=(1,), static_
 _penalty_state = jax.jit(penalty_state, static_argnums=(2,))
 
 
-def step_settings(config: RunnerConfig, impl: str, mesh, platform: str) -> StepSettings:
+def kv_groups_of(config: RunnerConfig, cfg: ModelConfig) -> KVGroups:
+    """The KV layer groups a runner of `config` keeps for a model of `cfg`: the config's, or one page table for every
+    layer."""
+    groups = config.kv.groups or KVGroups.single(cfg.num_layers)
+    if len(groups.layer_group) != cfg.num_layers:
+        raise ValueError(f"KV layer groups of {len(groups.layer_group)} layers for a model of {cfg.num_layers}")
+    return groups
+
+
+def step_settings(config: RunnerConfig, groups: KVGroups, impl: str, mesh, platform: str) -> StepSettings:
     """The forward pass's static settings, for `platform`: one for every kind of step (decode-only or with prompt
-    chunks), so that a row's bits do not depend on the kind of step it is computed in."""
+    chunks), so that a row's bits do not depend on the kind of step it is computed in. One group leaves the layers'
+    tables out (layer l at slot l of the one table: the program of a model without groups)."""
     cpu = platform == "cpu"
-    return StepSettings(impl, config.attn_pages_per_block, config.attn_queries_per_block, config.max_pages, mesh,
-                        config.attn_tiles_per_group, CPU_MIN_MATMUL_ROWS if cpu else 0,
-                        CPU_SAMPLE_ROW_TILE if cpu else 0)
+    layer_group, layer_slot = ((), ()) if groups.num_groups == 1 else (groups.layer_group, groups.layer_slot)
+    return StepSettings(impl, config.attn_pages_per_block, config.attn_queries_per_block,
+                        groups.units(config.max_pages), mesh, config.attn_tiles_per_group,
+                        CPU_MIN_MATMUL_ROWS if cpu else 0, CPU_SAMPLE_ROW_TILE if cpu else 0, layer_group, layer_slot)
 
 
 class ModelRunner(MultiStepCalls):
@@ -146,11 +161,12 @@ class ModelRunner(MultiStepCalls):
         self.stop_ids = sorted(stop_ids)
         self.pages_per_seq = pages_for(max_seq_len, config.page_size)  # page-table width
         self.transfers = TransferLedger()  # every read of a device output and every host input below goes through it
-        self.kv = KVCache(model.config, config.max_pages, config.page_size, self.transfers, kv_dtype, mesh,
-                          host_pages=config.kv.host_kv_pages)
+        self.kv_groups = kv_groups_of(config, model.config)
+        self.kv = KVCache(model.config, self.kv_groups.units(config.max_pages), config.page_size, self.transfers,
+                          kv_dtype, mesh, host_pages=config.kv.host_kv_pages, groups=self.kv_groups)
         self.clock = DeviceClock()  # every dispatch and every wait for outputs below is timed on it
         impl = resolve_attention_impl(config.attention_impl, kv_dtype)
-        self._settings = step_settings(config, impl, mesh, platform)
+        self._settings = step_settings(config, self.kv_groups, impl, mesh, platform)
         self._ahead: PendingSteps | None = None  # the multi-step call dispatched ahead of the host's read
 
     def run(self, out: SchedulerOutput) -> RunnerOutput:
@@ -212,7 +228,7 @@ class ModelRunner(MultiStepCalls):
         `row_chunk[r]` names the chunk whose last token's logits feed output row r (default: one row per
         chunk); several rows may read one chunk (the samples of one prompt).
         """
-        ps = self.config.page_size
+        ps, G = self.config.page_size, self.kv_groups.num_groups
         n_tokens = sum(len(c.token_ids) for c in chunks)
         # Decode-only steps (one token a sequence) pad tokens like sequences: no padding tiles in attention.
         # Steps with prompt chunks always take max_seqs sequence rows, so their compiled shapes vary in T
@@ -222,52 +238,58 @@ class ModelRunner(MultiStepCalls):
         T = S if decode_only else bucket(n_tokens, MIN_TOKEN_BUCKET)
         token_ids = np.zeros(T, np.int32)
         positions = np.zeros(T, np.int32)
-        slots = np.full(T, self.config.max_pages * ps, np.int32)  # out of range: dropped
+        seq_rows = np.zeros(n_tokens, np.int32)  # each real token's sequence row
         cu = np.full(S + 1, n_tokens, np.int32)
         kv_lens = np.zeros(S, np.int32)
-        pages = np.zeros((S, self.pages_per_seq), np.int32)
+        pages = np.zeros((G, S, self.pages_per_seq), np.int32)  # NONE entries kept until the slots are computed
         last_of_chunk = np.zeros(len(chunks), np.int32)
         row = 0
         if decode_only:  # the common step on a fast device: filled from lists, not per-sequence numpy ops
-            self._fill_decode(chunks, token_ids, positions, slots, cu, kv_lens, pages, last_of_chunk)
+            self._fill_decode(chunks, token_ids, positions, seq_rows, cu, kv_lens, pages, last_of_chunk)
         for s, c in enumerate(() if decode_only else chunks):
             n = len(c.token_ids)
             end = c.start + n
-            if n == 0 or end > self.max_seq_len or pages_for(end, ps) > len(c.pages):
-                raise ValueError(f"chunk {s}: {n} tokens at position {c.start} with {len(c.pages)} pages "
+            seq_pages = np.asarray(group_pages(c.pages, G), np.int32)  # [G, pages]
+            if n == 0 or end > self.max_seq_len or pages_for(end, ps) > seq_pages.shape[1]:
+                raise ValueError(f"chunk {s}: {n} tokens at position {c.start} with {seq_pages.shape[1]} pages "
                                  f"(page_size {ps}, max_seq_len {self.max_seq_len})")
-            pos = np.arange(c.start, end)
             token_ids[row:row + n] = c.token_ids
-            positions[row:row + n] = pos
-            seq_pages = np.asarray(c.pages, np.int32)
-            slots[row:row + n] = seq_pages[pos // ps] * ps + pos % ps
+            positions[row:row + n] = np.arange(c.start, end)
+            seq_rows[row:row + n] = s
             cu[s] = row
             kv_lens[s] = end
-            pages[s, :len(seq_pages)] = seq_pages
+            pages[:, s, :seq_pages.shape[1]] = seq_pages
             row += n
             last_of_chunk[s] = row - 1
+        slots = np.full((G, T), self.kv.num_pages * ps, np.int32)  # out of range: dropped
+        slots[:, :n_tokens] = token_slots(pages, seq_rows, positions[:n_tokens], ps)
+        if (slots < 0).any():
+            g, t = np.argwhere(slots < 0)[0]
+            raise ValueError(f"chunk {seq_rows[t]}: position {positions[t]} is in a page it no longer holds in KV "
+                             f"layer group {g}")
+        np.maximum(pages, 0, out=pages)  # NONE: page 0, never read (StepInputs.page_indices)
         row_chunk = list(range(len(chunks))) if row_chunk is None else list(row_chunk)
         last = np.zeros(max(S, bucket(len(row_chunk), MIN_SEQ_BUCKET)), np.int32)
         last[:len(row_chunk)] = last_of_chunk[row_chunk]
         return StepInputs(token_ids, positions, slots, cu, kv_lens, pages, np.array([len(chunks)], np.int32), last)
 
     def _fill_decode(self, chunks: Sequence[SeqChunk], token_ids: np.ndarray, positions: np.ndarray,
-                     slots: np.ndarray, cu: np.ndarray, kv_lens: np.ndarray, pages: np.ndarray,
+                     seq_rows: np.ndarray, cu: np.ndarray, kv_lens: np.ndarray, pages: np.ndarray,
                      last_of_chunk: np.ndarray) -> None:
         """build_inputs' arrays for chunks of one token each: chunk s is token row s."""
-        ps, n = self.config.page_size, len(chunks)
+        ps, n, G = self.config.page_size, len(chunks), pages.shape[0]
         starts = [c.start for c in chunks]
         for s, (c, start) in enumerate(zip(chunks, starts)):
-            if start + 1 > self.max_seq_len or start // ps >= len(c.pages):
-                raise ValueError(f"chunk {s}: 1 token at position {start} with {len(c.pages)} pages "
+            seq_pages = group_pages(c.pages, G)
+            if start + 1 > self.max_seq_len or start // ps >= len(seq_pages[0]):
+                raise ValueError(f"chunk {s}: 1 token at position {start} with {len(seq_pages[0])} pages "
                                  f"(page_size {ps}, max_seq_len {self.max_seq_len})")
-            pages[s, :len(c.pages)] = c.pages
+            for g, group in enumerate(seq_pages):
+                pages[g, s, :len(group)] = group
         token_ids[:n] = [c.token_ids[0] for c in chunks]
         positions[:n] = starts
-        slots[:n] = [c.pages[start // ps] * ps + start % ps for c, start in zip(chunks, starts)]
-        cu[:n] = last_of_chunk[:] = range(n)
+        seq_rows[:] = cu[:n] = last_of_chunk[:] = range(n)
         kv_lens[:n] = [start + 1 for start in starts]
-
 
     def logits(self, chunks: Sequence[SeqChunk]) -> np.ndarray:
         """Process the chunks; returns f32[len(chunks), vocab] logits of each chunk's last token. Not the

@@ -2,22 +2,48 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import equinox as eqx
 import jax
+import numpy as np
 
 
 class StepInputs(eqx.Module):
     """A ragged batch of new tokens from many sequences (prompt chunks and decode tokens mixed).
 
-    T is the token bucket, S the sequence bucket, P the page-table width. Row s of the
-    per-sequence arrays describes the s-th sequence present; rows >= num_seqs are padding.
+    T is the token bucket, S the sequence bucket, P the page-table width, G the KV layer groups (one page table
+    each: engine/kv/kv_groups.py; 1 for a model whose layers share one). Row s of the per-sequence arrays
+    describes the s-th sequence present; rows >= num_seqs are padding.
     """
 
     token_ids: jax.Array  # i32[T]  new tokens; padding rows hold 0
     positions: jax.Array  # i32[T]  absolute position of each new token in its sequence
-    slot_mapping: jax.Array  # i32[T]  page * page_size + offset where the token's K/V go; padding: out of range
+    # i32[G, T]  unit * page_size + offset where the token's K/V go in each group (`token_slots`); padding: out of
+    # range (units * page_size or more)
+    slot_mapping: jax.Array
     cu_q_lens: jax.Array  # i32[S + 1]  sequence s owns rows cu_q_lens[s]:cu_q_lens[s+1]
     kv_lens: jax.Array  # i32[S]  cached tokens after this step (new tokens included)
-    page_indices: jax.Array  # i32[S, P]  each sequence's pages in order (within one layer's pool)
+    # i32[G, S, P]  each sequence's units in order in each group's table (within one slot of the pool); a page the
+    # sequence no longer holds (kv_groups.NONE) is 0 here: no kernel reads a block wholly before a query's window
+    page_indices: jax.Array
     num_seqs: jax.Array  # i32[1]
     logits_indices: jax.Array  # i32[R]  token row whose logits feed output row r (R >= S when samples share a prompt)
+
+
+def group_pages(pages: Sequence, num_groups: int) -> Sequence[Sequence[int]]:
+    """A sequence's page lists, one per KV layer group: `pages` itself, or, for one group, a flat list of ints as
+    that group's list (tests, models of one attention kind); an empty `pages` is an empty list in every group."""
+    if len(pages) == 0:
+        return [()] * num_groups
+    if num_groups == 1 and isinstance(pages[0], (int, np.integer)):
+        return [pages]
+    if len(pages) != num_groups:
+        raise ValueError(f"{len(pages)} page lists for {num_groups} KV layer groups")
+    return pages
+
+
+def token_slots(page_table, rows, positions, page_size: int):
+    """Where tokens' K/V go in every group: i32[G, n] from page_table i32[G, S, P] (numpy or jax), the tokens'
+    sequence rows i32[n] and positions i32[n]. A NONE entry gives a negative slot."""
+    return page_table[:, rows, positions // page_size] * page_size + positions % page_size

@@ -3,7 +3,7 @@
 On a multi-host slice the device pool (engine/kv/kv_cache.py) is one global array sharded over KV heads; each
 process addresses only some of its shards, and copies only those to and from its host memory. The host pool
 holds one numpy array per distinct shard this process addresses (a shard replicated on several of its devices
-is kept once): host page h of layer i at row i * num_pages + h, the shard's slice of every other dimension
+is kept once): host page h of layer (slot) i at row i * num_pages + h, the shard's slice of every other dimension
 after it. One process with every shard (no mesh, or a mesh of one process) holds the whole pool.
 
 Which host page holds which page is the scheduler's, decided alike on every host (engine/kv/swap.py); the bytes
@@ -53,7 +53,9 @@ def shard_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> Key:
 
 class HostShards:
     def __init__(self, sharding: jax.sharding.Sharding, pool_shape: tuple[int, ...], num_layers: int,
-                 num_pages: int, dtype) -> None:
+                 num_pages: int, dtype, units_per_page: int = 1) -> None:
+        """`num_pages` pages of `num_layers` layers each: units of the KV layer groups (engine/kv/kv_groups.py),
+        `units_per_page` of them to a page of every layer (engine.host_kv_pages counts those)."""
         self.num_layers, self.num_pages = num_layers, num_pages
         self._dims = tuple(pool_shape[1:])  # the whole pool's, every host's shards together
         self.shards: dict[Key, np.ndarray] = {}
@@ -63,7 +65,8 @@ class HostShards:
             if (key := shard_key(index, pool_shape)) not in keys:
                 keys.append(key)
         if num_pages:
-            check_fits("engine.host_kv_pages", num_pages, shard_bytes(keys, num_layers, dtype))
+            check_fits("engine.host_kv_pages", num_pages // units_per_page,
+                       units_per_page * shard_bytes(keys, num_layers, dtype))
         for key in keys:  # np.zeros maps untouched pages lazily: an unused host pool costs no memory
             self.shards[key] = np.zeros((num_layers * num_pages, *(b - a for a, b in key)), dtype)
 

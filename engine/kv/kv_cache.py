@@ -22,6 +22,7 @@ from haliax import NamedArray
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from engine.kv.host_pool import HostShards, PoolTooLarge, check_fits, shard_bytes, shard_key
+from engine.kv.kv_groups import KVGroups
 from engine.models.model import kv_pool_axes
 from engine.models.model_config import ModelConfig
 from engine.device.transfers import TransferLedger
@@ -29,21 +30,25 @@ from engine.models.weights import partition_spec
 
 
 class KVCache:
-    """Pool: [layers * num_pages, page_size, 2 * kv_heads, head_dim], sharded over KV heads on a `model` mesh axis.
-
-    Page p of the KV cache manager's allocator is page p of every layer (layer i's copy sits at i * num_pages + p).
+    """Pool: [k * num_pages, page_size, 2 * kv_heads, head_dim], sharded over KV heads on a `model` mesh axis: the
+    `num_pages` units of the KV cache manager's allocator, each k = `groups.layers_per_unit` layers deep
+    (engine/kv/kv_groups.py). Slot s of unit u sits at s * num_pages + u; with one group (k = layers, units =
+    pages) unit p is page p of every layer. Every copy below moves whole units: all k slots.
     """
 
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, transfers: TransferLedger,
                  dtype=jnp.float32, mesh: Mesh | None = None, host_pages: int = 0,
-                 memory_kind: str | None | bool = True) -> None:
-        """`transfers`: the runner's ledger, which counts the page indices a page copy sends and the pages a
-        swap moves. `host_pages`: pages of the host pool (0: none). `memory_kind`: the host memory kind page
-        copies travel through, True to choose it (`host_memory_kind`), None for none (tests)."""
+                 memory_kind: str | None | bool = True, groups: KVGroups | None = None) -> None:
+        """`num_pages`: units (`groups.units(max_pages)`). `transfers`: the runner's ledger, which counts the page
+        indices a page copy sends and the pages a swap moves. `host_pages`: pages of every layer in the host pool
+        (0: none), which holds as many units per group. `memory_kind`: the host memory kind page copies travel
+        through, True to choose it (`host_memory_kind`), None for none (tests). `groups`: the model's KV layer
+        groups (default: one for every layer)."""
         self.num_pages = num_pages
+        self.groups = groups or KVGroups.single(cfg.num_layers)
         self._transfers = transfers
         self.page_size = page_size
-        self._axes = kv_pool_axes(cfg, num_pages, page_size)
+        self._axes = kv_pool_axes(cfg, num_pages, page_size, self.groups.layers_per_unit)
         self._dtype = dtype
         # An explicit sharding even without a mesh: the pool every step donates back comes out committed to
         # this device, and a fresh pool must look the same to jit, or the first step compiles twice.
@@ -56,11 +61,11 @@ class KVCache:
         self.memory_kind = host_memory_kind(devices) if memory_kind is True else memory_kind
         self._host_sharding = (None if self.memory_kind is None
                                else self._sharding.with_memory_kind(self.memory_kind))
-        self.num_host_pages = host_pages
-        # This process's shards of the host pool, in the device pool's layout: host page h of layer i at
-        # i * host_pages + h.
-        self.host = HostShards(self._sharding, tuple(a.size for a in self._axes), cfg.num_layers, host_pages,
-                               np.dtype(dtype))
+        self.num_host_pages = self.groups.units(host_pages)  # host units
+        # This process's shards of the host pool, in the device pool's layout: slot s of host unit h at
+        # s * num_host_pages + h.
+        self.host = HostShards(self._sharding, tuple(a.size for a in self._axes), self.num_layers,
+                               self.num_host_pages, np.dtype(dtype), units_per_page=self.groups.num_groups)
         # Page-outs not yet read to the host: (device block, its host-bound copy, host pages).
         self._pending_out: list[tuple[jax.Array, jax.Array, np.ndarray]] = []
         # Page-ins issued a step ahead, their blocks on their way to the device: (block, device pages).
@@ -82,16 +87,18 @@ class KVCache:
         kernel kill the process); elsewhere, when the device refuses the allocation."""
         shape = tuple(a.size for a in self._axes)
         per_device = [shard_key(index, shape) for index in self._sharding.addressable_devices_indices_map(shape).values()]
-        page_bytes = shard_bytes(per_device, shape[0] // self.num_pages, self._dtype)  # every device holds its own
+        # engine.max_pages: pages of every layer, each `num_groups` units; every device holds its own shards
+        g = self.groups.num_groups
+        max_pages, page_bytes = self.num_pages // g, g * shard_bytes(per_device, self.num_layers, self._dtype)
         if all(d.platform == "cpu" for d in self._sharding.addressable_devices):
-            check_fits("engine.max_pages", self.num_pages, page_bytes)
+            check_fits("engine.max_pages", max_pages, page_bytes)
         try:
             return self._zeros()
         except jax.errors.JaxRuntimeError as err:
             if "RESOURCE_EXHAUSTED" not in str(err):
                 raise
             raise PoolTooLarge(
-                f"engine.max_pages={self.num_pages:,} takes {self.num_pages * page_bytes / 2**30:,.1f} GiB on this "
+                f"engine.max_pages={max_pages:,} takes {max_pages * page_bytes / 2**30:,.1f} GiB on this "
                 f"host's devices, more than they can allocate ({str(err).splitlines()[0]}); set engine.max_pages or "
                 "engine.kv_memory_gib lower") from err
 
@@ -101,23 +108,23 @@ class KVCache:
         return hax.named(make(), self._axes)
 
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
-        """Copy pages src[i] -> dst[i] in every layer (a forked sample's partial last page)."""
+        """Copy units src[i] -> dst[i], all their slots (a forked sample's partial last page)."""
         if not src:
             return
         n = 1 << (len(src) - 1).bit_length()  # pad to a power of two: few compiled shapes
         s = np.zeros(n, np.int32)
         d = np.full(n, np.iinfo(np.int32).max, np.int32)  # padding: out of range, dropped
         s[:len(src)], d[:len(dst)] = src, dst
-        layers = self.pool.array.shape[0] // self.num_pages
         with self._transfers.sending(page_copies=(s, d)):
-            self.pool = hax.named(_copy_pages(self.pool.array, s, d, self.num_pages, layers), self.pool.axes)
+            self.pool = hax.named(_copy_pages(self.pool.array, s, d, self.num_pages, self.num_layers), self.pool.axes)
 
     @property
     def num_layers(self) -> int:
-        return self.pool.array.shape[0] // self.num_pages
+        """Layers in one unit (its slots): every copy moves this many rows per unit."""
+        return self.groups.layers_per_unit
 
     def page_out(self, device_pages: list[int], host_pages: list[int]) -> None:
-        """Copy device pages to host pages (every layer), bit for bit. Asynchronous: the copy is dispatched
+        """Copy device units to host units (all their slots), bit for bit. Asynchronous: the copy is dispatched
         now and lands in the host pool at `finish_page_outs` (the pages may be reused by the next step: the
         copy reads the pool as it is now)."""
         if not device_pages:
@@ -145,7 +152,7 @@ class KVCache:
         self._pending_out = []
 
     def page_in(self, host_pages: list[int], device_pages: list[int]) -> None:
-        """Copy host pages back to device pages (every layer), bit for bit, without waiting for anything: a
+        """Copy host units back to device units (all their slots), bit for bit, without waiting for anything: a
         host page whose page-out is still in flight (dispatched this step) is copied from that page-out's device
         block, the others are sent from the host pool with an asynchronous `device_put`; the scatters are
         dispatched and the runtime orders them before the step that reads the pages."""
@@ -208,7 +215,7 @@ class KVCache:
         self._pending_out = []
 
     def _host_rows(self, host_pages: np.ndarray) -> np.ndarray:
-        """Rows of the host pool holding `host_pages` in every layer, layer-major (the gather's order)."""
+        """Rows of the host pool holding `host_pages` in every slot, slot-major (the gather's order)."""
         return self.host.rows(host_pages)
 
     def zero(self) -> None:
@@ -254,7 +261,7 @@ def _padded(pages: list[int], fill: int) -> np.ndarray:
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4))
 def _gather_pages(pool: jax.Array, src: jax.Array, num_pages: int, num_layers: int, sharding) -> jax.Array:
-    """Pages `src` of every layer, layer-major: [layers * len(src), page_size, 2 * kv_heads, head_dim]; sharded
+    """Units `src`, every slot of them, slot-major: [num_layers * len(src), page_size, 2 * kv_heads, head_dim]; sharded
     by `sharding` (the pool's on a mesh) unless None."""
     offsets = jnp.arange(num_layers, dtype=jnp.int32)[:, None] * num_pages
     block = pool[(offsets + src[None, :]).reshape(-1)]
@@ -264,14 +271,14 @@ def _gather_pages(pool: jax.Array, src: jax.Array, num_pages: int, num_layers: i
 @functools.partial(jax.jit, donate_argnums=(0,), static_argnums=(4, 5))
 def _scatter_from_block(pool: jax.Array, block: jax.Array, rows: jax.Array, dst: jax.Array, num_pages: int,
                         num_layers: int) -> jax.Array:
-    """Write rows `rows` of a page-out's block (as `_gather_pages` returns it) to pages `dst` of every layer."""
+    """Write rows `rows` of a page-out's block (as `_gather_pages` returns it) to units `dst`, every slot."""
     per_layer = block.reshape(num_layers, -1, *block.shape[1:])[:, rows]
     return _scatter_pages.__wrapped__(pool, per_layer.reshape(-1, *block.shape[1:]), dst, num_pages, num_layers)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,), static_argnums=(3, 4))
 def _scatter_pages(pool: jax.Array, block: jax.Array, dst: jax.Array, num_pages: int, num_layers: int) -> jax.Array:
-    """Write `block` (as `_gather_pages` returns it) to pages `dst` of every layer; out-of-range pages are dropped."""
+    """Write `block` (as `_gather_pages` returns it) to units `dst`, every slot; out-of-range pages are dropped."""
     offsets = jnp.arange(num_layers, dtype=jnp.int32)[:, None] * num_pages
     dst_all = jnp.where(dst[None, :] < num_pages, offsets + dst[None, :], jnp.iinfo(jnp.int32).max).reshape(-1)
     return pool.at[dst_all].set(block.astype(pool.dtype), mode="drop")

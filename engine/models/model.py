@@ -35,7 +35,7 @@ class StepSettings:
     impl: str  # "reference" | "pallas_tpu"
     pages_per_block: int
     queries_per_block: int
-    num_pages: int  # pages per layer; layer i owns pool pages [i * num_pages, (i + 1) * num_pages)
+    num_pages: int  # units (engine/kv/kv_groups.py); slot s of every unit: pool rows [s, s + 1) * num_pages
     mesh: Mesh | None = None  # when it has several devices, attention runs per device (per KV-head shard over `model`)
     tiles_per_group: int = 8  # query tiles the reference attention moves through the KV blocks together
     # Fewest rows per matmul (0: no rule). XLA's CPU matmuls pick their kernel by row count: calls of 2-32 rows
@@ -44,6 +44,23 @@ class StepSettings:
     # `row_tiles.MAX_TILE`), so a row's bits never depend on how many rows share the step.
     min_matmul_rows: int = 0
     sample_row_tile: int = 0  # rows of each tile of sampling (softmax, top-p over the vocab), exactly; 0: no tiles
+    # Each layer's KV layer group (whose page table it reads) and slot in that group's units (KVGroups); empty: one
+    # group, layer l at slot l.
+    layer_group: tuple[int, ...] = ()
+    layer_slot: tuple[int, ...] = ()
+
+    @property
+    def num_groups(self) -> int:
+        """Page tables a step reads (StepInputs' G)."""
+        return max(self.layer_group, default=0) + 1
+
+    def layer_table(self, layer: jax.Array | int) -> tuple[jax.Array | int, jax.Array]:
+        """The group whose page table and slots layer `layer` (traced in a scan, or a constant) reads, and the
+        offset of its slot's rows in the pool, in units."""
+        if not self.layer_group:
+            return 0, layer * self.num_pages
+        group = jnp.asarray(self.layer_group, jnp.int32)[layer]
+        return group, jnp.asarray(self.layer_slot, jnp.int32)[layer] * self.num_pages
 
 
 class Attention(eqx.Module):
@@ -223,11 +240,12 @@ def _attention(q: NamedArray, k: NamedArray, v: NamedArray, pool: NamedArray, la
     if not native_rope:
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
 
-    # This layer's pages sit at an offset in the one pool shared by all layers.
-    page_offset = layer * settings.num_pages
-    slots = jnp.where(inputs.slot_mapping < settings.num_pages * pool.axis_size(PAGE_SLOT),
-                      inputs.slot_mapping + page_offset * pool.axis_size(PAGE_SLOT), jnp.iinfo(jnp.int32).max)
-    pages = inputs.page_indices + page_offset
+    # This layer reads its group's page table, at its slot's offset in the one pool shared by all layers.
+    group, page_offset = settings.layer_table(layer)
+    slot_mapping = inputs.slot_mapping[group]
+    slots = jnp.where(slot_mapping < settings.num_pages * pool.axis_size(PAGE_SLOT),
+                      slot_mapping + page_offset * pool.axis_size(PAGE_SLOT), jnp.iinfo(jnp.int32).max)
+    pages = inputs.page_indices[group] + page_offset
 
     def attend(q, k, v, kv, slots, kv_lens, pages, cu_q_lens, num_seqs, cos, sin):
         if native_rope:
@@ -254,7 +272,9 @@ def _attention(q: NamedArray, k: NamedArray, v: NamedArray, pool: NamedArray, la
     return out, hax.named(kv, pool.axes)
 
 
-def kv_pool_axes(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple[hax.Axis, ...]:
-    """The pool holds every layer's pages: [layers * num_pages, page_size, 2 * kv_heads, head_dim]."""
-    return (hax.Axis(PAGE, cfg.num_layers * num_pages), hax.Axis(PAGE_SLOT, page_size),
+def kv_pool_axes(cfg: ModelConfig, num_pages: int, page_size: int, layers_per_unit: int | None = None
+                 ) -> tuple[hax.Axis, ...]:
+    """The pool holds every layer's pages: [layers_per_unit * num_pages, page_size, 2 * kv_heads, head_dim], in
+    `num_pages` units of `layers_per_unit` layers (KVGroups; default: pages of every layer)."""
+    return (hax.Axis(PAGE, (layers_per_unit or cfg.num_layers) * num_pages), hax.Axis(PAGE_SLOT, page_size),
             hax.Axis(KV_COMBINED, 2 * cfg.num_kv_heads), hax.Axis(HEAD_SIZE, cfg.head_dim))

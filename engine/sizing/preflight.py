@@ -100,7 +100,10 @@ def lower_step_programs(cfg: ModelConfig, engine: EngineConfig, max_seq_len: int
     impl = "pallas_tpu" if platform == "tpu" else "reference"
     cfg = sharded_config(cfg, mesh.shape["model"])  # the KV heads as the engine holds them (replicated past kv_heads)
     model = abstract_transformer(cfg, jdtype, mesh)
-    pool_axes = kv_pool_axes(cfg, engine.max_pages, engine.page_size)
+    from engine.device import runner
+    run_config = RunnerConfig.of(engine)
+    groups = runner.kv_groups_of(run_config, cfg)
+    pool_axes = kv_pool_axes(cfg, groups.units(engine.max_pages), engine.page_size, groups.layers_per_unit)
     pool = hax.NamedArray(jax.ShapeDtypeStruct(tuple(a.size for a in pool_axes), jdtype,
                                           sharding=NamedSharding(mesh, partition_spec(pool_axes, mesh))), pool_axes)
     replicated = NamedSharding(mesh, P())
@@ -108,8 +111,7 @@ def lower_step_programs(cfg: ModelConfig, engine: EngineConfig, max_seq_len: int
     def arg(shape: tuple[int, ...], kind) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, jnp.dtype(kind), sharding=replicated)
 
-    from engine.device import runner
-    settings = runner.step_settings(RunnerConfig.of(engine), impl, mesh, platform)
+    settings = runner.step_settings(run_config, groups, impl, mesh, platform)
     tp = mesh.shape["model"]
     programs = []
     for name, tokens, seqs, fn, args in _runner_programs(engine, max_seq_len, sampling_mode, num_stop_ids,
@@ -168,9 +170,11 @@ def _runner_programs(engine: EngineConfig, max_seq_len: int, mode: str, num_stop
     token_buckets = sorted({runner.bucket(n, runner.MIN_TOKEN_BUCKET) for n in range(1, engine.max_prefill_size + 1)})
     i32, f32 = jnp.int32, jnp.float32
 
+    G = settings.num_groups
+
     def inputs(T: int, S: int):
-        return runner.StepInputs(arg((T,), i32), arg((T,), i32), arg((T,), i32), arg((S + 1,), i32), arg((S,), i32),
-                                 arg((S, pages), i32), arg((1,), i32), arg((S,), i32))
+        return runner.StepInputs(arg((T,), i32), arg((T,), i32), arg((G, T), i32), arg((S + 1,), i32),
+                                 arg((S,), i32), arg((G, S, pages), i32), arg((1,), i32), arg((S,), i32))
 
     def sampling(S: int) -> tuple:
         return arg((S,), f32), arg((S,), i32), arg((S,), f32), arg((S,), f32), arg((S, 2), jnp.uint32)
@@ -193,7 +197,7 @@ def _runner_programs(engine: EngineConfig, max_seq_len: int, mode: str, num_stop
         for S in decode:
             per_row = tuple(arg((S,), i32) for _ in range(4))
             yield ("multi_step", S, S, multi_step._steps_sample,
-                   (model, pool, settings, K, mode, *per_row[:3], arg((S, pages), i32), arg((1,), i32),
+                   (model, pool, settings, K, mode, *per_row[:3], arg((G, S, pages), i32), arg((1,), i32),
                     *sampling(S), arg((S, stops), i32), penalties(S)))
             if engine.pipeline_decode:
                 yield ("chain", S, S, multi_step._chain,

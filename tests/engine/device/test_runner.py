@@ -23,19 +23,19 @@ def test_decode_only_inputs(runner):
     got = runner.build_inputs(chunks, [0, 0, 1, 2])
     np.testing.assert_array_equal(got.token_ids, [5, 7, 9, 0])  # 3 sequences in the 4-row bucket
     np.testing.assert_array_equal(got.positions, [0, 9, 16, 0])
-    np.testing.assert_array_equal(got.slot_mapping, [3 * 8, 4 * 8 + 1, 6 * 8, 64 * 8])  # padding: out of range
+    np.testing.assert_array_equal(got.slot_mapping, [[3 * 8, 4 * 8 + 1, 6 * 8, 64 * 8]])  # padding: out of range
     np.testing.assert_array_equal(got.cu_q_lens, [0, 1, 2, 3, 3])
     np.testing.assert_array_equal(got.kv_lens, [1, 10, 17, 0])
-    expected_pages = np.zeros((4, runner.pages_per_seq), np.int32)
-    expected_pages[0, :1], expected_pages[1, :2], expected_pages[2, :3] = [3], [1, 4], [2, 0, 6]
+    expected_pages = np.zeros((1, 4, runner.pages_per_seq), np.int32)  # one KV layer group
+    expected_pages[0, 0, :1], expected_pages[0, 1, :2], expected_pages[0, 2, :3] = [3], [1, 4], [2, 0, 6]
     np.testing.assert_array_equal(got.page_indices, expected_pages)
     np.testing.assert_array_equal(got.num_seqs, [3])
     np.testing.assert_array_equal(got.logits_indices, [0, 0, 1, 2])
     np.testing.assert_array_equal(runner.build_inputs(chunks).logits_indices, [0, 1, 2, 0])
     # The same sequences with a prompt chunk among them take the general path: same per-token arrays.
     mixed = runner.build_inputs(chunks + [SeqChunk([1, 2], 0, [5])])
-    np.testing.assert_array_equal(mixed.slot_mapping[:3], got.slot_mapping[:3])
-    np.testing.assert_array_equal(mixed.page_indices[:3], got.page_indices[:3])
+    np.testing.assert_array_equal(mixed.slot_mapping[:, :3], got.slot_mapping[:, :3])
+    np.testing.assert_array_equal(mixed.page_indices[:, :3], got.page_indices[:, :3])
     np.testing.assert_array_equal(mixed.kv_lens[:3], got.kv_lens[:3])
 
 

@@ -50,14 +50,15 @@ FAMILIES = {
 GEMMA_NORMS = ("gemma2", "gemma3_text")  # RMSNorm as (1 + weight): weights drawn around 0, not 1
 
 
-def make_hf_model(family: str, out: Path, *, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=None,
+def make_hf_model(family: str, out: Path, *, hidden=64, layers=None, heads=4, kv_heads=2, head_dim=None,
                   intermediate=128, vocab=256, seed=0, max_shard_size=None, **overrides):
-    """`head_dim` defaults to the family's (16 unless FAMILIES says otherwise)."""
+    """`head_dim` and `layers` default to the family's (16 and 2 unless FAMILIES says otherwise)."""
     spec = dict(FAMILIES[family])
     cls = getattr(transformers, spec.pop("cls"))
     head_dim = head_dim or spec.pop("head_dim", 16)
     spec.pop("head_dim", None)
-    layers = spec.pop("layers", layers)
+    layers = layers or spec.pop("layers", 2)
+    spec.pop("layers", None)
     config = cls(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                  num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=intermediate,
                  vocab_size=vocab, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
