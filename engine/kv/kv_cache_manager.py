@@ -60,6 +60,7 @@ class KVCacheManager:
     def __init__(self, config: KVCacheConfig) -> None:
         self.config = config
         self.groups = config.layer_groups
+        self._sliding = [g for g, w in enumerate(self.groups.windows) if w is not None]  # groups that give pages back
         self.allocator = PageAllocator(self.groups.units(config.max_pages))
         self.swapper = Swapper(config, self.allocator)  # the host pool: swap preemption and the host tier
         self.prefix = PrefixCache(config, self.allocator, self.swapper)
@@ -78,9 +79,11 @@ class KVCacheManager:
 
     def release(self, seq: Sequence) -> None:
         """Give back the pages of the sequence's sliding groups that lie wholly before the window of its next
-        token to compute (no later query sees them); they stay cached (evictable) when the prefix cache holds them."""
+        token to compute (no later query sees them); they stay cached (evictable) when the prefix cache holds them.
+        The scheduler calls it after every step, and this manager before it allocates or swaps."""
         ps = self.config.page_size
-        for g, pages in enumerate(seq.pages):
+        for g in self._sliding if seq.pages else ():
+            pages = seq.pages[g]
             end = min(self.groups.first_needed(g, seq.num_computed, ps), len(pages))
             gone = [p for p in pages[:end] if p != NONE]
             if gone:

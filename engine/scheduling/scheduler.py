@@ -235,6 +235,8 @@ class Scheduler:
         done = self._take_tokens(scheduled, result) if output.decode is None else self._take_steps(scheduled, result)
         for seq in done:
             self.finish(seq)
+        for seq in self.running:  # sliding layer groups: the pages the computed tokens left behind go back now
+            self.kv.release(seq)
         if self.config.debug_invariants:
             self.check_invariants()
         return done

@@ -62,13 +62,16 @@ def test_logprobs_do_not_depend_on_the_batch_at_one_page_size(gemma):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_prefix_cache_and_recompute_preemption_keep_samples_bit_identical(gemma, impl):
-    """Shared prefixes longer than the window, two calls of one engine: the cache on and off, and a pool that
-    preempts (recompute), give the same tokens and logprobs as an ample pool without the cache."""
+    """Shared prefixes longer than the window, two calls of one engine: the cache on and off, a pool that preempts
+    (recompute), and one page table for every layer instead of the layer groups give the same tokens and logprobs
+    as an ample pool without the cache."""
     requests = _shared_prefix_requests(2, 0.8)
     ample, _, none = _two_batches(gemma, impl, requests, max_pages=400, prefix_caching=False)
+    one_table, _, _ = _two_batches(gemma, impl, requests, max_pages=400, prefix_caching=False, kv_groups="off")
     cached, hits, _ = _two_batches(gemma, impl, requests, max_pages=400, prefix_caching=True)
     small, _, preempted = _two_batches(gemma, impl, requests, max_pages=24, prefix_caching=False)
     assert none == 0 and preempted > 0 and hits > 0
+    assert one_table == ample  # the layer groups (engine.kv_groups auto, the default) change no bit
     assert cached == ample
     assert small == ample
 
@@ -83,3 +86,62 @@ def test_swap_recompute_and_an_ample_pool_give_bit_identical_samples(gemma, impl
     assert recompute_engine.scheduler.num_preemptions > 0 and swap_engine.stats.kv_pages_out > 0
     assert swap_engine.stats.recompute_tokens == 0
     assert swap == recompute == ample
+
+
+def _stepped(engine: Engine, requests: list[Request], watch) -> dict:
+    """Run `requests` step by step, calling `watch(engine)` after each step; the samples by prompt id."""
+    for r in requests:
+        assert engine.add_request(r) is None
+    done = []
+    while engine.has_unfinished:
+        done += engine.step()
+        watch(engine)
+    return {c.prompt_id: (c.token_ids, c.logprobs) for c in done}
+
+
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_sliding_layers_hold_only_their_window(decode_steps, tmp_path):
+    """Gemma 3 with S = 2 sliding layers (a window of W = 24 tokens) and G = 1 full one: a sequence of L tokens holds
+    at most (G + S W / L) / (G + S) of the KV pages one table for every layer would, plus a page per group (the
+    manager's own count of pages in use, after every step of a 300-token prompt and 40 new tokens), and its
+    tokens and logprobs are those of one table (engine.kv_groups off)."""
+    make_hf_model("gemma3_text", tmp_path, vocab=512)
+    prompt = np.random.default_rng(0).integers(6, 512, 300).tolist()
+    request = Request("long", tuple(prompt), SamplingConfig(max_new_tokens=40, temperature=0.0, logprobs=True))
+    ps, G, S, W = 4, 1, 2, 24
+    seen = []
+
+    def watch(engine):
+        (seq,) = engine.scheduler.running or [None]
+        if seq is not None:
+            used, L = engine.scheduler.kv.snapshot()["pages_in_use"], seq.num_computed
+            one_table = seq.num_pages * (G + S)  # units of one layer each here (three groups of one layer)
+            seen.append((L, used, one_table))
+            assert used <= (G + S * W / L) / (G + S) * one_table + (G + S), (L, used, one_table)
+
+    config = dict(page_size=ps, max_pages=200, max_seq_len=512, decode_steps=decode_steps, max_prefill_size=64,
+                  debug_invariants=True, prefix_caching=False)
+    grouped = _stepped(Engine(tmp_path, EngineConfig(**config)), [request], watch)
+    assert seen and seen[-1][1] < 0.45 * seen[-1][2]  # at 340 tokens: 85 pages of the full layer, ~8 of each sliding
+    one_table = _stepped(Engine(tmp_path, EngineConfig(kv_groups="off", **config)), [request], lambda e: None)
+    assert grouped == one_table
+
+
+def test_a_long_context_workload_runs_a_larger_batch_in_the_same_pool(tmp_path):
+    """Eight prompts of 200 tokens and 40 new tokens in a pool of 180 pages (of every layer): one table holds three
+    such sequences at once (61 pages each), the layer groups nearly three times as many (the two sliding layers
+    hold 8 pages each, not 61); the samples are the same, and the grouped engine preempts less."""
+    make_hf_model("gemma3_text", tmp_path, vocab=512)
+    rng = np.random.default_rng(1)
+    sampling = SamplingConfig(max_new_tokens=40, temperature=0.0, logprobs=True)
+    requests = [Request(f"r{i}", tuple(rng.integers(6, 512, 200).tolist()), sampling) for i in range(8)]
+    runs = {}
+    for mode in ("off", "auto"):
+        peak = [0]
+        engine = Engine(tmp_path, EngineConfig(page_size=4, max_pages=180, max_seqs=8, max_seq_len=512, kv_groups=mode))
+        samples = _stepped(engine, requests, lambda e: peak.__setitem__(0, max(peak[0], len(e.scheduler.running))))
+        runs[mode] = samples, peak[0], engine.scheduler.num_preemptions
+    (off, off_peak, off_preempted), (auto, auto_peak, auto_preempted) = runs["off"], runs["auto"]
+    assert auto == off
+    assert off_peak <= 3 and auto_peak >= 6, (off_peak, auto_peak)
+    assert auto_preempted <= off_preempted
