@@ -26,7 +26,6 @@ from engine.device.device_calls import (MIN_SEQ_BUCKET, MIN_TOKEN_BUCKET, bucket
 from engine.kv.kv_cache import KVCache
 from engine.kv.kv_groups import KVGroups
 from engine.models.model import StepSettings, Transformer, unstack_layers
-from engine.models.model_config import ModelConfig
 from engine.device.multi_step import DecodeRow, MultiStepCalls, PendingSteps
 from engine.device.runner_config import RunnerConfig
 # Bound here and in engine/device/multi_step.py: tests patch `_sampling_mode` in both; callers build rows as
@@ -129,15 +128,6 @@ _step_sample_score = jax.jit(_forward_sample_score, donate_argnums=(1,), static_
 _penalty_state = jax.jit(penalty_state, static_argnums=(2,))
 
 
-def kv_groups_of(config: RunnerConfig, cfg: ModelConfig) -> KVGroups:
-    """The KV layer groups a runner of `config` keeps for a model of `cfg`: the config's, or one page table for every
-    layer."""
-    groups = config.kv.groups or KVGroups.single(cfg.num_layers)
-    if len(groups.layer_group) != cfg.num_layers:
-        raise ValueError(f"KV layer groups of {len(groups.layer_group)} layers for a model of {cfg.num_layers}")
-    return groups
-
-
 def step_settings(config: RunnerConfig, groups: KVGroups, impl: str, mesh, platform: str) -> StepSettings:
     """The forward pass's static settings, for `platform`: one for every kind of step (decode-only or with prompt
     chunks), so that a row's bits do not depend on the kind of step it is computed in. One group leaves the layers'
@@ -161,7 +151,7 @@ class ModelRunner(MultiStepCalls):
         self.stop_ids = sorted(stop_ids)
         self.pages_per_seq = pages_for(max_seq_len, config.page_size)  # page-table width
         self.transfers = TransferLedger()  # every read of a device output and every host input below goes through it
-        self.kv_groups = kv_groups_of(config, model.config)
+        self.kv_groups = KVGroups.of_layers(config.kv.groups, model.config.num_layers)
         self.kv = KVCache(model.config, self.kv_groups.units(config.max_pages), config.page_size, self.transfers,
                           kv_dtype, mesh, host_pages=config.kv.host_kv_pages, groups=self.kv_groups)
         self.clock = DeviceClock()  # every dispatch and every wait for outputs below is timed on it

@@ -55,6 +55,14 @@ class KVGroups:
         return cls((window,), (0,) * num_layers, tuple(range(num_layers)))
 
     @classmethod
+    def of_layers(cls, groups: "KVGroups | None", num_layers: int) -> "KVGroups":
+        """`groups` (a runner's config), or one page table for every layer; checked against the model's layers."""
+        groups = groups or cls.single(num_layers)
+        if len(groups.layer_group) != num_layers:
+            raise ValueError(f"KV layer groups of {len(groups.layer_group)} layers for a model of {num_layers}")
+        return groups
+
+    @classmethod
     def of(cls, layer_windows: Sequence[int | None], grouped: bool = True) -> "KVGroups":
         """The groups of a model whose layer l attends `layer_windows[l]` tokens back (None: all of them);
         `grouped` False: one table for every layer, which keeps every position's KV."""

@@ -30,6 +30,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding, PartitionS
 from engine.sizing.capacity import pages_for
 from engine.config import EngineConfig, SamplingConfig
 from engine.device.runner_config import RunnerConfig
+from engine.kv.kv_groups import KVGroups
 from engine.models.model import StepSettings, kv_pool_axes
 from engine.models.model_config import ModelConfig
 from engine.kernels.pallas_blocks import KernelBlocks, kernel_blocks
@@ -101,8 +102,8 @@ def lower_step_programs(cfg: ModelConfig, engine: EngineConfig, max_seq_len: int
     cfg = sharded_config(cfg, mesh.shape["model"])  # the KV heads as the engine holds them (replicated past kv_heads)
     model = abstract_transformer(cfg, jdtype, mesh)
     from engine.device import runner
-    run_config = RunnerConfig.of(engine)
-    groups = runner.kv_groups_of(run_config, cfg)
+    groups = KVGroups.for_engine(cfg.layer_windows(), engine.kv_groups, engine.host_kv_pages)  # as the engine runs
+    run_config = RunnerConfig.of(engine, groups)
     pool_axes = kv_pool_axes(cfg, groups.units(engine.max_pages), engine.page_size, groups.layers_per_unit)
     pool = hax.NamedArray(jax.ShapeDtypeStruct(tuple(a.size for a in pool_axes), jdtype,
                                           sharding=NamedSharding(mesh, partition_spec(pool_axes, mesh))), pool_axes)

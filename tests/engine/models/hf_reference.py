@@ -150,16 +150,17 @@ def prompts_1_to_250(count: int, seed: int, vocab: int, edges: tuple[int, int, i
     return [rng.integers(6, vocab, int(n)).tolist() for n in lengths]
 
 
-def generate_records(model_dir: Path, work: Path, prompts: list[list[int]], new_tokens: int) -> list[dict]:
+def generate_records(model_dir: Path, work: Path, prompts: list[list[int]], new_tokens: int,
+                     max_pages: int = 60) -> list[dict]:
     """`pagefleet generate`'s records of `prompts` (given as token ids), greedy with logprobs, `new_tokens` each, 6 at
-    once in 60 pages of 16 with the engine's invariants checked: small enough that some are preempted (asserted)."""
+    once in `max_pages` pages of 16 with the engine's invariants checked: small enough that some are preempted (asserted)."""
     (work / "in.jsonl").write_text("".join(json.dumps({"id": f"p{i}", "prompt_token_ids": p}) + "\n"
                                            for i, p in enumerate(prompts)))
     out, stats_file = work / "out.jsonl", work / "stats.json"
     code = generate_main(["--model", str(model_dir), "--input", str(work / "in.jsonl"),
                           "--output", str(out), "--stats_output", str(stats_file), "--progress=false",
                           f"--sampling.max_new_tokens={new_tokens}", "--sampling.temperature=0",
-                          "--sampling.logprobs=true", "--engine.page_size=16", "--engine.max_pages=60",
+                          "--sampling.logprobs=true", "--engine.page_size=16", f"--engine.max_pages={max_pages}",
                           "--engine.max_seqs=6", "--engine.max_seqs_in_prefill=3", "--engine.max_prefill_size=128",
                           "--engine.max_seq_len=320", "--engine.debug_invariants=true"])
     assert code == 0
