@@ -73,8 +73,7 @@ class Engine:
         """`load_s` and `bytes_read` (from an object store: only this host's shards; 0 for a local checkpoint)."""
         model = load_transformer(model_path, dtype=jdtype, mesh=mesh, config=self.model_config, report=self.load_report)
         cfg = self.model_config
-        groups = KVGroups.for_engine([cfg.layer_window(i) for i in range(cfg.num_layers)], config.kv_groups,
-                                     config.host_kv_pages)
+        groups = KVGroups.for_engine(cfg.layer_windows(), config.kv_groups, config.host_kv_pages)
         runner = ModelRunner(model, RunnerConfig.of(config, groups), self.max_seq_len, eos_token_ids, mesh=mesh,
                              kv_dtype=jdtype)
         self._setup(config, runner, cfg.vocab_size, eos_token_ids, tokenizer, cfg.image_token_id, groups)

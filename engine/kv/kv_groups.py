@@ -97,12 +97,23 @@ class KVGroups:
         w = self.windows[group]
         return 0 if w is None else max(0, num_computed - w + 1) // page_size
 
-    def held_pages(self, num_tokens: int, page_size: int) -> int:
-        """Units a sequence holds once its first `num_tokens` tokens are computed and its slid-out pages given back
-        (what the KV cache manager does before each of its steps)."""
+    def seq_units(self, num_tokens: int, page_size: int) -> int:
+        """Units a sequence of `num_tokens` tokens holds at most between steps: every page of a group without a
+        window; a sliding group's window's pages and the one its next token goes to (never more than it has)."""
         n = -(-num_tokens // page_size)
-        return sum(n - self.first_needed(g, num_tokens, page_size) for g in range(self.num_groups))
+        return sum(n if w is None else min(n, -(-w // page_size) + 1) for w in self.windows)
 
+    def seqs_that_fit(self, max_pages: int, num_tokens: int, page_size: int) -> int:
+        """Sequences of `num_tokens` tokens a pool of `max_pages` pages (of every layer) holds at once."""
+        return self.units(max_pages) // self.seq_units(num_tokens, page_size)
+
+    def tokens_read(self, num_tokens: float) -> float:
+        """Tokens of KV a query at position `num_tokens` reads, averaged over the groups (each a window at most)."""
+        return sum(num_tokens if w is None else min(num_tokens, w) for w in self.windows) / self.num_groups
+
+    def pages_for_seqs(self, num_seqs: int, num_tokens: int, page_size: int) -> int:
+        """Pages (of every layer) that hold `num_seqs` sequences of `num_tokens` tokens at once."""
+        return -(-num_seqs * self.seq_units(num_tokens, page_size) // self.num_groups)
 
 def held(pages: list[list[int]]) -> list[int]:
     """The pages a sequence's page lists (one per group) hold: every group's, the ones given back left out."""

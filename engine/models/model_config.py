@@ -119,6 +119,10 @@ class ModelConfig:
         """Tokens layer `layer`'s queries see (their own included); None: the whole context."""
         return self.sliding_window if self.is_sliding(layer) else None
 
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Every layer's `layer_window`, in order (what the KV pool's layer groups follow, engine/kv/kv_groups.py)."""
+        return tuple(self.layer_window(i) for i in range(self.num_layers))
+
     def rope_inv_freq(self, sliding: bool = False) -> list[float]:
         """Inverse frequencies (radians per position) of each rotary pair, scaling applied; `sliding`: those of
         the sliding-window layers, which Gemma 3 gives their own base (`style.local_rope_theta`), unscaled."""

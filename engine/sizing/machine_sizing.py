@@ -10,7 +10,8 @@ the machine, as vLLM does, and this module says how. Every value the caller set 
 - **Pages.** `max_pages = floor(budget / (page_size * kv_bytes_per_token))`, where one token's K and V
   in every layer take `2 * layers * kv_heads * head_dim * dtype_bytes` bytes (engine/kv/kv_cache.py's pool).
 - **Slots.** `max_seqs` is the platform's cap (`MAX_SEQS`), lowered to the largest power of two whose
-  sequences all fit at `max_seq_len` (no preemption however long they grow). On an accelerator decoding
+  sequences all fit at `max_seq_len` (no preemption however long they grow), each holding its layer groups' pages
+  (engine/kv/kv_groups.py: a sliding-window layer holds its window's, engine.kv_groups). On an accelerator decoding
   is memory-bound, so more rows are nearly free: 256, vLLM's default. On CPU a step is compute-bound:
   rows beyond what keeps the matmuls efficient add time, not throughput, while slots that the workload
   cannot fill lower the occupancy (a 256-prompt job on 256 slots spends most of its steps filling them).
@@ -20,7 +21,7 @@ the machine, as vLLM does, and this module says how. Every value the caller set 
   the engine), `longest` is the most tokens one of its sequences can reach (its prompt plus its
   `max_new_tokens`). Slots are then counted at that length instead of `max_seq_len`, `max_seq_len` itself
   becomes that length (unless set), and the pool is cut to what those slots can use at once,
-  `max_seqs * pages_for(longest)`: a job of short prompts does not zero
+  `max_seqs` such sequences' pages: a job of short prompts does not zero
   (and keep) a pool sized for the model's whole context. Zeroing the CPU's quarter of memory took 2.6-5.6 s of
   a 75-second job.
 - **Prompts per step.** `max_seqs_in_prefill` is `max_seqs`: the token budget alone bounds a step, as in
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 
 from engine.sizing.capacity import max_seq_len, pages_for
 from engine.config import EngineConfig
+from engine.kv.kv_groups import KVGroups
 from engine.sizing.model_bytes import DTYPE_BYTES, GiB, count_params, kv_page_bytes
 from engine.models.model_config import ModelConfig
 
@@ -107,7 +109,8 @@ def size_for_machine(config: EngineConfig, model: ModelConfig, dtype: str, machi
     seq_len, what = limit, f"engine.max_seq_len={limit}"
     if longest is not None and longest < limit:
         seq_len, what = max(1, longest), f"the input's longest sequence, {max(1, longest)}"
-    seq_pages = pages_for(seq_len, config.page_size)
+    seq_pages = pages_for(seq_len, config.page_size)  # one table's; a pool smaller than one sequence is refused
+    groups = KVGroups.for_engine(model.layer_windows(), config.kv_groups, config.host_kv_pages)
     changes: dict[str, int] = {}
     max_pages = config.max_pages
     if "max_pages" not in explicit:
@@ -120,7 +123,7 @@ def size_for_machine(config: EngineConfig, model: ModelConfig, dtype: str, machi
                 f"engine.kv_memory_gib or engine.max_pages higher, or engine.max_seq_len lower")
         changes["max_pages"] = max_pages
     if "max_seqs" not in explicit:
-        fit = max_pages // seq_pages  # sequences that all fit at full length: no preemption
+        fit = groups.seqs_that_fit(max_pages, seq_len, config.page_size)  # all at full length: no preemption
         changes["max_seqs"] = max(1, min(MAX_SEQS[machine.platform], 2 ** int(math.log2(max(fit, 1)))))
     if "max_prefill_size" not in explicit:
         changes["max_prefill_size"] = STEP_TOKENS[machine.platform]
@@ -128,7 +131,7 @@ def size_for_machine(config: EngineConfig, model: ModelConfig, dtype: str, machi
         if "max_seq_len" not in explicit:  # no sequence of the input is longer: the page tables shrink to it
             changes["max_seq_len"] = limit = seq_len
         if "max_pages" not in explicit:  # no more pages than the slots can use at once (and one whole sequence)
-            slots = changes.get("max_seqs", config.max_seqs) * seq_pages
+            slots = groups.pages_for_seqs(changes.get("max_seqs", config.max_seqs), seq_len, config.page_size)
             changes["max_pages"] = min(max_pages, max(slots, pages_for(limit, config.page_size)))
     if "max_seqs_in_prefill" not in explicit:
         changes["max_seqs_in_prefill"] = changes.get("max_seqs", config.max_seqs)

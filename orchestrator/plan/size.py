@@ -16,11 +16,12 @@ The rules, per chip of one tensor-parallel group (one engine):
 - **Pages.** `max_pages = floor((hbm - weights - reserve) / (page_size * kv_bytes_per_token / tp))`,
   where `reserve = reserve_fraction * hbm` is left for activations, logits and XLA's compile
   workspace.
-- **Sequences.** A sequence of `prompt + new` tokens needs `ceil((prompt + new) / page_size)` pages;
-  `max_seqs` is how many fit, rounded down to a power of two (the runner pads steps to power-of-two
-  buckets) and capped at `max_seqs_cap`.
+- **Sequences.** A sequence of `prompt + new` tokens needs `ceil((prompt + new) / page_size)` pages in a
+  layer of full attention, and in a sliding-window layer (Gemma 2 and 3, Mistral) only its window's pages and
+  one more (`engine/kv/kv_groups.py`, engine.kv_groups auto); `max_seqs` is how many fit, rounded down to a
+  power of two (the runner pads steps to power-of-two buckets) and capped at `max_seqs_cap`.
 - **Throughput bound.** A decode step reads every weight on the chip once plus the KV of every live
-  sequence (on average `prompt + new / 2` tokens each), so
+  sequence (on average `prompt + new / 2` tokens each, a sliding layer's window at most), so
   `tokens/s <= max_seqs / ((weights + max_seqs * avg_len * kv_per_token) / hbm_bandwidth)` per
   engine, times `chips / tp` engines per slice. Real decoding is slower (compute, collectives,
   host round trips); the bound says which knob matters.
@@ -33,8 +34,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import (DTYPE_BYTES, GiB, ModelConfig, count_params, kv_bytes_per_token, kv_page_bytes, pages_for,
-                    sharded_config, tensor_parallel_error)
+from engine import (DTYPE_BYTES, GiB, KVGroups, ModelConfig, count_params, kv_bytes_per_token, kv_page_bytes,
+                    pages_for, sharded_config, tensor_parallel_error)
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,10 @@ class SizeReport:
     prompt_tokens: int
     new_tokens: int
     pages_per_seq: int
+    """Pages of every layer a sequence of the workload would hold in one table."""
+    held_pages_per_seq: float
+    """Pages' worth it holds with the layer groups (a sliding-window layer holds its window's): `pages_per_seq`
+    for a model without a sliding window."""
     seqs_that_fit: int
     max_seqs_cap: int
     max_seqs: int
@@ -166,8 +171,9 @@ class SizeReport:
             f"({self.reserve_fraction:.0%} of HBM, --reserve-fraction)",
             f"KV budget per chip: {gib(self.kv_budget_bytes_per_chip)} = "
             f"{self.max_pages:,} pages of {self.page_size} tokens ({self.kv_bytes_per_page_per_chip:,} bytes per page per chip)",
-            f"workload: {self.prompt_tokens} prompt + {self.new_tokens} new tokens = {self.pages_per_seq} pages per sequence; "
-            f"{self.seqs_that_fit:,} sequences fit",
+            f"workload: {self.prompt_tokens} prompt + {self.new_tokens} new tokens = {self.pages_per_seq} pages per sequence"
+            + (f" ({self.held_pages_per_seq:,.1f} held: its sliding-window layers keep their window's)"
+               if self.held_pages_per_seq < self.pages_per_seq else "") + f"; {self.seqs_that_fit:,} sequences fit",
             "suggested engine capacities (per engine):",
             f"  engine.max_pages: {self.max_pages}",
             f"  engine.max_seqs: {self.max_seqs}   (power of two, capped at --max-seqs-cap {self.max_seqs_cap})",
@@ -240,7 +246,8 @@ def size(cfg: ModelConfig, *, hbm_gib: float, hbm_gb_per_s: float, tp: int = 1, 
             f"{hbm / GiB:.2f} GiB HBM, leaving no room for one sequence's KV ({pages_per_seq} pages); "
             "raise --tp (cluster.mesh.model), use a chip with more HBM, or lower --reserve-fraction")
     max_pages = budget // page_bytes
-    fit = max_pages // pages_per_seq
+    groups = KVGroups.for_engine(cfg.layer_windows(), "auto", 0)  # engine.kv_groups' default, no host pool
+    fit = groups.seqs_that_fit(max_pages, seq_len, page_size)
     max_seqs = largest_pow2_at_most(min(fit, max_seqs_cap))
     # A step holds at least one whole prompt (up to 4,096 tokens): fewer, longer steps fill the MXUs;
     # the step's activations are what the reserve is for.
@@ -249,7 +256,7 @@ def size(cfg: ModelConfig, *, hbm_gib: float, hbm_gb_per_s: float, tp: int = 1, 
     max_seqs_in_prefill = min(max_seqs, max(8, max_prefill_size // prompt_tokens))
 
     avg_len = prompt_tokens + new_tokens / 2
-    step_bytes = weights + max_seqs * avg_len * kv_token_chip
+    step_bytes = weights + max_seqs * groups.tokens_read(avg_len) * kv_token_chip
     step_s = step_bytes / (hbm_gb_per_s * 1e9)
     per_engine = max_seqs / step_s
     compute_s = None
@@ -262,7 +269,8 @@ def size(cfg: ModelConfig, *, hbm_gib: float, hbm_gb_per_s: float, tp: int = 1, 
         replicated_params=params.replicated, sharded_params=params.sharded, weight_bytes_per_chip=weights,
         kv_bytes_per_token=kv_token, kv_bytes_per_token_per_chip=kv_token_chip, page_size=page_size,
         kv_bytes_per_page_per_chip=page_bytes, kv_budget_bytes_per_chip=budget, max_pages=max_pages,
-        prompt_tokens=prompt_tokens, new_tokens=new_tokens, pages_per_seq=pages_per_seq, seqs_that_fit=fit,
+        prompt_tokens=prompt_tokens, new_tokens=new_tokens, pages_per_seq=pages_per_seq,
+        held_pages_per_seq=groups.seq_units(seq_len, page_size) / groups.num_groups, seqs_that_fit=fit,
         max_seqs_cap=max_seqs_cap, max_seqs=max_seqs, max_seqs_in_prefill=max_seqs_in_prefill,
         max_prefill_size=max_prefill_size, max_seq_len=seq_len, decode_step_s=step_s,
         decode_tokens_per_s_per_engine=per_engine,

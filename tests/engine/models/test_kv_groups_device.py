@@ -98,7 +98,7 @@ def run(model, groups: KVGroups | None, impl: str, seed: int, mesh=None) -> tupl
 @pytest.mark.parametrize("impl", ["reference", "cpu_kernel"])
 def test_grouped_page_tables_give_the_bits_of_one_table(gemma3, impl):
     cfg = gemma3.config
-    groups = KVGroups.of([cfg.layer_window(layer) for layer in range(cfg.num_layers)])
+    groups = KVGroups.of(cfg.layer_windows())
     assert (groups.num_groups, groups.layers_per_unit) == (3, 2)
     one, kept = run(gemma3, None, impl, seed=1)
     grouped, given_back = run(gemma3, groups, impl, seed=2)
@@ -130,7 +130,7 @@ def test_scanned_layers_over_four_devices_read_their_groups_tables(tmp_path, mon
 
 def test_a_token_in_a_page_given_back_is_refused(gemma3):
     cfg = gemma3.config
-    groups = KVGroups.of([cfg.layer_window(layer) for layer in range(cfg.num_layers)])
+    groups = KVGroups.of(cfg.layer_windows())
     runner = ModelRunner(gemma3, RunnerConfig.of(EngineConfig(**CONFIG), groups), max_seq_len=128)
     inputs = runner.build_inputs([SeqChunk([5, 6], 12, [[NONE, 3, 4, 5], [7, 8, 9, 10], [NONE, NONE, 11, 12]])])
     assert inputs.page_indices.shape == (3, 8, runner.pages_per_seq) and inputs.slot_mapping.shape[0] == 3
