@@ -34,7 +34,9 @@ from orchestrator.surface import overrides_hint
 PLAN_ENGINE_KEYS = ("page_size", "max_seq_len")
 # Capacities: how much one batch (and the engine) holds at once. Samples do not depend on them, so a run may be
 # resumed with others (e.g. on other hardware); pending batches are re-packed when they no longer fit.
-CAPACITY_ENGINE_KEYS = ("max_pages", "max_seqs", "max_seqs_in_prefill", "max_prefill_size")
+# engine.kv_groups and host_kv_pages (which decides the groups with a host pool) change the pages a prompt needs.
+CAPACITY_ENGINE_KEYS = ("max_pages", "max_seqs", "max_seqs_in_prefill", "max_prefill_size", "kv_groups",
+                        "host_kv_pages")
 # Keys that never change the samples (corpus.window_* shape the batches of a new plan, not what a resume reads).
 NOT_SAMPLE_AFFECTING = ("corpus.shard_bytes", "corpus.in_process_bytes", "corpus.window_rows",
                         "corpus.window_bytes", "model.cache_dir")

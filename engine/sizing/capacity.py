@@ -6,7 +6,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TypeVar
 
+import numpy as np
+
 from engine.config import EngineConfig, SamplingConfig
+from engine.kv.kv_groups import KVGroups
 
 N = TypeVar("N")  # an int, or a numpy integer array (packing measures a whole corpus at once)
 
@@ -27,7 +30,7 @@ def pages_for(num_tokens: N, page_size: int) -> N:
 
 
 def pages_needed(num_prompt_tokens: N, max_new_tokens: int, page_size: int, n: int = 1, scored: N | int = 0,
-                 context_shared: bool = True) -> N:
+                 context_shared: bool = True, groups: KVGroups | None = None, step_tokens: int = 0) -> N:
     """Exact KV pages for one prompt and its `n` samples at full length: the samples share the prompt's full
     pages and each holds its own copy of the partial last one and its completion's pages.
 
@@ -35,11 +38,22 @@ def pages_needed(num_prompt_tokens: N, max_new_tokens: int, page_size: int, n: i
     continuations of at most `max_new_tokens - 1` tokens each, plus the one token drawn after each: they share
     only the context's full pages before its last token (that token's logits score each continuation's first
     token, so the prefix cache never serves its page: engine/kv/prefix_cache.py), and only where the prefix cache
-    serves them (`context_shared`, `scored_context_shared`); else each holds all its pages."""
+    serves them (`context_shared`, `scored_context_shared`); else each holds all its pages.
+
+    With layer `groups` (engine/kv/kv_groups.py) that slide, the pages' worth of every layer they hold at most,
+    rounded up: a sliding group holds, for each sequence, no more than its window and `step_tokens` (the most
+    tokens one step computes or reserves for a sequence) span, and never more than one table would."""
     shared = (num_prompt_tokens - scored) // page_size
     if not context_shared:
         shared = shared * (1 - scored)  # scored rows share nothing; a sampled row's samples still fork
-    return shared + n * (pages_for(num_prompt_tokens + max_new_tokens, page_size) - shared)
+    table = shared + n * (pages_for(num_prompt_tokens + max_new_tokens, page_size) - shared)
+    if groups is None or groups.windows == (None,):
+        return table
+    whole = pages_for(num_prompt_tokens + max_new_tokens, page_size)
+    units = sum(table if w is None else np.minimum(table, n * np.minimum(whole, pages_for(w + step_tokens - 1,
+                                                                                          page_size) + 1))
+                for w in groups.windows)
+    return -(-units // groups.num_groups)
 
 
 def scored_context_shared(config: EngineConfig, sampling: SamplingConfig) -> bool:

@@ -126,6 +126,12 @@ def decoder_config(source: ModelSourceConfig) -> dict:
     return hf if family is None else family.text_config(hf)
 
 
+def kv_groups(source: ModelSourceConfig, engine: EngineConfig) -> capacity.KVGroups:
+    """The KV layer groups the engine runs the model with (engine.kv_groups): from config.json's layer windows."""
+    layers = capacity.ModelConfig.from_hf(model_config(source)).layer_windows()
+    return capacity.KVGroups.for_engine(layers, engine.kv_groups, engine.host_kv_pages)
+
+
 def max_seq_len(source: ModelSourceConfig, engine: EngineConfig) -> int:
     """Longest sequence (prompt plus completion), by the engine's rule (engine.capacity.max_seq_len)."""
     if engine.max_seq_len is not None:  # no need to read config.json

@@ -7,7 +7,8 @@ every sample runs to `max_new_tokens`. Four budgets bound a batch:
 - **pages** (`packing.page_budget`, default `engine.max_pages`): the KV pages all its sequences
   hold at full length. A prompt of `L` tokens with `n` samples and `M` new tokens needs
   `floor(L / page_size) + n * (ceil((L + M) / page_size) - floor(L / page_size))` pages: the
-  `n` samples share the prompt's full pages and each owns the rest (`page_need`).
+  `n` samples share the prompt's full pages and each owns the rest (`page_need`). A model's sliding-window
+  layers (engine.kv_groups) hold at most their window's pages: a prompt needs fewer pages' worth then.
 - **sequences** (`engine.max_seqs`): samples decoded at once, `n` per prompt.
 
 A scored row (docs/records.md) is packed as a context of `L` tokens with one sequence per continuation (`k`
@@ -44,7 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine import EngineConfig, SamplingConfig, pages_needed, scored_context_shared, scored_prefill_tokens
+from engine import EngineConfig, KVGroups, SamplingConfig, pages_needed, scored_context_shared, scored_prefill_tokens
 
 
 @dataclass(frozen=True)
@@ -84,9 +85,15 @@ class PackingLimits:
     """Prompts per batch (max_seqs_in_prefill times prefill steps, and max_seqs // n)."""
     context_shared: bool = True
     """Whether a scored row's continuations share its context's pages (engine.scored_context_shared)."""
+    groups: KVGroups | None = None
+    """The engine's KV layer groups (engine.KVGroups): a sliding-window layer holds its window's pages only."""
+    step_tokens: int = 0
+    """The most tokens one engine step computes or reserves for a sequence (a sliding layer's window spans them)."""
 
     @classmethod
-    def resolve(cls, packing: PackingConfig, engine: EngineConfig, sampling: SamplingConfig) -> PackingLimits:
+    def resolve(cls, packing: PackingConfig, engine: EngineConfig, sampling: SamplingConfig,
+                groups: KVGroups | None = None) -> PackingLimits:
+        """`groups`: the model's KV layer groups as the engine runs them (model_source.kv_groups); None: one table."""
         if sampling.n > engine.max_seqs:
             raise ValueError(
                 f"sampling.n ({sampling.n}) exceeds engine.max_seqs ({engine.max_seqs}): one prompt's samples "
@@ -102,6 +109,8 @@ class PackingLimits:
             max_seqs=engine.max_seqs,
             max_prompts=min(engine.max_seqs_in_prefill * packing.max_prefill_steps, engine.max_seqs // sampling.n),
             context_shared=scored_context_shared(engine, sampling),
+            groups=groups,
+            step_tokens=max(engine.max_prefill_size, 2 * engine.decode_steps),
         )
 
     def page_need(self, num_tokens: np.ndarray | int, max_new_tokens: np.ndarray | int | None = None,
@@ -111,10 +120,11 @@ class PackingLimits:
         given, else the run's. `continuations`: a scored row's count of them (0 for a sampled row)."""
         new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         if continuations is None:
-            return pages_needed(num_tokens, new, self.page_size, self.n)
+            return pages_needed(num_tokens, new, self.page_size, self.n, groups=self.groups,
+                                step_tokens=self.step_tokens)
         scored = np.asarray(continuations) > 0
         return pages_needed(num_tokens, new, self.page_size, np.where(scored, continuations, self.n),
-                            scored.astype(np.int64), self.context_shared)
+                            scored.astype(np.int64), self.context_shared, self.groups, self.step_tokens)
 
     def scored_prefill(self, context: list[int], continuations: list[list[int]]) -> int:
         """The prompt tokens a scored row's prefill computes (engine.scored_prefill_tokens)."""

@@ -29,7 +29,7 @@ from engine import structured_error
 from orchestrator.config import RunConfig, plan_changes
 from orchestrator.json_out import dumps
 from orchestrator.plan.corpus import CorpusConfig, corpus_fingerprint, list_files, split_shards, window_shards
-from orchestrator.plan.model_source import (decoder_config, load_tokenizer, max_seq_len, model_fingerprint,
+from orchestrator.plan.model_source import (decoder_config, kv_groups, load_tokenizer, max_seq_len, model_fingerprint,
                                             tokenizer_fingerprint)
 from orchestrator.plan.continuation import batch_samples
 from orchestrator.plan.packing import PackingLimits, bound_totals, pack, shareable_prompt_tokens
@@ -86,7 +86,7 @@ def refuse_impossible(cfg: RunConfig) -> None:
     if all(_is_empty(f) for f in files):
         raise NothingToRun(f"corpus.path {cfg.corpus.path!r} is empty ({len(files)} file(s) of 0 bytes); "
                            f"point {setting('corpus.path', 'FILE')} at a file with at least one prompt")
-    limits = PackingLimits.resolve(cfg.packing, cfg.engine, cfg.sampling)
+    limits = PackingLimits.resolve(cfg.packing, cfg.engine, cfg.sampling, kv_groups(cfg.model, cfg.engine))
     context = max_seq_len(cfg.model, cfg.engine)
     new = cfg.sampling.max_new_tokens
     if 1 + new > context:
@@ -199,7 +199,7 @@ def _plan_into(cfg: RunConfig, run_dir: RunDir, files: list[str]) -> tuple[PlanS
     reject its bad rows (and ids an earlier row holds), pack it, write its batch files, and let it go. Batches are
     numbered across windows in corpus order; what is kept from one window to the next is bounded (PlanTally, SeenIds
     and the records of the batches)."""
-    limits = PackingLimits.resolve(cfg.packing, cfg.engine, cfg.sampling)
+    limits = PackingLimits.resolve(cfg.packing, cfg.engine, cfg.sampling, kv_groups(cfg.model, cfg.engine))
     context = max_seq_len(cfg.model, cfg.engine)
     if run_dir.batches.exists():  # leftovers of an interrupted plan
         storage.remove_tree(run_dir.batches)

@@ -19,6 +19,7 @@ import pyarrow as pa
 from engine import SamplingConfig
 from orchestrator.config import RunConfig, diff_keys
 from orchestrator.plan.continuation import batch_samples, new_tokens
+from orchestrator.plan.model_source import kv_groups
 from orchestrator.plan.packing import PackingLimits, pack
 from orchestrator.plan.row_sampling import max_new_tokens
 from orchestrator.state.manifest import BatchRecord, batch_id
@@ -34,11 +35,15 @@ _GENERATION = re.compile(r"-r(\d+)$")
 def planned_capacities(info: dict) -> dict:
     """The capacities a run.json's batches were packed for (older plans kept them in `sample_affecting`)."""
     if "capacities" in info:
-        return info["capacities"]
-    old = info["sample_affecting"]
-    engine = {k: old.get("engine", {}).get(k) for k in ("max_pages", "max_seqs", "max_seqs_in_prefill",
-                                                         "max_prefill_size")}
-    return {"engine": engine, "packing": old.get("packing", {})}
+        planned = {section: dict(values) for section, values in info["capacities"].items()}
+    else:
+        old = info["sample_affecting"]
+        engine = {k: old.get("engine", {}).get(k) for k in ("max_pages", "max_seqs", "max_seqs_in_prefill",
+                                                             "max_prefill_size")}
+        planned = {"engine": engine, "packing": old.get("packing", {})}
+    for key, value in RunConfig().capacities()["engine"].items():  # keys newer than the plan: their defaults
+        planned["engine"].setdefault(key, value)
+    return planned
 
 
 def retune(run_dir: RunDir, state: RunState, cfg: RunConfig) -> str | None:
@@ -48,7 +53,7 @@ def retune(run_dir: RunDir, state: RunState, cfg: RunConfig) -> str | None:
     changes = diff_keys(planned_capacities(info), cfg.capacities())
     if not changes:
         return None
-    limits = PackingLimits.resolve(cfg.packing, cfg.engine, cfg.sampling)
+    limits = PackingLimits.resolve(cfg.packing, cfg.engine, cfg.sampling, kv_groups(cfg.model, cfg.engine))
     pending = state.with_status("pending")
     tables = {r.batch_id: parquet_io.read_parquet(run_dir.batch_file(r.batch_id)) for r in pending}
     demand = {b: _demand(table, cfg.sampling, limits) for b, table in tables.items()}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from engine import pages_needed
 from engine.config import EngineConfig, SamplingConfig
 from engine.engine import Engine
 from engine.scheduling.sequence import Request
@@ -145,3 +146,24 @@ def test_a_long_context_workload_runs_a_larger_batch_in_the_same_pool(tmp_path):
     assert auto == off
     assert off_peak <= 3 and auto_peak >= 6, (off_peak, auto_peak)
     assert auto_preempted <= off_preempted
+
+
+def test_a_batch_that_fits_by_the_grouped_count_runs_without_preemption(tmp_path):
+    """What packing counts for a model with sliding layers (pages_needed with the engine's layer groups) is an upper
+    bound on what the engine holds: twelve prompts of 100 to 300 tokens and 40 new tokens, in a pool of exactly
+    their grouped need (less than half what one table needs), run at once with none preempted, their prompts in
+    chunks of up to 32 tokens and decode calls of 4 steps run ahead."""
+    make_hf_model("gemma3_text", tmp_path, vocab=512)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(6, 512, int(n)).tolist() for n in rng.integers(100, 301, 12)]
+    sampling = SamplingConfig(max_new_tokens=40, temperature=0.8, seed=1)
+    probe = Engine(tmp_path, EngineConfig(max_pages=128, max_seq_len=512))
+    groups = probe.scheduler.kv.groups
+    assert groups.num_groups == 3
+    ps, step_tokens = 4, max(32, 2 * 4)
+    need = sum(pages_needed(len(p), 40, ps, groups=groups, step_tokens=step_tokens) for p in prompts)
+    assert 2 * need < sum(pages_needed(len(p), 40, ps) for p in prompts)
+    engine = Engine(tmp_path, EngineConfig(page_size=ps, max_pages=max(need, 128), max_seqs=16, max_seqs_in_prefill=12,
+                                           max_prefill_size=32, max_seq_len=512, decode_steps=4, debug_invariants=True))
+    out = engine.generate([Request(f"p{i}", tuple(p), sampling) for i, p in enumerate(prompts)])
+    assert len(out) == 12 and engine.scheduler.num_preemptions == 0

@@ -186,3 +186,23 @@ def test_a_scored_row_counts_its_continuations_pages_and_prefill():
     assert [len(packing.batch(b)) for b in range(packing.num_batches)] == [3, 1]  # 3 + 3 + 1 sequences, then 3
     assert sorted(packing.num_prompt_tokens.tolist()) == [22, 56]
     assert "9 continuations" in limits.why_unfit(10, 6, 9, 40) and limits.why_unfit(10, 6, 3, 22) is None
+
+
+def test_sliding_window_layers_count_their_window_s_pages():
+    """A model of two sliding layers (a window of 24) and one full layer, pages of 4 tokens, steps of up to 32 tokens:
+    a 300-token prompt with 40 new tokens needs 85 pages in the full layer and at most 15 in each sliding one (its
+    window and a step span 55 tokens: 14 pages, and the partial one), 39 pages' worth of every layer instead of 85;
+    a prompt shorter than the window needs what one table needs. A model without a window is counted as before."""
+    from engine.kv.kv_groups import KVGroups
+
+    gemma = KVGroups.of([24, 24, None])
+    assert pages_needed(300, 40, 4, groups=gemma, step_tokens=32) == -(-(85 + 15 + 15) // 3) == 39
+    assert pages_needed(10, 4, 4, n=3, groups=gemma, step_tokens=32) == pages_needed(10, 4, 4, n=3)
+    assert pages_needed(300, 40, 4, groups=KVGroups.single(3), step_tokens=32) == pages_needed(300, 40, 4) == 85
+    engine = EngineConfig(page_size=4, max_pages=200, max_prefill_size=32, max_seqs=32)
+    sampling = SamplingConfig(max_new_tokens=40)
+    grouped = PackingLimits.resolve(PackingConfig(), engine, sampling, gemma)
+    one_table = PackingLimits.resolve(PackingConfig(), engine, sampling)
+    assert grouped.step_tokens == 32 and grouped.page_need(300) == 39 and one_table.page_need(300) == 85
+    lengths = np.full(12, 300)
+    assert pack(lengths, grouped).num_batches < pack(lengths, one_table).num_batches
