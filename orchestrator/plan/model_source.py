@@ -127,8 +127,13 @@ def decoder_config(source: ModelSourceConfig) -> dict:
 
 
 def kv_groups(source: ModelSourceConfig, engine: EngineConfig) -> capacity.KVGroups:
-    """The KV layer groups the engine runs the model with (engine.kv_groups): from config.json's layer windows."""
-    layers = capacity.ModelConfig.from_hf(model_config(source)).layer_windows()
+    """The KV layer groups the engine runs the model with (engine.kv_groups): from config.json's layer windows. A
+    config.json without the model's shape (a plan made from a tokenizer's directory) counts one table, which never
+    counts too few pages; the run itself refuses such a model at the head (slice_layout.validate)."""
+    try:
+        layers = capacity.ModelConfig.from_hf(model_config(source)).layer_windows()
+    except capacity.UnsupportedModelError:
+        return capacity.KVGroups.single(1)
     return capacity.KVGroups.for_engine(layers, engine.kv_groups, engine.host_kv_pages)
 
 
