@@ -165,8 +165,8 @@ class Engine:
 
     @property
     def num_pages_in_use(self) -> int:
-        """KV pages held now (O(1); `snapshot` also scans every page's refcount)."""
-        return self.scheduler.kv.num_used
+        """KV pages (of every layer) held now (O(1); `snapshot` also scans every page's refcount)."""
+        return self.scheduler.kv.pages_in_use
 
     @property
     def num_waiting(self) -> int:

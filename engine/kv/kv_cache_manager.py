@@ -238,14 +238,21 @@ class KVCacheManager:
                 assert gone <= self.groups.first_needed(g, s.num_computed, self.config.page_size), \
                     f"group {g}: a page inside the window was given back"
 
+    @property
+    def pages_in_use(self) -> int:
+        """Pages' worth of every layer in use (the allocator counts units of its layer groups), rounded up."""
+        return self.groups.as_pages(self.allocator.num_used)
+
     def snapshot(self) -> dict[str, int]:
-        """The pool's counts (host-side state only)."""
-        alloc, swapper = self.allocator, self.swapper
-        return {"pages_in_use": alloc.num_used, "free_pages": alloc.num_free, "max_refcount": alloc.max_refcount,
-                "cached_pages": alloc.num_cached, "host_kv_pages_in_use": swapper.host.num_used,
+        """The pool's counts (host-side state only), in pages of every layer (engine.max_pages' unit; with layer
+        groups, the groups' units in use rounded up to pages, free ones down)."""
+        alloc, swapper, pages = self.allocator, self.swapper, self.groups.as_pages
+        return {"pages_in_use": self.pages_in_use, "free_pages": alloc.num_free // self.groups.num_groups,
+                "max_refcount": alloc.max_refcount, "cached_pages": pages(alloc.num_cached),
+                "host_kv_pages_in_use": pages(swapper.host.num_used),
                 "num_swaps": swapper.num_swaps, "num_swap_fallbacks": swapper.num_fallbacks,
                 "host_cached_pages": len(swapper.cache)}
 
     def stuck_message(self) -> str:
-        return f"{self.allocator.num_free} of {self.allocator.num_pages} are free"
+        return f"{self.allocator.num_free // self.groups.num_groups} of {self.config.max_pages} are free"
 

@@ -45,6 +45,10 @@ class KVGroups:
     def layers_per_unit(self) -> int:
         return len(self.layer_group) // self.num_groups
 
+    def as_pages(self, units: int) -> int:
+        """Pages of every layer that `units` units fill, rounded up (what engine.max_pages counts)."""
+        return -(-units // self.num_groups)
+
     def units(self, max_pages: int) -> int:
         """Units in the pool of `max_pages` pages of every layer (the same memory)."""
         return max_pages * self.num_groups

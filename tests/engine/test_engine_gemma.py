@@ -100,30 +100,32 @@ def _stepped(engine: Engine, requests: list[Request], watch) -> dict:
     return {c.prompt_id: (c.token_ids, c.logprobs) for c in done}
 
 
+@pytest.mark.parametrize("family, full, sliding", [("gemma3_text", 1, 2), ("mistral", 0, 2)])
 @pytest.mark.parametrize("decode_steps", [1, 4])
-def test_sliding_layers_hold_only_their_window(decode_steps, tmp_path):
-    """Gemma 3 with S = 2 sliding layers (a window of W = 24 tokens) and G = 1 full one: a sequence of L tokens holds
-    at most (G + S W / L) / (G + S) of the KV pages one table for every layer would, plus a page per group (the
-    manager's own count of pages in use, after every step of a 300-token prompt and 40 new tokens), and its
-    tokens and logprobs are those of one table (engine.kv_groups off)."""
-    make_hf_model("gemma3_text", tmp_path, vocab=512)
+def test_sliding_layers_hold_only_their_window(family, full, sliding, decode_steps, tmp_path):
+    """Gemma 3 with S = 2 sliding layers (a window of W = 24 tokens) and G = 1 full one, and Mistral with its window
+    on both layers (G = 0): a sequence of L tokens holds at most (G + S W / L) / (G + S) of the KV pages one table
+    for every layer would, plus a page per group (the allocator's own count of units in use, after every step of
+    a 300-token prompt and 40 new tokens), and its tokens and logprobs are those of one table (kv_groups off)."""
+    make_hf_model(family, tmp_path, vocab=512, **({"sliding_window": 24} if family == "mistral" else {}))
     prompt = np.random.default_rng(0).integers(6, 512, 300).tolist()
     request = Request("long", tuple(prompt), SamplingConfig(max_new_tokens=40, temperature=0.0, logprobs=True))
-    ps, G, S, W = 4, 1, 2, 24
+    ps, G, S, W = 4, full, sliding, 24
     seen = []
 
     def watch(engine):
         (seq,) = engine.scheduler.running or [None]
         if seq is not None:
-            used, L = engine.scheduler.kv.snapshot()["pages_in_use"], seq.num_computed
-            one_table = seq.num_pages * (G + S)  # units of one layer each here (three groups of one layer)
+            groups, used, L = engine.scheduler.kv.groups, engine.scheduler.kv.num_used, seq.num_computed
+            one_table = seq.num_pages * groups.num_groups  # in units (k layers of one page): every group full
             seen.append((L, used, one_table))
-            assert used <= (G + S * W / L) / (G + S) * one_table + (G + S), (L, used, one_table)
+            assert used <= (G + S * W / L) / (G + S) * one_table + groups.num_groups, (L, used, one_table)
 
     config = dict(page_size=ps, max_pages=200, max_seq_len=512, decode_steps=decode_steps, max_prefill_size=64,
                   debug_invariants=True, prefix_caching=False)
     grouped = _stepped(Engine(tmp_path, EngineConfig(**config)), [request], watch)
-    assert seen and seen[-1][1] < 0.45 * seen[-1][2]  # at 340 tokens: 85 pages of the full layer, ~8 of each sliding
+    # At 340 tokens: 85 pages in a full layer, at most 8 in a sliding one.
+    assert seen and seen[-1][1] < (0.45 if G else 0.15) * seen[-1][2]
     one_table = _stepped(Engine(tmp_path, EngineConfig(kv_groups="off", **config)), [request], lambda e: None)
     assert grouped == one_table
 
