@@ -101,11 +101,17 @@ class KVGroups:
         w = self.windows[group]
         return 0 if w is None else max(0, num_computed - w + 1) // page_size
 
+    @staticmethod
+    def window_pages(window: int, page_size: int, step_tokens: int = 1) -> int:
+        """Pages a sliding group holds for one sequence at most: those a window and a step of `step_tokens` tokens
+        span (the window of the step's first token through its last), one more where they straddle a page."""
+        return -(-(window + step_tokens - 1) // page_size) + 1
+
     def seq_units(self, num_tokens: int, page_size: int) -> int:
         """Units a sequence of `num_tokens` tokens holds at most between steps: every page of a group without a
         window; a sliding group's window's pages and the one its next token goes to (never more than it has)."""
         n = -(-num_tokens // page_size)
-        return sum(n if w is None else min(n, -(-w // page_size) + 1) for w in self.windows)
+        return sum(n if w is None else min(n, self.window_pages(w, page_size)) for w in self.windows)
 
     def seqs_that_fit(self, max_pages: int, num_tokens: int, page_size: int) -> int:
         """Sequences of `num_tokens` tokens a pool of `max_pages` pages (of every layer) holds at once."""
@@ -117,7 +123,8 @@ class KVGroups:
 
     def pages_for_seqs(self, num_seqs: int, num_tokens: int, page_size: int) -> int:
         """Pages (of every layer) that hold `num_seqs` sequences of `num_tokens` tokens at once."""
-        return -(-num_seqs * self.seq_units(num_tokens, page_size) // self.num_groups)
+        return self.as_pages(num_seqs * self.seq_units(num_tokens, page_size))
+
 
 def held(pages: list[list[int]]) -> list[int]:
     """The pages a sequence's page lists (one per group) hold: every group's, the ones given back left out."""

@@ -50,10 +50,10 @@ def pages_needed(num_prompt_tokens: N, max_new_tokens: int, page_size: int, n: i
     if groups is None or groups.windows == (None,):
         return table
     whole = pages_for(num_prompt_tokens + max_new_tokens, page_size)
-    units = sum(table if w is None else np.minimum(table, n * np.minimum(whole, pages_for(w + step_tokens - 1,
-                                                                                          page_size) + 1))
+    units = sum(table if w is None else
+                np.minimum(table, n * np.minimum(whole, groups.window_pages(w, page_size, step_tokens)))
                 for w in groups.windows)
-    return -(-units // groups.num_groups)
+    return groups.as_pages(units)
 
 
 def scored_context_shared(config: EngineConfig, sampling: SamplingConfig) -> bool:
