@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.config import EngineConfig, SamplingConfig
-from engine import pages_needed
+from engine import KVGroups, pages_needed
 from orchestrator.plan import packing as packing_module
 from orchestrator.plan.packing import (PackingConfig, PackingLimits, leading_page_keys, leading_page_keys_of_many,
                                        lower_bound, pack, shareable_prompt_tokens)
@@ -193,8 +193,6 @@ def test_sliding_window_layers_count_their_window_s_pages():
     a 300-token prompt with 40 new tokens needs 85 pages in the full layer and at most 15 in each sliding one (its
     window and a step span 55 tokens: 14 pages, and the partial one), 39 pages' worth of every layer instead of 85;
     a prompt shorter than the window needs what one table needs. A model without a window is counted as before."""
-    from engine.kv.kv_groups import KVGroups
-
     gemma = KVGroups.of([24, 24, None])
     assert pages_needed(300, 40, 4, groups=gemma, step_tokens=32) == -(-(85 + 15 + 15) // 3) == 39
     assert pages_needed(10, 4, 4, n=3, groups=gemma, step_tokens=32) == pages_needed(10, 4, 4, n=3)
