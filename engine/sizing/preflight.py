@@ -29,6 +29,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding, PartitionS
 
 from engine.sizing.capacity import pages_for
 from engine.config import EngineConfig, SamplingConfig
+from engine.device import runner
 from engine.device.runner_config import RunnerConfig
 from engine.kv.kv_groups import KVGroups
 from engine.models.model import StepSettings, kv_pool_axes
@@ -101,7 +102,6 @@ def lower_step_programs(cfg: ModelConfig, engine: EngineConfig, max_seq_len: int
     impl = "pallas_tpu" if platform == "tpu" else "reference"
     cfg = sharded_config(cfg, mesh.shape["model"])  # the KV heads as the engine holds them (replicated past kv_heads)
     model = abstract_transformer(cfg, jdtype, mesh)
-    from engine.device import runner
     groups = KVGroups.for_engine(cfg.layer_windows(), engine.kv_groups, engine.host_kv_pages)  # as the engine runs
     run_config = RunnerConfig.of(engine, groups)
     pool_axes = kv_pool_axes(cfg, groups.units(engine.max_pages), engine.page_size, groups.layers_per_unit)
@@ -148,7 +148,6 @@ def _describe(e: BaseException) -> str:
 
 def sampling_mode(sampling: SamplingConfig, vocab_size: int) -> str:
     """The runner's sampling mode for a job whose every row samples as `sampling` says."""
-    from engine.device import runner
     row = runner.RowSampling(sampling.temperature, sampling.top_k, sampling.top_p, np.zeros(2, np.uint32), 0,
                              sampling.min_p, sampling.repetition_penalty, sampling.presence_penalty,
                              sampling.frequency_penalty)
