@@ -22,9 +22,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-RSS = ("import resource, sys, runpy; sys.argv = ['pagefleet', *sys.argv[1:]]\n"
+# The peak from VmHWM, not ru_maxrss: the latter survives fork and exec, so a child of this process (which made a
+# run directory of a million samples first) would read this process's peak.
+RSS = ("import sys, runpy; sys.argv = ['pagefleet', *sys.argv[1:]]\n"
        "try:\n    runpy.run_module('orchestrator', run_name='__main__')\n"
-       "finally:\n    print('maxrss_kb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n")
+       "finally:\n    print('maxrss_kb', next(int(line.split()[1]) for line in open('/proc/self/status')\n"
+       "                                 if line.startswith('VmHWM:')), file=sys.stderr)\n")
 
 
 def make_run(root: Path, num_samples: int, per_batch: int, seed: int) -> None:
