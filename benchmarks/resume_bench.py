@@ -1,5 +1,6 @@
 """How long a head takes to see where a big run stands: `status` and the resume (RunState.recover) over a synthetic
-run directory of N one-prompt batches, half of them done, against the same at 10,000 batches.
+run directory of N one-prompt batches, half of them done, against the same at 10,000 batches, and of N batches 99%
+done (a resume holds the batches still to do, not the done ones: its memory follows the first figure, not N).
 
 The run directory is real files written with pagefleet's own writers: a batch file per batch, an output per done
 batch (stamped for the plan, with its stats; every batch's are hard links to the first's, see write_run),
@@ -36,7 +37,7 @@ from orchestrator.storage.atomic import atomic_write_parquet  # noqa: E402
 FINGERPRINTS = {"config": "c", "corpus": "k", "tokenizer": "t", "model": "m", "weights": "w"}
 
 MEASURE = """
-import json, resource, sys, time
+import json, sys, time
 from pathlib import Path
 from orchestrator.observe.status import status
 from orchestrator.state.output_plan import plan_fingerprint
@@ -49,12 +50,14 @@ if what == "status":
 else:
     plan = plan_fingerprint(json.loads((root / "run.json").read_text())["fingerprints"])
     RunState.recover(RunDir(root), 1, plan).close()
-print(json.dumps({"s": time.perf_counter() - start, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+# VmHWM, not ru_maxrss: the latter survives fork and exec, so a child of a big parent reads the parent's peak
+peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(json.dumps({"s": time.perf_counter() - start, "rss": peak / 1024}))
 """
 
 
-def write_run(root: Path, batches: int) -> None:
-    """N one-prompt batches, the first half done. The first batch's file and output are written with pagefleet's
+def write_run(root: Path, batches: int, done_fraction: float = 0.5) -> None:
+    """N one-prompt batches, the first `done_fraction` of them done. The first batch's file and output are written with pagefleet's
     writers; every other batch's are hard links to them (status and the resume read the files' names and sizes, never
     their contents), so a million batches take a minute to lay out, not two hours."""
     if (root / "batches.jsonl").exists():
@@ -79,7 +82,7 @@ def write_run(root: Path, batches: int) -> None:
         bid = batch_id(b, batches)
         if b:
             link_batch(root / "batches" / f"{bid}.parquet")
-        if b < batches // 2:
+        if b < int(batches * done_fraction):
             if b:
                 link_output(root / "outputs" / f"{bid}.parquet")
             records.append(BatchRecord(bid, "done", num_prompts=1, num_prompt_tokens=3, output=f"outputs/{bid}.parquet",
@@ -121,18 +124,22 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="pagefleet-resumebench-") as tmp:
         base = args.keep or Path(tmp)
-        sizes = sorted({10_000, args.batches})
-        for n in sizes:
-            write_run(base / f"run-{n}", n)
-        print(f"status and resume of a run directory of one-prompt batches, half done; medians of {args.repeats}")
-        print(f"  {'batches':>9s} {'status s':>9s} {'RSS MiB':>8s} {'resume s':>9s} {'RSS MiB':>8s}")
-        for n in sizes:
-            runs = {what: [measure(base / f"run-{n}", what) for _ in range(args.repeats)]
+        cases = sorted({(10_000, 0.5), (args.batches, 0.5), (args.batches, 0.99)})
+        for n, done in cases:
+            write_run(base / _name(n, done), n, done)
+        print(f"status and resume of a run directory of one-prompt batches; medians of {args.repeats}")
+        print(f"  {'batches':>9s} {'done':>5s} {'status s':>9s} {'RSS MiB':>8s} {'resume s':>9s} {'RSS MiB':>8s}")
+        for n, done in cases:
+            runs = {what: [measure(base / _name(n, done), what) for _ in range(args.repeats)]
                     for what in ("status", "resume")}
             med = {what: (statistics.median(r["s"] for r in rs), statistics.median(r["rss"] for r in rs))
                    for what, rs in runs.items()}
-            print(f"  {n:9,d} {med['status'][0]:9.2f} {med['status'][1]:8.0f} {med['resume'][0]:9.2f} "
+            print(f"  {n:9,d} {done:5.0%} {med['status'][0]:9.2f} {med['status'][1]:8.0f} {med['resume'][0]:9.2f} "
                   f"{med['resume'][1]:8.0f}")
+
+
+def _name(batches: int, done_fraction: float) -> str:
+    return f"run-{batches}" if done_fraction == 0.5 else f"run-{batches}-done{round(done_fraction * 100)}"
 
 
 if __name__ == "__main__":

@@ -38,7 +38,8 @@ class RunProgress:
     """Progress on stderr when `show` is true: a live bar on a terminal, else (a file, `ray job logs`) a plain
     line every `line_every_s()` seconds, never carriage-return bars."""
 
-    def __init__(self, run_dir: RunDir, records: list[BatchRecord], show: bool, stream=None) -> None:
+    def __init__(self, run_dir: RunDir, totals: dict, show: bool, stream=None) -> None:
+        """`totals`: the manifest's as the session starts (manifest_totals)."""
         from tqdm import tqdm
 
         stream = stream or sys.stderr
@@ -49,13 +50,13 @@ class RunProgress:
         self._next_line = time.monotonic() + self._line_every_s
         self.waiting: str | None = None
         """Why slices have not started (resources the cluster lacks), shown in the lines and progress.json."""
-        self.batches_done = sum(r.status == "done" for r in records)
+        self.batches_done = totals["counts"]["done"]
         self.batches_failed = 0
 
         self.run_dir = run_dir
         self.started = time.time()
-        self.total_prompts = sum(r.num_prompts for r in records)
-        self.total_batches = len(records)
+        self.total_prompts = totals["prompts"]
+        self.total_batches = sum(totals["counts"].values())
         self.session_prompts = 0
         self.session_tokens = 0
         self.session_batches = 0
@@ -64,8 +65,7 @@ class RunProgress:
         self._last_write = 0.0
         self.session: dict | None = None
         """The session's figures last built for progress.json (the run's summary reads them: run_summary.py)."""
-        done = [r for r in records if r.status == "done"]
-        self.bar = tqdm(total=self.total_prompts, initial=sum(r.num_prompts for r in done), unit="prompt",
+        self.bar = tqdm(total=self.total_prompts, initial=totals["prompts_done"], unit="prompt",
                         desc="prompts", file=stream, disable=not show_bar, dynamic_ncols=True, smoothing=0.1)
         self._timeline = object_append.open_append(run_dir.timeline)  # local file, or rewritten whole on gs://
 

@@ -5,7 +5,7 @@ of one `RunSummary`.
 The figures come from the run directory's durable state: the manifest (batches.jsonl: counts, prompts,
 samples, output tokens, failed batches), run.json's plan (rows rejected at planning), progress.json (the
 latest head session: its batches, output tokens, wall time, tokens/s) and timeline.jsonl (occupancy, engine
-time, prefix cache, preemption, transfers, summed over every session and slice). The head passes the records
+time, prefix cache, preemption, transfers, summed over every session and slice). The head passes the totals
 and session figures it has just written, so that a disk that refused the last write cannot make its summary
 lag; `status` reads the same files.
 
@@ -23,7 +23,7 @@ from typing import Any
 
 from orchestrator.observe.timeline import (engine_time, figure_lines, host_kv, mean_occupancy, prefix_cache, read_timeline,
                                            transfers)
-from orchestrator.state.manifest import STATUSES, BatchRecord, manifest_totals, read_manifest, read_totals
+from orchestrator.state.manifest import STATUSES, manifest_totals, read_manifest, read_totals
 from orchestrator.state.rundir import RunDir
 
 _READ = object()  # RunSummary.read's default session: read progress.json
@@ -65,16 +65,14 @@ class RunSummary:
     transfers: dict[str, float] | None
 
     @classmethod
-    def read(cls, run_dir: RunDir, records: list[BatchRecord] | None = None, session: Any = _READ,
-             timeline: list[dict] | None = None, totals: dict | None = None) -> RunSummary:
-        """The run directory's figures. The head passes its `records` (those it has just written to the manifest)
-        and its `session` figures (those it has just written to progress.json; None for a head that ran no
-        session); left out, both are read from the directory, as is `timeline` (read_timeline). `totals`: the
-        manifest's (manifest_totals), when the caller has them; else from `records`, else from the totals the head
-        wrote beside the manifest (read_totals), else from the manifest."""
+    def read(cls, run_dir: RunDir, session: Any = _READ, timeline: list[dict] | None = None,
+             totals: dict | None = None) -> RunSummary:
+        """The run directory's figures. The head passes the manifest's `totals` (manifest_totals of what it has just
+        written, RunState.totals) and its `session` figures (those it has just written to progress.json; None for a
+        head that ran no session); left out, both are read from the directory (the totals the head wrote beside the
+        manifest, read_totals, else the manifest itself), as is `timeline` (read_timeline)."""
         if totals is None:
-            totals = manifest_totals(records) if records is not None else (
-                read_totals(run_dir.manifest) or manifest_totals(read_manifest(run_dir.manifest)))
+            totals = read_totals(run_dir.manifest) or manifest_totals(read_manifest(run_dir.manifest))
         if session is _READ:
             session = _read_json(run_dir.progress)
         if timeline is None:

@@ -104,7 +104,7 @@ def _repack(run_dir: RunDir, state: RunState, tables: dict[str, pa.Table], limit
     prompts = pa.concat_tables(tables.values()).sort_by("row")  # corpus order: the packing's tie-break
     lengths, new, continuations, prefill = _demand(prompts, sampling, limits)
     packing = pack(lengths, limits, max_new_tokens=new, continuations=continuations, prefill_tokens=prefill)
-    generation = 1 + max((int(m.group(1)) for b in state.records if (m := _GENERATION.search(b))), default=0)
+    generation = 1 + max((int(m.group(1)) for b in state.batch_ids() if (m := _GENERATION.search(b))), default=0)
     records = []
     for b in range(packing.num_batches):
         new_id = f"{batch_id(b, packing.num_batches)}-r{generation}"

@@ -133,8 +133,8 @@ class Driver:
                 print(changed)  # not only in events.log: the user changed them, the console says what it did
             todo = state.with_status("pending")
             if not todo:
-                summary = RunSummary.read(self.run_dir, list(state.records.values()), session=None).run_figures()
-                print(f"all {len(state.records)} batches of {self.run_dir.root} are done; nothing to compute")
+                summary = RunSummary.read(self.run_dir, session=None, totals=state.totals()).run_figures()
+                print(f"all {state.num_batches} batches of {self.run_dir.root} are done; nothing to compute")
                 return RunOutcome(exit_codes.OK, summary)
             ensure_ray(self.cfg.cluster)
             return self._execute(state, [r.batch_id for r in todo])
@@ -152,12 +152,12 @@ class Driver:
     def _execute(self, state: RunState, todo: list[str]) -> RunOutcome:
         tracker = make_tracker(self.cfg.tracker, self.run_dir.root, self.cfg.name,
                                json.loads(json.dumps(dataclasses.asdict(self.cfg))))
-        progress = RunProgress(self.run_dir, list(state.records.values()), self.show_progress)
+        progress = RunProgress(self.run_dir, state.totals(), self.show_progress)
         self._state, self._tracker, self._progress = state, tracker, progress
         self._samples_tracked = 0
         self._loop_started = time.monotonic()
         self.events.subscribe(lambda event: state.event(event.line()))
-        state.event(f"run started: {len(todo)} of {len(state.records)} batches to do, "
+        state.event(f"run started: {len(todo)} of {state.num_batches} batches to do, "
                     f"{self.cfg.cluster.num_slices} slices")
         previous = on_signals(self.stop)
         try:
@@ -213,7 +213,7 @@ class Driver:
         progress.close()
         # The run's figures, once: what was just written (the manifest's records, progress.json's session figures)
         timeline = read_timeline(self.run_dir)
-        figures = RunSummary.read(self.run_dir, list(state.records.values()), progress.session, timeline)
+        figures = RunSummary.read(self.run_dir, session=progress.session, timeline=timeline, totals=state.totals())
         tracker.finish(figures.tracker_figures())
         if self._fault is None:
             self._plot(timeline, figures.tokens_per_s)
@@ -276,8 +276,8 @@ class Driver:
 
     def _result(self, slot: _Slot, result) -> None:
         self._progress.add_timeline(slot.name, result.timeline)
-        record = self._state.records[result.batch_id]
-        if (record.status, record.slice, record.attempts) != ("running", slot.name, result.attempt):
+        record = self._state.record(result.batch_id)  # None: done meanwhile
+        if record is None or (record.status, record.slice, record.attempts) != ("running", slot.name, result.attempt):
             self._state.event(f"{slot.name}: ignored a stale result for {result.batch_id}")
             return
         if isinstance(result, Failed):
@@ -330,7 +330,7 @@ class Driver:
 
     def _completed(self, slot: _Slot, result: Completed) -> None:
         n = self.cfg.sampling.n
-        columns = ["prompt_id"] + (["continuations"] if self._state.records[result.batch_id].expected_samples
+        columns = ["prompt_id"] + (["continuations"] if self._state.record(result.batch_id).expected_samples
                                    is not None else [])  # a batch with scored rows: their continuations count
         try:  # the batch's prompt ids (never its token ids): what the samples must be, and their stamp
             prompts = read_batch(self.run_dir.batch_file(result.batch_id), columns)

@@ -9,9 +9,10 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Literal
+from typing import BinaryIO, Literal, NamedTuple
 
 from orchestrator.json_out import dumps
+from orchestrator.state.done_batches import DoneBatches
 from orchestrator.state.lock import RunDirLocked
 from orchestrator.storage import generations, storage
 from orchestrator.storage.atomic import atomic_write
@@ -60,10 +61,31 @@ class BatchRecord:
 FIELDS = tuple(f.name for f in fields(BatchRecord))
 
 
-def _lines(records: list[BatchRecord]) -> bytes:
-    return "".join(dumps({name: getattr(r, name) for name in FIELDS
-                          if name != "expected_samples" or r.expected_samples is not None}) + "\n"
-                   for r in records).encode()
+def record_line(r: BatchRecord) -> str:
+    """The record's manifest line, newline included."""
+    return dumps({name: getattr(r, name) for name in FIELDS
+                  if name != "expected_samples" or r.expected_samples is not None}) + "\n"
+
+
+class PendingLine(NamedTuple):
+    """A batch never tried, as its manifest line (read_for_resume): what a resumed head holds of most of the batches
+    still to do until it takes them (RunState builds the record then). It answers the fields that pending and
+    untried determine, and its num_prompts; the rest are in `line`."""
+
+    batch_id: str
+    num_prompts: int
+    line: bytes
+    status: Status = "pending"
+    attempts: int = 0
+    slice: None = None
+    output: None = None
+
+    def record(self) -> BatchRecord:
+        return BatchRecord(**json.loads(self.line))
+
+
+def _lines(records: list[BatchRecord | PendingLine]) -> bytes:
+    return b"".join(r.line if type(r) is PendingLine else record_line(r).encode() for r in records)
 
 
 def digest_path(path: str | Path) -> str:
@@ -82,8 +104,9 @@ class ManifestConflict(RunDirLocked):
 
 
 def write_manifest(path: str | Path, records: list[BatchRecord], before_replace=None,
-                   generation: int | None = None) -> int | None:
-    """Replace the manifest atomically; on an object store, returns the generation written.
+                   generation: int | None = None, done: DoneBatches | None = None) -> int | None:
+    """Replace the manifest atomically with `done`'s lines (the done batches the head holds as lines) and then
+    `records`'; on an object store, returns the generation written.
 
     Locally a temporary file and a rename (the `flock` keeps other heads out). On an object store one
     whole-object write conditioned on `generation`, the one this head last read or wrote (None: the
@@ -93,10 +116,12 @@ def write_manifest(path: str | Path, records: list[BatchRecord], before_replace=
     # The digest goes after the manifest: a crash in between leaves a digest that does not match, and the next resume
     # checks the manifest line by line, as it checks one somebody edited.
     if not storage.is_object_store(path):  # streamed to the temporary file: a million records are not held twice
-        digest = hashlib.sha256()
+        digest = done.sha256() if done is not None else hashlib.sha256()
 
         def write(tmp: str) -> None:
             with open(tmp, "wb") as f:
+                if done is not None:
+                    done.copy_to(f)
                 for start in range(0, len(records), _CHUNK_LINES):
                     chunk = _lines(records[start:start + _CHUNK_LINES])
                     digest.update(chunk)
@@ -104,9 +129,9 @@ def write_manifest(path: str | Path, records: list[BatchRecord], before_replace=
 
         atomic_write(path, write, before_replace=before_replace)
         storage.write_atomic(digest_path(path), digest.hexdigest().encode())
-        _write_totals(path, records, {"sha256": digest.hexdigest()})
+        _write_totals(path, manifest_totals(records, done), {"sha256": digest.hexdigest()})
         return None
-    data = _lines(records)
+    data = (done.data() if done is not None else b"") + _lines(records)
     if before_replace is not None:
         before_replace()
     try:
@@ -119,15 +144,19 @@ def write_manifest(path: str | Path, records: list[BatchRecord], before_replace=
         raise ManifestConflict(f"{path} was written by another head (this head expected it {expected}); stopping "
                                "without overwriting it: the other head owns the run now") from None
     storage.write_atomic(digest_path(path), hashlib.sha256(data).hexdigest().encode())
-    _write_totals(path, records, {"generation": written})
+    _write_totals(path, manifest_totals(records, done), {"generation": written})
     return written
 
 
-def manifest_totals(records: Iterable[BatchRecord]) -> dict:
-    """What `status` and the run summary read from a manifest: batches per status, prompts (all, and done),
-    samples and output tokens of the done batches, and each failed batch as [batch_id, attempts, error]."""
+def manifest_totals(records: Iterable[BatchRecord], done: DoneBatches | None = None) -> dict:
+    """What `status` and the run summary read from a manifest (`records`, and the done batches held as lines):
+    batches per status, prompts (all, and done), samples and output tokens of the done batches, and each failed
+    batch as [batch_id, attempts, error]."""
     counts: Counter[str] = Counter()
     prompts = prompts_done = samples_done = output_tokens = 0
+    if done is not None:
+        counts["done"], prompts, prompts_done = done.count, done.prompts, done.prompts
+        samples_done, output_tokens = done.samples, done.output_tokens
     failed = []
     for r in records:
         counts[r.status] += 1
@@ -169,39 +198,51 @@ def _identity(path: str | Path) -> dict | None:
     if storage.is_object_store(path):
         info = generations.object_info(str(path))
         return None if info is None else {"generation": info["generation"]}
-    digest = hashlib.sha256()
     try:
         with open(path, "rb") as f:
-            while chunk := f.read(1 << 20):
-                digest.update(chunk)
+            return {"sha256": _sha256(f)}
     except FileNotFoundError:
         return None
-    return {"sha256": digest.hexdigest()}
 
 
-def _write_totals(path: str | Path, records: list[BatchRecord], identity: dict | None) -> None:
-    storage.write_atomic(totals_path(path), dumps({"manifest": identity, "totals": manifest_totals(records)}).encode())
+def _write_totals(path: str | Path, totals: dict, identity: dict | None) -> None:
+    storage.write_atomic(totals_path(path), dumps({"manifest": identity, "totals": totals}).encode())
 
 
 _CHUNK_LINES = 4096
 
 
-def _parse(path: str | Path, lines: list[tuple[int, bytes]]) -> list[BatchRecord]:
-    """The records of some numbered lines: parsed as one JSON array (one C loop), or, when that fails or does not give
-    one object a line, line by line to name the line that is corrupt."""
+def _parse(path: str | Path, lines: list[tuple[int, bytes]], kind=None,
+           done: DoneBatches | None = None) -> list[BatchRecord | PendingLine]:
+    """The records of some numbered lines, parsed as one JSON array (one C loop), or, when that fails or does not give
+    one value a line, line by line to name the line that is corrupt. With `done` given, a line that `kind(fields)`
+    calls "done" goes to `done` and one it calls "line" is a PendingLine (read_for_resume)."""
     try:
         values = json.loads(b"[" + b",".join(line for _, line in lines) + b"]")
-        if len(values) == len(lines):
-            return [BatchRecord(**v) for v in values]
-    except (ValueError, TypeError, RecursionError):
-        pass
+        if len(values) != len(lines):
+            raise ValueError("not one value a line")
+    except (ValueError, RecursionError):
+        values = [_value(path, line_no, line) for line_no, line in lines]
     records = []
-    for line_no, line in lines:
+    for (line_no, line), v in zip(lines, values):
+        if done is not None and type(v) is dict and (held := kind(v)) is not None:
+            if held == "done":
+                done.add(line, v["num_prompts"], v["num_samples"], v["num_output_tokens"])
+            else:
+                records.append(PendingLine(v["batch_id"], v["num_prompts"], line))
+            continue
         try:
-            records.append(BatchRecord(**json.loads(line)))
-        except (ValueError, TypeError, RecursionError) as e:  # cut short, not JSON, or not a record's fields
+            records.append(BatchRecord(**v))
+        except TypeError as e:  # not an object, or not a record's fields
             raise CorruptRunFile(f"{path} line {line_no} is corrupt ({type(e).__name__}: {e}); {RECOVER}") from None
     return records
+
+
+def _value(path: str | Path, line_no: int, line: bytes):
+    try:
+        return json.loads(line)
+    except (ValueError, RecursionError) as e:  # cut short, or not JSON
+        raise CorruptRunFile(f"{path} line {line_no} is corrupt ({type(e).__name__}: {e}); {RECOVER}") from None
 
 
 class CorruptRunFile(ValueError):
@@ -227,6 +268,16 @@ def read_manifest_as_written(path: str | Path) -> tuple[list[BatchRecord], int |
     """The records, the generation (object stores), and whether the manifest is byte for byte the one the head last
     wrote (its digest matches batches.jsonl.sha256): then nobody edited it since, and what the head checked when it
     wrote it holds."""
+    records, _, generation, as_written = read_for_resume(path)
+    return records, generation, as_written  # type: ignore[return-value]  (no PendingLine without `kind`)
+
+
+def read_for_resume(path: str | Path, kind=None
+                    ) -> tuple[list[BatchRecord | PendingLine], DoneBatches | None, int | None, bool]:
+    """(records, done, generation, as_written) as read_manifest_as_written reads them; where the manifest is as the
+    head wrote it and `kind` is given, no line is built as a record that `kind(fields)` settles (RunState.recover):
+    "done" (a done batch, its output checked) goes to `done` as its line, "line" (a pending batch never tried) is a
+    PendingLine (else `done` is None and every line a record)."""
     generation = None
     if storage.is_object_store(path):
         found = generations.read_with_generation(str(path))  # bytes and generation in one request: they agree
@@ -236,20 +287,33 @@ def read_manifest_as_written(path: str | Path) -> tuple[list[BatchRecord], int |
         f = io.BytesIO(data)
     else:
         f = open(path, "rb")  # streamed: a manifest of a million batches is not held twice
-    records: list[BatchRecord] = []
-    digest = hashlib.sha256()
-    with f:
-        chunk: list[tuple[int, bytes]] = []
-        for line_no, line in enumerate(f, 1):
-            digest.update(line)
-            if line.strip():
-                chunk.append((line_no, line))
-            if len(chunk) == _CHUNK_LINES:
-                records += _parse(path, chunk)
-                chunk = []
-        records += _parse(path, chunk)
     try:
         recorded = storage.read_text(digest_path(path)).strip()
     except FileNotFoundError:
         recorded = None
-    return records, generation, recorded == digest.hexdigest()
+    records: list[BatchRecord] = []
+    done = None
+    with f:
+        if kind is not None and recorded == _sha256(f):  # one pass first (fast): is every line the head's?
+            done = DoneBatches()
+        digest = hashlib.sha256()
+        chunk: list[tuple[int, bytes]] = []
+        for line_no, line in enumerate(f, 1):
+            if done is None:
+                digest.update(line)
+            if line.strip():
+                chunk.append((line_no, line))
+            if len(chunk) == _CHUNK_LINES:
+                records += _parse(path, chunk, kind, done)
+                chunk = []
+        records += _parse(path, chunk, kind, done)
+    return records, done, generation, done is not None or recorded == digest.hexdigest()
+
+
+def _sha256(f: BinaryIO) -> str:
+    """The sha256 of the rest of `f`, read a MiB at a time; `f` is back where it was."""
+    at, digest = f.tell(), hashlib.sha256()
+    while block := f.read(1 << 20):
+        digest.update(block)
+    f.seek(at)
+    return digest.hexdigest()

@@ -26,6 +26,7 @@ import dataclasses
 from collections import Counter
 
 from orchestrator.plan.continuation import batch_samples
+from orchestrator.state.done_batches import DoneBatches
 from orchestrator.state.manifest import STATUSES, BatchRecord, CorruptRunFile
 from orchestrator.state.rundir import RunDir
 from orchestrator.storage import parquet_io
@@ -81,8 +82,9 @@ def check_manifest(run_dir: RunDir, records: list[BatchRecord]) -> None:
     _check_total(run_dir, records, accepted_prompts(run_dir))
 
 
-def _check_total(run_dir: RunDir, records: list[BatchRecord], accepted: int | None) -> None:
-    total = sum(r.num_prompts for r in records)
+def _check_total(run_dir: RunDir, records: list[BatchRecord], accepted: int | None,
+                 done: DoneBatches | None = None) -> None:
+    total = sum(r.num_prompts for r in records) + (done.prompts if done is not None else 0)
     if accepted is not None and total != accepted:
         missing = ("a batch's line is missing; `pagefleet run` restores missing lines from batches/ when their prompts "
                    "are exactly the missing ones" if total < accepted else "a record's num_prompts is wrong")
@@ -90,11 +92,12 @@ def _check_total(run_dir: RunDir, records: list[BatchRecord], accepted: int | No
                                f"{accepted:,}: {missing}; otherwise {_RESTORE}")
 
 
-def reconcile(run_dir: RunDir, records: list[BatchRecord], as_written: bool = False
+def reconcile(run_dir: RunDir, records: list[BatchRecord], as_written: bool = False, done: DoneBatches | None = None
               ) -> tuple[list[BatchRecord], list[str]]:
     """(the records repaired from the plan, what was repaired) for recovery; ManifestMismatch when the plan does
     not determine the repair (see module doc). `as_written`: the manifest is the one the head last wrote (its
-    digest matches), so its batch files' row counts are not read again."""
+    digest matches), so its batch files' row counts are not read again. `done`: the manifest's done batches that
+    were read as lines, not records (read_for_resume; only from a manifest as the head wrote it)."""
     repairs: list[str] = []
     for r in records:
         if r.output is not None and r.output != canonical_output(r.batch_id) and isinstance(r.batch_id, str):
@@ -119,9 +122,10 @@ def reconcile(run_dir: RunDir, records: list[BatchRecord], as_written: bool = Fa
                                    f"batch file {path.name} holds {rows} prompts; set num_prompts to {rows}, or "
                                    f"{_RESTORE}")
     accepted = accepted_prompts(run_dir)
-    total = sum(r.num_prompts for r in records)
+    total = sum(r.num_prompts for r in records) + (done.prompts if done is not None else 0)
     if accepted is not None and total < accepted and run_dir.batches.is_dir():
-        orphans = sorted(p.stem for p in run_dir.batches.glob("*.parquet") if p.stem not in unique)
+        known = set(unique) | set(done.batch_ids() if done is not None else ())
+        orphans = sorted(p.stem for p in run_dir.batches.glob("*.parquet") if p.stem not in known)
         rows = {b: _rows(run_dir.batch_file(b)) for b in orphans}
         if None not in rows.values() and sum(rows.values()) == accepted - total:
             for b in orphans:
@@ -132,7 +136,7 @@ def reconcile(run_dir: RunDir, records: list[BatchRecord], as_written: bool = Fa
                 records.append(BatchRecord(b, num_prompts=rows[b], num_prompt_tokens=tokens,
                                            expected_samples=batch_samples(len(c or ()) for c in scored)))
                 repairs.append(f"{b}: its line was missing from batches.jsonl; restored from {b}.parquet as pending")
-    _check_total(run_dir, records, accepted)
+    _check_total(run_dir, records, accepted, done)
     return records, repairs
 
 

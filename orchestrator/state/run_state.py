@@ -2,7 +2,8 @@
 which batches are pending (in the order they are taken), which run where, and how often each was tried.
 
 State changes happen in memory and reach disk through `flush`, which replaces the manifest
-atomically. The durable truth of "done" is the output file: outputs/<id>.parquet is written
+atomically. A batch once done is held as its manifest line only (done_batches.py): what the head holds grows with
+the batches still to do, not with the finished ones. The durable truth of "done" is the output file: outputs/<id>.parquet is written
 (atomically) before its batch is marked done, and on start an output whose batch is not yet marked
 done is adopted rather than recomputed. So a crash between the two writes loses nothing, and
 `flush` may batch several changes into one write (`flush_interval_s`) without weakening that.
@@ -11,15 +12,19 @@ done is adopted rather than recomputed. So a crash between the two writes loses 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow.parquet as pq
 
 from orchestrator.state.faults import crash_point
-from orchestrator.state.manifest import BatchRecord, read_manifest_as_written, write_manifest
-from orchestrator.state.manifest_check import reconcile
+from orchestrator.state.done_batches import DoneBatches
+from orchestrator.state.manifest import (BatchRecord, PendingLine, manifest_totals, read_for_resume, record_line,
+                                         write_manifest)
+from orchestrator.state.manifest_check import canonical_output, reconcile
 from orchestrator.state.output_plan import belongs
 from orchestrator.state.results import BatchStats, stats_of
 from orchestrator.state.rundir import RunDir
@@ -29,19 +34,25 @@ from orchestrator.storage.atomic import remove_stale_temporaries
 
 class RunState:
     def __init__(self, run_dir: RunDir, records: list[BatchRecord], flush_interval_s: float = 1.0,
-                 manifest_generation: int | None = None) -> None:
+                 manifest_generation: int | None = None, done: DoneBatches | None = None) -> None:
         self.run_dir = run_dir
         self.manifest_generation = manifest_generation
         """On an object store: the manifest's generation this head last read or wrote (its writes are conditioned
         on it, so a head that lost the run fails instead of overwriting); None locally."""
-        self.records: dict[str, BatchRecord] = {r.batch_id: r for r in records}
+        self.done = done or DoneBatches()
+        """The done batches, as their manifest lines and sums."""
+        self.records: dict[str, BatchRecord | PendingLine] = {r.batch_id: r for r in records}
+        """The batches not done, by id, a batch never tried perhaps still as its line (`record` builds it). (While
+        `recover` checks them, also the done batches whose outputs it reads.)"""
         self.flush_interval_s = flush_interval_s
         self.counts: Counter[str] = Counter(r.status for r in records)
         """Batches per status, kept up to date by `update` (the head's loop reads it, never scans)."""
+        self.counts["done"] += self.done.count
         self.prompts_not_done = sum(r.num_prompts for r in records if r.status != "done")
         self._pending: dict[str, None] = {}  # pending batch ids in the order they are taken (an ordered set)
         self._running: dict[str, dict[str, None]] = {}  # slice -> the batches running there, in dispatch order
-        self._attempts_before: dict[str, int] = {}  # attempts made before this head started (RunState.attempts)
+        self._attempts_before: dict[str, int] = {}
+        """Attempts made before this head started (RunState.attempts), of every record; 0 for a PendingLine."""
         for r in records:
             self._index(r)
         self._dirty = False
@@ -65,21 +76,35 @@ class RunState:
         """
         removed = sum(remove_stale_temporaries(d) for d in (run_dir.root, run_dir.outputs))
         run_dir.outputs.mkdir(exist_ok=True)
-        records, generation, as_written = read_manifest_as_written(run_dir.manifest)
-        records, repairs = reconcile(run_dir, records, as_written)  # against the plan; ManifestMismatch if it cannot be
-        state = cls(run_dir, records, flush_interval_s, manifest_generation=generation)
+        outputs = run_dir.outputs
+        sizes = storage.list_sizes(outputs, ".parquet")  # one listing, not a request per batch
+
+        def kind(fields: dict) -> str | None:
+            """The common cases, a million times in a big run, held as lines and never built as records: "done", a
+            done batch whose output has the size the head recorded; "line", a pending batch never tried that has no
+            output to adopt. None: a record, checked below."""
+            name = fields["batch_id"]
+            size = sizes.get(f"{name}.parquet")
+            if fields["status"] == "done":
+                recorded = fields.get("output_bytes")
+                return "done" if recorded is not None and size == recorded and fields.get(
+                    "output") == canonical_output(name) else None
+            return "line" if fields["status"] == "pending" and size is None and fields.get("attempts") == 0 else None
+
+        records, done, generation, as_written = read_for_resume(run_dir.manifest, kind)
+        # against the plan; ManifestMismatch if it cannot be
+        records, repairs = reconcile(run_dir, records, as_written, done)
+        state = cls(run_dir, records, flush_interval_s, manifest_generation=generation, done=done)
         if removed:
             state.event(f"removed {removed} unfinished temporary files left by a crash")
         for repair in repairs:
             state.event(f"batches.jsonl repaired from the plan: {repair}")
         state._dirty = bool(repairs)
-        outputs = run_dir.outputs
-        sizes = storage.list_sizes(outputs, ".parquet")  # one listing, not a request per batch
         for r in list(state.records.values()):
             size = sizes.get(f"{r.batch_id}.parquet")
             if (r.status == "done" and size is not None and size == r.output_bytes) or (r.status == "pending"
                                                                                       and size is None):
-                continue  # the common cases, a million times in a big run: nothing to do, no path built
+                continue  # the common cases: nothing to do, no path built
             output = outputs / f"{r.batch_id}.parquet"
             if r.status == "done":
                 if size is None:
@@ -111,13 +136,23 @@ class RunState:
                 state.update(r.batch_id, status="pending")
                 state.event(f"{r.batch_id} failed in a previous run ({r.attempts} attempts); retrying")
         state._pending = {r.batch_id: None for r in state.records.values() if r.status == "pending"}  # plan order
+        for r in [r for r in state.records.values() if r.status == "done"]:
+            state._hold_as_done(r)
         state.flush(force=True)
         return state
 
     # -- changes ---------------------------------------------------------------------------------
 
+    def record(self, batch_id: str) -> BatchRecord | None:
+        """The record of a batch not done (None: done, or no such batch)."""
+        r = self.records.get(batch_id)
+        if type(r) is PendingLine:
+            self.records[batch_id] = r = r.record()
+            self._attempts_before[batch_id] = r.attempts
+        return r
+
     def update(self, batch_id: str, **changes) -> BatchRecord:
-        old = self.records[batch_id]
+        old = self.record(batch_id)
         record = dataclasses.replace(old, **changes)
         self.records[batch_id] = record
         if (record.status, record.slice) != (old.status, old.slice):
@@ -127,11 +162,19 @@ class RunState:
             self.counts[old.status] -= 1
             self.counts[record.status] += 1
             self.prompts_not_done += old.num_prompts * ((record.status != "done") - (old.status != "done"))
+            if record.status == "done":
+                self._hold_as_done(record)
         self._dirty = True
         return record
 
+    def _hold_as_done(self, record: BatchRecord) -> None:
+        """From now on the done batch is its manifest line (it never changes again)."""
+        del self.records[record.batch_id]
+        self._attempts_before.pop(record.batch_id, None)
+        self.done.add(record_line(record).encode(), record.num_prompts, record.num_samples, record.num_output_tokens)
+
     def mark_running(self, batch_id: str, slice: str) -> BatchRecord:
-        r = self.records[batch_id]
+        r = self.record(batch_id)
         record = self.update(batch_id, status="running", slice=slice, attempts=r.attempts + 1,
                              started_at=time.time(), finished_at=None)
         self.event(f"{batch_id} running on {slice} (attempt {record.attempts})")
@@ -187,24 +230,41 @@ class RunState:
         start = time.monotonic()
         self.manifest_generation = write_manifest(self.run_dir.manifest, list(self.records.values()),
                                                   before_replace=lambda: crash_point("manifest_tmp"),
-                                                  generation=self.manifest_generation)
+                                                  generation=self.manifest_generation, done=self.done)
         crash_point("manifest_written")
         self._dirty = False
         now = time.monotonic()
         self._next_flush = now + max(self.flush_interval_s, 9 * (now - start))
 
     def close(self) -> None:
-        self.flush(force=True)
-        self._events.close()
+        try:
+            self.flush(force=True)
+        finally:
+            self._events.close()
+            self.done.close()
 
     # -- views -----------------------------------------------------------------------------------
 
-    def with_status(self, *statuses: str) -> list[BatchRecord]:
+    def with_status(self, *statuses: str) -> list[BatchRecord | PendingLine]:
+        """The batches not done with one of `statuses` (a done batch is no longer a record; a batch never tried may
+        still be its PendingLine: read its batch_id, num_prompts, or `record`)."""
         return [r for r in self.records.values() if r.status in statuses]
+
+    @property
+    def num_batches(self) -> int:
+        return len(self.records) + self.done.count
+
+    def batch_ids(self) -> Iterator[str]:
+        """Every batch's id, the done ones' read back from their lines."""
+        return itertools.chain(self.done.batch_ids(), list(self.records))
+
+    def totals(self) -> dict:
+        """The manifest's totals (manifest_totals), from the sums of the done batches and the other records."""
+        return manifest_totals(self.records.values(), self.done)
 
     def attempts(self, batch_id: str) -> int:
         """Attempts at the batch by this head (the manifest's `attempts` counts every head's)."""
-        return self.records[batch_id].attempts - self._attempts_before[batch_id]
+        return self.records[batch_id].attempts - self._attempts_before.get(batch_id, 0)
 
     def next_due(self, now: float, wait_s) -> str | None:
         """The first pending batch whose retry backoff (`wait_s(attempts)` after its last failure) is over."""
@@ -219,7 +279,8 @@ class RunState:
         return list(self._running.get(slice, ()))
 
     def _index(self, r: BatchRecord) -> None:
-        self._attempts_before.setdefault(r.batch_id, r.attempts)
+        if type(r) is not PendingLine:
+            self._attempts_before.setdefault(r.batch_id, r.attempts)
         if r.status == "pending":
             self._pending[r.batch_id] = None  # (re)joins at the end: a retried batch waits behind the others
         elif r.status == "running":

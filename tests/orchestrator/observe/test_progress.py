@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from orchestrator.state.manifest import BatchRecord
+from orchestrator.state.manifest import BatchRecord, manifest_totals
 from orchestrator.observe.progress import RunProgress
 from orchestrator.state.rundir import RunDir
 
@@ -15,8 +15,10 @@ class Terminal(io.StringIO):
         return True
 
 
-def records() -> list[BatchRecord]:
-    return [BatchRecord(f"b{i}", status="done" if i == 0 else "pending", num_prompts=10) for i in range(4)]
+def records() -> dict:
+    """manifest_totals of four batches of 10 prompts, the first done."""
+    return manifest_totals([BatchRecord(f"b{i}", status="done" if i == 0 else "pending", num_prompts=10)
+                            for i in range(4)])
 
 
 def test_off_a_terminal_progress_is_plain_lines(tmp_path, monkeypatch):

@@ -193,7 +193,7 @@ def test_failing_batch_ends_failed_and_is_not_retried(ray_local, run_model, tmp_
     new_events = (run_dir / "events.log").read_text().splitlines()[before:]
     assert [line.split()[1] for line in new_events if " running on " in line] == ["b000001"]
     assert {p.name: p.stat().st_mtime_ns for p in (run_dir / "outputs").iterdir() if p.name in stamps} == stamps
-    assert read_manifest(run_dir / "batches.jsonl")[1].attempts == 2
+    assert {r.batch_id: r for r in read_manifest(run_dir / "batches.jsonl")}["b000001"].attempts == 2
 
 
 def test_second_head_is_refused(run_model, tmp_path, capsys):
