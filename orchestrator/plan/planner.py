@@ -40,7 +40,8 @@ from orchestrator.plan.windows import LineSpool, SeenIds
 from orchestrator.plan.weights_identity import check_weights, weights_digest, weights_identity
 from orchestrator.state.disk_full import disk_full
 from orchestrator.state.faults import crash_point
-from orchestrator.state.manifest import BatchRecord, batch_id, write_manifest
+from orchestrator.state.manifest import BatchRecord, batch_id, hold, write_manifest
+from orchestrator.state.manifest_lines import ManifestLines
 from orchestrator.state.output_plan import first_foreign, plan_fingerprint
 from orchestrator.state.run_lock import run_lock
 from orchestrator.state.rundir import PlanMismatch, RunDir, config_hash, versions
@@ -138,18 +139,27 @@ def plan_locked(cfg: RunConfig) -> PlanResult:
     weights = weights_identity(cfg.model.require_path())
     prints["weights"] = weights_digest(weights)
     _refuse_foreign_outputs(run_dir, plan_fingerprint(prints))
-    try:
-        stats, records = _plan_into(cfg, run_dir, files)
-    except Exception as e:  # noqa: BLE001 - only a full disk is turned into its one line; the rest is re-raised
-        full = disk_full(e, run_dir.root)
-        if full is None:
-            raise
-        raise full from None
+    with ManifestLines() as batches:  # the batches' records as manifest lines, window after window
+        try:
+            stats = _plan_into(cfg, run_dir, files, batches)
+        except Exception as e:  # noqa: BLE001 - only a full disk is turned into its one line; the rest is re-raised
+            full = disk_full(e, run_dir.root)
+            if full is None:
+                raise
+            raise full from None
+        if stats.accepted:
+            _commit(cfg, run_dir, stats, prints, weights, files, batches)
     if stats.accepted == 0:  # rejected.jsonl stays for the user to read; no plan, so a fixed corpus replans
         shutil.rmtree(run_dir.batches, ignore_errors=True)
         with object_append.open_append(run_dir.events) as events:
             events.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} not planned: {_nothing_accepted(stats, run_dir, cfg)}\n")
         raise NothingToRun(_nothing_accepted(stats, run_dir, cfg))
+    return PlanResult(run_dir.root, stats, False)
+
+
+def _commit(cfg: RunConfig, run_dir: RunDir, stats: PlanStats, prints: dict, weights: dict, files: list[str],
+            batches: ManifestLines) -> None:
+    """Write run.json and then the manifest (of the `batches` planned): from then on the run directory is planned."""
     run_dir.write_run_json({
         "name": cfg.name,
         "config": json.loads(json.dumps(dataclasses.asdict(cfg))),
@@ -161,11 +171,10 @@ def plan_locked(cfg: RunConfig) -> PlanResult:
         "versions": versions(),
         "plan": stats.to_json(),
     })
-    write_manifest(run_dir.manifest, records)
+    write_manifest(run_dir.manifest, [], held=batches)
     with object_append.open_append(run_dir.events) as events:
         events.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} planned {stats.num_batches} batches: "
                      f"{stats.accepted} prompts accepted, {stats.rows_read - stats.accepted} rejected\n")
-    return PlanResult(run_dir.root, stats, False)
 
 
 def _refuse_foreign_outputs(run_dir: RunDir, plan: str) -> None:
@@ -194,11 +203,11 @@ def _nothing_accepted(stats: PlanStats, run_dir: RunDir, cfg: RunConfig) -> str:
             f"in {run_dir.rejected}")
 
 
-def _plan_into(cfg: RunConfig, run_dir: RunDir, files: list[str]) -> tuple[PlanStats, list[BatchRecord]]:
+def _plan_into(cfg: RunConfig, run_dir: RunDir, files: list[str], batches: ManifestLines) -> PlanStats:
     """Count the corpus's rows, then plan it a window of rows at a time (window_rows): tokenize the window,
-    reject its bad rows (and ids an earlier row holds), pack it, write its batch files, and let it go. Batches are
-    numbered across windows in corpus order; what is kept from one window to the next is bounded (PlanTally, SeenIds
-    and the records of the batches)."""
+    reject its bad rows (and ids an earlier row holds), pack it, write its batch files, add its batches' records to
+    `batches`, and let it go. Batches are numbered across windows in corpus order; what is kept from one window to the
+    next is bounded (PlanTally, SeenIds)."""
     limits = PackingLimits.resolve(cfg.packing, cfg.engine, cfg.sampling, kv_groups(cfg.model, cfg.engine))
     context = max_seq_len(cfg.model, cfg.engine)
     if run_dir.batches.exists():  # leftovers of an interrupted plan
@@ -219,35 +228,35 @@ def _plan_into(cfg: RunConfig, run_dir: RunDir, files: list[str]) -> tuple[PlanS
     num_rows = sum(rows for rows, _ in counts)
     phase(f"counting the {num_rows:,} rows of {len(shards)} shards")
     if num_rows == 0:  # e.g. only blank lines: nothing to tokenize
-        return PlanTally().stats(limits), []
+        return PlanTally().stats(limits)
     tokenizer_args = (cfg.model, cfg.corpus, limits, context, decoder_config(cfg.model).get("vocab_size"), cfg.sampling)
     id_bound = num_rows  # more than any batch index: names stay the same width whatever the windows pack to
-    seen = SeenIds(str(run_dir.batches), id_bound)
-    tally, records = PlanTally(), []
+    tally = PlanTally()
     window = window_rows(cfg.corpus, num_rows, stored)
     windows = range(0, num_rows, window)
     began = time.monotonic()
     if len(windows) > 1:  # a long plan: a line a window (the terminal and `ray job logs` both show stderr)
         print(f"plan: {num_rows:,} rows in {len(windows)} windows of {window:,} rows (corpus.window_rows, "
               "corpus.window_bytes)", file=sys.stderr, flush=True)
-    with LineSpool() as rejected_lines:
+    with LineSpool() as rejected_lines, SeenIds(str(run_dir.batches), id_bound) as seen:
         for w, start in enumerate(windows):
             end = min(start + window, num_rows)
             where = f" (window {w + 1}/{len(windows)}: rows {start:,}-{end - 1:,})" if len(windows) > 1 else ""
             tokenized = tokenize(window_shards(shards, counts, start, end), tokenizer_args, workers)
             phase(f"tokenizing{where} " + (f"on Ray Data ({workers} tokenizers)" if workers else "here"))
-            records += _plan_window(tokenized, start, end, limits, run_dir, files, seen, tally, rejected_lines, phase,
-                                    where, len(records))
+            for record in _plan_window(tokenized, start, end, limits, run_dir, files, seen, tally, rejected_lines,
+                                       phase, where, len(batches)):
+                hold(batches, record)
             tokenized.release()
             if len(windows) > 1:
                 elapsed = time.monotonic() - began
-                print(f"plan: window {w + 1}/{len(windows)} done: {end:,} rows, {len(records):,} batches, "
+                print(f"plan: window {w + 1}/{len(windows)} done: {end:,} rows, {len(batches):,} batches, "
                       f"{elapsed:,.0f} s (about {elapsed * (num_rows - end) / end:,.0f} s to go)",
                       file=sys.stderr, flush=True)
             crash_point("window_planned")
         os.sync()  # one durability barrier for every batch file, before the manifest refers to them
         rejected_lines.commit(run_dir.rejected)
-    return tally.stats(limits), records
+    return tally.stats(limits)
 
 
 def window_rows(corpus: CorpusConfig, num_rows: int, stored_bytes: int) -> int:

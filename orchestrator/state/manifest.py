@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import BinaryIO, Literal, NamedTuple
 
 from orchestrator.json_out import dumps
-from orchestrator.state.done_batches import DoneBatches
+from orchestrator.state.manifest_lines import ManifestLines
 from orchestrator.state.lock import RunDirLocked
 from orchestrator.storage import generations, storage
 from orchestrator.storage.atomic import atomic_write
@@ -67,6 +67,11 @@ def record_line(r: BatchRecord) -> str:
                   if name != "expected_samples" or r.expected_samples is not None}) + "\n"
 
 
+def hold(lines: ManifestLines, r: BatchRecord) -> None:
+    """Hold the record in `lines` as its manifest line (it is not a record any more)."""
+    lines.add(record_line(r).encode(), r.status, r.num_prompts, r.num_samples, r.num_output_tokens)
+
+
 class PendingLine(NamedTuple):
     """A batch never tried, as its manifest line (read_for_resume): what a resumed head holds of most of the batches
     still to do until it takes them (RunState builds the record then). It answers the fields that pending and
@@ -104,8 +109,8 @@ class ManifestConflict(RunDirLocked):
 
 
 def write_manifest(path: str | Path, records: list[BatchRecord], before_replace=None,
-                   generation: int | None = None, done: DoneBatches | None = None) -> int | None:
-    """Replace the manifest atomically with `done`'s lines (the done batches the head holds as lines) and then
+                   generation: int | None = None, held: ManifestLines | None = None) -> int | None:
+    """Replace the manifest atomically with `held`'s lines (batches held as lines, not records) and then
     `records`'; on an object store, returns the generation written.
 
     Locally a temporary file and a rename (the `flock` keeps other heads out). On an object store one
@@ -116,12 +121,12 @@ def write_manifest(path: str | Path, records: list[BatchRecord], before_replace=
     # The digest goes after the manifest: a crash in between leaves a digest that does not match, and the next resume
     # checks the manifest line by line, as it checks one somebody edited.
     if not storage.is_object_store(path):  # streamed to the temporary file: a million records are not held twice
-        digest = done.sha256() if done is not None else hashlib.sha256()
+        digest = held.sha256() if held is not None else hashlib.sha256()
 
         def write(tmp: str) -> None:
             with open(tmp, "wb") as f:
-                if done is not None:
-                    done.copy_to(f)
+                if held is not None:
+                    held.copy_to(f)
                 for start in range(0, len(records), _CHUNK_LINES):
                     chunk = _lines(records[start:start + _CHUNK_LINES])
                     digest.update(chunk)
@@ -129,9 +134,9 @@ def write_manifest(path: str | Path, records: list[BatchRecord], before_replace=
 
         atomic_write(path, write, before_replace=before_replace)
         storage.write_atomic(digest_path(path), digest.hexdigest().encode())
-        _write_totals(path, manifest_totals(records, done), {"sha256": digest.hexdigest()})
+        _write_totals(path, manifest_totals(records, held), {"sha256": digest.hexdigest()})
         return None
-    data = (done.data() if done is not None else b"") + _lines(records)
+    data = (held.data() if held is not None else b"") + _lines(records)
     if before_replace is not None:
         before_replace()
     try:
@@ -144,19 +149,20 @@ def write_manifest(path: str | Path, records: list[BatchRecord], before_replace=
         raise ManifestConflict(f"{path} was written by another head (this head expected it {expected}); stopping "
                                "without overwriting it: the other head owns the run now") from None
     storage.write_atomic(digest_path(path), hashlib.sha256(data).hexdigest().encode())
-    _write_totals(path, manifest_totals(records, done), {"generation": written})
+    _write_totals(path, manifest_totals(records, held), {"generation": written})
     return written
 
 
-def manifest_totals(records: Iterable[BatchRecord], done: DoneBatches | None = None) -> dict:
-    """What `status` and the run summary read from a manifest (`records`, and the done batches held as lines):
+def manifest_totals(records: Iterable[BatchRecord], held: ManifestLines | None = None) -> dict:
+    """What `status` and the run summary read from a manifest (`records`, and the batches `held` as lines):
     batches per status, prompts (all, and done), samples and output tokens of the done batches, and each failed
     batch as [batch_id, attempts, error]."""
     counts: Counter[str] = Counter()
     prompts = prompts_done = samples_done = output_tokens = 0
-    if done is not None:
-        counts["done"], prompts, prompts_done = done.count, done.prompts, done.prompts
-        samples_done, output_tokens = done.samples, done.output_tokens
+    if held is not None:
+        counts.update(held.counts)
+        prompts, prompts_done, samples_done, output_tokens = (held.prompts, held.prompts_done, held.samples_done,
+                                                              held.output_tokens)
     failed = []
     for r in records:
         counts[r.status] += 1
@@ -213,7 +219,7 @@ _CHUNK_LINES = 4096
 
 
 def _parse(path: str | Path, lines: list[tuple[int, bytes]], kind=None,
-           done: DoneBatches | None = None) -> list[BatchRecord | PendingLine]:
+           done: ManifestLines | None = None) -> list[BatchRecord | PendingLine]:
     """The records of some numbered lines, parsed as one JSON array (one C loop), or, when that fails or does not give
     one value a line, line by line to name the line that is corrupt. With `done` given, a line that `kind(fields)`
     calls "done" goes to `done` and one it calls "line" is a PendingLine (read_for_resume)."""
@@ -227,7 +233,7 @@ def _parse(path: str | Path, lines: list[tuple[int, bytes]], kind=None,
     for (line_no, line), v in zip(lines, values):
         if done is not None and type(v) is dict and (held := kind(v)) is not None:
             if held == "done":
-                done.add(line, v["num_prompts"], v["num_samples"], v["num_output_tokens"])
+                done.add(line, "done", v["num_prompts"], v["num_samples"], v["num_output_tokens"])
             else:
                 records.append(PendingLine(v["batch_id"], v["num_prompts"], line))
             continue
@@ -273,7 +279,7 @@ def read_manifest_as_written(path: str | Path) -> tuple[list[BatchRecord], int |
 
 
 def read_for_resume(path: str | Path, kind=None
-                    ) -> tuple[list[BatchRecord | PendingLine], DoneBatches | None, int | None, bool]:
+                    ) -> tuple[list[BatchRecord | PendingLine], ManifestLines | None, int | None, bool]:
     """(records, done, generation, as_written) as read_manifest_as_written reads them; where the manifest is as the
     head wrote it and `kind` is given, no line is built as a record that `kind(fields)` settles (RunState.recover):
     "done" (a done batch, its output checked) goes to `done` as its line, "line" (a pending batch never tried) is a
@@ -295,7 +301,7 @@ def read_for_resume(path: str | Path, kind=None
     done = None
     with f:
         if kind is not None and recorded == _sha256(f):  # one pass first (fast): is every line the head's?
-            done = DoneBatches()
+            done = ManifestLines()
         digest = hashlib.sha256()
         chunk: list[tuple[int, bytes]] = []
         for line_no, line in enumerate(f, 1):

@@ -26,7 +26,7 @@ import dataclasses
 from collections import Counter
 
 from orchestrator.plan.continuation import batch_samples
-from orchestrator.state.done_batches import DoneBatches
+from orchestrator.state.manifest_lines import ManifestLines
 from orchestrator.state.manifest import STATUSES, BatchRecord, CorruptRunFile
 from orchestrator.state.rundir import RunDir
 from orchestrator.storage import parquet_io
@@ -83,7 +83,7 @@ def check_manifest(run_dir: RunDir, records: list[BatchRecord]) -> None:
 
 
 def _check_total(run_dir: RunDir, records: list[BatchRecord], accepted: int | None,
-                 done: DoneBatches | None = None) -> None:
+                 done: ManifestLines | None = None) -> None:
     total = sum(r.num_prompts for r in records) + (done.prompts if done is not None else 0)
     if accepted is not None and total != accepted:
         missing = ("a batch's line is missing; `pagefleet run` restores missing lines from batches/ when their prompts "
@@ -92,7 +92,7 @@ def _check_total(run_dir: RunDir, records: list[BatchRecord], accepted: int | No
                                f"{accepted:,}: {missing}; otherwise {_RESTORE}")
 
 
-def reconcile(run_dir: RunDir, records: list[BatchRecord], as_written: bool = False, done: DoneBatches | None = None
+def reconcile(run_dir: RunDir, records: list[BatchRecord], as_written: bool = False, done: ManifestLines | None = None
               ) -> tuple[list[BatchRecord], list[str]]:
     """(the records repaired from the plan, what was repaired) for recovery; ManifestMismatch when the plan does
     not determine the repair (see module doc). `as_written`: the manifest is the one the head last wrote (its

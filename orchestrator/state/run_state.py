@@ -2,7 +2,7 @@
 which batches are pending (in the order they are taken), which run where, and how often each was tried.
 
 State changes happen in memory and reach disk through `flush`, which replaces the manifest
-atomically. A batch once done is held as its manifest line only (done_batches.py): what the head holds grows with
+atomically. A batch once done is held as its manifest line only (manifest_lines.py): what the head holds grows with
 the batches still to do, not with the finished ones. The durable truth of "done" is the output file: outputs/<id>.parquet is written
 (atomically) before its batch is marked done, and on start an output whose batch is not yet marked
 done is adopted rather than recomputed. So a crash between the two writes loses nothing, and
@@ -21,8 +21,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from orchestrator.state.faults import crash_point
-from orchestrator.state.done_batches import DoneBatches
-from orchestrator.state.manifest import (BatchRecord, PendingLine, manifest_totals, read_for_resume, record_line,
+from orchestrator.state.manifest_lines import ManifestLines
+from orchestrator.state.manifest import (BatchRecord, PendingLine, hold, manifest_totals, read_for_resume,
                                          write_manifest)
 from orchestrator.state.manifest_check import canonical_output, reconcile
 from orchestrator.state.output_plan import belongs
@@ -34,12 +34,12 @@ from orchestrator.storage.atomic import remove_stale_temporaries
 
 class RunState:
     def __init__(self, run_dir: RunDir, records: list[BatchRecord], flush_interval_s: float = 1.0,
-                 manifest_generation: int | None = None, done: DoneBatches | None = None) -> None:
+                 manifest_generation: int | None = None, done: ManifestLines | None = None) -> None:
         self.run_dir = run_dir
         self.manifest_generation = manifest_generation
         """On an object store: the manifest's generation this head last read or wrote (its writes are conditioned
         on it, so a head that lost the run fails instead of overwriting); None locally."""
-        self.done = done or DoneBatches()
+        self.done = done or ManifestLines()
         """The done batches, as their manifest lines and sums."""
         self.records: dict[str, BatchRecord | PendingLine] = {r.batch_id: r for r in records}
         """The batches not done, by id, a batch never tried perhaps still as its line (`record` builds it). (While
@@ -47,7 +47,7 @@ class RunState:
         self.flush_interval_s = flush_interval_s
         self.counts: Counter[str] = Counter(r.status for r in records)
         """Batches per status, kept up to date by `update` (the head's loop reads it, never scans)."""
-        self.counts["done"] += self.done.count
+        self.counts["done"] += len(self.done)
         self.prompts_not_done = sum(r.num_prompts for r in records if r.status != "done")
         self._pending: dict[str, None] = {}  # pending batch ids in the order they are taken (an ordered set)
         self._running: dict[str, dict[str, None]] = {}  # slice -> the batches running there, in dispatch order
@@ -171,7 +171,7 @@ class RunState:
         """From now on the done batch is its manifest line (it never changes again)."""
         del self.records[record.batch_id]
         self._attempts_before.pop(record.batch_id, None)
-        self.done.add(record_line(record).encode(), record.num_prompts, record.num_samples, record.num_output_tokens)
+        hold(self.done, record)
 
     def mark_running(self, batch_id: str, slice: str) -> BatchRecord:
         r = self.record(batch_id)
@@ -230,7 +230,7 @@ class RunState:
         start = time.monotonic()
         self.manifest_generation = write_manifest(self.run_dir.manifest, list(self.records.values()),
                                                   before_replace=lambda: crash_point("manifest_tmp"),
-                                                  generation=self.manifest_generation, done=self.done)
+                                                  generation=self.manifest_generation, held=self.done)
         crash_point("manifest_written")
         self._dirty = False
         now = time.monotonic()
@@ -252,7 +252,7 @@ class RunState:
 
     @property
     def num_batches(self) -> int:
-        return len(self.records) + self.done.count
+        return len(self.records) + len(self.done)
 
     def batch_ids(self) -> Iterator[str]:
         """Every batch's id, the done ones' read back from their lines."""

@@ -145,3 +145,34 @@ def test_id_digests_are_equal_for_equal_ids_wherever_the_ids_sit_in_their_arrays
     chunked = pa.chunked_array([ids.slice(0, 4), ids.slice(4)])
     assert windows._digests(chunked).tolist() == digests.tolist()
     assert windows._digests(pa.array([], pa.string())).tolist() == []
+
+
+def test_the_ids_of_earlier_windows_are_kept_on_disk_not_in_memory(tmp_path):
+    """At 100M prompts the ids' digests and batches (12 bytes a prompt) were 1.2 GB of the head's memory: they are
+    written per window to a temporary directory and read back a chunk at a time, and still find every reused id
+    (checked against the batch file that holds it)."""
+    import tracemalloc
+
+    import pyarrow as pa
+
+    from orchestrator.state.manifest import batch_id
+    from orchestrator.storage.atomic import atomic_write_parquet
+
+    n = 300_000
+    ids = pa.array([f"id-{i}" for i in range(n)])
+    batches = np.arange(n, dtype=np.int64) // 1000
+    for b in (7, 250):  # the files the matches below are checked against
+        rows = list(range(b * 1000, b * 1000 + 1000))
+        atomic_write_parquet(tmp_path / f"{batch_id(b, n)}.parquet",
+                             pa.table({"prompt_id": [f"id-{i}" for i in rows], "row": rows}), fsync=False)
+    with windows.SeenIds(str(tmp_path), n) as seen:
+        tracemalloc.start()
+        seen.add(ids.slice(0, n // 2), batches[: n // 2])
+        seen.add(ids.slice(n // 2), batches[n // 2:])
+        held, _ = tracemalloc.get_traced_memory()
+        later = pa.array(["new-0", "id-7001", "new-1", "id-250999"])
+        assert seen.earlier_rows(later) == {1: 7001, 3: 250999}
+        tracemalloc.stop()
+        assert held < 100_000, f"{held:,} bytes held for {n:,} ids"  # was 12 bytes an id: 3.6 MB
+        paths = [f"{path}.digests" for path, _ in seen.windows]
+    assert not any(os.path.exists(p) for p in paths)  # removed when planning ends

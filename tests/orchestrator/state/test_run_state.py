@@ -107,7 +107,7 @@ def test_counts_follow_every_update(tmp_path):
     state.mark_failed("b1", "boom", final=True)
     state.mark_running("b2", "slice-0")
     state.mark_failed("b2", "flaky", final=False)
-    assert "b0" not in state.records and state.done.count == 1  # a done batch is held as its manifest line
+    assert "b0" not in state.records and len(state.done) == 1  # a done batch is held as its manifest line
     assert state.counts == Counter(r.status for r in state.records.values()) + Counter(done=1) == Counter(
         {"done": 1, "failed": 1, "pending": 2})
     assert state.prompts_not_done == 2 + 3 + 4
@@ -169,7 +169,7 @@ def test_a_resume_trusts_what_the_head_wrote_and_checks_what_it_did_not(tmp_path
     run_dir.output_file("b0").write_bytes(run_dir.output_file("b1").read_bytes() + b"\0")
     state = RunState.recover(run_dir, 1, PLAN)
     assert state.records["b0"].status == "pending" and not run_dir.output_file("b0").exists()
-    assert "b1" not in state.records and state.done.count == 1 and reads == []  # b1 done, held as its line
+    assert "b1" not in state.records and len(state.done) == 1 and reads == []  # b1 done, held as its line
     state.close()
 
     # Edited by hand: the digest no longer matches, every batch file is read and the edit is found.
@@ -189,7 +189,7 @@ def test_a_resume_trusts_what_the_head_wrote_and_checks_what_it_did_not(tmp_path
 @pytest.mark.parametrize("where", ["local", "gcs"])
 def test_a_resumed_head_holds_the_batches_still_to_do_not_the_done_ones(tmp_path, where, request):
     """A million done batches took 650 MB and seconds of records on every resume: a done batch is held as its manifest
-    line and its sums (DoneBatches), a pending batch never tried as its line until it is taken (PendingLine); every
+    line and its sums (ManifestLines), a pending batch never tried as its line until it is taken (PendingLine); every
     manifest the head writes still holds each batch once, with the same fields, and the totals beside it agree."""
     from orchestrator.state.manifest import PendingLine, manifest_totals, read_totals
     from orchestrator.storage import location, storage
@@ -213,7 +213,7 @@ def test_a_resumed_head_holds_the_batches_still_to_do_not_the_done_ones(tmp_path
     run_dir.write_run_json({"plan": {"accepted": 12}, "fingerprints": {}, "sample_affecting": {}})
 
     state = RunState.recover(run_dir, 1, PLAN)
-    assert set(state.records) == {"p0", "p1", "f0"} and state.done.count == 3 and state.num_batches == 6
+    assert set(state.records) == {"p0", "p1", "f0"} and len(state.done) == 3 and state.num_batches == 6
     assert type(state.records["p0"]) is PendingLine and state.counts == Counter(done=3, pending=3)
     assert state.prompts_not_done == 6 and state.attempts("p0") == 0 and state.attempts("p1") == 0
     assert state.next_due(0.0, lambda tried: 0.0) == "p0"
@@ -221,7 +221,7 @@ def test_a_resumed_head_holds_the_batches_still_to_do_not_the_done_ones(tmp_path
     output(run_dir, "p0", 2)
     state.mark_done("p0", BatchStats(2, 7, 1.0, 3, 0.5, 2), "slice-1",
                     output_bytes=storage.file_size(run_dir.output_file("p0")))
-    assert "p0" not in state.records and state.done.count == 4 and state.counts["done"] == 4
+    assert "p0" not in state.records and len(state.done) == 4 and state.counts["done"] == 4
     assert state.totals() == {"counts": {"pending": 2, "running": 0, "done": 4, "failed": 0}, "prompts": 12,
                               "prompts_done": 8, "samples_done": 8, "output_tokens": 4 + 5 + 6 + 7, "failed": []}
     assert sorted(state.batch_ids()) == ["d0", "d1", "d2", "f0", "p0", "p1"]
@@ -236,5 +236,5 @@ def test_a_resumed_head_holds_the_batches_still_to_do_not_the_done_ones(tmp_path
     assert run_dir.manifest.read_bytes().splitlines()[:3] == lines[:3]  # byte for byte
 
     again = RunState.recover(run_dir, 1, PLAN)  # the manifest is as the head wrote it: the same split again
-    assert set(again.records) == {"p1", "f0"} and again.done.count == 4
+    assert set(again.records) == {"p1", "f0"} and len(again.done) == 4
     again.close()
