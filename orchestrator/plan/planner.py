@@ -4,8 +4,8 @@ Streaming, a window at a time: the corpus's rows are counted, then planned a win
 (`corpus.window_rows`, fewer for long rows: `corpus.window_bytes`). A window of a large corpus is tokenized by Ray
 Data shard by shard into the object store (spilling to disk when large); the head only pulls the window's per-row
 summaries (row, id, token count, reason), packs them, and Ray workers then group the token ids by batch and write one
-parquet file per batch, so the head never holds the token ids; then the next window. What the head keeps across windows is bounded: counts and per-batch figures for the report, the
-accepted ids as digests (windows.py), the batches' records. A corpus of at most `corpus.in_process_bytes` goes through
+parquet file per batch, so the head never holds the token ids; then the next window. What the head keeps across windows is bounded: counts and per-batch figures for the report; the
+accepted ids as digests (windows.py) and the batches' manifest lines go to local temporary files. A corpus of at most `corpus.in_process_bytes` goes through
 the same steps in the head's own process (tokenized.py).
 """
 
