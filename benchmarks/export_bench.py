@@ -55,10 +55,12 @@ def make_run(root: Path, num_samples: int, per_batch: int, seed: int) -> None:
         tl = rng.integers(20, 200, n)
         tokens = pa.ListArray.from_arrays(pa.array(np.concatenate([[0], np.cumsum(tl)]).astype(np.int32)),
                                           pa.array(rng.integers(0, 50_000, int(tl.sum())).astype(np.int32)))
-        table = pa.table({"prompt_id": pa.array([f"doc-{x}" for x in r]), "generation_index": np.zeros(n, np.int32),
-                          "completion": completion, "token_ids": tokens, "logprobs": pa.nulls(n, pa.list_(pa.float32())),
-                          "finish_reason": pa.array(["stop"] * n), "num_prompt_tokens": np.full(n, 7, np.int32),
-                          "batch_id": pa.array([bid] * n), "row": r.astype(np.int64)}, schema=SAMPLE_SCHEMA)
+        given = {"prompt_id": pa.array([f"doc-{x}" for x in r]), "generation_index": np.zeros(n, np.int32),
+                 "completion": completion, "token_ids": tokens, "finish_reason": pa.array(["stop"] * n),
+                 "num_prompt_tokens": np.full(n, 7, np.int32), "batch_id": pa.array([bid] * n),
+                 "row": r.astype(np.int64)}
+        table = pa.table({f.name: given.get(f.name, pa.nulls(n, f.type)) for f in SAMPLE_SCHEMA},  # the rest null
+                         schema=SAMPLE_SCHEMA)
         pq.write_table(table, root / "outputs" / f"{bid}.parquet")
         records.append(BatchRecord(bid, status="done", output=f"outputs/{bid}.parquet", num_samples=n))
     write_manifest(root / "batches.jsonl", records)
