@@ -66,14 +66,11 @@ def assign_batches(table: pa.Table, assignment: Assignment) -> pa.Table:
     return table.filter(pc.greater_equal(table["batch"], 0))
 
 
-def write_batch(group: pa.Table, batches_dir: str, id_bound: int) -> pa.Table:
-    """batches/<id>.parquet of one batch's rows (prompts longest first); its (batch, num_prompts)."""
-    group = group.sort_by("position")
-    index = int(group["batch"][0].as_py())
+def write_batch(group: pa.Table, index: int, batches_dir: str, id_bound: int) -> None:
+    """batches/<id>.parquet of batch `index`: `group`, its rows in BATCH_SCHEMA and in their order (longest first)."""
     path = f"{batches_dir}/{batch_id(index, id_bound)}.parquet"
     crash_point("batch_file")
-    atomic_write_parquet(path, group.select(BATCH_SCHEMA.names).cast(BATCH_SCHEMA), fsync=False)
-    return pa.table({"batch": [index], "num_prompts": [group.num_rows]})
+    atomic_write_parquet(path, group, fsync=False)
 
 
 @dataclass
@@ -103,12 +100,15 @@ class InProcess:
 def write_grouped(parts: list[pa.Table], batches_dir: str, id_bound: int) -> int:
     """Write the batch file of every batch among `parts` (assign_batches tables; a batch's rows may be spread over
     several); returns how many were written."""
-    assigned = pa.concat_tables(parts).sort_by("batch")
+    # One sort and one cast for all of them (not one a batch: those cost more than writing its file); each batch's
+    # rows are then a slice, in their order.
+    assigned = pa.concat_tables(parts).sort_by([("batch", "ascending"), ("position", "ascending")])
     batches = assigned["batch"].to_numpy()
+    rows = assigned.select(BATCH_SCHEMA.names).cast(BATCH_SCHEMA)
     starts = np.flatnonzero(np.r_[True, batches[1:] != batches[:-1]]) if len(batches) else np.zeros(0, np.int64)
     ends = np.r_[starts[1:], len(batches)]
     for start, end in zip(starts, ends):
-        write_batch(assigned.slice(start, end - start), batches_dir, id_bound)
+        write_batch(rows.slice(start, end - start), int(batches[start]), batches_dir, id_bound)
     return len(starts)
 
 
