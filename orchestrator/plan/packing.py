@@ -195,28 +195,56 @@ def leading_page_keys(token_ids: np.ndarray, page_size: int) -> np.ndarray:
 
 def leading_page_keys_of_many(tokens: np.ndarray, offsets: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray]:
     """`leading_page_keys` of many prompts at once, prompt i being tokens[offsets[i]:offsets[i + 1]]: (u64[keys]
-    all their keys, prompt after prompt; i64[prompts + 1] where each prompt's keys start). Numpy over the whole
-    array (a shard's prompts in one pass), the same keys as one prompt at a time: modulo 2**64 the hash is exact."""
-    tokens = np.asarray(tokens, dtype=np.uint64)
+    all their keys, prompt after prompt; i64[prompts + 1] where each prompt's keys start). Numpy over runs of
+    consecutive prompts of about _RUN_TOKENS tokens (a shard's prompts in a few passes), the same keys as one prompt at
+    a time: modulo 2**64 the hash is exact, wherever a run starts."""
+    tokens = np.asarray(tokens)
     offsets = np.asarray(offsets, dtype=np.int64)
-    starts, lengths = offsets[:-1], np.diff(offsets)
-    pages = np.maximum(lengths - 1, 0) // page_size
+    pages = np.maximum(np.diff(offsets) - 1, 0) // page_size
     key_offsets = np.concatenate([[0], np.cumsum(pages)]).astype(np.int64)
-    if not key_offsets[-1]:
-        return np.zeros(0, dtype=np.uint64), key_offsets
+    keys = np.empty(key_offsets[-1], dtype=np.uint64)
+    first = 0
+    while first < len(pages) and key_offsets[-1]:
+        end = max(first + 1, int(np.searchsorted(offsets, offsets[first] + _RUN_TOKENS, side="right")) - 1)
+        end = min(end, len(pages))
+        keys[key_offsets[first]:key_offsets[end]] = _run_keys(tokens[offsets[first]:offsets[end]],
+                                                              offsets[first:end + 1] - offsets[first],
+                                                              pages[first:end], page_size)
+        first = end
+    keys[keys == 0] = 1
+    return keys, key_offsets
+
+
+_RUN_TOKENS = 1 << 18
+"""Tokens hashed in one numpy pass, about: a run's arrays stay in the CPU's caches, and the powers of the key's base
+(_powers) stay small."""
+_POWERS = [np.ones(1, dtype=np.uint64), np.ones(1, dtype=np.uint64)]
+
+
+def _powers(count: int) -> tuple[np.ndarray, np.ndarray]:
+    """(B**p, B**-p for p < count) modulo 2**64, B being _KEY_BASE: computed once, kept for the next runs."""
+    if len(_POWERS[0]) < count:
+        size = max(count, 2 * len(_POWERS[0]))
+        with np.errstate(over="ignore"):
+            _POWERS[:] = [np.cumprod(np.concatenate([[np.uint64(1)], np.full(size - 1, base, dtype=np.uint64)]))
+                          for base in (_KEY_BASE, _KEY_BASE_INV)]
+    return _POWERS[0][:count], _POWERS[1][:count]
+
+
+def _run_keys(tokens: np.ndarray, offsets: np.ndarray, pages: np.ndarray, page_size: int) -> np.ndarray:
+    """The keys of a run of prompts (tokens[offsets[i]:offsets[i + 1]], `pages[i]` keys each), positions counted from
+    the run's start."""
+    fwd, inv = _powers(len(tokens))
+    starts = offsets[:-1]
     with np.errstate(over="ignore"):
         # A prompt's prefix of k tokens from position s: sum_{j<k} (t_{s+j} + 1) * B^(k-1-j)
         # = B^(s+k-1) * (C[s+k] - C[s]), where C[i] = sum_{p<i} (t_p + 1) * B^-p: all modulo 2**64 (B is odd).
-        n = len(tokens)
-        inv = np.cumprod(np.concatenate([[np.uint64(1)], np.full(n - 1, _KEY_BASE_INV, dtype=np.uint64)]))
-        fwd = np.cumprod(np.concatenate([[np.uint64(1)], np.full(n - 1, _KEY_BASE, dtype=np.uint64)]))
-        cumulative = np.concatenate([[np.uint64(0)], np.cumsum((tokens + np.uint64(1)) * inv)])
+        cumulative = np.zeros(len(tokens) + 1, dtype=np.uint64)
+        np.cumsum((tokens.astype(np.uint64) + np.uint64(1)) * inv, out=cumulative[1:])
         prompt = np.repeat(np.arange(len(pages)), pages)
-        page = np.arange(key_offsets[-1]) - key_offsets[prompt] + 1  # 1.. within its prompt
+        page = np.arange(len(prompt)) - (np.cumsum(pages) - pages)[prompt] + 1  # 1.. within its prompt
         ends = starts[prompt] + page * page_size
-        keys = fwd[ends - 1] * (cumulative[ends] - cumulative[starts[prompt]])
-    keys[keys == 0] = 1
-    return keys, key_offsets
+        return fwd[ends - 1] * (cumulative[ends] - cumulative[starts[prompt]])
 
 
 def shareable_prompt_tokens(page_keys: list[np.ndarray] | np.ndarray, page_size: int) -> int:
