@@ -336,12 +336,17 @@ def row_id(record: dict, id_field: str | None, default: str | None) -> str | Non
     return str(value)
 
 
+_PASSTHROUGH = json.JSONEncoder(default=str, allow_nan=False, ensure_ascii=False)
+"""`json.dumps(..., default=str, allow_nan=False, ensure_ascii=False)`, its encoder built once (not once a row)."""
+
+
 def passthrough(record: dict, id_field: str | None) -> str | Rejection:
     """The row's columns to pass through to its samples (`SampleRecord.passthrough`): every column but the id
     column, plus `prompt_id` holding the id as typed (when the row has one), as JSON object text. A value JSON
     cannot hold (a parquet timestamp, bytes) is written as its text. A column named like a field of the sample
     record rejects the row (`reserved_column`): its value would be lost in the output."""
-    clash = sorted(name for name in record if name != id_field and name in RESERVED_COLUMNS)
+    clash = [] if RESERVED_COLUMNS.isdisjoint(record) else sorted(
+        name for name in record if name != id_field and name in RESERVED_COLUMNS)
     if clash:
         return Rejection("reserved_column", f"column {clash[0]!r} has the name of a sample record field (its output "
                                             f"would hide it); rename the column in the input (reserved: "
@@ -350,7 +355,7 @@ def passthrough(record: dict, id_field: str | None) -> str | Rejection:
     if id_field and record.get(id_field) is not None:
         kept = {"prompt_id": record[id_field], **kept}
     try:
-        return json.dumps(kept, default=str, allow_nan=False, ensure_ascii=False)
+        return _PASSTHROUGH.encode(kept)
     except ValueError:  # NaN or infinity in a column: JSON has none, so null (as every JSON pagefleet writes)
 
         return json.dumps(finite(kept), default=str, ensure_ascii=False)
