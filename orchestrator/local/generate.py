@@ -20,8 +20,8 @@ from engine import (Engine, EngineConfig, has_tokenizer, load_tokenizer, ModelCo
 from orchestrator import exit_codes
 from orchestrator.json_out import dumps
 from orchestrator.observe.timeline import format_host_kv, format_prefix_cache, format_transfers
-from orchestrator.plan.corpus import (CorpusConfig, RawRow, Rejection, extract_prompt, loads_row, lone_surrogate,
-                                   passthrough, row_id)
+from orchestrator.plan.corpus import CorpusConfig, RawRow, Rejection, extract_prompt, passthrough, row_id
+from orchestrator.plan.json_row import loads_row, lone_surrogate
 from orchestrator.plan.model_cache import local_copy
 from orchestrator.plan.model_source import resolve_model, TOKENIZER_FILES
 from orchestrator.plan.continuation import (IDS_FIELD, TEXT_FIELD, encode_continuations, is_scored, new_tokens,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -20,6 +19,7 @@ import fsspec
 
 from engine import RESERVED_COLUMNS
 from orchestrator.json_out import finite
+from orchestrator.plan.json_row import loads_row, lone_surrogate
 from orchestrator.surface import setting
 
 EXTENSIONS = (".jsonl", ".json", ".parquet")
@@ -259,31 +259,6 @@ def read_rows(shard: Shard) -> Iterator[RawRow]:
                     yield RawRow(row, shard.file, line, None, "malformed_row",
                                  f"row is a JSON {type(record).__name__}, not an object")
         row += 1
-
-
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
-
-
-def lone_surrogate(text: str) -> str | None:
-    """Why a row's JSON text cannot be used, when an escape in it decodes to a lone surrogate ("\\ud800": no
-    character, so no UTF-8 for the tokenizer or the output files), else None. A surrogate pair is a character."""
-    if _SURROGATE_ESCAPE.search(text) is None:  # the cheap test first: almost every row has no such escape
-        return None
-    try:
-        json.dumps(json.loads(text), ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError as e:
-        return (f"row holds a lone surrogate ({e.object[e.start:e.end].encode('unicode_escape').decode()}), which "
-                "is no character; fix the row's text (write the character, or a complete surrogate pair)")
-    return None
-
-
-def loads_row(text: str):
-    """`json.loads(text)`; a row nested too deeply for the parser (100,000 levels) raises ValueError, as any row
-    that is not usable JSON does, instead of RecursionError."""
-    try:
-        return json.loads(text)
-    except RecursionError:
-        raise ValueError("the row is nested too deeply to read") from None
 
 
 def window_shards(shards: list[Shard], counts: list[tuple[int, int]], start: int, end: int) -> list[Shard]:
