@@ -170,6 +170,27 @@ class PromptTokenizer:
         tables = [self.tokenize_shard(Shard(**json.loads(s))) for s in batch["shard"]]
         return pa.concat_tables(tables) if tables else SCHEMA.empty_table()
 
+    def parse(self, raw: RawRow) -> tuple[Prompt | Rejection, list | Rejection | None, str | None, dict]:
+        """A row as read: (its prompt, or why it cannot run; a scored row's continuations (row_continuations), None
+        for a sampled row; its passthrough text; its own sampling overrides, `{}` for none)."""
+        prompt = extract_prompt(raw, self.corpus)
+        if not isinstance(prompt, Prompt):
+            return prompt, None, None, {}
+        record = raw.record
+        continuations = row_continuations(record) if is_scored(record) else None
+        if isinstance(continuations, Rejection):
+            return continuations, continuations, None, {}
+        kept = passthrough(record, self.corpus.id_field)
+        if isinstance(kept, Rejection):
+            return kept, continuations, kept, {}
+        field, rf = self.corpus.sampling_field, self.corpus.response_format_field
+        own = row_overrides(record.get(field), self.sampling, field) if field else {}
+        if rf and isinstance(own, dict):
+            own = with_response_format(own, record.get(rf), rf, self.sampling)
+        if isinstance(own, Rejection):
+            return own, continuations, kept, {}
+        return prompt, continuations, kept, own
+
     def known_id(self, raw: RawRow) -> str | None:
         """A rejected row's own id where it has a valid one (so rejected.jsonl names it), else None."""
         if not isinstance(raw.record, dict):
@@ -186,21 +207,14 @@ class PromptTokenizer:
         raw_rows = [r for r in read_rows(shard) if in_window(shard, r.row)]
         if self.openai_batch:
             raw_rows = [native_row(raw, self.sampling) for raw in raw_rows]
-        parsed = [extract_prompt(raw, self.corpus) for raw in raw_rows]
-        scored = {i: row_continuations(raw.record) for i, (raw, p) in enumerate(zip(raw_rows, parsed))
-                  if isinstance(p, Prompt) and is_scored(raw.record)}
-        parsed = [scored[i] if isinstance(scored.get(i), Rejection) else p for i, p in enumerate(parsed)]
-        kept_columns = [passthrough(raw.record, self.corpus.id_field) if isinstance(p, Prompt) else None
-                        for raw, p in zip(raw_rows, parsed)]
-        parsed = [k if isinstance(k, Rejection) else p for p, k in zip(parsed, kept_columns)]
-        field = self.corpus.sampling_field
-        overrides = [row_overrides(raw.record.get(field), self.sampling, field) if isinstance(p, Prompt) and field
-                     else {} for raw, p in zip(raw_rows, parsed)]
-        if (rf := self.corpus.response_format_field):
-            overrides = [with_response_format(o, raw.record.get(rf), rf, self.sampling) if isinstance(o, dict)
-                         and isinstance(p, Prompt) else o for raw, p, o in zip(raw_rows, parsed, overrides)]
-        parsed = [o if isinstance(o, Rejection) else p for p, o in zip(parsed, overrides)]
-        overrides = [o if isinstance(o, dict) else {} for o in overrides]
+        parsed, scored, kept_columns, overrides = [], {}, [], []
+        for i, raw in enumerate(raw_rows):  # one pass over the rows (not one per field)
+            prompt, to_score, kept, own = self.parse(raw)
+            parsed.append(prompt)
+            kept_columns.append(kept)
+            overrides.append(own)
+            if to_score is not None:
+                scored[i] = to_score
         ok = [i for i, p in enumerate(parsed) if isinstance(p, Prompt) and i not in scored]
         encoded = dict(zip(ok, self.encode([parsed[i] for i in ok])))
         continuations: dict[int, list[list[int]]] = {}
