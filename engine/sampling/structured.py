@@ -52,11 +52,19 @@ class Compiler:
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_id: int | None) -> None:
         """`tokenizer_json`: the tokenizer as Hugging Face tokenizers serialise it (tokenizer.json's text);
         `vocab_size`: the model's (the mask's width; ids past the tokenizer's are never allowed)."""
-        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_token_id)
         self.vocab_size = vocab_size
         self._templates: dict[Spec, llguidance.LLMatcher | str] = {}  # a matcher, or why the grammar fails
+        self.unusable: str | None = None
+        """Why no grammar can be used with this tokenizer and vocabulary (then every constraint fails with it)."""
+        try:
+            self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_token_id)
+        except ValueError as err:  # e.g. a tokenizer with more tokens than the model has ids
+            self.unusable = (f"the tokenizer does not fit the model's vocabulary of {vocab_size} ids "
+                             f"({one_line(str(err))}); structured outputs need the model's own tokenizer")
 
     def _template(self, spec: Spec) -> llguidance.LLMatcher | str:
+        if self.unusable is not None:
+            return self.unusable
         if spec not in self._templates:
             try:
                 grammar = grammar_text(spec)

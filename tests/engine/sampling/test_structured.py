@@ -190,3 +190,19 @@ def test_one_structured_output_at_most():
         SamplingConfig(json_schema="{not json")
     with pytest.raises(ValueError, match="sampling.choice must be a non-empty list of strings"):
         SamplingConfig(choice=[])
+
+
+def test_a_tokenizer_larger_than_the_model_vocabulary_is_each_constraints_error(tiny_llama):
+    """llguidance refuses a tokenizer with more tokens than the model has ids: that was an exception out of the
+    planner (a whole plan lost to one row's response_format); now every constraint reports it, one line."""
+    from transformers import AutoTokenizer
+
+    from engine.sampling.structured import compiler_for, structured_error
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    why = structured_error(tokenizer, len(tokenizer) - 10, SamplingConfig(regex="[a-z]+"))
+    assert why.startswith("sampling.regex: the tokenizer does not fit the model's vocabulary of ")
+    assert "vocab size too small" in why and "\n" not in why
+    with pytest.raises(ValueError, match="invalid_grammar: sampling.choice: the tokenizer does not fit"):
+        compiler_for(tokenizer, len(tokenizer) - 10).constraint(("choice", '["a", "b"]'))
+    assert structured_error(tokenizer, len(tokenizer), SamplingConfig(regex="[a-z]+")) is None
