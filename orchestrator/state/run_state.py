@@ -2,11 +2,13 @@
 which batches are pending (in the order they are taken), which run where, and how often each was tried.
 
 State changes happen in memory and reach disk through `flush`, which replaces the manifest
-atomically. A batch once done is held as its manifest line only (manifest_lines.py): what the head holds grows with
-the batches still to do, not with the finished ones. The durable truth of "done" is the output file: outputs/<id>.parquet is written
+atomically. The durable truth of "done" is the output file: outputs/<id>.parquet is written
 (atomically) before its batch is marked done, and on start an output whose batch is not yet marked
 done is adopted rather than recomputed. So a crash between the two writes loses nothing, and
 `flush` may batch several changes into one write (`flush_interval_s`) without weakening that.
+
+A batch once done is held as its manifest line only (manifest_lines.py), and a batch never tried as its line until
+it is taken (PendingLine): what the head holds grows with the batches still to do, not with the finished ones.
 """
 
 from __future__ import annotations
