@@ -82,9 +82,14 @@ def check_manifest(run_dir: RunDir, records: list[BatchRecord]) -> None:
     _check_total(run_dir, records, accepted_prompts(run_dir))
 
 
+def _prompts(records: list[BatchRecord], done: ManifestLines | None) -> int:
+    """The manifest's prompts: its records' and those of the batches read as lines (`done`)."""
+    return sum(r.num_prompts for r in records) + (done.prompts if done is not None else 0)
+
+
 def _check_total(run_dir: RunDir, records: list[BatchRecord], accepted: int | None,
                  done: ManifestLines | None = None) -> None:
-    total = sum(r.num_prompts for r in records) + (done.prompts if done is not None else 0)
+    total = _prompts(records, done)
     if accepted is not None and total != accepted:
         missing = ("a batch's line is missing; `pagefleet run` restores missing lines from batches/ when their prompts "
                    "are exactly the missing ones" if total < accepted else "a record's num_prompts is wrong")
@@ -122,7 +127,7 @@ def reconcile(run_dir: RunDir, records: list[BatchRecord], as_written: bool = Fa
                                    f"batch file {path.name} holds {rows} prompts; set num_prompts to {rows}, or "
                                    f"{_RESTORE}")
     accepted = accepted_prompts(run_dir)
-    total = sum(r.num_prompts for r in records) + (done.prompts if done is not None else 0)
+    total = _prompts(records, done)
     if accepted is not None and total < accepted and run_dir.batches.is_dir():
         known = set(unique) | set(done.batch_ids() if done is not None else ())
         orphans = sorted(p.stem for p in run_dir.batches.glob("*.parquet") if p.stem not in known)
