@@ -14,7 +14,8 @@ time (planner.py): each window is tokenized, packed and written, then released.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -22,6 +23,7 @@ import pyarrow.compute as pc
 
 from orchestrator.observe.ray_noise import quiet_ray_data
 from orchestrator.plan.corpus import Shard, count_rows, number_shards
+from orchestrator.plan.inline import array_pieces, from_pieces, table_pieces
 from orchestrator.plan.tokenize import SCHEMA, PromptTokenizer, shard_item
 from orchestrator.slices.cluster import ClusterConfig, ensure_ray
 from orchestrator.state.faults import crash_point
@@ -122,10 +124,15 @@ def split_by_batch(table: pa.Table, assignment: Assignment, bounds: np.ndarray) 
 @dataclass
 class OnRayData:
     """A planning window's tokenized rows as a materialized Ray Data dataset, spread over the cluster's object
-    stores."""
+    stores. What crosses to and from the head goes in inline pieces (inline.py): the head maps no page of the object
+    store."""
 
     dataset: object
     workers: int
+    blocks: list = field(default_factory=list)
+    """The dataset's block refs, in the order `summaries` read them."""
+    row_ranges: list[tuple[int, int]] = field(default_factory=list)
+    """Each block's first row and the row after its last (0, 0 for an empty one)."""
 
     @classmethod
     def tokenize(cls, shards: list[Shard], tokenizer_args: tuple, workers: int) -> OnRayData:
@@ -148,10 +155,21 @@ class OnRayData:
 
     def release(self) -> None:
         """Free the window's blocks in the object store before the next window is tokenized."""
-        self.dataset = None
+        self.dataset, self.blocks = None, []
 
     def summaries(self) -> list[pa.Table]:
-        return list(self.dataset.select_columns(SUMMARY_COLUMNS).iter_batches(batch_format="pyarrow", batch_size=None))
+        """The window's summaries, a table per block, read in pieces by a task per block."""
+        import ray
+
+        if self.dataset is None:
+            return []
+        self.blocks = list(self.dataset.to_arrow_refs())
+        read = ray.remote(num_cpus=1, num_returns="streaming")(summary_pieces)
+        tables = [from_pieces([ray.get(piece) for piece in pieces], SUMMARY_SCHEMA)
+                  for pieces in [read.remote(block) for block in self.blocks]]
+        self.row_ranges = [(int(pc.min(t["row"]).as_py()), int(pc.max(t["row"]).as_py()) + 1) if t.num_rows else (0, 0)
+                           for t in tables]
+        return tables
 
     def write_batches(self, assignment: Assignment, batches_dir: str, batches: tuple[int, int], tokens: int) -> int:
         """Group the window's `tokens` accepted token ids by batch on Ray workers (ranges of `batches`, [first, end),
@@ -161,17 +179,40 @@ class OnRayData:
 
         first, end = batches
         id_bound = assignment.id_bound
-        assignment = ray.put(assignment)
         partitions = min(max(self.workers, min(256, tokens * 4 // 2**25)), max(1, end - first))
         bounds = np.linspace(first, end, partitions + 1).round().astype(np.int64)
         # Plain tasks, not a Ray Data group-by: each tokenized block is cut into contiguous ranges of batches, and
-        # one task per range gathers its pieces and writes the range's files with the in-process path's code.
-        split = ray.remote(num_cpus=1, num_returns=partitions)(
-            lambda *args: parts if len(parts := split_by_batch(*args)) > 1 else parts[0])  # one return: no list
-        pieces = [split.remote(block, assignment, bounds) for block in self.dataset.to_arrow_refs()]
+        # one task per range gathers its pieces and writes the range's files with the in-process path's code. Each
+        # block's task gets the assignment of its own rows, in inline pieces.
+        split = ray.remote(num_cpus=1, num_returns=partitions)(split_block)
+        pieces = []
+        for block, (lo, hi) in zip(self.blocks, self.row_ranges):
+            if hi == lo:
+                continue
+            rows = slice(lo - assignment.first_row, hi - assignment.first_row)
+            batch, position = array_pieces(assignment.batch[rows]), array_pieces(assignment.position[rows])
+            pieces.append(split.remote(block, bounds, lo, id_bound, len(batch), *batch, *position))
         pieces = [p if partitions > 1 else [p] for p in pieces]
         write = ray.remote(num_cpus=1)(lambda *parts: write_grouped(list(parts), batches_dir, id_bound))
         return sum(ray.get([write.remote(*[p[i] for p in pieces]) for i in range(partitions)]))
+
+
+SUMMARY_SCHEMA = pa.schema([SCHEMA.field(c) for c in SUMMARY_COLUMNS])
+
+
+def summary_pieces(block: pa.Table) -> Iterator[bytes]:
+    """A tokenized block's summaries, in inline pieces (a Ray streaming task)."""
+    yield from table_pieces(block.select(SUMMARY_COLUMNS))
+
+
+def split_block(block: pa.Table, bounds: np.ndarray, first_row: int, id_bound: int, num_pieces: int,
+                *pieces: np.ndarray) -> pa.Table | list[pa.Table]:
+    """split_by_batch of a block whose rows' batches and positions (from `first_row` on) come as `num_pieces` pieces
+    of each; one table when there is one range (Ray's single return), else a list."""
+    assignment = Assignment(first_row, np.concatenate(pieces[:num_pieces]), np.concatenate(pieces[num_pieces:]),
+                            id_bound)
+    parts = split_by_batch(block, assignment, bounds)
+    return parts if len(parts) > 1 else parts[0]
 
 
 def free_cpus() -> int:

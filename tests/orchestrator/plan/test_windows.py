@@ -176,3 +176,29 @@ def test_the_ids_of_earlier_windows_are_kept_on_disk_not_in_memory(tmp_path):
         assert held < 100_000, f"{held:,} bytes held for {n:,} ids"  # was 12 bytes an id: 3.6 MB
         paths = [f"{path}.digests" for path, _ in seen.windows]
     assert not any(os.path.exists(p) for p in paths)  # removed when planning ends
+
+
+def _shared_memory_kib() -> int:
+    """This process's resident pages of shared memory (the object store's among them), in KiB."""
+    for line in open("/proc/self/status"):
+        if line.startswith("RssShmem:"):
+            return int(line.split()[1])
+    raise AssertionError("no RssShmem in /proc/self/status")
+
+
+def test_a_plan_on_ray_data_maps_no_object_store_pages_in_the_head(tiny_model, tmp_path, ray_local):
+    """The head reads each window's summaries and sends its rows' batches in pieces Ray passes inline: it maps no page
+    of the object store, whose pages (placed anew every window) added up in its RSS to as much as the store holds."""
+    rows = 20_000
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"id": f"p{i}", "prompt": "alpha beta " * (1 + i % 9)}) + "\n"
+                              for i in range(rows)))
+    args = [*_args(tiny_model, corpus, tmp_path / "run", 6_000), "--corpus.shard_bytes=100000",
+            "--corpus.in_process_bytes=0"]  # on Ray Data: four windows, several blocks each
+    before = _shared_memory_kib()
+    result = plan(load_run_config(None, args))
+    grown = _shared_memory_kib() - before
+    placed, reasons, _ = _rows_of(tmp_path / "run")
+    assert sorted(placed) == list(range(rows)) and not reasons and result.stats.num_batches > 100
+    # The summaries alone are ~1.5 MiB; what Ray Data itself puts (the shards' names) is a few pages.
+    assert grown < 256, f"the head mapped {grown} KiB of shared memory while planning"
