@@ -20,7 +20,9 @@ from typing import Iterator
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
+from engine.files import is_object_store
 from orchestrator.observe.ray_noise import quiet_ray_data
 from orchestrator.plan.corpus import Shard, count_rows, number_shards
 from orchestrator.plan.inline import array_pieces, from_pieces, table_pieces
@@ -69,10 +71,23 @@ def assign_batches(table: pa.Table, assignment: Assignment) -> pa.Table:
 
 
 def write_batch(group: pa.Table, index: int, batches_dir: str, id_bound: int) -> None:
-    """batches/<id>.parquet of batch `index`: `group`, its rows in BATCH_SCHEMA and in their order (longest first)."""
+    """batches/<id>.parquet of batch `index`: `group`, its rows in BATCH_SCHEMA and in their order (longest first).
+
+    Written in place, not through a temporary file renamed over it: a plan's batch files count only once the manifest
+    naming them is written (after one os.sync for them all), and a plan that did not finish removes them before
+    planning again. Without dictionaries or statistics (no reader filters on them; the files are smaller for token
+    ids). A batch file costs ~0.9 ms of CPU on a 2-core cloud machine, 0.5 ms of it the kernel creating the file; the
+    temporary file's rename and its checks added ~0.2 ms."""
     path = f"{batches_dir}/{batch_id(index, id_bound)}.parquet"
     crash_point("batch_file")
-    atomic_write_parquet(path, group, fsync=False)
+    if is_object_store(path):
+        atomic_write_parquet(path, group, fsync=False)  # an upload, atomic by itself
+        return
+    try:
+        pq.write_table(group, path, use_dictionary=False, write_statistics=False)
+    except OSError as e:
+        e.filename = e.filename or path  # a full disk's error names no file by itself
+        raise
 
 
 @dataclass
