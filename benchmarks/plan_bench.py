@@ -6,7 +6,8 @@ Prints prompts/s of `plan` (Ray already started; reading, tokenizing, packing an
 directory), the tokenizer's own batch-encode throughput on the same texts in a separate process
 (`tokenizer._tokenizer.encode_batch_fast`, the call the planner makes, its Rust thread pool using every core;
 corpus parsing not timed), their ratio
-(goal >= 0.7), and the head process's peak RSS (goal <= 1.5 GiB at 10M prompts). --repeats N plans N times and
+(goal >= 0.7), the head process's peak RSS from Ray's start on (goal <= 1.5 GiB at 10M prompts; writing the
+corpus, when the benchmark writes one, is not counted) and the run directory's size. --repeats N plans N times and
 reports medians, the plan and the tokenizer alternated. --median-words 1500 plans prompts of ~2k tokens instead;
 --set KEY=VALUE passes a config override (e.g. corpus.window_rows).
 """
@@ -17,7 +18,6 @@ import argparse
 import itertools
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -101,6 +101,20 @@ def baseline(model: str, corpus: str, limit: int | None = None) -> dict:
     return {"prompts": len(texts) + len(chats), "seconds": elapsed, "prompts_per_s": (len(texts) + len(chats)) / elapsed}
 
 
+def status_bytes(field: str) -> int:
+    """A field of /proc/self/status (Linux), in bytes."""
+    for line in open("/proc/self/status"):
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def reset_peak_rss() -> None:
+    """Start the process's peak RSS (VmHWM) afresh from its RSS now (Linux's clear_refs)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def watch_anon_rss() -> list[int]:
     """[the process's peak RssAnon in bytes], kept up to date by a thread sampling /proc/self/status (Linux)."""
     import threading
@@ -109,9 +123,7 @@ def watch_anon_rss() -> list[int]:
 
     def sample() -> None:
         while True:
-            for line in open("/proc/self/status"):
-                if line.startswith("RssAnon:"):
-                    peak[0] = max(peak[0], int(line.split()[1]) * 1024)
+            peak[0] = max(peak[0], status_bytes("RssAnon"))
             time.sleep(0.2)
 
     threading.Thread(target=sample, daemon=True).start()
@@ -148,6 +160,7 @@ def main() -> int:
         write_corpus(corpus, args.num_prompts, median_words=args.median_words)
         print(f"wrote {corpus} ({corpus.stat().st_size / 2**20:,.0f} MiB) in {time.perf_counter() - t:.0f} s", flush=True)
 
+    reset_peak_rss()  # writing the corpus (above) is not the plan's
     import logging
 
     import ray
@@ -171,13 +184,14 @@ def main() -> int:
         start = time.perf_counter()
         result = plan(cfg)
         times.append(time.perf_counter() - start)
+        run_dir_bytes = sum(f.stat().st_size for f in run_dir.rglob("*") if f.is_file())
         shutil.rmtree(run_dir, ignore_errors=True)
         sample = [] if args.baseline_prompts is None else ["--baseline-prompts", str(args.baseline_prompts)]
         bases.append(json.loads(subprocess.run([sys.executable, __file__, "--baseline", str(model), str(corpus), *sample],
                                                check=True, capture_output=True, text=True).stdout.splitlines()[-1]))
         print(f"plan {i}: {times[-1]:.1f} s; tokenizer alone: {bases[-1]['seconds']:.1f} s", flush=True)
     ray.shutdown()
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    peak_rss = status_bytes("VmHWM")
     base = {"seconds": statistics.median(b["seconds"] for b in bases)}
     base["prompts_per_s"] = bases[0]["prompts"] / base["seconds"]  # of the rows it read (all, or the first N)
     plan_s = statistics.median(times)
@@ -188,6 +202,8 @@ def main() -> int:
     print(f"plan throughput:           {rate:,.0f} prompts/s")
     print(f"tokenizer batch-encode:    {base['prompts_per_s']:,.0f} prompts/s ({base['seconds']:.1f} s, median of {len(bases)})")
     print(f"ratio plan / tokenizer:    {rate / base['prompts_per_s']:.2f} (goal >= 0.7)")
+    print(f"run directory:             {run_dir_bytes / 2**30:.2f} GiB (corpus {corpus.stat().st_size / 2**30:.2f} GiB; the batch "
+          "files hold each prompt's token ids and its passthrough columns, its text among them)")
     print(f"head peak RSS:             {peak_rss / 2**30:.2f} GiB (goal <= 1.5 GiB at 10M prompts)")
     print(f"  of which its own memory: {peak_anon[0] / 2**30:.2f} GiB at most (RssAnon, sampled every 0.2 s; the rest is "
           "files mapped in and object-store pages it read, shared with Ray's object store)")
