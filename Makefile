@@ -32,8 +32,10 @@ test: $(STAMP)
 bench: $(STAMP)
 	JAX_PLATFORMS=cpu $(VENV)/bin/python benchmarks/step_bench.py
 
+# PLAN_ARGS overrides (the last value of a flag wins): PLAN_ARGS="--num-prompts 10000000 --repeats 1 --baseline-prompts 1000000",
+# or "--num-prompts 2000000 --median-words 1500 --repeats 1 --baseline-prompts 50000" for prompts of ~2k tokens
 bench-plan: $(STAMP)
-	JAX_PLATFORMS=cpu RAY_AUTH_MODE=disabled $(VENV)/bin/python benchmarks/plan_bench.py --num-prompts 1000000 --num-cpus 2 --repeats 3
+	JAX_PLATFORMS=cpu RAY_AUTH_MODE=disabled $(VENV)/bin/python benchmarks/plan_bench.py --num-prompts 1000000 --num-cpus 2 --repeats 3 $(PLAN_ARGS)
 
 bench-resume: $(STAMP)
 	$(VENV)/bin/python benchmarks/resume_bench.py --batches 100000 --repeats 3

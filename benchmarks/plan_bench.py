@@ -206,7 +206,7 @@ def main() -> int:
           "files hold each prompt's token ids and its passthrough columns, its text among them)")
     print(f"head peak RSS:             {peak_rss / 2**30:.2f} GiB (goal <= 1.5 GiB at 10M prompts)")
     print(f"  of which its own memory: {peak_anon[0] / 2**30:.2f} GiB at most (RssAnon, sampled every 0.2 s; the rest is "
-          "files mapped in and object-store pages it read, shared with Ray's object store)")
+          "the libraries and files mapped in, and any shared memory it touched)")
     return 0
 
 
