@@ -22,7 +22,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from engine.files import is_object_store
 from orchestrator.observe.ray_noise import quiet_ray_data
 from orchestrator.plan.corpus import Shard, count_rows, number_shards
 from orchestrator.plan.inline import array_pieces, from_pieces, table_pieces
@@ -75,12 +74,13 @@ def write_batch(group: pa.Table, index: int, batches_dir: str, id_bound: int) ->
 
     Written in place, not through a temporary file renamed over it: a plan's batch files count only once the manifest
     naming them is written (after one os.sync for them all), and a plan that did not finish removes them before
-    planning again. Without dictionaries or statistics (no reader filters on them; the files are smaller for token
-    ids). A batch file costs ~0.9 ms of CPU on a 2-core cloud machine, 0.5 ms of it the kernel creating the file; the
+    planning again. Without dictionaries or statistics (no reader filters on them; a dictionary of token ids makes
+    a file larger and slower to write for a real vocabulary: 312 against 240 KB, 2.7 against 0.9 ms, for 30 prompts
+    of 2k tokens of a 128k vocabulary). A batch file costs ~0.9 ms of CPU on a 2-core cloud machine, 0.5 ms of it the kernel creating the file; the
     temporary file's rename and its checks added ~0.2 ms."""
     path = f"{batches_dir}/{batch_id(index, id_bound)}.parquet"
     crash_point("batch_file")
-    if is_object_store(path):
+    if storage.is_object_store(path):
         atomic_write_parquet(path, group, fsync=False)  # an upload, atomic by itself
         return
     try:
