@@ -76,8 +76,8 @@ def write_batch(group: pa.Table, index: int, batches_dir: str, id_bound: int) ->
     naming them is written (after one os.sync for them all), and a plan that did not finish removes them before
     planning again. Without dictionaries or statistics (no reader filters on them; a dictionary of token ids makes
     a file larger and slower to write for a real vocabulary: 312 against 240 KB, 2.7 against 0.9 ms, for 30 prompts
-    of 2k tokens of a 128k vocabulary). A batch file costs ~0.9 ms of CPU on a 2-core cloud machine, 0.5 ms of it the kernel creating the file; the
-    temporary file's rename and its checks added ~0.2 ms."""
+    of 2k tokens of a 128k vocabulary). A batch file costs ~0.9 ms of CPU on a 2-core cloud machine, 0.5 ms of it
+    the kernel creating the file; the temporary file's rename and its checks added ~0.2 ms."""
     path = f"{batches_dir}/{batch_id(index, id_bound)}.parquet"
     crash_point("batch_file")
     if storage.is_object_store(path):
