@@ -16,12 +16,16 @@ import importlib
 import json
 import os
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 from engine.device import compile_cache
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".gguf", ".npz", ".ckpt")
 _MAX_HASHED_BYTES = 64 * 2**20  # tokenizer files are far smaller; anything bigger is not one
+# transformers' lazy module is not thread-safe: a first `transformers.AutoTokenizer` in two threads at once raises
+# AttributeError in one (the service runs each run's head in a thread). Loads take turns.
+_LOADING = threading.Lock()
 
 
 def has_tokenizer(model_path: str | os.PathLike) -> bool:
@@ -31,7 +35,11 @@ def has_tokenizer(model_path: str | os.PathLike) -> bool:
 
 def load_tokenizer(model_path: str | os.PathLike, **kwargs):
     """The tokenizer `transformers.AutoTokenizer.from_pretrained(model_path, **kwargs)` returns."""
-    path = Path(model_path)
+    with _LOADING:
+        return _load(Path(model_path), **kwargs)
+
+
+def _load(path: Path, **kwargs):
     memo = _memo_path(path, kwargs) if path.is_dir() else None
     if memo is not None and memo.exists():
         try:
@@ -42,7 +50,7 @@ def load_tokenizer(model_path: str | os.PathLike, **kwargs):
             pass
     import transformers
 
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_path), **kwargs)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path), **kwargs)
     cls = type(tokenizer)
     if memo is not None and cls.__module__.startswith("transformers."):
         _write(memo, {"module": cls.__module__, "name": cls.__qualname__})

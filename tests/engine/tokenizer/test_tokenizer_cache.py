@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import transformers
@@ -143,3 +146,30 @@ def test_the_command_line_decides_each_tokenizer_as_with_torch_without_importing
         with_torch = behaviour(transformers.AutoTokenizer.from_pretrained(model))
         with_torch["class"] = with_torch["class"].__module__ + "." + with_torch["class"].__qualname__
         assert result["tokenizers"][model] == with_torch
+
+
+
+def test_threads_loading_at_once_in_a_fresh_process_all_get_the_tokenizer(tmp_path):
+    """The service runs each run's head in a thread of one process, so two runs submitted together load their
+    tokenizers at once. transformers' lazy module is not safe for that: a first `transformers.AutoTokenizer` in
+    two threads at once raises AttributeError in one of them (a failed run)."""
+    model = write_model("tiny-llama", tmp_path / "m", seed=0)
+    script = f"""
+import json, threading
+from engine.tokenizer import tokenizer_cache
+got = []
+def load():
+    try:
+        got.append(type(tokenizer_cache.load_tokenizer({str(model)!r})).__name__)
+    except Exception as e:
+        got.append(repr(e))
+threads = [threading.Thread(target=load) for _ in range(4)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(json.dumps(got))
+"""
+    env = {**os.environ, compile_cache.ENV: "off"}  # no memo: every thread goes through AutoTokenizer
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(got) == 4 and len(set(got)) == 1 and "Error" not in got[0], got

@@ -5,6 +5,7 @@ import socket
 import stat
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import requests
@@ -82,6 +83,15 @@ def wait_for(url: str, name: str, states: set[str], timeout_s: float = 300) -> d
         time.sleep(1.0)
 
 
+def why(body: dict, runs_root) -> str:
+    """What a run that ended otherwise than expected left: its state, error, failed batches and last events
+    (pytest cuts a long dict short, and the error is what CI's log must show)."""
+    events = Path(runs_root) / body["name"] / "events.log"
+    tail = events.read_text().splitlines()[-12:] if events.exists() else []
+    return "\n".join([f"state={body['state']} exit_code={body.get('exit_code')} error={body.get('error')}",
+                      f"failed={body.get('failed')} counts={body.get('counts')}", *tail])
+
+
 def all_samples(url: str, name: str, page: int = 7) -> list[dict]:
     out, offset = [], 0
     while True:
@@ -109,7 +119,7 @@ def test_two_runs_at_once_finish_and_samples_page_in_corpus_order(service, run_m
 
     for name in names:
         body = wait_for(url, name, {"done", "failed", "cancelled"})
-        assert body["state"] == "done", body
+        assert body["state"] == "done", why(body, runs_root)
         assert body["counts"]["done"] == body["batches"] and body["samples_done"] == 2 * body["prompts"]
         assert body["output_tokens_done"] > 0 and body["run_dir"] == str(runs_root / name)
         got = all_samples(url, name)
@@ -127,14 +137,14 @@ def test_cancel_then_resume_through_the_api(service, run_model, tmp_path):
     r = requests.post(f"{url}/runs/svc-cancel/cancel", headers=AUTH, timeout=30)
     assert r.status_code == 202 and r.json()["cancel_requested"]
     body = wait_for(url, "svc-cancel", {"done", "failed", "cancelled"})
-    assert body["state"] == "cancelled" and body["exit_code"] == 130, body
+    assert body["state"] == "cancelled" and body["exit_code"] == 130, why(body, runs_root)
     assert body["counts"]["done"] < body["batches"] and body["counts"]["running"] == 0
     assert requests.post(f"{url}/runs/svc-cancel/cancel", headers=AUTH, timeout=30).status_code == 409
 
     r = requests.post(f"{url}/runs/svc-cancel/resume", headers=AUTH, timeout=30)
     assert r.status_code == 202, r.text
     body = wait_for(url, "svc-cancel", {"done", "failed", "cancelled"})
-    assert body["state"] == "done", body
+    assert body["state"] == "done", why(body, runs_root)
     keys = Counter((s["prompt_id"], s["generation_index"]) for s in all_samples(url, "svc-cancel", page=1000))
     assert set(keys.values()) == {1} and len(keys) == body["prompts"] == 24
     assert "stop requested" in (runs_root / "svc-cancel" / "events.log").read_text()
@@ -269,5 +279,5 @@ def test_a_run_planned_before_the_service_is_read_and_resumed_by_name(service, r
     r = requests.post(f"{url}/runs/svc-disk/resume", headers=AUTH, timeout=30)  # the config comes from run.json
     assert r.status_code == 202, r.text
     body = wait_for(url, "svc-disk", {"done", "failed", "cancelled"})
-    assert body["state"] == "done", body
+    assert body["state"] == "done", why(body, runs_root)
     assert all_samples(url, "svc-disk") == [output_record(r) for r in collect(runs_root / "svc-disk").select(RECORD_FIELDS).to_pylist()]
