@@ -13,13 +13,14 @@ import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from json.encoder import c_encode_basestring, c_make_encoder  # type: ignore[attr-defined]
 from typing import Any, Literal
 
 import fsspec
 
 from engine import RESERVED_COLUMNS
 from orchestrator.json_out import finite
-from orchestrator.plan.json_row import loads_row, lone_surrogate
+from orchestrator.plan.json_row import loads_row, lone_surrogate, may_hold_lone_surrogate
 from orchestrator.surface import setting
 
 EXTENSIONS = (".jsonl", ".json", ".parquet")
@@ -82,7 +83,9 @@ class Shard:
     window_end: int = -1  # -1: to the shard's end
 
 
-@dataclass(frozen=True)
+# RawRow, Prompt and Rejection are made for every row of the corpus: slotted, not frozen (a frozen dataclass sets
+# each field through object.__setattr__: ~0.6 against ~0.1 us a RawRow). Nothing changes them after they are made.
+@dataclass(slots=True)
 class RawRow:
     row: int
     """Row number in corpus order."""
@@ -95,14 +98,14 @@ class RawRow:
     detail: str | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Prompt:
     prompt_id: str
     text: str | None = None
     messages: list[dict] | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Rejection:
     reason: str
     detail: str
@@ -237,12 +240,18 @@ def read_rows(shard: Shard) -> Iterator[RawRow]:
                 yield RawRow(row, shard.file, None, None, "malformed_row", f"row is a JSON {type(record).__name__}, not an object")
             row += 1
         return
-    for offset, raw in enumerate(data.split(b"\n")):
-        if not raw.strip():
+    try:  # the shard at once when it is all UTF-8 (almost always): its lines are then texts already
+        whole = data.decode("utf-8")
+    except UnicodeDecodeError:
+        whole = None
+    lines = data.split(b"\n") if whole is None else whole.split("\n")
+    surrogates = whole is None or may_hold_lone_surrogate(whole)  # the cheap test once for the shard, not a row
+    for offset, raw in enumerate(lines):
+        if not raw.strip(None if whole is None else _ASCII_SPACE):  # blank as bytes.strip() sees it
             continue
         line = shard.first_line + offset
         try:
-            text = raw.decode("utf-8")
+            text = raw if whole is not None else raw.decode("utf-8")
         except UnicodeDecodeError as e:
             yield RawRow(row, shard.file, line, None, "undecodable", f"line is not UTF-8: {e.reason} at byte {e.start}")
         else:
@@ -251,7 +260,7 @@ def read_rows(shard: Shard) -> Iterator[RawRow]:
             except ValueError as e:
                 yield RawRow(row, shard.file, line, None, "malformed_row", f"not valid JSON: {e}")
             else:
-                if isinstance(record, dict) and (why := lone_surrogate(text)) is not None:
+                if surrogates and isinstance(record, dict) and (why := lone_surrogate(text)) is not None:
                     yield RawRow(row, shard.file, line, None, "undecodable", why)
                 elif isinstance(record, dict):
                     yield RawRow(row, shard.file, line, record)
@@ -259,6 +268,10 @@ def read_rows(shard: Shard) -> Iterator[RawRow]:
                     yield RawRow(row, shard.file, line, None, "malformed_row",
                                  f"row is a JSON {type(record).__name__}, not an object")
         row += 1
+
+
+_ASCII_SPACE = " \t\n\r\x0b\x0c"
+"""What `bytes.strip()` removes: a line of other (Unicode) spaces is a row, as it was when lines were bytes."""
 
 
 def window_shards(shards: list[Shard], counts: list[tuple[int, int]], start: int, end: int) -> list[Shard]:
@@ -311,8 +324,11 @@ def row_id(record: dict, id_field: str | None, default: str | None) -> str | Non
     return str(value)
 
 
-_PASSTHROUGH = json.JSONEncoder(default=str, allow_nan=False, ensure_ascii=False)
-"""`json.dumps(..., default=str, allow_nan=False, ensure_ascii=False)`, its encoder built once (not once a row)."""
+_PASSTHROUGH = c_make_encoder(None, str, c_encode_basestring, None, ": ", ", ", False, False, False) if c_make_encoder \
+    else json.JSONEncoder(default=str, allow_nan=False, ensure_ascii=False, check_circular=False).iterencode
+"""`json.dumps(..., default=str, allow_nan=False, ensure_ascii=False)` as chunks: CPython's C encoder built once, not once
+a row as `json.dumps` builds it (0.65 against 1.35 us for a short prompt's row). No check for cycles: a row read from JSON
+or parquet has none."""
 
 
 def passthrough(record: dict, id_field: str | None) -> str | Rejection:
@@ -326,11 +342,13 @@ def passthrough(record: dict, id_field: str | None) -> str | Rejection:
         return Rejection("reserved_column", f"column {clash[0]!r} has the name of a sample record field (its output "
                                             f"would hide it); rename the column in the input (reserved: "
                                             f"{', '.join(sorted(RESERVED_COLUMNS))})")
-    kept = {name: value for name, value in record.items() if name != id_field}
-    if id_field and record.get(id_field) is not None:
-        kept = {"prompt_id": record[id_field], **kept}
+    typed_id = record.get(id_field) if id_field else None
+    kept = {} if typed_id is None else {"prompt_id": typed_id}
+    for name, value in record.items():
+        if name != id_field:
+            kept[name] = value
     try:
-        return _PASSTHROUGH.encode(kept)
+        return "".join(_PASSTHROUGH(kept, 0))
     except ValueError:  # NaN or infinity in a column: JSON has none, so null (as every JSON pagefleet writes)
 
         return json.dumps(finite(kept), default=str, ensure_ascii=False)

@@ -9,10 +9,16 @@ import re
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
+def may_hold_lone_surrogate(text: str) -> bool:
+    """Whether `text` (a row, or many) holds an escape that may decode to a lone surrogate: `lone_surrogate`'s cheap
+    test, which a shard's text passes once instead of each of its rows."""
+    return _SURROGATE_ESCAPE.search(text) is not None
+
+
 def lone_surrogate(text: str) -> str | None:
     """Why a row's JSON text cannot be used, when an escape in it decodes to a lone surrogate ("\\ud800": no
     character, so no UTF-8 for the tokenizer or the output files), else None. A surrogate pair is a character."""
-    if _SURROGATE_ESCAPE.search(text) is None:  # the cheap test first: almost every row has no such escape
+    if not may_hold_lone_surrogate(text):  # the cheap test first: almost every row has no such escape
         return None
     try:
         json.dumps(json.loads(text), ensure_ascii=False).encode("utf-8")

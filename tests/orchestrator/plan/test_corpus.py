@@ -84,3 +84,21 @@ def test_type_errors_read_as_english(tmp_path, line, detail):
     path.write_bytes(line + b"\n")
     (raw,) = rows_of([str(path)])
     assert extract_prompt(raw, CorpusConfig()).detail == detail
+
+
+def test_lines_read_the_same_from_a_utf8_shard_and_from_one_with_a_bad_line(tmp_path):
+    """A shard that is all UTF-8 is decoded at once and split as text; one with a bad line is read line by line.
+    Blank is what bytes.strip() removes (a line of Unicode spaces is a row), a line separator inside a string does
+    not cut its line, and the lone-surrogate check still finds its row."""
+    good = [b'{"id": "a", "prompt": "x\xe2\x80\xa8y"}', b"\r", b"\xc2\xa0", b'{"prompt": "\\ud800"}',
+            b'{"prompt": "\\ud83d\\ude00"}', b"", b'{"id": 7, "prompt": "caf\xc3\xa9"}']
+    seen = []
+    for name, lines in (("utf8", good), ("mixed", good + [b'{"prompt": "caf\xe9"}'])):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_bytes(b"\n".join(lines) + b"\n")
+        seen.append([(r.row, r.line, r.record, r.reason) for r in rows_of([str(path)])])
+    utf8, mixed = seen
+    assert mixed[:-1] == utf8 and mixed[-1][3] == "undecodable"
+    assert [(row, line, reason) for row, line, _, reason in utf8] == [
+        (0, 1, None), (1, 3, "malformed_row"), (2, 4, "undecodable"), (3, 5, None), (4, 7, None)]
+    assert utf8[0][2] == {"id": "a", "prompt": "x\u2028y"} and utf8[3][2] == {"prompt": "\U0001F600"}
