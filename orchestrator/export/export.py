@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 
 from engine import RECORD_FIELDS as ENGINE_RECORD_FIELDS, output_record
 from orchestrator.export.openai_output import COLUMNS, BatchHeader, batch_lines
-from orchestrator.export.sort import (DEFAULT_MEMORY_BYTES, Log, closing_source, count_samples, iter_sorted, metadata,
+from orchestrator.export.sort import (DEFAULT_MEMORY_BYTES, Log, count_samples, iter_sorted, metadata, read_samples,
                                       remove_stale_export_temporaries, temporary_prefix)
 from orchestrator.json_out import dumps
 from orchestrator.state.manifest import read_manifest
@@ -171,17 +171,16 @@ def passthrough_schema(paths: list[Path]) -> pa.Schema:
     first-seen order; `prompt_id` among them when ids were typed. A column whose values have no common type
     (an id that is an integer in one row and a string in another) raises ValueError naming it: JSON lines keep
     each value as the input had it."""
-    schemas = []
+    schemas: dict[pa.Schema, None] = {}  # the distinct ones, in first-seen order: a million files share a few
     for path in paths:
-        if "passthrough" not in metadata(path).schema.names:  # an output older than passed-through columns
+        column = read_samples(path, "passthrough")
+        if column is None:  # an output older than passed-through columns
             continue
-        with closing_source(path) as source:
-            values = [json.loads(t) for t in pq.read_table(source, columns=["passthrough"])["passthrough"].to_pylist()
-                      if t]
+        values = [json.loads(t) for t in column["passthrough"].to_pylist() if t]
         if values:
-            schemas.append(_inferred(values, path))
+            schemas.setdefault(_inferred(values, path))
     try:
-        return pa.unify_schemas(schemas, promote_options="permissive") if schemas else pa.schema([])
+        return pa.unify_schemas(list(schemas), promote_options="permissive") if schemas else pa.schema([])
     except (pa.ArrowInvalid, pa.ArrowTypeError) as err:
         raise ValueError(f"the input columns passed through to the samples have no common type across rows ({err}); "
                          "export to .jsonl instead, which keeps each value as the input had it") from None

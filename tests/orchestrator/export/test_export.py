@@ -197,3 +197,48 @@ def test_outputs_older_than_passed_through_columns_still_export(tmp_path, suffix
         pq.write_table(pq.read_table(path).drop_columns(["passthrough"]), path)
     assert export(tmp_path / "run", tmp_path / f"out{suffix}") == len(expected)
     assert approx(read_output(tmp_path / f"out{suffix}")) == approx(expected)
+
+
+def test_export_holds_a_footer_at_a_time_and_the_distinct_passthrough_schemas(tmp_path, monkeypatch):
+    """A samples file's parquet footer takes ~46 KB in memory: an export that kept every file's (a million batches at
+    100M prompts) would need ~46 GB before its first sample. The passed-through columns' schemas are kept once each,
+    not once a file."""
+    from orchestrator.export import export as export_module
+    from orchestrator.export import sort
+
+    class Footer:
+        alive = peak = 0
+
+        def __init__(self, meta):
+            self._meta = meta
+            Footer.alive += 1
+            Footer.peak = max(Footer.peak, Footer.alive)
+
+        def __getattr__(self, name):
+            return getattr(self._meta, name)
+
+        def __del__(self):
+            Footer.alive -= 1
+
+    real_metadata, real_unify = sort.metadata, pa.unify_schemas
+    unified = []
+    monkeypatch.setattr(sort, "metadata", lambda path: Footer(real_metadata(path)))
+    monkeypatch.setattr(export_module, "metadata", lambda path: Footer(real_metadata(path)))
+    monkeypatch.setattr(pa, "unify_schemas", lambda schemas, **kw: unified.append(len(schemas)) or real_unify(schemas, **kw))
+    expected = make_run(tmp_path / "run", num_batches=40, passthrough=lambda r: json.dumps({"topic": f"t{r % 3}"}))
+    for suffix in (".jsonl", ".parquet"):
+        assert export(tmp_path / "run", tmp_path / f"out{suffix}") == len(expected)
+    assert Footer.peak <= 2, Footer.peak
+    assert unified == [1]  # the parquet export's: 40 files of one schema
+
+
+def test_files_read_are_combined_as_they_come_with_the_same_export(tmp_path, monkeypatch):
+    """Files' tables are combined every _COMPACT_FILES files (a small batch's table costs more to hold than its
+    samples): the export is the same, in memory and sorted on disk."""
+    from orchestrator.export import sort
+
+    expected = make_run(tmp_path / "run", num_batches=20)
+    monkeypatch.setattr(sort, "_COMPACT_FILES", 3)
+    for budget, name in ((sort.DEFAULT_MEMORY_BYTES, "memory.jsonl"), (100_000, "disk.jsonl")):
+        assert export(tmp_path / "run", tmp_path / name, memory_bytes=budget) == len(expected)
+        assert approx(read_output(tmp_path / name)) == approx(expected)
