@@ -9,7 +9,7 @@ import sys
 from tqdm import tqdm
 
 from orchestrator.exit_codes import FAULT
-from orchestrator.export.export import LAYOUTS, check_output, count_samples, done_outputs, export, print_progress
+from orchestrator.export.export import LAYOUTS, check_output, done_outputs, export, print_progress
 
 
 def main(argv: list[str]) -> int:
@@ -29,11 +29,11 @@ def main(argv: list[str]) -> int:
     if args.memory_gb <= 0:
         parser.error(f"--memory-gb must be positive, got {args.memory_gb}")
     check_output(args.output, args.format)  # before the progress bar, so a refusal is the only line printed
-    total = count_samples(done_outputs(args.run_dir, partial=args.partial))
+    done = done_outputs(args.run_dir, partial=args.partial)
     try:
-        with tqdm(total=total, desc="export", unit="sample", disable=not args.progress, file=sys.stderr) as bar:
+        with tqdm(total=done.samples, desc="export", unit="sample", disable=not args.progress, file=sys.stderr) as bar:
             count = export(args.run_dir, args.output, partial=args.partial, memory_bytes=int(args.memory_gb * 2**30),
-                           layout=args.format,
+                           layout=args.format, done=done,
                            log=print_progress if args.progress else None, on_rows=bar.update)
     except OSError as e:
         if e.errno != errno.ENOSPC:

@@ -6,18 +6,21 @@ from __future__ import annotations
 
 import json
 import sys
+from array import array
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import closing
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from engine import RECORD_FIELDS as ENGINE_RECORD_FIELDS, output_record
 from orchestrator.export.openai_output import COLUMNS, BatchHeader, batch_lines
-from orchestrator.export.sort import (DEFAULT_MEMORY_BYTES, Log, count_samples, iter_sorted, metadata, read_samples,
+from orchestrator.export.sort import (DEFAULT_MEMORY_BYTES, Log, iter_sorted, metadata, read_samples,
                                       remove_stale_export_temporaries, temporary_prefix)
 from orchestrator.json_out import dumps
 from orchestrator.state.manifest import read_manifest
@@ -32,7 +35,26 @@ OWN_FIELDS = [f for f in RECORD_FIELDS if f != "passthrough"]  # an exported rec
 _JSONL_ROWS = 4096  # samples converted to Python objects at a time
 
 
-def done_outputs(run_dir_path: str | Path, partial: bool = False) -> list[Path]:
+@dataclass(frozen=True)
+class DoneOutputs:
+    """The samples files of a run's done batches, in manifest order, with each file's samples and uncompressed bytes:
+    its footer read once (the export command read every footer four times: ~0.3 ms a file at a million files)."""
+
+    paths: list[Path]
+    rows: np.ndarray
+    nbytes: np.ndarray
+
+    @property
+    def samples(self) -> int:
+        return int(self.rows.sum())
+
+    @property
+    def totals(self) -> tuple[int, int]:
+        """(uncompressed bytes, samples): what the sort sizes itself by (iter_sorted)."""
+        return int(self.nbytes.sum()), self.samples
+
+
+def done_outputs(run_dir_path: str | Path, partial: bool = False) -> DoneOutputs:
     """The output files of the run's done batches, in manifest order; refuses an unfinished run unless
     `partial`, and names any done batch whose output is missing."""
     run_dir = RunDir(location.location(run_dir_path))  # local or gs://
@@ -45,7 +67,7 @@ def done_outputs(run_dir_path: str | Path, partial: bool = False) -> list[Path]:
         raise ValueError(f"{len(not_done)} of {len(records)} batches are not done (first: {not_done[0]}); finish the "
                          "run with `pagefleet run CONFIG`, or pass --partial to export what is done")
     n = _samples_per_prompt(run_dir)
-    paths = []
+    paths, rows, nbytes = [], array("q"), array("q")
     for r in records:
         if r.status != "done":
             continue
@@ -53,12 +75,15 @@ def done_outputs(run_dir_path: str | Path, partial: bool = False) -> list[Path]:
         if not path.exists():
             raise FileNotFoundError(f"batch {r.batch_id} is done in {run_dir.manifest} but its samples file {path} "
                                     "is missing; restore it, or set the batch back to pending and resume the run")
-        if n is not None and (rows := metadata(path).num_rows) != r.samples(n):
+        meta = metadata(path)
+        if n is not None and meta.num_rows != r.samples(n):
             raise ValueError(f"batch {r.batch_id} is done in {run_dir.manifest} with {r.num_prompts} prompts and "
-                             f"{r.samples(n)} samples, but {path} holds {rows} samples; rerun `pagefleet run` with "
-                             "the run's config to check and repair the run directory")
+                             f"{r.samples(n)} samples, but {path} holds {meta.num_rows} samples; rerun `pagefleet run` "
+                             "with the run's config to check and repair the run directory")
         paths.append(path)
-    return paths
+        rows.append(meta.num_rows)
+        nbytes.append(sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)))
+    return DoneOutputs(paths, np.frombuffer(rows, np.int64), np.frombuffer(nbytes, np.int64))
 
 
 def _samples_per_prompt(run_dir: RunDir) -> int | None:
@@ -71,20 +96,21 @@ def _samples_per_prompt(run_dir: RunDir) -> int | None:
 
 def collect(run_dir_path: str | Path, partial: bool = False, memory_bytes: int = DEFAULT_MEMORY_BYTES) -> pa.Table:
     """All the done batches' samples in one table, in corpus order (for callers that want them in memory)."""
-    with closing(iter_sorted(done_outputs(run_dir_path, partial), None, memory_bytes)) as tables:
+    done = done_outputs(run_dir_path, partial)
+    with closing(iter_sorted(done.paths, None, memory_bytes, totals=done.totals)) as tables:
         parts = list(tables)
     return pa.concat_tables(parts) if parts else SAMPLE_SCHEMA.empty_table()
 
 
-def page(paths: list[Path], tmp_dir: str | Path | None, offset: int, limit: int,
+def page(done: DoneOutputs, tmp_dir: str | Path | None, offset: int, limit: int,
          memory_bytes: int = DEFAULT_MEMORY_BYTES) -> tuple[int, list[dict]]:
     """(how many samples there are, the records of `limit` of them from `offset` in corpus order)."""
-    total = count_samples(paths)
+    total = done.samples
     rows: list[dict] = []
     if offset >= total or limit <= 0:
         return total, rows
     seen = 0  # samples before the current table
-    with closing(iter_sorted(paths, tmp_dir, memory_bytes)) as tables:
+    with closing(iter_sorted(done.paths, tmp_dir, memory_bytes, totals=done.totals)) as tables:
         for table in tables:
             start = max(offset - seen, 0)
             if start < table.num_rows:
@@ -115,23 +141,25 @@ def check_output(output: str | Path, layout: str = "records") -> None:
 
 def export(run_dir_path: str | Path, output: str | Path, partial: bool = False,
            memory_bytes: int = DEFAULT_MEMORY_BYTES, log: Log | None = None,
-           on_rows: Callable[[int], None] | None = None, layout: str = "records") -> int:
+           on_rows: Callable[[int], None] | None = None, layout: str = "records", done: DoneOutputs | None = None
+           ) -> int:
     """Write the samples to `output` (.jsonl or .parquet, atomically; local or gs://); returns how many. `layout`
-    `openai_batch` writes a run of an OpenAI Batch file as Batch output lines instead (openai_output.py)."""
+    `openai_batch` writes a run of an OpenAI Batch file as Batch output lines instead (openai_output.py). `done`: the
+    run's done_outputs when the caller has them already."""
     check_output(output, layout)
-    paths = done_outputs(run_dir_path, partial)
+    done = done_outputs(run_dir_path, partial) if done is None else done
     header = BatchHeader(RunDir(location.location(run_dir_path))) if layout == "openai_batch" else None
     if not storage.is_url(output):
-        return _export(paths, Path(output), memory_bytes, log, on_rows, header)
+        return _export(done, Path(output), memory_bytes, log, on_rows, header)
     # Written locally, then uploaded as one whole object: atomic on an object store, as a rename is locally.
     with tempfile.TemporaryDirectory(prefix=temporary_prefix()) as tmp:
         local = Path(tmp) / str(output).rstrip("/").rsplit("/", 1)[-1]
-        count = _export(paths, local, memory_bytes, log, on_rows, header)
+        count = _export(done, local, memory_bytes, log, on_rows, header)
         storage.upload_file(str(local), str(output))
     return count
 
 
-def _export(paths: list, output: Path, memory_bytes: int, log: Log | None,
+def _export(done: DoneOutputs, output: Path, memory_bytes: int, log: Log | None,
             on_rows: Callable[[int], None] | None, header: BatchHeader | None = None) -> int:
     output.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_export_temporaries(output)
@@ -139,7 +167,7 @@ def _export(paths: list, output: Path, memory_bytes: int, log: Log | None,
 
     def records(fields: list[str] = RECORD_FIELDS) -> Iterator[pa.Table]:
         nonlocal written
-        for table in iter_sorted(paths, output.parent, memory_bytes, log):
+        for table in iter_sorted(done.paths, output.parent, memory_bytes, log, totals=done.totals):
             yield table.select(fields)
             written += table.num_rows
             if on_rows:
@@ -147,7 +175,7 @@ def _export(paths: list, output: Path, memory_bytes: int, log: Log | None,
 
     def write(tmp: str) -> None:
         if output.suffix == ".parquet":
-            columns = passthrough_schema(paths)
+            columns = passthrough_schema(done.paths)
             with pq.ParquetWriter(tmp, exported_schema(columns)) as writer:
                 for table in records():
                     writer.write_table(expand_passthrough(table, columns))

@@ -54,16 +54,13 @@ def metadata(path: Path) -> pq.FileMetaData:
                          "run's config: it finds the file on start and recomputes that batch") from None
 
 
-def count_samples(paths: list[Path]) -> int:
-    return sum(metadata(p).num_rows for p in paths)
-
-
 def iter_sorted(paths: list[Path], tmp_dir: str | Path | None, memory_bytes: int = DEFAULT_MEMORY_BYTES,
-                log: Log | None = None) -> Iterator[pa.Table]:
+                log: Log | None = None, totals: tuple[int, int] | None = None) -> Iterator[pa.Table]:
     """The samples of these batch output files (SAMPLE_SCHEMA) as consecutive tables in corpus row, then
     generation index order, holding about `memory_bytes` at most; temporary runs go under `tmp_dir` (None:
-    the system's temporary directory). Close the generator (or run it to the end) to remove them."""
-    size, total_rows = _totals(paths)
+    the system's temporary directory). Close the generator (or run it to the end) to remove them. `totals`: the
+    files' (uncompressed bytes, samples) when the caller read their footers already."""
+    size, total_rows = totals if totals is not None else _totals(paths)
     run_bytes = max(1, memory_bytes // 3)  # a run in memory, its sort order and its sorted copy
     if size <= run_bytes:
         yield from _once_each(_sorted_in_memory(paths))

@@ -80,9 +80,9 @@ def test_export_sorted_on_disk_equals_the_in_memory_sort(tmp_path, suffix):
 
 def test_page_crosses_merge_rounds(tmp_path):
     expected = approx(make_run(tmp_path / "run", seed=1))
-    paths = done_outputs(tmp_path / "run")
+    done = done_outputs(tmp_path / "run")
     for offset, limit in [(0, 5), (37, 200), (len(expected) - 3, 10), (len(expected), 4), (11, 0)]:
-        total, rows = page(paths, tmp_path, offset, limit, memory_bytes=60_000)
+        total, rows = page(done, tmp_path, offset, limit, memory_bytes=60_000)
         assert total == len(expected)
         assert approx(rows) == expected[offset:offset + limit], (offset, limit)
     assert [p.name for p in tmp_path.iterdir()] == ["run"]  # a page that stopped early removed its runs too
@@ -242,3 +242,22 @@ def test_files_read_are_combined_as_they_come_with_the_same_export(tmp_path, mon
     for budget, name in ((sort.DEFAULT_MEMORY_BYTES, "memory.jsonl"), (100_000, "disk.jsonl")):
         assert export(tmp_path / "run", tmp_path / name, memory_bytes=budget) == len(expected)
         assert approx(read_output(tmp_path / name)) == approx(expected)
+
+
+def test_the_export_command_reads_the_manifest_once_and_each_footer_once(tmp_path, monkeypatch, capsys):
+    """At a million batches a footer read costs ~0.07 ms and the manifest ~6 s: the command read every footer two to
+    four times (the progress bar's total, the sort's size, the sample count check) and the manifest twice."""
+    from orchestrator.export import export as export_module
+    from orchestrator.export import sort
+
+    expected = make_run(tmp_path / "run", num_batches=12, seed=5)
+    footers, manifests = [], []
+    real_metadata, real_read_manifest = sort.metadata, export_module.read_manifest
+    monkeypatch.setattr(sort, "metadata", lambda path: footers.append(path) or real_metadata(path))
+    monkeypatch.setattr(export_module, "metadata", lambda path: footers.append(path) or real_metadata(path))
+    monkeypatch.setattr(export_module, "read_manifest", lambda path: manifests.append(path) or real_read_manifest(path))
+    monkeypatch.setattr(export_module, "check_manifest", lambda run_dir, records: None)  # make_run writes no plan
+    out = tmp_path / "all.jsonl"
+    assert cli.main(["export", str(tmp_path / "run"), "--output", str(out), "--no-progress"]) == 0
+    assert f"wrote {len(expected):,} samples" in capsys.readouterr().out
+    assert len(manifests) == 1 and len(footers) == len(set(footers)) == 12, (len(manifests), len(footers))
