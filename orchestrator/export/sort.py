@@ -54,13 +54,13 @@ def metadata(path: Path) -> pq.FileMetaData:
                          "run's config: it finds the file on start and recomputes that batch") from None
 
 
-def iter_sorted(paths: list[Path], tmp_dir: str | Path | None, memory_bytes: int = DEFAULT_MEMORY_BYTES,
-                log: Log | None = None, totals: tuple[int, int] | None = None) -> Iterator[pa.Table]:
+def iter_sorted(paths: list[Path], totals: tuple[int, int], tmp_dir: str | Path | None,
+                memory_bytes: int = DEFAULT_MEMORY_BYTES, log: Log | None = None) -> Iterator[pa.Table]:
     """The samples of these batch output files (SAMPLE_SCHEMA) as consecutive tables in corpus row, then
-    generation index order, holding about `memory_bytes` at most; temporary runs go under `tmp_dir` (None:
-    the system's temporary directory). Close the generator (or run it to the end) to remove them. `totals`: the
-    files' (uncompressed bytes, samples) when the caller read their footers already."""
-    size, total_rows = totals if totals is not None else _totals(paths)
+    generation index order, holding about `memory_bytes` at most; `totals`: the files' (uncompressed bytes, samples),
+    from their footers (export.DoneOutputs); temporary runs go under `tmp_dir` (None: the system's temporary
+    directory). Close the generator (or run it to the end) to remove them."""
+    size, total_rows = totals
     run_bytes = max(1, memory_bytes // 3)  # a run in memory, its sort order and its sorted copy
     if size <= run_bytes:
         yield from _once_each(_sorted_in_memory(paths))
@@ -70,17 +70,6 @@ def iter_sorted(paths: list[Path], tmp_dir: str | Path | None, memory_bytes: int
         if log:
             log(f"merging {len(runs)} sorted runs")
         yield from _once_each(_merge(runs))
-
-
-def _totals(paths: list[Path]) -> tuple[int, int]:
-    """(uncompressed bytes, samples) of the files, a footer read at a time: a samples file's footer takes ~46 KB in
-    memory (SAMPLE_SCHEMA's columns), so holding them all would take ~46 GB at a million batches."""
-    size = rows = 0
-    for path in paths:
-        meta = metadata(path)
-        size += sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
-        rows += meta.num_rows
-    return size, rows
 
 
 def _once_each(tables: Iterator[pa.Table]) -> Iterator[pa.Table]:

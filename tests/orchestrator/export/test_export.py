@@ -204,7 +204,6 @@ def test_export_holds_a_footer_at_a_time_and_the_distinct_passthrough_schemas(tm
     100M prompts) would need ~46 GB before its first sample. The passed-through columns' schemas are kept once each,
     not once a file."""
     from orchestrator.export import export as export_module
-    from orchestrator.export import sort
 
     class Footer:
         alive = peak = 0
@@ -220,9 +219,8 @@ def test_export_holds_a_footer_at_a_time_and_the_distinct_passthrough_schemas(tm
         def __del__(self):
             Footer.alive -= 1
 
-    real_metadata, real_unify = sort.metadata, pa.unify_schemas
+    real_metadata, real_unify = export_module.metadata, pa.unify_schemas
     unified = []
-    monkeypatch.setattr(sort, "metadata", lambda path: Footer(real_metadata(path)))
     monkeypatch.setattr(export_module, "metadata", lambda path: Footer(real_metadata(path)))
     monkeypatch.setattr(pa, "unify_schemas", lambda schemas, **kw: unified.append(len(schemas)) or real_unify(schemas, **kw))
     expected = make_run(tmp_path / "run", num_batches=40, passthrough=lambda r: json.dumps({"topic": f"t{r % 3}"}))
@@ -248,12 +246,10 @@ def test_the_export_command_reads_the_manifest_once_and_each_footer_once(tmp_pat
     """At a million batches a footer read costs ~0.07 ms and the manifest ~6 s: the command read every footer two to
     four times (the progress bar's total, the sort's size, the sample count check) and the manifest twice."""
     from orchestrator.export import export as export_module
-    from orchestrator.export import sort
 
     expected = make_run(tmp_path / "run", num_batches=12, seed=5)
     footers, manifests = [], []
-    real_metadata, real_read_manifest = sort.metadata, export_module.read_manifest
-    monkeypatch.setattr(sort, "metadata", lambda path: footers.append(path) or real_metadata(path))
+    real_metadata, real_read_manifest = export_module.metadata, export_module.read_manifest
     monkeypatch.setattr(export_module, "metadata", lambda path: footers.append(path) or real_metadata(path))
     monkeypatch.setattr(export_module, "read_manifest", lambda path: manifests.append(path) or real_read_manifest(path))
     monkeypatch.setattr(export_module, "check_manifest", lambda run_dir, records: None)  # make_run writes no plan
