@@ -94,7 +94,8 @@ def run_in_own_process(run_model, tmp_path_factory) -> dict:
     RAY_ADDRESS, RAY_TMPDIR or TMPDIR), stderr into a file as under `ray job submit`, PAGEFLEET_PROGRESS=1 with a
     line every 2 s, and four slices on a two-CPU Ray, so that two wait. One such process costs ~20 s on 2 cores, so
     one run serves every test of what the process shows: its progress lines (observe/test_progress.py), its files'
-    modes and where its Ray session went (run/test_faults_rows_and_files.py). {pid, returncode, stderr, run_dir}."""
+    modes and where its Ray session went (run/test_faults_rows_and_files.py). {pid, returncode, stderr, run_dir,
+    shared_sessions_before}."""
     import subprocess
     import sys
     from pathlib import Path
@@ -111,6 +112,8 @@ def run_in_own_process(run_model, tmp_path_factory) -> dict:
                PAGEFLEET_PROGRESS_EVERY_S="2")
     # Ray's OpenTelemetry metrics exporter thread has segfaulted the driver here on a loaded machine; no metrics.
     env["RAY_enable_metrics_collection"] = "0"
+    # Sessions other processes left in the shared /tmp/ray (a later pid may be the same number as an old one's)
+    shared_before = set(Path("/tmp/ray").glob("session_*"))
     with open(root / "stderr.txt", "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(config),
                                  *run_args(run_model, corpus, run_dir, "--cluster.num_slices=4")],
@@ -123,7 +126,7 @@ def run_in_own_process(run_model, tmp_path_factory) -> dict:
                 proc.kill()
                 proc.wait()
     return {"pid": proc.pid, "returncode": proc.returncode, "stderr": (root / "stderr.txt").read_text(),
-            "run_dir": run_dir}
+            "run_dir": run_dir, "shared_sessions_before": shared_before}
 
 
 def run_args(model: str, corpus: str, run_dir, *extra: str) -> list[str]:
