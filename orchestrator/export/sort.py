@@ -152,7 +152,8 @@ def _sort(table: pa.Table) -> pa.Table:
 
 _COMPACT_FILES = 256
 """Files' tables held apart at most before they are combined into one: a table read from a batch's file carries
-~15 KB of buffers and objects beyond its samples' bytes (18 columns), which a million small batches would multiply."""
+~18 KB of buffers and objects beyond its samples' bytes (17 columns; 100,000 one-sample files held apart took 2.0 GiB,
+combined 0.25 GiB), which a million small batches would multiply."""
 
 
 class _Tables:
