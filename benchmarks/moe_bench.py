@@ -2,8 +2,9 @@
 together): tokens/s of one engine step and the step's MLP FLOPs, for E experts and top-k.
 
 The MoE's FLOPs are counted, not read from XLA's cost analysis (which counts a loop body once): on the CPU each
-expert multiplies its own tokens padded to units of 64 rows (engine/models/moe.py), so a step of T tokens computes
-`sum_e ceil(n_e / 64) * 64` expert rows, at most `T * k + E * 63`; the router adds `2 * T * H * E`. The dense twin
+expert multiplies its own tokens padded to a multiple of 16 rows, at least 64 (engine/models/moe.py), so a step of T
+tokens computes `sum_e max(64, ceil(n_e / 16) * 16)` expert rows over the experts chosen, at most `T * k + E * 63`
+(every expert chosen by one token); the router adds `2 * T * H * E`. The dense twin
 computes `T` rows of a `k * I`-wide MLP. The figure printed is the bound, so it errs against the MoE.
 
 Every model's step is compiled first; then the models' steps alternate, `--reps` rounds, and the medians are

@@ -5,8 +5,9 @@ experts' outputs weighted by the router (engine/models/moe_config.py says how ea
 The grouped matmul has two forms, one result (within float32 rounding):
 - `jax.lax.ragged_dot` over the pairs sorted by expert (`expert_tile_rows` 0): the shape TPU and GPU grouped-matmul
   kernels take;
-- expert tiles (`expert_tile_rows` > 0, on the CPU): each expert's pairs padded to whole units of that many rows, run
-  as matmuls of 4, 2 or 1 units of the expert's own weights, units past the used ones skipped. XLA's CPU backend
+- expert tiles (`expert_tile_rows` > 0, on the CPU): each expert's pairs padded to whole granules of a quarter of
+  that many rows (at least that many), run as matmuls of 1 to 4 tiles of the expert's own weights, an expert at a
+  time, experts with no pair skipped (`_tiled_grouped_mlp`). XLA's CPU backend
   lowers `ragged_dot` as a dense pass of every expert over every row with a mask (E times the work), and its matmuls
   round a row by the call's row count below 64 rows (engine/device/row_tiles.py); matmuls of at least that many rows
   give work that follows the active experts and rows whose bits do not depend on the rows beside them. The router's
@@ -119,15 +120,16 @@ def _moe_rows(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Arra
         pair_expert = jnp.where(jnp.arange(R * k) // k < num_rows, pair_expert, local)
     order = jnp.argsort(pair_expert, stable=True)  # pairs grouped by expert, rows in order within one
     counts = jnp.bincount(pair_expert, length=local)  # i32[E'] (no expert is not counted)
-    rows_sorted = x[order // k]  # [P, H]
     if tile:
-        y_sorted = _tiled_grouped_mlp(rows_sorted, pair_expert[order], counts, (w_gate, w_up, w_down), tile)
+        y = _tiled_grouped_mlp(x, k, pair_expert, order, counts, (w_gate, w_up, w_down), tile)
     else:
+        rows_sorted = x[order // k]  # [P, H]
         gate = jax.lax.ragged_dot(rows_sorted, w_gate, counts)
         up = jax.lax.ragged_dot(rows_sorted, w_up, counts)
         y_sorted = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, counts)
         y_sorted = jnp.where((pair_expert[order] < local)[:, None], y_sorted, 0)  # pairs of no expert here: zeros
-    y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(R, k, H)  # back to pair order
+        y = jnp.zeros_like(y_sorted).at[order].set(y_sorted)  # back to pair order
+    y = y.reshape(R, k, H)
     if expert_axis is not None:
         y = jax.lax.psum(y, expert_axis)  # each pair's output from its expert's device; zeros from the others
     weighted = y.astype(jnp.float32) * weights[..., None]
@@ -137,43 +139,71 @@ def _moe_rows(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Arra
     return out.astype(x.dtype)
 
 
-TILE_UNITS = (4, 2, 1)
-"""An expert's units of `expert_tile_rows` rows run in matmuls of 4 units while 4 are left, then of 2, then of 1 (on
-the CPU a matmul of 64 rows takes about twice the time per row of one of 256)."""
+GRANULES_PER_TILE = 4
+"""An expert's pairs are padded to whole granules of `tile / 4` rows (16 for the CPU's 64), at least a tile's worth."""
+TILE_SIZES = (16, 8, 7, 6, 5, 4)
+"""The matmuls an expert's granules run in, in granules (256, 128, 112, 96, 80 and 64 rows for 16-row granules): as
+many of 16 and of 8 as fit, the rest (4 to 11 granules, or 17 to 19 borrowed from a 16) in one or two of 4 to 7
+(expert_tiles). Fewer rows a matmul cost more a row (on the CPU a matmul of 64 rows takes about twice the time per
+row of one of 256); more sizes, more loops to compile."""
 
 
-def _tiled_grouped_mlp(rows: jax.Array, expert: jax.Array, counts: jax.Array,
+def expert_tiles(granules: jax.Array) -> dict[int, jax.Array]:
+    """How many matmuls of each of TILE_SIZES cover `granules` (i32[E]: each 0 or at least GRANULES_PER_TILE)
+    exactly."""
+    q16, rest = granules // 16, granules % 16
+    q8, t = rest // 8, rest % 8
+    short = (t >= 1) & (t <= 3)  # too few for a matmul: 8 + t borrowed = 4 + (4 + t); with no 8, 16 + t = 8 + 4 + (4 + t)
+    from16 = short & (q8 == 0)
+    tiles = {16: q16 - from16, 8: q8 - (short & ~from16) + from16, 4: (short | (t == 4)).astype(granules.dtype)}
+    for size in (5, 6, 7):
+        tiles[size] = ((t == size) | (short & (t == size - 4))).astype(granules.dtype)
+    return tiles
+
+
+def _tiled_grouped_mlp(x: jax.Array, k: int, pair_expert: jax.Array, order: jax.Array, counts: jax.Array,
                        weights: tuple[jax.Array, jax.Array, jax.Array], tile: int) -> jax.Array:
-    """The experts' MLP of `rows` [P, H] sorted by `expert` i32[P] (`counts` rows each; E, last: no expert, output
-    zeros), in matmuls of whole units of `tile` rows that each belong to one expert: expert e's rows fill
-    ceil(counts[e] / tile) units, zero-padded, and run as tiles of TILE_UNITS units, largest first. Every matmul
-    has at least `tile` rows, so a row's bits do not depend on which tile holds it (they are those of any such
-    matmul)."""
-    P, H = rows.shape
-    E = counts.shape[0]
-    # Enough for any routing (each expert wastes less than one unit), and for the largest tile's slice.
-    num_units = max(-(-P // tile) + E, max(TILE_UNITS))
-    units = -(-counts // tile)  # units per expert
-    first_unit = jnp.cumsum(units) - units  # [E]
-    first_row = jnp.cumsum(counts) - counts  # [E]: the expert's first pair in `rows`
-    # Each pair's row in the units; a pair of no expert (E) gets none (out of range: not written, read as zeros).
-    slot = jnp.where(expert < E, first_unit[expert] * tile + (jnp.arange(P) - first_row[expert]), num_units * tile)
-    padded = jnp.zeros((num_units * tile, H), rows.dtype).at[slot].set(rows, mode="drop")
+    """The experts' MLP of the pairs [P = R * k, H] (pair p: row p // k of `x` [R, H], expert `pair_expert[p]`; E,
+    past the last: no expert, output zeros), `order` sorting them by expert (`counts` pairs each), in pair order.
 
-    def tiles(size: int, per_expert: jax.Array, first: jax.Array, out: jax.Array) -> jax.Array:
-        """Tiles of `size` units: `per_expert[e]` of expert e, from its unit `first[e]` on."""
-        ends = jnp.cumsum(per_expert)
+    Expert e's pairs fill max(4, ceil(counts[e] / g)) granules of g = tile / 4 rows, zero-padded, run as matmuls of
+    TILE_SIZES granules of its own weights, an expert at a time (its weights sliced once), experts with no pair
+    skipped. Every matmul has at least `tile` rows, so a row's bits do not depend on which matmul holds it or where
+    (XLA's CPU matmuls give a row the same bits in any call of 64 rows or more), and an expert wastes less than a
+    granule (or a tile, with fewer pairs than one)."""
+    R, H = x.shape
+    P, E = pair_expert.shape[0], counts.shape[0]
+    g = tile // GRANULES_PER_TILE
+    if g * GRANULES_PER_TILE != tile:
+        raise ValueError(f"internal error: expert tiles of {tile} rows are not whole granules of {g}")
+    granules = jnp.where(counts > 0, jnp.maximum(GRANULES_PER_TILE, -(-counts // g)), 0)
+    # Enough for any routing (an expert wastes less than a tile), and for the largest matmul's slice.
+    num_granules = max(-(-P // g) + E * GRANULES_PER_TILE, max(TILE_SIZES))
+    first_granule = jnp.cumsum(granules) - granules  # [E]
+    first_pair = jnp.cumsum(counts) - counts  # [E]: the expert's first pair in `order`
+    sorted_expert = pair_expert[order]
+    # Each sorted pair's row among the granules; a pair of no expert (E) gets none (out of range: dropped).
+    slot = jnp.where(sorted_expert < E, first_granule[jnp.minimum(sorted_expert, E - 1)] * g + jnp.arange(P)
+                     - first_pair[jnp.minimum(sorted_expert, E - 1)], num_granules * g)
+    source = jnp.full((num_granules * g,), R, jnp.int32).at[slot].set((order // k).astype(jnp.int32), mode="drop")
+    padded = x.at[source].get(mode="fill", fill_value=0)  # [granule rows, H]: padding rows (R) read zeros
+    tiles = expert_tiles(granules)
+    active = jnp.flatnonzero(granules > 0, size=E, fill_value=0)
+    w_gate, w_up, w_down = weights
 
-        def one(t, out):
-            e = jnp.minimum(jnp.searchsorted(ends, t, side="right"), E - 1)
-            start = (first[e] + size * (t - (ends[e] - per_expert[e]))) * tile
-            y = _expert(jax.lax.dynamic_slice_in_dim(padded, start, size * tile), *(w[e] for w in weights))
-            return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), start, 0)
+    def one_expert(i: jax.Array, out: jax.Array) -> jax.Array:
+        e = active[i]
+        w = (w_gate[e], w_up[e], w_down[e])
+        start = first_granule[e]
+        for size in TILE_SIZES:
+            def one_tile(_, carry, size=size):
+                out, start = carry
+                y = _expert(jax.lax.dynamic_slice_in_dim(padded, start * g, size * g), *w)
+                return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), start * g, 0), start + size
 
-        return jax.lax.fori_loop(0, ends[-1], one, out)
+            out, start = jax.lax.fori_loop(0, tiles[size][e], one_tile, (out, start))
+        return out
 
-    out, first, left = jnp.zeros_like(padded), first_unit, units
-    for size in TILE_UNITS:
-        out = tiles(size, left // size, first, out)
-        first, left = first + left // size * size, left % size
-    return out.at[slot].get(mode="fill", fill_value=0)
+    out = jax.lax.fori_loop(0, jnp.sum(granules > 0), one_expert, jnp.zeros_like(padded))
+    pair_slot = jnp.zeros((P,), slot.dtype).at[order].set(slot)
+    return out.at[pair_slot].get(mode="fill", fill_value=0)  # [P, H] in pair order; no expert's pairs: zeros

@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 from engine.config import EngineConfig, SamplingConfig
 from engine.engine import Engine
 from engine.models.model_config import ModelConfig, UnsupportedModelError
-from engine.models.moe import SharedExpert, _moe_rows, shared_expert
+from engine.models.moe import GRANULES_PER_TILE, TILE_SIZES, SharedExpert, _expert, _moe_rows, _tiled_grouped_mlp, expert_tiles, shared_expert
 from engine.models.presets import write_model
 from engine.scheduling.sequence import Request
 from tests.engine.models.hf_reference import generate_records, hf_greedy_logprobs, make_hf_model, prompts_1_to_250
@@ -139,6 +139,37 @@ def test_rows_past_num_rows_go_to_no_expert(tmp_path):
         got = np.asarray(f(jnp.asarray(rows), n, *weights))
         np.testing.assert_array_equal(got[:n], full[:n])
         assert not got[n:].any(), f"rows past {n} were computed"
+
+
+def test_expert_tiles_cover_any_granule_count_exactly_in_matmuls_of_a_tile_or_more():
+    granules = jnp.asarray([0] + list(range(GRANULES_PER_TILE, 80)), jnp.int32)
+    tiles = expert_tiles(granules)
+    assert min(TILE_SIZES) >= GRANULES_PER_TILE and set(tiles) == set(TILE_SIZES)
+    assert all((np.asarray(n) >= 0).all() for n in tiles.values())
+    np.testing.assert_array_equal(sum(size * np.asarray(n) for size, n in tiles.items()), np.asarray(granules))
+
+
+def test_each_pair_has_its_bits_from_a_lone_tile_whatever_its_experts_count():
+    """Experts' pair counts that run in every matmul size (64 to 256 rows, 16-row granules, and the splits that
+    borrow from a larger matmul) give each pair the bits of its row alone in a 64-row matmul of its expert's weights;
+    an expert pads its pairs to less than a granule more (or to one tile)."""
+    rng = np.random.default_rng(8)
+    num_experts, k, hidden, width = 8, 2, 64, 96
+    w = [jnp.asarray(rng.standard_normal(shape) * 0.1, jnp.float32)
+         for shape in ((num_experts, hidden, width), (num_experts, hidden, width), (num_experts, width, hidden))]
+    counts = [1, 65, 81, 150, 170, 0, 257, 300]  # 64, 80, 96, 160 (64 + 96), 176 (64 + 112), -, 272, 304 rows
+    pair_expert = rng.permutation(np.repeat(np.arange(num_experts), counts)).astype(np.int32)
+    pair_expert = np.concatenate([pair_expert, np.full(len(pair_expert) % k, num_experts, np.int32)])  # whole rows
+    x = rng.standard_normal((len(pair_expert) // k, hidden)).astype(np.float32)
+    order = np.argsort(pair_expert, kind="stable")
+    got = np.asarray(jax.jit(lambda x, pe, o, c: _tiled_grouped_mlp(x, k, pe, o, c, tuple(w), 64))(
+        jnp.asarray(x), jnp.asarray(pair_expert), jnp.asarray(order), jnp.bincount(pair_expert, length=num_experts)))
+    alone = jax.jit(lambda row, e: _expert(jnp.pad(row[None], ((0, 63), (0, 0))), *(v[e] for v in w))[0])
+    for p in rng.choice(len(pair_expert), 120, replace=False):
+        if pair_expert[p] == num_experts:
+            assert not got[p].any()
+        else:
+            np.testing.assert_array_equal(got[p], np.asarray(alone(jnp.asarray(x[p // k]), pair_expert[p])))
 
 
 @pytest.mark.parametrize("family", MOES)
