@@ -10,6 +10,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from engine import files
@@ -87,7 +88,29 @@ def atomic_write_text(path: str | Path, text: str, before_replace: Callable[[], 
 
 def atomic_write_parquet(path: str | Path, table, fsync: bool = True,
                          before_replace: Callable[[], None] | None = None) -> None:
-    atomic_write(path, lambda tmp: pq.write_table(table, tmp), fsync=fsync, before_replace=before_replace)
+    data = parquet_bytes(table)
+    atomic_write(path, lambda tmp: write_whole(tmp, data), fsync=fsync, before_replace=before_replace)
+
+
+def parquet_bytes(table, **options) -> pa.Buffer:
+    """`table` as a parquet file in memory (`options`: pyarrow.parquet.write_table's), for `write_whole`: pyarrow's
+    file writer makes two writes and a seek a column chunk (~16 system calls for a batch file), which cost a small
+    file ~0.3-0.5 ms more on an ext4 volume than one write of the same bytes."""
+    buffer = pa.BufferOutputStream()
+    pq.write_table(table, buffer, **options)
+    return buffer.getvalue()
+
+
+def write_whole(path: str | Path, data) -> None:
+    """Create (mode 0666 less the umask) or truncate local file `path` and write all of `data` (bytes-like) in one
+    write where the kernel takes it whole."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
 
 
 def remove_stale_temporaries(directory: str | Path) -> int:
