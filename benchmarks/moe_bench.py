@@ -1,15 +1,20 @@
 """A tiny mixture of experts against its dense twin (the same attention, a dense MLP as wide as the k active experts
-together): tokens/s of one engine step and the step's MLP FLOPs, for E experts and top-k.
+together): tokens/s of a prefill step and of a decode step, and the prefill step's MLP FLOPs, for E experts and top-k.
+
+The prefill step has the CPU's step size (engine.max_prefill_size as `pagefleet generate` sizes it: 4,096 tokens) in
+sequences of 512 tokens; the decode step, 64 rows (the CPU's slots) one token each after 512 cached ones.
 
 The MoE's FLOPs are counted, not read from XLA's cost analysis (which counts a loop body once): on the CPU each
 expert multiplies its own tokens padded to a multiple of 16 rows, at least 64 (engine/models/moe.py), so a step of T
 tokens computes `sum_e max(64, ceil(n_e / 16) * 16)` expert rows over the experts chosen, at most `T * k + E * 63`
 (every expert chosen by one token); the router adds `2 * T * H * E`. The dense twin
-computes `T` rows of a `k * I`-wide MLP. The figure printed is the bound, so it errs against the MoE.
+computes `T` rows of a `k * I`-wide MLP. The figure printed is the bound, so it errs against the MoE. A decode step's
+rows are few: each expert chosen runs a matmul of 64 rows for its few tokens (the CPU's row rule), so its cost grows
+with the experts chosen, up to min(E, rows x k), not with k.
 
-Every model's step is compiled first; then the models' steps alternate, `--reps` rounds, and the medians are
+Every model's steps are compiled first; then the models' steps alternate, `--reps` rounds, and the medians are
 printed. Run from the repository root (about a minute):
-    PYTHONPATH=$PWD JAX_PLATFORMS=cpu python benchmarks/moe_bench.py [--experts 8 32] [--top-k 2] [--reps 15]
+    PYTHONPATH=$PWD JAX_PLATFORMS=cpu python benchmarks/moe_bench.py [--experts 8 32] [--top-k 2] [--tokens 2048]
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from engine.device.runner import ModelRunner, SeqChunk
 from engine.device.runner_config import RunnerConfig
 from engine.models.presets import Preset, write_model
 from engine.models.weights import load_transformer
+from engine.sizing.machine_sizing import STEP_TOKENS
 
 HIDDEN, EXPERT_SIZE, LAYERS, PAGE_SIZE, TILE = 256, 256, 4, 16, 64
 
@@ -47,48 +53,64 @@ def mlp_flops(tokens: int, experts: int, top_k: int) -> int:
     return LAYERS * (2 * rows * 3 * HIDDEN * EXPERT_SIZE + 2 * tokens * HIDDEN * experts)
 
 
-def step_runner(path: Path, tokens: int):
-    """A timed prefill step of `tokens` tokens (4 sequences), compiled and run once: call it for one more step."""
-    config = EngineConfig(page_size=PAGE_SIZE, max_pages=4 * tokens // PAGE_SIZE + 8, max_prefill_size=tokens,
-                          max_seqs=4)
-    runner = ModelRunner(load_transformer(path), RunnerConfig.of(config), max_seq_len=tokens)
-    per_seq = tokens // 4
-    pages = [list(range(i * per_seq // PAGE_SIZE, (i + 1) * per_seq // PAGE_SIZE)) for i in range(4)]
-    chunks = [SeqChunk([7 + (i * 13 + j) % 500 for j in range(per_seq)], 0, pages[i]) for i in range(4)]
-    runner.logits(chunks)
+def step_runners(path: Path, tokens: int, seq_tokens: int, decode_rows: int):
+    """Timed steps of one model, each compiled and run once: a prefill step of `tokens` tokens (sequences of
+    `seq_tokens`), and a decode step of `decode_rows` sequences of one new token each after `seq_tokens` cached ones."""
+    seqs = tokens // seq_tokens
+    decode_pages = -(-(seq_tokens + 1) // PAGE_SIZE)
+    config = EngineConfig(page_size=PAGE_SIZE, max_pages=max(tokens // PAGE_SIZE, decode_rows * decode_pages) + 8,
+                          max_prefill_size=tokens, max_seqs=max(seqs, decode_rows))
+    runner = ModelRunner(load_transformer(path), RunnerConfig.of(config), max_seq_len=seq_tokens + 1)
+    per_seq_pages = seq_tokens // PAGE_SIZE
+    prefill = [SeqChunk([7 + (i * 13 + j) % 500 for j in range(seq_tokens)], 0,
+                        list(range(i * per_seq_pages, (i + 1) * per_seq_pages))) for i in range(seqs)]
+    decode = [SeqChunk([7 + i % 500], seq_tokens, list(range(i * decode_pages, (i + 1) * decode_pages)))
+              for i in range(decode_rows)]
 
-    def step() -> float:
-        t0 = time.perf_counter()
+    def timed(chunks):
         runner.logits(chunks)
-        return time.perf_counter() - t0
-    return step
+
+        def step() -> float:
+            t0 = time.perf_counter()
+            runner.logits(chunks)
+            return time.perf_counter() - t0
+        return step
+    return timed(prefill), timed(decode)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--experts", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--tokens", type=int, default=2048, help="tokens in the timed prefill step")
+    parser.add_argument("--tokens", type=int, default=STEP_TOKENS["cpu"],
+                        help="tokens in the timed prefill step (default: the CPU's step, engine.max_prefill_size as "
+                             "`pagefleet generate` sizes it)")
+    parser.add_argument("--seq-tokens", type=int, default=512, help="tokens of each prefill sequence")
+    parser.add_argument("--decode-rows", type=int, default=64, help="sequences in the timed decode step")
     parser.add_argument("--reps", type=int, default=15, help="timed steps of each model, alternated")
     args = parser.parse_args()
     k, tokens = args.top_k, args.tokens
     with tempfile.TemporaryDirectory() as tmp:
-        # Every model's step is built first, then the steps alternate round by round (the machine's speed drifts).
-        steps = {0: step_runner(write_model(preset(0, k), Path(tmp) / "dense"), tokens)}
-        steps.update({e: step_runner(write_model(preset(e, k), Path(tmp) / f"moe{e}"), tokens) for e in args.experts})
-        times: dict[int, list[float]] = {e: [] for e in steps}
+        # Every model's steps are built first, then the steps alternate round by round (the machine's speed drifts).
+        models = [0, *args.experts]
+        steps = {e: step_runners(write_model(preset(e, k), Path(tmp) / f"moe{e}"), tokens, args.seq_tokens,
+                                 args.decode_rows) for e in models}
+        times: dict[tuple[int, int], list[float]] = {(e, kind): [] for e in models for kind in (0, 1)}
         for _ in range(args.reps):
-            for e, step in steps.items():
-                times[e].append(step())
-        seconds = {e: statistics.median(t) for e, t in times.items()}
-        dense = seconds[0]
-        print(f"dense twin (MLP {k * EXPERT_SIZE} wide): {tokens / dense:,.0f} tokens/s, "
-              f"MLP {mlp_flops(tokens, 0, k) / 1e9:.2f} GFLOP per step of {tokens} tokens")
+            for e in models:
+                for kind in (0, 1):
+                    times[e, kind].append(steps[e][kind]())
+        seconds = {key: statistics.median(t) for key, t in times.items()}
+        print(f"dense twin (MLP {k * EXPERT_SIZE} wide): prefill {tokens / seconds[0, 0]:,.0f} tokens/s, "
+              f"MLP {mlp_flops(tokens, 0, k) / 1e9:.2f} GFLOP per step of {tokens} tokens "
+              f"({tokens // args.seq_tokens} x {args.seq_tokens}); decode {args.decode_rows / seconds[0, 1]:,.0f} tokens/s "
+              f"({args.decode_rows} rows)")
         for e in args.experts:
             ratio = mlp_flops(tokens, e, k) / mlp_flops(tokens, 0, k)
-            print(f"MoE E={e} k={k}: {tokens / seconds[e]:,.0f} tokens/s (a step costs {seconds[e] / dense:.2f}x the "
-                  f"dense twin's), MLP FLOPs at most {ratio:.2f}x the dense twin's (a dense pass of every expert: "
-                  f"{e / k:.0f}x)")
+            print(f"MoE E={e} k={k}: prefill {tokens / seconds[e, 0]:,.0f} tokens/s (a step costs "
+                  f"{seconds[e, 0] / seconds[0, 0]:.2f}x the dense twin's), MLP FLOPs at most {ratio:.2f}x the dense "
+                  f"twin's (a dense pass of every expert: {e / k:.0f}x); decode {args.decode_rows / seconds[e, 1]:,.0f} "
+                  f"tokens/s ({seconds[e, 1] / seconds[0, 1]:.2f}x the dense twin's step)")
 
 
 if __name__ == "__main__":
