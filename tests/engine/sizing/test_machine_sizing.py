@@ -6,7 +6,7 @@ import pytest
 
 from engine.sizing.capacity import pages_for
 from engine.config import EngineConfig
-from engine.sizing.machine_sizing import GiB, Machine, size_for_machine, weight_bytes
+from engine.sizing.machine_sizing import MAX_SEQS, GiB, Machine, size_for_machine, weight_bytes
 from engine.sizing.model_bytes import kv_bytes_per_token
 from engine.models.model_config import ModelConfig
 
@@ -16,7 +16,7 @@ LLAMA_40M = ModelConfig.from_hf({"model_type": "llama", "hidden_size": 512, "int
 PAGE_BYTES = 16 * 2 * 10 * 4 * 64 * 4  # page_size * K and V * layers * kv_heads * head_dim * float32
 
 
-def test_a_cpu_engine_takes_a_quarter_of_available_memory_and_at_most_64_slots():
+def test_a_cpu_engine_takes_a_quarter_of_available_memory_and_at_most_128_slots():
     cfg = size_for_machine(EngineConfig(), LLAMA_40M, "float32", Machine("cpu", 20 * GiB))
     assert kv_bytes_per_token(LLAMA_40M, 4) * 16 == PAGE_BYTES
     assert cfg.max_pages == 5 * GiB // PAGE_BYTES == 16384
@@ -54,7 +54,8 @@ def test_kv_memory_gib_and_explicit_values_win():
 def test_a_known_workload_counts_slots_at_its_longest_sequence_and_cuts_the_pool_to_what_they_use():
     machine = Machine("cpu", 20 * GiB)  # 16384 pages
     cfg = size_for_machine(EngineConfig(), LLAMA_40M, "float32", machine, longest=576)  # 36 pages a sequence
-    assert (cfg.max_seqs, cfg.max_pages, cfg.max_seq_len) == (64, 64 * 36, 576)
+    cpu_slots = MAX_SEQS["cpu"]
+    assert (cfg.max_seqs, cfg.max_pages, cfg.max_seq_len) == (cpu_slots, cpu_slots * 36, 576)  # 455 fit: the cap
     cfg = size_for_machine(EngineConfig(max_seqs=8), LLAMA_40M, "float32", machine, frozenset({"max_seqs"}), longest=576)
     assert (cfg.max_seqs, cfg.max_pages) == (8, 8 * 36)
     small = Machine("cpu", 4 * 36 * PAGE_BYTES * 3)  # a budget of 108 pages: 3 sequences of 576 tokens, 2 slots
@@ -64,7 +65,7 @@ def test_a_known_workload_counts_slots_at_its_longest_sequence_and_cuts_the_pool
                            longest=576)
     assert cfg.max_pages == 500  # an explicit pool is kept
     cfg = size_for_machine(EngineConfig(max_seq_len=256), LLAMA_40M, "float32", machine, longest=10_000)
-    assert (cfg.max_pages, cfg.max_seq_len) == (64 * 16, 256)  # never past max_seq_len: longer ones are too_long
+    assert (cfg.max_pages, cfg.max_seq_len) == (cpu_slots * 16, 256)  # never past max_seq_len: longer ones are too_long
     cfg = size_for_machine(EngineConfig(max_seq_len=1024, max_seqs=8), LLAMA_40M, "float32", machine,
                            frozenset({"max_seq_len", "max_seqs"}), longest=16)
     assert (cfg.max_pages, cfg.max_seq_len) == (64, 1024)  # 8 slots of 1 page, but one whole sequence still fits

@@ -12,6 +12,7 @@ import torch
 import transformers
 
 from engine.models.presets import write_model
+from engine.sizing.machine_sizing import MAX_SEQS
 from orchestrator.commands.generate import main as generate_main
 from tests.engine.models.hf_reference import hf_greedy, varied_prompts
 
@@ -142,7 +143,7 @@ def test_generate_sizes_the_engine_for_the_machine_and_its_input_and_keeps_expli
 
 def test_generate_with_no_engine_flags_sizes_its_context_to_the_input(tmp_path, model_dir, capsys):
     """tiny-llama's context is 2,048 tokens (128 pages); three 3-token prompts with 4 new tokens need 1 page each,
-    so the 64 slots use 64 pages: max_seq_len follows the input (7 tokens), or the pool would not hold one
+    so the CPU's 128 slots use 128 pages: max_seq_len follows the input (7 tokens), or the pool would not hold one
     sequence of the model's whole context."""
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": str(i), "prompt_token_ids": [5 + i, 6, 7]}) + "\n"
                                                for i in range(3)))
@@ -151,8 +152,9 @@ def test_generate_with_no_engine_flags_sizes_its_context_to_the_input(tmp_path, 
                           str(tmp_path / "out.jsonl"), "--stats_output", str(stats_file), "--progress=false",
                           "--sampling.max_new_tokens=4"]) == 0
     stats = json.loads(stats_file.read_text())
-    assert (stats["engine_max_seq_len"], stats["engine_max_seqs"], stats["engine_max_pages"]) == (7, 64, 64)
-    assert "engine sized for this machine: max_seq_len=7, max_pages=64, max_seqs=64" in capsys.readouterr().err
+    slots = MAX_SEQS["cpu"]
+    assert (stats["engine_max_seq_len"], stats["engine_max_seqs"], stats["engine_max_pages"]) == (7, slots, slots)
+    assert f"engine sized for this machine: max_seq_len=7, max_pages={slots}, max_seqs={slots}" in capsys.readouterr().err
     assert all(len(json.loads(line)["token_ids"]) == 4 for line in (tmp_path / "out.jsonl").read_text().splitlines())
 
 
