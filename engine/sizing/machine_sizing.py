@@ -24,7 +24,9 @@ the machine, as vLLM does, and this module says how. Every value the caller set 
   becomes that length (unless set), and the pool is cut to what those slots can use at once,
   `max_seqs` such sequences' pages: a job of short prompts does not zero
   (and keep) a pool sized for the model's whole context. Zeroing the CPU's quarter of memory took 2.6-5.6 s of
-  a 75-second job.
+  a 75-second job. Knowing how many sequences the workload runs (`sequences`: its samples), slots stop at the
+  power of two that holds them: a 64-prompt job on 64 slots, not 128 (a smaller pool, and page tables the size of
+  the job).
 - **Prompts per step.** `max_seqs_in_prefill` is `max_seqs`: the token budget alone bounds a step, as in
   vLLM. With the run path's default of 8, short prompts, or prompts whose prefix the cache serves (a
   90-token tail behind a 1,270-token cached block), left most of a 4,096-token step empty.
@@ -101,10 +103,12 @@ def kv_memory_bytes(config: EngineConfig, model: ModelConfig, dtype: str, machin
 
 
 def size_for_machine(config: EngineConfig, model: ModelConfig, dtype: str, machine: Machine,
-                     explicit: frozenset[str] = frozenset(), longest: int | None = None) -> EngineConfig:
+                     explicit: frozenset[str] = frozenset(), longest: int | None = None,
+                     sequences: int | None = None) -> EngineConfig:
     """`config` with max_pages, max_seqs and max_prefill_size sized for `machine`, except those in `explicit`
     (engine keys the caller set). `longest`: the most tokens any sequence of the workload can reach, when the
-    caller knows it (see the module docstring); None: any length up to max_seq_len. Raises ValueError, naming
+    caller knows it (see the module docstring); None: any length up to max_seq_len. `sequences`: how many sequences
+    the workload runs in all, when the caller knows it: slots past them would stay empty. Raises ValueError, naming
     the key to set, when one sequence of that many tokens does not fit the budget."""
     limit = max_seq_len(config, model.max_position_embeddings)
     seq_len, what = limit, f"engine.max_seq_len={limit}"
@@ -125,7 +129,10 @@ def size_for_machine(config: EngineConfig, model: ModelConfig, dtype: str, machi
         changes["max_pages"] = max_pages
     if "max_seqs" not in explicit:
         fit = groups.seqs_that_fit(max_pages, seq_len, config.page_size)  # all at full length: no preemption
-        changes["max_seqs"] = max(1, min(MAX_SEQS[machine.platform], 2 ** int(math.log2(max(fit, 1)))))
+        cap = MAX_SEQS[machine.platform]
+        if sequences is not None:  # the power of two that holds them all
+            cap = min(cap, 1 << (max(1, sequences) - 1).bit_length())
+        changes["max_seqs"] = max(1, min(cap, 2 ** int(math.log2(max(fit, 1)))))
     if "max_prefill_size" not in explicit:
         changes["max_prefill_size"] = STEP_TOKENS[machine.platform]
     if longest is not None:

@@ -161,6 +161,13 @@ def longest_sequence(parsed: Iterable[tuple[int, ParsedLine]], sampling: Samplin
                 for _, line in parsed if line.token_ids is not None), default=0)
 
 
+def workload_sequences(parsed: Iterable[tuple[int, ParsedLine]], sampling: SamplingConfig) -> int:
+    """How many sequences these lines run in all: each sampled line's own `n`, each scored line one a continuation
+    (an upper bound: slots past it would stay empty)."""
+    return sum(apply(sampling, line.sampling).n if line.continuations is None else max(1, len(line.continuations))
+               for _, line in parsed if line.token_ids is not None)
+
+
 def model_tokenizer(model: str):
     """The tokenizer of a resolved model (a directory or a `gs://` URL), or None when it has none."""
     if "://" in model:
@@ -178,18 +185,20 @@ def sized_engine(model: str, config: EngineConfig, dtype: str, explicit: frozens
     tokenizer, model_cfg = model_tokenizer(model), ModelConfig.from_pretrained(model)
     parsed = parse_lines(lines, tokenizer, model_cfg.vocab_size, sampling, model)
     engine = machine_sized_engine(model, config, dtype, explicit, longest_sequence(parsed, sampling), tokenizer,
-                                  model_cfg)
+                                  model_cfg, sequences=workload_sequences(parsed, sampling))
     return engine, parsed
 
 
 def machine_sized_engine(model: str, config: EngineConfig, dtype: str, explicit: frozenset[str],
-                         longest: int | None = None, tokenizer=None, model_cfg: ModelConfig | None = None) -> Engine:
+                         longest: int | None = None, tokenizer=None, model_cfg: ModelConfig | None = None,
+                         sequences: int | None = None) -> Engine:
     """A new engine for a resolved `model`, its capacities not in `explicit` sized for this machine
     (engine/sizing/machine_sizing.py); `longest`: the most tokens a sequence of the workload reaches, None when
-    unknown (up to max_seq_len). `tokenizer` and `model_cfg`, when the caller has them, are not read again.
+    unknown (up to max_seq_len); `sequences`: how many sequences it runs in all, None when unknown. `tokenizer`
+    and `model_cfg`, when the caller has them, are not read again.
     Raises ValueError naming the key to set when the budget cannot hold one sequence."""
     model_cfg = model_cfg if model_cfg is not None else ModelConfig.from_pretrained(model)
-    cfg = size_for_machine(config, model_cfg, dtype, this_machine(), explicit, longest=longest)
+    cfg = size_for_machine(config, model_cfg, dtype, this_machine(), explicit, longest=longest, sequences=sequences)
     return Engine(model, cfg, dtype=dtype, tokenizer=tokenizer if tokenizer is not None else model_tokenizer(model))
 
 

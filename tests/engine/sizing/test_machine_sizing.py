@@ -56,6 +56,9 @@ def test_a_known_workload_counts_slots_at_its_longest_sequence_and_cuts_the_pool
     cfg = size_for_machine(EngineConfig(), LLAMA_40M, "float32", machine, longest=576)  # 36 pages a sequence
     cpu_slots = MAX_SEQS["cpu"]
     assert (cfg.max_seqs, cfg.max_pages, cfg.max_seq_len) == (cpu_slots, cpu_slots * 36, 576)  # 455 fit: the cap
+    for sequences, slots in ((3, 4), (64, 64), (65, cpu_slots), (10_000, cpu_slots), (0, 1)):  # slots the job fills
+        cfg = size_for_machine(EngineConfig(), LLAMA_40M, "float32", machine, longest=576, sequences=sequences)
+        assert (cfg.max_seqs, cfg.max_pages, cfg.max_seqs_in_prefill) == (slots, slots * 36, slots)
     cfg = size_for_machine(EngineConfig(max_seqs=8), LLAMA_40M, "float32", machine, frozenset({"max_seqs"}), longest=576)
     assert (cfg.max_seqs, cfg.max_pages) == (8, 8 * 36)
     small = Machine("cpu", 4 * 36 * PAGE_BYTES * 3)  # a budget of 108 pages: 3 sequences of 576 tokens, 2 slots

@@ -12,7 +12,6 @@ import torch
 import transformers
 
 from engine.models.presets import write_model
-from engine.sizing.machine_sizing import MAX_SEQS
 from orchestrator.commands.generate import main as generate_main
 from tests.engine.models.hf_reference import hf_greedy, varied_prompts
 
@@ -121,9 +120,9 @@ def test_generate_sizes_the_engine_for_the_machine_and_its_input_and_keeps_expli
     """No capacity flags: a budget from engine.kv_memory_gib (tiny-llama: 2 layers * K,V * 2 kv heads * 16 dims *
     4 bytes = 512 bytes a token, 8 KiB a page of 16) of 131 pages; the input's longest sequence (a 40-token prompt
     plus 4 new tokens: 3 pages) sets the slots (131 // 3 = 43: 32, a power of two) and the pool is what those slots
-    can use at once (32 * 3 = 96 pages), not the whole budget; 4,096-token steps; an explicit --engine.max_seqs is
-    kept and the pool follows it."""
-    prompts = [[5 + i, 6, 7] for i in range(3)] + [list(range(3, 43))]
+    can use at once (32 * 3 = 96 pages), not the whole budget (60 sequences would fill 64 slots); 4,096-token steps;
+    an explicit --engine.max_seqs is kept and the pool follows it."""
+    prompts = [[5 + i, 6, 7] for i in range(59)] + [list(range(3, 43))]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": str(i), "prompt_token_ids": p}) + "\n"
                                                for i, p in enumerate(prompts)))
     stats_file = tmp_path / "stats.json"
@@ -143,8 +142,9 @@ def test_generate_sizes_the_engine_for_the_machine_and_its_input_and_keeps_expli
 
 def test_generate_with_no_engine_flags_sizes_its_context_to_the_input(tmp_path, model_dir, capsys):
     """tiny-llama's context is 2,048 tokens (128 pages); three 3-token prompts with 4 new tokens need 1 page each,
-    so the CPU's 128 slots use 128 pages: max_seq_len follows the input (7 tokens), or the pool would not hold one
-    sequence of the model's whole context."""
+    and three sequences take 4 slots (the power of two that holds them, not the CPU's 128), which use 4 pages:
+    max_seq_len follows the input (7 tokens), or the pool would not hold one sequence of the model's whole
+    context."""
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": str(i), "prompt_token_ids": [5 + i, 6, 7]}) + "\n"
                                                for i in range(3)))
     stats_file = tmp_path / "stats.json"
@@ -152,9 +152,8 @@ def test_generate_with_no_engine_flags_sizes_its_context_to_the_input(tmp_path, 
                           str(tmp_path / "out.jsonl"), "--stats_output", str(stats_file), "--progress=false",
                           "--sampling.max_new_tokens=4"]) == 0
     stats = json.loads(stats_file.read_text())
-    slots = MAX_SEQS["cpu"]
-    assert (stats["engine_max_seq_len"], stats["engine_max_seqs"], stats["engine_max_pages"]) == (7, slots, slots)
-    assert f"engine sized for this machine: max_seq_len=7, max_pages={slots}, max_seqs={slots}" in capsys.readouterr().err
+    assert (stats["engine_max_seq_len"], stats["engine_max_seqs"], stats["engine_max_pages"]) == (7, 4, 4)
+    assert "engine sized for this machine: max_seq_len=7, max_pages=4, max_seqs=4" in capsys.readouterr().err
     assert all(len(json.loads(line)["token_ids"]) == 4 for line in (tmp_path / "out.jsonl").read_text().splitlines())
 
 
