@@ -5,8 +5,8 @@ The prefill step has the CPU's step size (engine.max_prefill_size as `pagefleet 
 sequences of 512 tokens; the decode step, 64 rows (the CPU's slots) one token each after 512 cached ones.
 
 The MoE's FLOPs are counted, not read from XLA's cost analysis (which counts a loop body once): on the CPU each
-expert multiplies its own tokens padded to a multiple of 16 rows, at least 64 (engine/models/moe.py), so a step of T
-tokens computes `sum_e max(64, ceil(n_e / 16) * 16)` expert rows over the experts chosen, at most `T * k + E * 63`
+expert multiplies its own tokens padded to a multiple of 32 rows, at least 64 (engine/models/moe.py), so a step of T
+tokens computes `sum_e max(64, ceil(n_e / 32) * 32)` expert rows over the experts chosen, at most `T * k + E * 63`
 (every expert chosen by one token); the router adds `2 * T * H * E`. The dense twin
 computes `T` rows of a `k * I`-wide MLP. The figure printed is the bound, so it errs against the MoE. A decode step's
 rows are few: each expert chosen runs a matmul of 64 rows for its few tokens (the CPU's row rule), so its cost grows

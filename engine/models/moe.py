@@ -5,8 +5,8 @@ experts' outputs weighted by the router (engine/models/moe_config.py says how ea
 The grouped matmul has two forms, one result (within float32 rounding):
 - `jax.lax.ragged_dot` over the pairs sorted by expert (`expert_tile_rows` 0): the shape TPU and GPU grouped-matmul
   kernels take;
-- expert tiles (`expert_tile_rows` > 0, on the CPU): each expert's pairs padded to whole granules of a quarter of
-  that many rows (at least that many), run as matmuls of 1 to 4 tiles of the expert's own weights, an expert at a
+- expert tiles (`expert_tile_rows` > 0, on the CPU): each expert's pairs padded to whole granules of half that
+  many rows (at least that many), run as matmuls of 1 to 4 tiles of the expert's own weights, an expert at a
   time, experts with no pair skipped (`_tiled_grouped_mlp`). XLA's CPU backend
   lowers `ragged_dot` as a dense pass of every expert over every row with a mask (E times the work), and its matmuls
   round a row by the call's row count below 64 rows (engine/device/row_tiles.py); matmuls of at least that many rows
@@ -139,26 +139,25 @@ def _moe_rows(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Arra
     return out.astype(x.dtype)
 
 
-GRANULES_PER_TILE = 4
-"""An expert's pairs are padded to whole granules of `tile / 4` rows (16 for the CPU's 64), at least a tile's worth."""
-TILE_SIZES = (16, 8, 7, 6, 5, 4)
-"""The matmuls an expert's granules run in, in granules (256, 128, 112, 96, 80 and 64 rows for 16-row granules): as
-many of 16 and of 8 as fit, the rest (4 to 11 granules, or 17 to 19 borrowed from a 16) in one or two of 4 to 7
+GRANULES_PER_TILE = 2
+"""An expert's pairs are padded to whole granules of `tile / 2` rows (32 for the CPU's 64), at least a tile's worth."""
+TILE_SIZES = (8, 4, 3, 2)
+"""The matmuls an expert's granules run in, in granules (256, 128, 96 and 64 rows for 32-row granules): as many of 8
+and of 4 as fit, the rest in one of 2 or 3, or (one granule left over) 2 + 3 borrowed from a 4 or 4 + 2 + 3 from an 8
 (expert_tiles). Fewer rows a matmul cost more a row (on the CPU a matmul of 64 rows takes about twice the time per
-row of one of 256); more sizes, more loops to compile."""
+row of one of 256); each size is one more loop to compile (16-row granules and six sizes ran no faster at E = 32 and
+took 25% longer to compile)."""
 
 
 def expert_tiles(granules: jax.Array) -> dict[int, jax.Array]:
     """How many matmuls of each of TILE_SIZES cover `granules` (i32[E]: each 0 or at least GRANULES_PER_TILE)
     exactly."""
-    q16, rest = granules // 16, granules % 16
-    q8, t = rest // 8, rest % 8
-    short = (t >= 1) & (t <= 3)  # too few for a matmul: 8 + t borrowed = 4 + (4 + t); with no 8, 16 + t = 8 + 4 + (4 + t)
-    from16 = short & (q8 == 0)
-    tiles = {16: q16 - from16, 8: q8 - (short & ~from16) + from16, 4: (short | (t == 4)).astype(granules.dtype)}
-    for size in (5, 6, 7):
-        tiles[size] = ((t == size) | (short & (t == size - 4))).astype(granules.dtype)
-    return tiles
+    q8, rest = granules // 8, granules % 8
+    q4, t = rest // 4, rest % 4
+    one = t == 1  # too few for a matmul: 4 + 1 = 2 + 3; with no 4, 8 + 1 = 4 + 2 + 3
+    from8 = one & (q4 == 0)
+    return {8: q8 - from8, 4: q4 - (one & ~from8) + from8, 3: ((t == 3) | one).astype(granules.dtype),
+            2: ((t == 2) | one).astype(granules.dtype)}
 
 
 def _tiled_grouped_mlp(x: jax.Array, k: int, pair_expert: jax.Array, order: jax.Array, counts: jax.Array,
@@ -166,7 +165,7 @@ def _tiled_grouped_mlp(x: jax.Array, k: int, pair_expert: jax.Array, order: jax.
     """The experts' MLP of the pairs [P = R * k, H] (pair p: row p // k of `x` [R, H], expert `pair_expert[p]`; E,
     past the last: no expert, output zeros), `order` sorting them by expert (`counts` pairs each), in pair order.
 
-    Expert e's pairs fill max(4, ceil(counts[e] / g)) granules of g = tile / 4 rows, zero-padded, run as matmuls of
+    Expert e's pairs fill max(2, ceil(counts[e] / g)) granules of g = tile / 2 rows, zero-padded, run as matmuls of
     TILE_SIZES granules of its own weights, an expert at a time (its weights sliced once), experts with no pair
     skipped. Every matmul has at least `tile` rows, so a row's bits do not depend on which matmul holds it or where
     (XLA's CPU matmuls give a row the same bits in any call of 64 rows or more), and an expert wastes less than a

@@ -150,14 +150,15 @@ def test_expert_tiles_cover_any_granule_count_exactly_in_matmuls_of_a_tile_or_mo
 
 
 def test_each_pair_has_its_bits_from_a_lone_tile_whatever_its_experts_count():
-    """Experts' pair counts that run in every matmul size (64 to 256 rows, 16-row granules, and the splits that
+    """Experts' pair counts that run in every matmul size (64 to 256 rows, 32-row granules, and the splits that
     borrow from a larger matmul) give each pair the bits of its row alone in a 64-row matmul of its expert's weights;
     an expert pads its pairs to less than a granule more (or to one tile)."""
     rng = np.random.default_rng(8)
     num_experts, k, hidden, width = 8, 2, 64, 96
     w = [jnp.asarray(rng.standard_normal(shape) * 0.1, jnp.float32)
          for shape in ((num_experts, hidden, width), (num_experts, hidden, width), (num_experts, width, hidden))]
-    counts = [1, 65, 81, 150, 170, 0, 257, 300]  # 64, 80, 96, 160 (64 + 96), 176 (64 + 112), -, 272, 304 rows
+    counts = [1, 65, 81, 150, 170, 0, 257, 300]  # 64, 96, 96, 64 + 96 (from a 128), 128 + 64, -, 128 + 64 + 96 (from
+    # a 256), 256 + 64 rows
     pair_expert = rng.permutation(np.repeat(np.arange(num_experts), counts)).astype(np.int32)
     pair_expert = np.concatenate([pair_expert, np.full(len(pair_expert) % k, num_experts, np.int32)])  # whole rows
     x = rng.standard_normal((len(pair_expert) // k, hidden)).astype(np.float32)
