@@ -79,7 +79,7 @@ def _write_object(url: str, write: Callable[[str], None], before_replace: Callab
 
 
 def atomic_write_bytes(path: str | Path, data: bytes, before_replace: Callable[[], None] | None = None) -> None:
-    atomic_write(path, lambda tmp: Path(tmp).write_bytes(data), before_replace=before_replace)
+    atomic_write(path, lambda tmp: write_whole(tmp, data), before_replace=before_replace)
 
 
 def atomic_write_text(path: str | Path, text: str, before_replace: Callable[[], None] | None = None) -> None:
