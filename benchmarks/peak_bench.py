@@ -9,7 +9,8 @@ Printed, in order:
    instruction set its flags show (AVX-512F, AVX2, FMA; on another architecture, which one) and its clock
    (cpufreq's maximum, else lscpu's "CPU max MHz", else /proc/cpuinfo's current "cpu MHz"; the source is named);
 2. the FMA ceiling from those flags and that clock: cores x GHz x 2 FMA units per core x float32 lanes (16 with
-   AVX-512F, 8 with AVX2) x 2 FLOP. Two FMA units per core is an assumption (true of recent Intel and AMD server
+   AVX-512F, 8 with AVX2, and 8 on AMD Zen 4, whose 256-bit units run an AVX-512 instruction in two halves; the
+   CPU line names AMD's core generation from /proc/cpuinfo's family and model) x 2 FLOP. Two FMA units per core is an assumption (true of recent Intel and AMD server
    cores; some parts have one 512-bit unit), not read from the machine: a ceiling, never a measurement;
 3. the measured matmul peak: the median GFLOP/s of square float32 GEMMs (1024 and 2048) through numpy's BLAS and
    through `jax.jit(jnp.dot)` (XLA's CPU dot), the best of each library and the best of both. That best is the
@@ -81,6 +82,9 @@ class Cpu:
     flags: frozenset[str]
     mhz: float
     clock_source: str
+    vendor: str = ""
+    family: int = 0  # /proc/cpuinfo "cpu family" and "model" (x86): which core design, where the flags cannot say
+    model_number: int = 0
 
     @property
     def x86(self) -> bool:
@@ -96,9 +100,24 @@ class Cpu:
         return f"{vector}{' + FMA' if 'fma' in self.flags else ', no FMA'}" + (f" (also {' '.join(extra)})" if extra else "")
 
     @property
+    def core_design(self) -> str:
+        """AMD's core generation from family and model (AMD documents the ranges), else ""."""
+        if self.vendor != "AuthenticAMD":
+            return ""
+        if self.family == 0x1A:
+            return "Zen 5"
+        if self.family == 0x19:
+            return "Zen 4" if self.model_number in range(0x10, 0x20) or self.model_number in range(0x60, 0x80) \
+                or self.model_number in range(0xA0, 0xB0) else "Zen 3"
+        return "Zen 2 or older" if self.family == 0x17 else ""
+
+    @property
     def lanes(self) -> int:
-        """float32 lanes of the widest vector unit the flags show."""
-        return 16 if "avx512f" in self.flags else 8 if "avx" in self.flags else 4
+        """float32 lanes of the widest vector unit the flags show, as the FMA units execute them: Zen 4 runs an
+        AVX-512 instruction as two halves on 256-bit units, so 8 there."""
+        if "avx512f" in self.flags and self.core_design != "Zen 4":
+            return 16
+        return 8 if "avx" in self.flags else 4
 
     def fma_ceiling(self) -> float | None:
         """cores x Hz x 2 FMA units (assumed) x lanes x 2 FLOP; None without x86 FMA."""
@@ -135,7 +154,8 @@ def cpu_info() -> Cpu:
         mhz, source = float(first("cpu MHz") or 0), "/proc/cpuinfo cpu MHz (current: no maximum reported)"
     return Cpu(model=first("model name") or lscpu.get("Model name", "unknown"), arch=platform.machine(), cores=cores,
                cpus=len(cpus), flags=frozenset((first("flags") or first("Features")).split()), mhz=mhz,
-               clock_source=source)
+               clock_source=source, vendor=first("vendor_id"), family=int(first("cpu family") or 0),
+               model_number=int(first("model") or 0))
 
 
 # -- the machine's peak and bandwidth -----------------------------------------------------------
@@ -345,7 +365,8 @@ def main() -> None:
         raise SystemExit(engine_worker(args.engine_worker, args.argv))
 
     cpu = cpu_info()
-    print(f"CPU: {cpu.model} ({cpu.arch}), {cpu.cores} cores ({cpu.cpus} logical CPUs this process may use), "
+    design = f", {cpu.core_design} (family {cpu.family:#x}, model {cpu.model_number:#x})" if cpu.core_design else ""
+    print(f"CPU: {cpu.model}{design} ({cpu.arch}), {cpu.cores} cores ({cpu.cpus} logical CPUs this process may use), "
           f"load average {os.getloadavg()[0]:.1f}")
     print(f"instruction set: {cpu.isa}")
     print(f"clock: {cpu.mhz:.0f} MHz ({cpu.clock_source})")
@@ -354,7 +375,7 @@ def main() -> None:
         print("FMA ceiling: none computed (needs x86 with the fma flag)")
     else:
         print(f"FMA ceiling from flags and clock (not measured): {cpu.cores} cores x {cpu.mhz / 1e3:.2f} GHz x 2 FMA units "
-              f"per core (assumed) x {cpu.lanes} float32 lanes x 2 FLOP = {ceiling / 1e9:.1f} GFLOP/s")
+              f"per core (assumed) x {cpu.lanes} float32 lanes{' (AVX-512 on 256-bit units)' if cpu.core_design == 'Zen 4' else ''} x 2 FLOP = {ceiling / 1e9:.1f} GFLOP/s")
 
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -370,7 +391,9 @@ def main() -> None:
     after = measure_machine()
     machine = print_machine(before, after, numpy_blas())
     if ceiling is not None:
-        print(f"  the measured peak is {machine.peak / ceiling:.0%} of the FMA ceiling")
+        above = (f" (above it: the cores ran faster than the {cpu.mhz:.0f} MHz read from {cpu.clock_source.split(' (')[0]})"
+                 if machine.peak > ceiling else "")
+        print(f"  the measured peak is {machine.peak / ceiling:.0%} of the FMA ceiling{above}")
 
     lens = [len(p) for p in prompts]
     last = runs[-1]
