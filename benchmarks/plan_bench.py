@@ -51,7 +51,10 @@ def write_tokenizer(path: Path) -> None:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
     fast.chat_template = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
     fast.save_pretrained(str(path))
-    (path / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 8192}))
+    # vocab_size as a real model's config has it: planning then checks every prompt's ids against it, as it does
+    # for users
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 8192,
+                                                  "vocab_size": len(fast)}))
 
 
 def write_corpus(path: Path, num_prompts: int, seed: int = 0, median_words: float | None = None) -> None:

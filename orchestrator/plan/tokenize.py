@@ -133,11 +133,12 @@ class PromptTokenizer:
         return encode_continuations(lambda t: batch_encode(self.tokenizer, [t], special)[0], text, continuations)
 
     def check(self, tokens: list[int], overrides: dict | None = None,
-              continuations: list[list[int]] | None = None) -> tuple[str, str] | None:
+              continuations: list[list[int]] | None = None, in_vocabulary: bool = False) -> tuple[str, str] | None:
         """Why a tokenized prompt (a scored row's context, with its `continuations`) cannot run with its row's
-        sampling `overrides` (row_sampling), or None."""
+        sampling `overrides` (row_sampling), or None. `in_vocabulary`: the caller has checked `tokens` lie in the
+        model's vocabulary (a shard's ids at once: tokenize_shard)."""
         if not overrides and continuations is None:  # the common row: all but its ids depend on its length alone
-            if (why := out_of_vocabulary(tokens, self.vocab_size)) is not None:
+            if not in_vocabulary and (why := out_of_vocabulary(tokens, self.vocab_size)) is not None:
                 return "out_of_vocabulary", why
             if len(tokens) not in self._by_length:
                 self._by_length[len(tokens)] = self._check(tokens, None, None)
@@ -224,22 +225,33 @@ class PromptTokenizer:
                 encoded[i] = found if isinstance(found, Rejection) else found[0]
                 if not isinstance(found, Rejection):
                     continuations[i] = found[1]
+        # Every row's ids in one array, row after row: one vocabulary check for the shard (a row's own max and min
+        # cost more than its share of the array), and the token_ids column when they all lie in the vocabulary (so
+        # fit int32) and no tokenized row is rejected; else the column is made from the accepted rows as before.
+        all_ids, in_vocabulary = None, False  # no vocabulary size known: nothing to check
+        if self.vocab_size is not None:
+            listed = [encoded[i] for i in range(len(parsed)) if isinstance(encoded.get(i), list)]
+            all_ids = np.fromiter(itertools.chain.from_iterable(listed), dtype=np.int64, count=sum(map(len, listed)))
+            in_vocabulary = not all_ids.size or (int(all_ids.min()) >= 0 and int(all_ids.max()) < self.vocab_size)
         prompt_ids, reasons, details, lengths, kept, kept_continuations = [], [], [], [], [], []
+        dropped = 0  # tokenized rows rejected after
         for i, p in enumerate(parsed):
             tokens = encoded.get(i)
             prompt_ids.append(p.prompt_id if isinstance(p, Prompt) else self.known_id(raw_rows[i]))
             if isinstance(tokens, Rejection):  # a chat that cannot be rendered: its id is known
                 p, tokens = tokens, None
             problem = ((p.reason, p.detail) if not isinstance(p, Prompt)
-                       else self.check(tokens, overrides[i], continuations.get(i)))
+                       else self.check(tokens, overrides[i], continuations.get(i), in_vocabulary))
             reasons.append(problem[0] if problem else None)
             details.append(problem[1] if problem else None)
             lengths.append(len(tokens) if tokens is not None else 0)
             kept.append(tokens if tokens is not None and problem is None else ())
+            dropped += tokens is not None and problem is not None
             kept_continuations.append(continuations.get(i) if problem is None else None)
-        sizes = np.fromiter((len(t) for t in kept), dtype=np.int64, count=len(kept))
+        sizes = np.fromiter(map(len, kept), dtype=np.int64, count=len(kept))
         offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
-        values = np.fromiter(itertools.chain.from_iterable(kept), dtype=np.int32, count=int(sizes.sum()))
+        values = (all_ids.astype(np.int32) if in_vocabulary and not dropped else
+                  np.fromiter(itertools.chain.from_iterable(kept), dtype=np.int32, count=int(sizes.sum())))
         keys, key_offsets = leading_page_keys_of_many(values, offsets, self.limits.page_size)
         return pa.Table.from_arrays([
             pa.array([r.row for r in raw_rows], pa.int64()),

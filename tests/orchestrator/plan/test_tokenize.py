@@ -196,3 +196,24 @@ def test_a_rows_verdict_is_its_own_when_rows_of_its_length_came_before(tiny_mode
     assert tokenizer.check([5, 6, 8]) is None
     assert tokenizer.check([5] * 60)[0] == "too_long"  # 60 + 16 new tokens > 64
     assert tokenizer.check([6] * 60)[0] == "too_long"
+
+
+@pytest.mark.parametrize("vocab_size", ["all", "below_some", None])
+def test_a_shards_ids_are_checked_against_the_vocabulary_row_by_row(tiny_model, tmp_path, vocab_size):
+    """A shard's ids are checked against the model's vocabulary at once: every row whose ids all lie in it keeps
+    exactly the tokenizer's ids, every other row is `out_of_vocabulary` with no ids, whichever rows sit beside it."""
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    texts = ["hello world", "the quick brown fox", "a", "jumps over the lazy dog again and again", "sea"]
+    ids = [tok(t)["input_ids"] for t in texts]
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"id": str(i), "prompt": t}) + "\n" for i, t in enumerate(texts)))
+    tokenizer = stage(tiny_model, max_seq_len=256)
+    limit = {"all": max(map(max, ids)) + 1, "below_some": sorted(map(max, ids))[2], None: None}[vocab_size]
+    tokenizer.vocab_size = limit
+    table = tokenizer.tokenize_shard(Shard(str(path), "jsonl", 0, path.stat().st_size)).to_pylist()
+    outside = [limit is not None and max(row) >= limit for row in ids]
+    assert (vocab_size == "below_some") == any(outside) and not all(outside)
+    for row, expected, out in zip(table, ids, outside):
+        assert row["reason"] == ("out_of_vocabulary" if out else None), row
+        assert row["token_ids"] == ([] if out else expected)
+        assert row["num_tokens"] == len(expected)
