@@ -10,8 +10,9 @@ Printed, in order:
    (cpufreq's maximum, else lscpu's "CPU max MHz", else /proc/cpuinfo's current "cpu MHz"; the source is named);
 2. the FMA ceiling from those flags and that clock: cores x GHz x 2 FMA units per core x float32 lanes (16 with
    AVX-512F, 8 with AVX2, and 8 on AMD Zen 4, whose 256-bit units run an AVX-512 instruction in two halves; the
-   CPU line names AMD's core generation from /proc/cpuinfo's family and model) x 2 FLOP. Two FMA units per core is an assumption (true of recent Intel and AMD server
-   cores; some parts have one 512-bit unit), not read from the machine: a ceiling, never a measurement;
+   CPU line names AMD's core generation from /proc/cpuinfo's family and model) x 2 FLOP. Two FMA units per core
+   is an assumption (true of recent Intel and AMD server cores; some parts have one 512-bit unit), not read from
+   the machine: a ceiling, never a measurement;
 3. the measured matmul peak: the median GFLOP/s of square float32 GEMMs (1024 and 2048) through numpy's BLAS and
    through `jax.jit(jnp.dot)` (XLA's CPU dot), the best of each library and the best of both. That best is the
    peak every "% peak" below divides by;
@@ -374,8 +375,9 @@ def main() -> None:
     if ceiling is None:
         print("FMA ceiling: none computed (needs x86 with the fma flag)")
     else:
+        halves = " (AVX-512 on 256-bit units)" if cpu.core_design == "Zen 4" else ""
         print(f"FMA ceiling from flags and clock (not measured): {cpu.cores} cores x {cpu.mhz / 1e3:.2f} GHz x 2 FMA units "
-              f"per core (assumed) x {cpu.lanes} float32 lanes{' (AVX-512 on 256-bit units)' if cpu.core_design == 'Zen 4' else ''} x 2 FLOP = {ceiling / 1e9:.1f} GFLOP/s")
+              f"per core (assumed) x {cpu.lanes} float32 lanes{halves} x 2 FLOP = {ceiling / 1e9:.1f} GFLOP/s")
 
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
