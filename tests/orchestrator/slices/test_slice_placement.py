@@ -8,8 +8,11 @@ single-node.
 """
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -31,13 +34,16 @@ from orchestrator.slices.tpu_placement import SLICE_NAME_LABEL
 
 args = json.loads(sys.argv[1])
 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+# Cluster records its address for a plain ray.init() to join: where every Ray on the machine looks for it unless
+# RAY_TMPDIR is private (a `pagefleet run` started meanwhile by another test would join this fake cluster)
+shared = "/tmp/ray/ray_current_cluster"
+out = {"recorded_in_shared_tmp": os.path.exists(shared) and open(shared).read().strip() == cluster.head_node.gcs_address}
 def node(pod, head=None):
     return cluster.add_node(num_cpus=1, resources={"chips": 4, **({head: 1} if head else {})},
                             labels={SLICE_NAME_LABEL: pod} if pod else {})
 a0, a1, b1, c0 = node("pod-a", "FAKE-TPU-head"), node("pod-a"), node("pod-b"), node(None, "UNLABELLED-head")
 ray.init(address=cluster.address, log_to_driver=False)
 labels = {n["NodeID"]: n.get("Labels", {}).get(SLICE_NAME_LABEL) for n in ray.nodes()}
-out = {}
 
 @ray.remote(num_cpus=0, resources={"chips": 4})
 class Blocker:
@@ -80,12 +86,17 @@ def test_hosts_of_a_slice_stay_on_host_0s_pod_slice(run_model, tmp_path):
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     root = Path(__file__).resolve().parents[3]
-    proc = subprocess.run([sys.executable, str(script), json.dumps(run_args(run_model, corpus, tmp_path / "run"))],
-                          cwd=root, env={**__import__("os").environ, "PYTHONPATH": str(root)},
-                          capture_output=True, text=True, timeout=600)
+    temp = tempfile.mkdtemp(prefix="pf-")  # short: Ray's unix socket paths must stay under 108 bytes
+    try:
+        proc = subprocess.run([sys.executable, str(script), json.dumps(run_args(run_model, corpus, tmp_path / "run"))],
+                              cwd=root, env={**os.environ, "PYTHONPATH": str(root), "RAY_TMPDIR": temp},
+                              capture_output=True, text=True, timeout=600)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     out = json.loads(lines[0].removeprefix("RESULT "))
+    assert not out["recorded_in_shared_tmp"]
     assert out["located"] == "waiting" and out["host0"] == "pod-a"
     assert not out["placed_while_busy"]  # waits for pod-a's own host rather than taking pod-b's free one
     assert out["placed_when_free"] and out["other_hosts"] == ["pod-a"]
