@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test bench bench-plan bench-export bench-host bench-generate bench-peer bench-swap bench-ab bench-resume bench-structured bench-moe bench-peak
+.PHONY: demo test bench bench-plan bench-export bench-host bench-generate bench-peer bench-swap bench-ab bench-resume bench-structured bench-moe bench-peak bench-attention
 
 # pip is quiet (-q: pages of resolver output otherwise), so each step says first what it does and how long it takes.
 $(STAMP): pyproject.toml
@@ -52,6 +52,10 @@ bench-generate: $(STAMP)
 # the yardstick: this machine's float32 matmul peak and memory bandwidth, the engine's prefill and decode rates against them
 bench-peak: $(STAMP)
 	JAX_PLATFORMS=cpu $(VENV)/bin/python benchmarks/peak_bench.py --repeats 3
+
+# the CPU attention kernel's decoding path alone against reading its K/V pool: how close decode attention is to memory
+bench-attention: $(STAMP)
+	JAX_PLATFORMS=cpu $(VENV)/bin/python benchmarks/attention_bench.py
 
 # a tiny mixture of experts (E = 8 and 32, top-2) against its dense twin: tokens/s and MLP FLOPs per step
 bench-moe: $(STAMP)
