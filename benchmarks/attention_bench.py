@@ -30,6 +30,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peak_bench import cpu_info  # noqa: E402 - one description of the CPU for every benchmark that names it
 
 
 def main() -> None:
@@ -79,10 +81,11 @@ def main() -> None:
             times[name].append(time.perf_counter() - start)
     kv_bytes = int(context.sum()) * 2 * kv_heads * head_dim * 4  # what decoding must read: its tokens' K and V
     page_bytes = num_pages * ps * 2 * kv_heads * head_dim * 4  # whole pages, as the reads move them
+    cpu = cpu_info()
+    print(f"CPU: {cpu.name}, {cpu.isa}, {cpu.cores} cores ({cpu.cpus} logical CPUs this process may use)")
     print(f"{rows} rows decoding at {args.context[0]}-{args.context[1]} tokens of context; {heads} query heads over "
           f"{kv_heads} KV heads of {head_dim}; pages of {ps}: {kv_bytes / 2**20:,.1f} MiB of K/V "
-          f"({page_bytes / 2**20:,.1f} MiB in whole pages); {jax.device_count()} CPU device(s), "
-          f"{os.cpu_count()} cores; medians of {args.repeats}, sides alternated")
+          f"({page_bytes / 2**20:,.1f} MiB in whole pages); {jax.device_count()} CPU device(s); medians of {args.repeats}, sides alternated")
     median = {name: statistics.median(t) for name, t in times.items()}
     for name in sides:
         moved = kv_bytes if name == "kernel" else page_bytes

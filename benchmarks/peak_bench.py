@@ -113,6 +113,12 @@ class Cpu:
         return "Zen 2 or older" if self.family == 0x17 else ""
 
     @property
+    def name(self) -> str:
+        """The model name, with AMD's core generation (and the family and model it is read from) where known."""
+        design = f", {self.core_design} (family {self.family:#x}, model {self.model_number:#x})" if self.core_design else ""
+        return f"{self.model}{design}"
+
+    @property
     def lanes(self) -> int:
         """float32 lanes of the widest vector unit the flags show, as the FMA units execute them: Zen 4 runs an
         AVX-512 instruction as two halves on 256-bit units, so 8 there."""
@@ -366,8 +372,7 @@ def main() -> None:
         raise SystemExit(engine_worker(args.engine_worker, args.argv))
 
     cpu = cpu_info()
-    design = f", {cpu.core_design} (family {cpu.family:#x}, model {cpu.model_number:#x})" if cpu.core_design else ""
-    print(f"CPU: {cpu.model}{design} ({cpu.arch}), {cpu.cores} cores ({cpu.cpus} logical CPUs this process may use), "
+    print(f"CPU: {cpu.name} ({cpu.arch}), {cpu.cores} cores ({cpu.cpus} logical CPUs this process may use), "
           f"load average {os.getloadavg()[0]:.1f}")
     print(f"instruction set: {cpu.isa}")
     print(f"clock: {cpu.mhz:.0f} MHz ({cpu.clock_source})")
