@@ -104,6 +104,12 @@ class Preset:
         """Qwen2 has biases on q/k/v projections; the others have none."""
         return self.family in ("qwen2", "qwen2_moe")
 
+    @property
+    def tokenizer_pipeline(self) -> str:
+        """The built-in tokenizer's pipeline (engine.tokenizer.tokenizer_builder.Pipeline): Qwen's families (Qwen2,
+        Qwen2-MoE, Qwen3, Qwen3-MoE) share Qwen2's tokenizer, which NFC-normalises; the others are plain byte-level."""
+        return "qwen2" if self.family in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe") else "byte_level"
+
     def hf_config(self, bos_token_id: int, eos_token_id: int) -> dict[str, Any]:
         """The config.json dict in classic HF form (`rope_theta`/`rope_scaling` at top level)."""
         config: dict[str, Any] = {
@@ -297,8 +303,7 @@ def write_model(preset: str | Preset, output: str | os.PathLike, seed: int = 0) 
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(sorted(PRESETS))}")
     out = pathlib.Path(output)
     out.mkdir(parents=True, exist_ok=True)
-    pipeline = "qwen2" if spec.family in ("qwen2", "qwen3", "qwen3_moe") else "byte_level"
-    ids = write_tokenizer(out, spec.vocab_size, spec.max_position_embeddings, pipeline)
+    ids = write_tokenizer(out, spec.vocab_size, spec.max_position_embeddings, spec.tokenizer_pipeline)
     (out / "config.json").write_text(json.dumps(spec.hf_config(**ids), indent=2) + "\n")
     generation_config = {**ids, "pad_token_id": ids["eos_token_id"], "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
