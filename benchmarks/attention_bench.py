@@ -9,9 +9,10 @@ faster than the machine streams those pages. This prints both, alternated in one
   8 query heads over 4 KV heads of 64, pages of 16 tokens), the pages of all sequences shuffled over the pool as a
   long run leaves them;
 - `jax.jit(jnp.sum)` over the same pool (bench-peak's bandwidth probe, at this size): the rate this machine reads
-  those bytes with every core. (Pages of 32 KiB read in a shuffled order, each prefetched two pages ahead as the
-  kernel does, streamed as fast as the pool read straight through in a C++ probe on two AMD EPYC Zen 4 cores; a
-  gather in XLA, `pool[pages]`, copies them first and is no yardstick.)
+  those bytes with every core. It reads the pool in order, the kernel page by page in a shuffled order: pages of
+  32 KiB, each fetched two pages ahead by the kernel, are long enough that the order should cost little, but the
+  ratio below counts that cost against the kernel. (A gather in XLA, `pool[pages]`, copies the pages first and is
+  no yardstick.)
 Between timed calls a 256 MiB array is rewritten, so that each call reads its K/V from memory, not from the L3.
 
 The ratio kernel / pool read is how close decoding is to the memory; what is left is the kernel's arithmetic that
