@@ -206,43 +206,21 @@ def test_second_head_is_refused(run_model, tmp_path, capsys):
     assert "is in use by" in err and f'"pid": {os.getpid()}' in err
 
 
-def test_occupancy_with_early_stops(ray_local, run_model, tmp_path):
-    """Completions that stop at varied lengths: the engine is refilled across batches, slots stay busy.
+def test_the_head_counts_a_slice_s_unfinished_samples_and_tops_it_up_first(ray_local, run_model, tmp_path,
+                                                                            monkeypatch):
+    """Completions that stop at varied lengths, at the default budget (2 x engine.max_seqs unfinished samples a
+    slice). The head counts the slice's unfinished samples, not its unfinished batches: a batch's early-stopped
+    samples free their share of the budget at once, so the head sends the next batch while that one still runs
+    and the engine is refilled across batches. Checked on the head's own record (events.log): the samples of the
+    batches running at once exceed what counting batches allows (under the budget before the last send, so at
+    most budget - 1 + one batch): 32 here, batches counted gave 21 (and 0.88-0.90 slot occupancy against 0.94).
 
-    The budget is 4 x engine.max_seqs here, not the default 2 x: the tiny model's engine steps take ~2 ms, so the
-    default's queue (about one engine-full of samples, ~25 tokens each) lasts ~50 ms, and on a loaded 2-core
-    machine the head's reply (a Ray poll, a dispatch, the slice reading the batch file) sometimes took longer
-    (0.8996 once in CI). Real engines' steps are 10x slower and more."""
-    corpus = write_run_corpus(tmp_path / "corpus.jsonl", 96, seed=3)
-    run_dir = tmp_path / "run"
-    cfg = load_run_config(None, run_args(run_model, corpus, run_dir, "--cluster.num_slices=1",
-                                         "--sampling.max_new_tokens=40", "--sampling.temperature=1.0",
-                                         "--sampling.stop=[th]", "--engine.max_pages=160",
-                                         "--cluster.samples_in_flight_per_slice=32"))
-    outcome = Driver(cfg, show_progress=False).run()
-    assert outcome.exit_code == 0
-    table = collect(run_dir)
-    reasons = Counter(table["finish_reason"].to_pylist())
-    stopped = [len(t) for t, r in zip(table["token_ids"].to_pylist(), table["finish_reason"].to_pylist()) if r == "stop"]
-    assert 0.2 * len(table) < reasons["stop"] < 0.9 * len(table) and len(set(stopped)) >= 8
-    # The engine is never short of queued sequences here until the last batch (0.94 unloaded): the head counts
-    # the slice's unfinished samples, not its unfinished batches. Counting batches (a batch's early-stopped
-    # samples held its budget until its last sample ended) gave 0.83-0.87.
-    assert outcome.summary["mean_occupancy"] >= 0.9, outcome.summary
-    assert status(run_dir)["mean_occupancy"] == pytest.approx(outcome.summary["mean_occupancy"], abs=1e-3)
-    # The engine loop's time in device calls and in host work, from the slice's timeline (one slice here).
-    device_s, host_s = outcome.summary["engine_device_s"], outcome.summary["engine_host_s"]
-    assert device_s > 0 and host_s > 0 and device_s + host_s <= outcome.summary["session_s"], outcome.summary
-    assert status(run_dir)["engine_time"] == pytest.approx({"device_s": device_s, "host_s": host_s}, abs=1e-3)
-    assert "% of the engine loop on the host" in format_status(status(run_dir))
+    And a poll that brings results also brings the slice's count of finished samples: the head sends the slice
+    its next batches first and only then writes the results (outputs, fsynced), so a slice whose queue ran low
+    never waits on the head's disk. Checked at every output write: no slice below its budget while a batch waits.
 
-
-def test_the_head_tops_a_slice_up_before_it_writes_outputs(ray_local, run_model, tmp_path, monkeypatch):
-    """A poll that brings a slice's results also brings its count of finished samples: the head sends the slice its
-    next batches first and only then writes the results (outputs, fsynced), so a slice whose queue ran low never
-    waits on the head's disk. (The head wrote first: with 2 ms engine steps, a loaded machine's slower writes
-    left the engine short of sequences.) Checked at every output write: no slice below its budget while a
-    batch waits."""
+    (Slot occupancy itself is not asserted: it also counts every step the engine ran short while a loaded
+    machine's head answered late, 0.89 once in CI for 0.94 here.)"""
     import orchestrator.run.driver as driver
 
     def checked_write(*args, **kwargs):
@@ -255,12 +233,36 @@ def test_the_head_tops_a_slice_up_before_it_writes_outputs(ray_local, run_model,
     write, written = driver.atomic_write_parquet, []
     monkeypatch.setattr(driver, "atomic_write_parquet", checked_write)
     corpus = write_run_corpus(tmp_path / "corpus.jsonl", 96, seed=3)
-    cfg = load_run_config(None, run_args(run_model, corpus, tmp_path / "run", "--cluster.num_slices=1",
+    run_dir = tmp_path / "run"
+    cfg = load_run_config(None, run_args(run_model, corpus, run_dir, "--cluster.num_slices=1",
                                          "--sampling.max_new_tokens=40", "--sampling.temperature=1.0",
                                          "--sampling.stop=[th]", "--engine.max_pages=160"))
     head, budget = Driver(cfg, show_progress=False), cfg.samples_in_flight_per_slice
     outcome = head.run()
     assert outcome.exit_code == 0 and len(written) == outcome.summary["batches_done"] == 19
+    table = collect(run_dir)
+    reasons = Counter(table["finish_reason"].to_pylist())
+    stopped = [len(t) for t, r in zip(table["token_ids"].to_pylist(), table["finish_reason"].to_pylist()) if r == "stop"]
+    assert 0.2 * len(table) < reasons["stop"] < 0.9 * len(table) and len(set(stopped)) >= 8
+
+    samples = {r.batch_id: r.samples(cfg.sampling.n) for r in read_manifest(run_dir / "batches.jsonl")}
+    running, peak = {}, 0
+    for line in (run_dir / "events.log").read_text().splitlines():
+        _, batch_id, *words = line.split() + [""]
+        if words[:2] == ["running", "on"]:
+            running[batch_id] = samples[batch_id]
+            peak = max(peak, sum(running.values()))
+        elif words[:1] == ["done:"]:
+            del running[batch_id]
+    assert peak > budget - 1 + max(samples.values()), (peak, budget)
+
+    occupancy = outcome.summary["mean_occupancy"]
+    assert 0 < occupancy <= 1 and status(run_dir)["mean_occupancy"] == pytest.approx(occupancy, abs=1e-3)
+    # The engine loop's time in device calls and in host work, from the slice's timeline (one slice here).
+    device_s, host_s = outcome.summary["engine_device_s"], outcome.summary["engine_host_s"]
+    assert device_s > 0 and host_s > 0 and device_s + host_s <= outcome.summary["session_s"], outcome.summary
+    assert status(run_dir)["engine_time"] == pytest.approx({"device_s": device_s, "host_s": host_s}, abs=1e-3)
+    assert "% of the engine loop on the host" in format_status(status(run_dir))
 
 
 def test_slices_that_cannot_start_end_the_run_with_the_reason(ray_local, run_model, tmp_path, monkeypatch):
