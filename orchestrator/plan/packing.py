@@ -294,7 +294,10 @@ def sharing_order(tokens: np.ndarray, first_page_keys: np.ndarray | None) -> np.
     if first_page_keys is None or not len(tokens):
         return np.argsort(-tokens, kind="stable")
     keys = np.asarray(first_page_keys, dtype=np.uint64)
-    _, group = np.unique(keys, return_inverse=True)
+    distinct, group = np.unique(keys, return_inverse=True)
+    keyed = int(np.count_nonzero(keys))
+    if len(distinct) - (keyed < len(keys)) == keyed:  # no two items share a key: every item a group of its own
+        return np.argsort(-tokens, kind="stable")
     group = np.where(keys == 0, len(tokens) + index, group.ravel())  # no key: a group of its own
     group_len = np.zeros(2 * len(tokens) + 1, dtype=np.int64)
     np.maximum.at(group_len, group, tokens)

@@ -147,6 +147,8 @@ def test_prompts_sharing_a_leading_page_pack_together_and_are_counted_as_shareab
     assert np.array_equal(pack(tokens, lim, np.zeros(40, dtype=np.uint64)).order, plain.order)
     unique = np.arange(1, 41, dtype=np.uint64)
     assert np.array_equal(pack(tokens, lim, unique).order, plain.order)
+    unique[::3] = 0  # some prompts without a full page, the rest each its own key
+    assert np.array_equal(pack(tokens, lim, unique).order, plain.order)
     assert shareable_prompt_tokens(keys, 16) == 16 * 4 * (len(shared_items) - 1)  # 4 pages of the block, 9 repeats
     assert np.array_equal(pack(tokens, lim, first).order, shared.order)  # deterministic
 
