@@ -72,7 +72,8 @@ def _forward_sample_steps(model: Transformer, pool, settings: StepSettings, num_
                           settings.num_pages * page_size)  # i32[G, S]
         # The CPU kernel skips a row with no keys: a done row's attention (its token is ignored) costs nothing.
         kv_lens = jnp.where(present & (active | (settings.impl != "cpu_kernel")), positions + 1, 0)
-        inputs = StepInputs(tokens, positions, slots, cu_q_lens, kv_lens, page_indices, num_seqs, logits_indices)
+        inputs = StepInputs(tokens, positions, slots, cu_q_lens, kv_lens, page_indices, num_seqs, logits_indices,
+                            present)  # a decode row feeds a token it generated
         pool, logits = model(pool, inputs, settings)
         step_penalties = None if penalties is None else (penalties[0], counts, *penalties[2:])
         new, logprobs = pick_rows(settings, logits.array, mode, temperature, top_k, top_p, min_p, base_keys,

@@ -36,7 +36,7 @@ from engine.sampling.sampler import penalty_state
 from engine.sampling.structured import Constraint, mask_words
 from engine.scheduling.scheduler_output import RunnerOutput, SchedulerOutput, ScoredTokens
 from engine.stats import DeviceClock
-from engine.device.step_inputs import StepInputs, group_pages, token_slots
+from engine.device.step_inputs import SeqChunk, StepInputs, group_pages, token_slots
 from engine.device.transfers import TransferLedger
 
 # On the CPU, every matmul takes at least this many rows (StepSettings.min_matmul_rows) and sampling runs
@@ -44,17 +44,6 @@ from engine.device.transfers import TransferLedger
 # keep each row's bits independent of the step around it (engine/device/row_tiles.py). Elsewhere 0: no rule.
 CPU_MIN_MATMUL_ROWS = 64
 CPU_SAMPLE_ROW_TILE = 8
-
-
-@dataclass(frozen=True)
-class SeqChunk:
-    """New tokens of one sequence for one step."""
-
-    token_ids: Sequence[int]
-    start: int  # position of the first new token = tokens of this sequence already in the cache
-    # The sequence's pages in each KV layer group (`group_pages`: a flat list for one group), each list covering at
-    # least start + len(token_ids) tokens; kv_groups.NONE for a page slid out of its group's window.
-    pages: Sequence[Sequence[int]] | Sequence[int]
 
 
 @dataclass(frozen=True)
@@ -178,7 +167,7 @@ class ModelRunner(MultiStepCalls):
         call = out.decode
         if call is None:
             self._ahead = None
-            chunks = [SeqChunk(c.token_ids, c.start, c.pages) for c in out.chunks]
+            chunks = [SeqChunk(c.token_ids, c.start, c.pages, c.num_prompt_tokens) for c in out.chunks]
             scoring = [ScoreRequest(c.score_offset, c.score_targets, c.num_top) for c in out.chunks]
             tokens, logprobs, scores = self.step_sample(chunks, out.row_sampling, out.row_chunk, scoring)
             self.kv.copy_pages(*out.copies)  # forked siblings' partial last pages, written by this step
@@ -228,6 +217,7 @@ class ModelRunner(MultiStepCalls):
         T = S if decode_only else bucket(n_tokens, MIN_TOKEN_BUCKET)
         token_ids = np.zeros(T, np.int32)
         positions = np.zeros(T, np.int32)
+        prompt_ends = np.full(T, np.iinfo(np.int32).max, np.int32)  # each token's sequence's prompt length
         seq_rows = np.zeros(n_tokens, np.int32)  # each real token's sequence row
         cu = np.full(S + 1, n_tokens, np.int32)
         kv_lens = np.zeros(S, np.int32)
@@ -236,6 +226,7 @@ class ModelRunner(MultiStepCalls):
         row = 0
         if decode_only:  # the common step on a fast device: filled from lists, not per-sequence numpy ops
             self._fill_decode(chunks, token_ids, positions, seq_rows, cu, kv_lens, pages, last_of_chunk)
+            prompt_ends[:len(chunks)] = [c.prompt_end for c in chunks]
         for s, c in enumerate(() if decode_only else chunks):
             n = len(c.token_ids)
             end = c.start + n
@@ -245,6 +236,7 @@ class ModelRunner(MultiStepCalls):
                                  f"(page_size {ps}, max_seq_len {self.max_seq_len})")
             token_ids[row:row + n] = c.token_ids
             positions[row:row + n] = np.arange(c.start, end)
+            prompt_ends[row:row + n] = c.prompt_end
             seq_rows[row:row + n] = s
             cu[s] = row
             kv_lens[s] = end
@@ -261,7 +253,8 @@ class ModelRunner(MultiStepCalls):
         row_chunk = list(range(len(chunks))) if row_chunk is None else list(row_chunk)
         last = np.zeros(max(S, bucket(len(row_chunk), MIN_SEQ_BUCKET)), np.int32)
         last[:len(row_chunk)] = last_of_chunk[row_chunk]
-        return StepInputs(token_ids, positions, slots, cu, kv_lens, pages, np.array([len(chunks)], np.int32), last)
+        return StepInputs(token_ids, positions, slots, cu, kv_lens, pages, np.array([len(chunks)], np.int32), last,
+                          positions >= prompt_ends)
 
     def _fill_decode(self, chunks: Sequence[SeqChunk], token_ids: np.ndarray, positions: np.ndarray,
                      seq_rows: np.ndarray, cu: np.ndarray, kv_lens: np.ndarray, pages: np.ndarray,
@@ -391,7 +384,7 @@ class ModelRunner(MultiStepCalls):
 def _sent(inputs: StepInputs) -> dict[str, tuple[np.ndarray, ...]]:
     """A step's host arrays by transfer category (engine.transfers): its page table, and the rest."""
     rest = (inputs.token_ids, inputs.positions, inputs.slot_mapping, inputs.cu_q_lens, inputs.kv_lens, inputs.num_seqs,
-            inputs.logits_indices)
+            inputs.logits_indices, inputs.generated)
     return {"step_inputs": rest, "page_tables": (inputs.page_indices,)}
 
 

@@ -1,12 +1,33 @@
-"""The one small dataclass between host policy and device math: a ragged step, padded to its bucket."""
+"""Between host policy and device math: the chunks of new tokens a step computes (SeqChunk) and the ragged step they
+pack into, padded to its bucket (StepInputs)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import equinox as eqx
 import jax
 import numpy as np
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """New tokens of one sequence for one step."""
+
+    token_ids: Sequence[int]
+    start: int  # position of the first new token = tokens of this sequence already in the cache
+    # The sequence's pages in each KV layer group (`group_pages`: a flat list for one group), each list covering at
+    # least start + len(token_ids) tokens; kv_groups.NONE for a page slid out of its group's window.
+    pages: Sequence[Sequence[int]] | Sequence[int]
+    # The sequence's prompt tokens: its tokens at positions from here on were generated (StepInputs.generated).
+    # None: every token is a prompt token.
+    num_prompt_tokens: int | None = None
+
+    @property
+    def prompt_end(self) -> int:
+        """The sequence's first generated position (past any position when every token is a prompt token)."""
+        return np.iinfo(np.int32).max if self.num_prompt_tokens is None else self.num_prompt_tokens
 
 
 class StepInputs(eqx.Module):
@@ -29,6 +50,10 @@ class StepInputs(eqx.Module):
     page_indices: jax.Array
     num_seqs: jax.Array  # i32[1]
     logits_indices: jax.Array  # i32[R]  token row whose logits feed output row r (R >= S when samples share a prompt)
+    # bool[T]  the token was generated: its position is past its sequence's prompt (a mixture of experts computes
+    # a generated token's experts in matmuls of another size than a prompt token's, engine/models/moe.py); padding:
+    # False
+    generated: jax.Array
 
 
 def group_pages(pages: Sequence, num_groups: int) -> Sequence[Sequence[int]]:

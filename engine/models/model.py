@@ -121,11 +121,12 @@ class Transformer(eqx.Module):
                 return x, rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
 
             if layer.moe is not None:
-                # Expert tiles of the matmuls' row count on the CPU (ragged_dot elsewhere) over the whole step's
-                # rows, not a row tile's: an expert's rows then fill larger matmuls, and a row's bits are the same
-                # (every expert matmul has at least the row count that fixes them).
+                # Expert tiles on the CPU (ragged_dot elsewhere) over the whole step's rows, not a row tile's: an
+                # expert's rows then fill larger matmuls, and a row's bits are the same (its expert matmuls have the
+                # row counts of its kind, prompt or generated token, whoever shares them).
                 x, h = by_token_rows(out_and_norm, x, attn)
-                mlp = moe_mlp(h, layer.moe, cfg.moe, settings.min_matmul_rows, num_tokens, settings.mesh)
+                mlp = moe_mlp(h, layer.moe, cfg.moe, settings.min_matmul_rows, num_tokens, settings.mesh,
+                              inputs.generated)
                 if layer.moe.shared is not None:  # Qwen2-MoE: in row tiles, as the dense MLP
                     mlp = mlp + by_token_rows(lambda h: shared_expert(h, layer.moe.shared), h)
                 return (x + mlp, pool), None

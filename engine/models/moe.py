@@ -5,13 +5,20 @@ experts' outputs weighted by the router (engine/models/moe_config.py says how ea
 The grouped matmul has two forms, one result (within float32 rounding):
 - `jax.lax.ragged_dot` over the pairs sorted by expert (`expert_tile_rows` 0): the shape TPU and GPU grouped-matmul
   kernels take;
-- expert tiles (`expert_tile_rows` > 0, on the CPU): each expert's pairs padded to whole granules of half that
-  many rows (at least that many), run as matmuls of 1 to 4 tiles of the expert's own weights, an expert at a
-  time, experts with no pair skipped (`_tiled_grouped_mlp`). XLA's CPU backend
-  lowers `ragged_dot` as a dense pass of every expert over every row with a mask (E times the work), and its matmuls
-  round a row by the call's row count below 64 rows (engine/device/row_tiles.py); matmuls of at least that many rows
-  give work that follows the active experts and rows whose bits do not depend on the rows beside them. The router's
-  matmul is narrow and rounds by the row count even past 64, so it runs on tiles of exactly that many rows.
+- expert tiles (`expert_tile_rows` > 0, on the CPU): XLA's CPU backend lowers `ragged_dot` as a dense pass of every
+  expert over every row with a mask (E times the work), and its matmuls round a row by the call's row count below 64
+  rows (engine/device/row_tiles.py). So a row's pairs go by the row's kind, which is the token's own, not the
+  step's:
+  - a prompt token's pairs: each expert's padded to whole granules of half `expert_tile_rows` rows (at least that
+    many), run as matmuls of 1 to 4 tiles of the expert's own weights, an expert at a time, experts with no pair
+    skipped (`_tiled_grouped_mlp`): matmuls of at least 64 rows, whose bits do not depend on their row count;
+  - a generated token's pairs (the engine sampled the token; its position is past its sequence's prompt): each
+    expert's in matmuls of exactly GENERATED_TILE_ROWS rows (`_small_tiled_mlp`). A decode step's 64 rows bring
+    each of 32 experts ~4 pairs; padding each to 64 rows did ~15x the work of the dense MLP of the same active
+    size. One row count, so one rounding: a generated token has the same bits in a decode step and when a
+    preempted sequence recomputes it in a prompt step, and prefix-cached pages hold prompt tokens only.
+  The router's matmul is narrow and rounds by the row count even past 64, so it runs on tiles of exactly
+  `expert_tile_rows` rows.
 
 The engine calls it once for a step's rows (not per row tile of the layer's other matmuls), so that an expert's rows
 fill large matmuls; the step's padding rows go to no expert.
@@ -64,24 +71,30 @@ def shared_expert(h: NamedArray, shared: SharedExpert) -> NamedArray:
 
 
 def moe_mlp(h: NamedArray, moe: MoeMlp, cfg: MoeConfig, expert_tile_rows: int,
-            num_rows: jax.Array | None = None, mesh: Mesh | None = None) -> NamedArray:
+            num_rows: jax.Array | None = None, mesh: Mesh | None = None,
+            generated: jax.Array | None = None) -> NamedArray:
     """The MLP's output for rows `h` [..., embed] (each row's own experts, router-weighted), same axes as `h`.
     `num_rows` (a traced int, with expert tiles): only the rows below it matter; the experts skip the others, whose
-    outputs are zeros. `mesh`: with several devices over `model`, the experts are spread over them (module doc)."""
+    outputs are zeros. `mesh`: with several devices over `model`, the experts are spread over them (module doc).
+    `generated` (bool, one per row, with expert tiles): the rows that are generated tokens (module doc); None: none."""
     rows_axes = tuple(a for a in h.axes if a.name != EMBED)
     x = h.rearrange((*rows_axes, h.resolve_axis(EMBED))).array
     x = x.reshape(-1, x.shape[-1])  # [R, H]
     weights = tuple(w.array for w in (moe.router, moe.w_gate, moe.w_up, moe.w_down))
+    if generated is None:
+        generated = jnp.zeros(x.shape[0], bool)
     if mesh is not None and mesh.shape.get("model", 1) > 1:
-        def rows(x, router, w_gate, w_up, w_down, *num_rows):
-            return _moe_rows(x, router, w_gate, w_up, w_down, cfg, expert_tile_rows, *num_rows, expert_axis="model")
+        def rows(x, generated, router, w_gate, w_up, w_down, *num_rows):
+            return _moe_rows(x, router, w_gate, w_up, w_down, cfg, expert_tile_rows, *num_rows, expert_axis="model",
+                             generated=generated)
 
         experts, rep = P("model", None, None), P()
         extra = () if num_rows is None else (num_rows,)
-        out = jax.shard_map(rows, mesh=mesh, in_specs=(rep, rep, experts, experts, experts, *(rep for _ in extra)),
-                            out_specs=rep, check_vma=False)(x, *weights, *extra)
+        out = jax.shard_map(rows, mesh=mesh, in_specs=(rep, rep, rep, experts, experts, experts,
+                                                       *(rep for _ in extra)),
+                            out_specs=rep, check_vma=False)(x, generated.reshape(-1), *weights, *extra)
     else:
-        out = _moe_rows(x, *weights, cfg, expert_tile_rows, num_rows)
+        out = _moe_rows(x, *weights, cfg, expert_tile_rows, num_rows, generated=generated.reshape(-1))
     return hax.named(out.reshape(*(a.size for a in rows_axes), x.shape[-1]), (*rows_axes, h.resolve_axis(EMBED)))
 
 
@@ -103,10 +116,11 @@ def _expert(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array)
 
 
 def _moe_rows(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
-              cfg: MoeConfig, tile: int, num_rows: jax.Array | None = None, expert_axis: str | None = None
-              ) -> jax.Array:
+              cfg: MoeConfig, tile: int, num_rows: jax.Array | None = None, expert_axis: str | None = None,
+              generated: jax.Array | None = None) -> jax.Array:
     """x [R, H]; router [H, E]; w_gate, w_up [E', H, I]; w_down [E', I, H]: every expert (E' = E), or, inside a
-    shard_map over `expert_axis`, this device's E' = E / T of them (module doc). `num_rows`: see moe_mlp."""
+    shard_map over `expert_axis`, this device's E' = E / T of them (module doc). `num_rows`, `generated` (bool[R] or
+    None): see moe_mlp."""
     R, H = x.shape
     k, local = cfg.top_k, w_gate.shape[0]
     # The router's matmul is narrow (E columns): XLA's CPU kernels round it by the call's row count even past 64
@@ -118,11 +132,19 @@ def _moe_rows(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Arra
         pair_expert = jnp.where((pair_expert >= 0) & (pair_expert < local), pair_expert, local)
     if tile and num_rows is not None:  # the rows past num_rows go to no expert (local: past every group, not counted)
         pair_expert = jnp.where(jnp.arange(R * k) // k < num_rows, pair_expert, local)
-    order = jnp.argsort(pair_expert, stable=True)  # pairs grouped by expert, rows in order within one
-    counts = jnp.bincount(pair_expert, length=local)  # i32[E'] (no expert is not counted)
     if tile:
-        y = _tiled_grouped_mlp(x, k, pair_expert, order, counts, (w_gate, w_up, w_down), tile)
+        w = (w_gate, w_up, w_down)
+        gen = jnp.zeros(R * k, bool) if generated is None else jnp.repeat(generated, k)
+        # Each pair goes by its row's kind (module doc); a kind with no pair in the step costs nothing.
+        prompt_expert, gen_expert = jnp.where(gen, local, pair_expert), jnp.where(gen, pair_expert, local)
+        none = lambda: jnp.zeros((R * k, H), x.dtype)  # noqa: E731
+        y = jnp.where(gen[:, None],
+                      jax.lax.cond(jnp.any(gen_expert < local), lambda: _small_tiled_mlp(x, k, gen_expert, w), none),
+                      jax.lax.cond(jnp.any(prompt_expert < local),
+                                   lambda: _tiled_grouped_mlp(x, k, prompt_expert, w, tile), none))
     else:
+        order = jnp.argsort(pair_expert, stable=True)  # pairs grouped by expert, rows in order within one
+        counts = jnp.bincount(pair_expert, length=local)  # i32[E'] (no expert is not counted)
         rows_sorted = x[order // k]  # [P, H]
         gate = jax.lax.ragged_dot(rows_sorted, w_gate, counts)
         up = jax.lax.ragged_dot(rows_sorted, w_up, counts)
@@ -160,32 +182,53 @@ def expert_tiles(granules: jax.Array) -> dict[int, jax.Array]:
             2: ((t == 2) | one).astype(granules.dtype)}
 
 
-def _tiled_grouped_mlp(x: jax.Array, k: int, pair_expert: jax.Array, order: jax.Array, counts: jax.Array,
+class _Layout(eqx.Module):
+    """Pairs laid out by expert in the rows of a padded array: expert e's pairs in order from row `first_row[e]`."""
+    rows: jax.Array  # [N, H]: each pair's row of x where a pair sits, zeros elsewhere
+    pair_row: jax.Array  # i32[P]: each pair's row in `rows`; N for a pair of no expert
+
+
+def _layout(x: jax.Array, k: int, pair_expert: jax.Array, counts: jax.Array, first_row: jax.Array,
+            num_rows: int) -> _Layout:
+    """The pairs (pair p: row p // k of x [R, H], expert pair_expert[p]; E, past the last: none) laid out in
+    `num_rows` rows, expert e's `counts[e]` pairs from row first_row[e] on."""
+    R, E, P = x.shape[0], counts.shape[0], pair_expert.shape[0]
+    order = jnp.argsort(pair_expert, stable=True)  # pairs grouped by expert, rows in order within one
+    first_pair = jnp.cumsum(counts) - counts  # [E]: the expert's first pair in `order`
+    sorted_expert = pair_expert[order]
+    e = jnp.minimum(sorted_expert, E - 1)
+    # Each sorted pair's row; a pair of no expert gets none (out of range: dropped).
+    row = jnp.where(sorted_expert < E, first_row[e] + jnp.arange(P) - first_pair[e], num_rows)
+    source = jnp.full((num_rows,), R, jnp.int32).at[row].set((order // k).astype(jnp.int32), mode="drop")
+    return _Layout(x.at[source].get(mode="fill", fill_value=0),  # padding rows (R) read zeros
+                   jnp.zeros((P,), row.dtype).at[order].set(row))
+
+
+def _pair_outputs(out: jax.Array, layout: _Layout) -> jax.Array:
+    """The rows of `out` (one per row of layout.rows) back in pair order [P, H]; no expert's pairs: zeros."""
+    return out.at[layout.pair_row].get(mode="fill", fill_value=0)
+
+
+def _tiled_grouped_mlp(x: jax.Array, k: int, pair_expert: jax.Array,
                        weights: tuple[jax.Array, jax.Array, jax.Array], tile: int) -> jax.Array:
     """The experts' MLP of the pairs [P = R * k, H] (pair p: row p // k of `x` [R, H], expert `pair_expert[p]`; E,
-    past the last: no expert, output zeros), `order` sorting them by expert (`counts` pairs each), in pair order.
+    past the last: no expert, output zeros), in pair order.
 
     Expert e's pairs fill max(2, ceil(counts[e] / g)) granules of g = tile / 2 rows, zero-padded, run as matmuls of
     TILE_SIZES granules of its own weights, an expert at a time (its weights sliced once), experts with no pair
     skipped. Every matmul has at least `tile` rows, so a row's bits do not depend on which matmul holds it or where
     (XLA's CPU matmuls give a row the same bits in any call of 64 rows or more), and an expert wastes less than a
     granule (or a tile, with fewer pairs than one)."""
-    R, H = x.shape
-    P, E = pair_expert.shape[0], counts.shape[0]
+    P, E = pair_expert.shape[0], weights[0].shape[0]
     g = tile // GRANULES_PER_TILE
     if g * GRANULES_PER_TILE != tile:
         raise ValueError(f"internal error: expert tiles of {tile} rows are not whole granules of {g}")
+    counts = jnp.bincount(pair_expert, length=E)  # i32[E] (no expert is not counted)
     granules = jnp.where(counts > 0, jnp.maximum(GRANULES_PER_TILE, -(-counts // g)), 0)
     # Enough for any routing (an expert wastes less than a tile), and for the largest matmul's slice.
     num_granules = max(-(-P // g) + E * GRANULES_PER_TILE, max(TILE_SIZES))
     first_granule = jnp.cumsum(granules) - granules  # [E]
-    first_pair = jnp.cumsum(counts) - counts  # [E]: the expert's first pair in `order`
-    sorted_expert = pair_expert[order]
-    # Each sorted pair's row among the granules; a pair of no expert (E) gets none (out of range: dropped).
-    slot = jnp.where(sorted_expert < E, first_granule[jnp.minimum(sorted_expert, E - 1)] * g + jnp.arange(P)
-                     - first_pair[jnp.minimum(sorted_expert, E - 1)], num_granules * g)
-    source = jnp.full((num_granules * g,), R, jnp.int32).at[slot].set((order // k).astype(jnp.int32), mode="drop")
-    padded = x.at[source].get(mode="fill", fill_value=0)  # [granule rows, H]: padding rows (R) read zeros
+    layout = _layout(x, k, pair_expert, counts, first_granule * g, num_granules * g)
     tiles = expert_tiles(granules)
     active = jnp.flatnonzero(granules > 0, size=E, fill_value=0)
     w_gate, w_up, w_down = weights
@@ -197,12 +240,38 @@ def _tiled_grouped_mlp(x: jax.Array, k: int, pair_expert: jax.Array, order: jax.
         for size in TILE_SIZES:
             def one_tile(_, carry, size=size):
                 out, start = carry
-                y = _expert(jax.lax.dynamic_slice_in_dim(padded, start * g, size * g), *w)
+                y = _expert(jax.lax.dynamic_slice_in_dim(layout.rows, start * g, size * g), *w)
                 return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), start * g, 0), start + size
 
             out, start = jax.lax.fori_loop(0, tiles[size][e], one_tile, (out, start))
         return out
 
-    out = jax.lax.fori_loop(0, jnp.sum(granules > 0), one_expert, jnp.zeros_like(padded))
-    pair_slot = jnp.zeros((P,), slot.dtype).at[order].set(slot)
-    return out.at[pair_slot].get(mode="fill", fill_value=0)  # [P, H] in pair order; no expert's pairs: zeros
+    return _pair_outputs(jax.lax.fori_loop(0, jnp.sum(granules > 0), one_expert, jnp.zeros_like(layout.rows)), layout)
+
+
+GENERATED_TILE_ROWS = 8
+"""The rows of every expert matmul of generated tokens' pairs on the CPU. One count, so one rounding for a generated
+token wherever it is computed; 8 rather than 4 or 16: a decode step of 64 rows at E = 8 and E = 32 (top-2) ran
+fastest with it."""
+
+
+def _small_tiled_mlp(x: jax.Array, k: int, pair_expert: jax.Array,
+                     weights: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+    """`_tiled_grouped_mlp`'s result for pairs of generated tokens: expert e's pairs in ceil(counts[e] / n) matmuls
+    of exactly n = GENERATED_TILE_ROWS rows (zero-padded) of its weights, a matmul at a time; experts with no pair
+    skipped."""
+    P, E, n = pair_expert.shape[0], weights[0].shape[0], GENERATED_TILE_ROWS
+    counts = jnp.bincount(pair_expert, length=E)
+    tiles = -(-counts // n)  # [E]
+    ends = jnp.cumsum(tiles)
+    num_tiles = -(-P // n) + E  # enough for any routing: an expert wastes less than a tile
+    layout = _layout(x, k, pair_expert, counts, (ends - tiles) * n, num_tiles * n)
+    tile_expert = jnp.searchsorted(ends, jnp.arange(num_tiles), side="right")  # [num_tiles]: tile t's expert
+    w_gate, w_up, w_down = weights
+
+    def one_tile(t: jax.Array, out: jax.Array) -> jax.Array:
+        e = tile_expert[t]
+        y = _expert(jax.lax.dynamic_slice_in_dim(layout.rows, t * n, n), w_gate[e], w_up[e], w_down[e])
+        return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), t * n, 0)
+
+    return _pair_outputs(jax.lax.fori_loop(0, ends[-1], one_tile, jnp.zeros_like(layout.rows)), layout)

@@ -214,7 +214,8 @@ class Scheduler:
         out = SchedulerOutput(
             [ScheduledChunk(c.seq.arrival, tuple(c.seq.token_ids[c.start:c.start + c.num_tokens]), c.start,
                             tuple(map(tuple, c.seq.pages)), c.completes, *c.seq.score_targets(c.start, c.num_tokens),
-                            c.seq.request.sampling.prompt_logprobs or 0) for c in chunks] if decode is None else [],
+                            c.seq.request.sampling.prompt_logprobs or 0, c.seq.num_prompt_tokens)
+             for c in chunks] if decode is None else [],
             [q.arrival for q in rows] if decode is None else [], [row_sampling(q) for q in rows] if decode is None else [],
             row_chunk, copies.copies, decode, copies.swap_out, copies.swap_in, copies.swap_in_ahead)
         recompute = self._step_recompute_tokens if planned is None or not planned.resume else 0

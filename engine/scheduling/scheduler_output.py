@@ -28,6 +28,7 @@ class ScheduledChunk:
     score_offset: int = 0  # chunk offset of the first token whose logits score the token after it
     score_targets: tuple[int, ...] = ()  # the tokens scored from offsets score_offset, score_offset + 1, ...
     num_top: int = 0  # the most likely tokens returned at each scored position (sampling.prompt_logprobs)
+    num_prompt_tokens: int | None = None  # the sequence's prompt tokens (SeqChunk.num_prompt_tokens)
 
     @property
     def num_tokens(self) -> int:

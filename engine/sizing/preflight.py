@@ -174,7 +174,8 @@ def _runner_programs(engine: EngineConfig, max_seq_len: int, mode: str, num_stop
 
     def inputs(T: int, S: int):
         return runner.StepInputs(arg((T,), i32), arg((T,), i32), arg((G, T), i32), arg((S + 1,), i32),
-                                 arg((S,), i32), arg((G, S, pages), i32), arg((1,), i32), arg((S,), i32))
+                                 arg((S,), i32), arg((G, S, pages), i32), arg((1,), i32), arg((S,), i32),
+                                 arg((T,), jnp.bool_))
 
     def sampling(S: int) -> tuple:
         return arg((S,), f32), arg((S,), i32), arg((S,), f32), arg((S,), f32), arg((S, 2), jnp.uint32)

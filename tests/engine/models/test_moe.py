@@ -17,7 +17,8 @@ from jax.sharding import Mesh
 from engine.config import EngineConfig, SamplingConfig
 from engine.engine import Engine
 from engine.models.model_config import ModelConfig, UnsupportedModelError
-from engine.models.moe import GRANULES_PER_TILE, TILE_SIZES, SharedExpert, _expert, _moe_rows, _tiled_grouped_mlp, expert_tiles, shared_expert
+from engine.models.moe import (GENERATED_TILE_ROWS, GRANULES_PER_TILE, TILE_SIZES, SharedExpert, _expert, _moe_rows,
+                               _small_tiled_mlp, _tiled_grouped_mlp, expert_tiles, shared_expert)
 from engine.models.presets import write_model
 from engine.scheduling.sequence import Request
 from tests.engine.models.hf_reference import generate_records, hf_greedy_logprobs, make_hf_model, prompts_1_to_250
@@ -73,7 +74,8 @@ def _shared(mlp) -> SharedExpert:
 def test_experts_spread_over_devices_give_one_devices_bits(tmp_path, tile, width):
     """Expert parallelism: the 8 experts spread over 2 or 4 devices of `model` (each holds 8 / width whole experts,
     routes every row and runs only its own experts' pairs; the pairs' outputs are summed over `model`) give the MoE
-    block's output of one device bit for bit in expert tiles (the CPU's form), with padding rows past `num_rows`.
+    block's output of one device bit for bit in expert tiles (the CPU's form), with padding rows past `num_rows` and
+    rows of generated tokens (their experts' own matmuls) among the prompt tokens'.
     ragged_dot (TPU and GPU) within float32 rounding here: XLA's CPU backend lowers it as a masked pass over every
     expert, whose rounding follows the number of experts a device holds."""
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -95,7 +97,8 @@ def test_experts_spread_over_devices_give_one_devices_bits(tmp_path, tile, width
                       w_up=hax.named(place(w_up, experts), ("experts", "embed", "expert_mlp")),
                       w_down=hax.named(place(w_down, experts), ("experts", "expert_mlp", "embed")))
 
-    f = jax.jit(lambda x, moe, n, mesh_: moe_mlp(x, moe, cfg.moe, tile, n if tile else None, mesh_).array,
+    generated = jnp.arange(100) % 3 == 1
+    f = jax.jit(lambda x, moe, n, mesh_: moe_mlp(x, moe, cfg.moe, tile, n if tile else None, mesh_, generated).array,
                 static_argnums=3)
     one = np.asarray(f(x, moe(None), jnp.int32(91), None))
     spread = np.asarray(f(x, moe(mesh), jnp.int32(91), mesh))
@@ -162,15 +165,47 @@ def test_each_pair_has_its_bits_from_a_lone_tile_whatever_its_experts_count():
     pair_expert = rng.permutation(np.repeat(np.arange(num_experts), counts)).astype(np.int32)
     pair_expert = np.concatenate([pair_expert, np.full(len(pair_expert) % k, num_experts, np.int32)])  # whole rows
     x = rng.standard_normal((len(pair_expert) // k, hidden)).astype(np.float32)
-    order = np.argsort(pair_expert, kind="stable")
-    got = np.asarray(jax.jit(lambda x, pe, o, c: _tiled_grouped_mlp(x, k, pe, o, c, tuple(w), 64))(
-        jnp.asarray(x), jnp.asarray(pair_expert), jnp.asarray(order), jnp.bincount(pair_expert, length=num_experts)))
+    got = np.asarray(jax.jit(lambda x, pe: _tiled_grouped_mlp(x, k, pe, tuple(w), 64))(jnp.asarray(x),
+                                                                                      jnp.asarray(pair_expert)))
     alone = jax.jit(lambda row, e: _expert(jnp.pad(row[None], ((0, 63), (0, 0))), *(v[e] for v in w))[0])
     for p in rng.choice(len(pair_expert), 120, replace=False):
         if pair_expert[p] == num_experts:
             assert not got[p].any()
         else:
             np.testing.assert_array_equal(got[p], np.asarray(alone(jnp.asarray(x[p // k]), pair_expert[p])))
+
+
+def test_each_generated_pair_has_its_bits_from_a_lone_matmul_of_the_generated_tile():
+    """Generated tokens' pairs (engine/models/moe.py): whatever its expert's count (0 to 300 pairs), each pair has
+    the bits of its row alone in a matmul of GENERATED_TILE_ROWS rows of its expert's weights, 256 wide (XLA's CPU
+    matmuls of 8 and 64 rows round a row differently there). And in a block of prompt and generated rows, each row
+    has the bits it has in a block of its kind alone."""
+    rng = np.random.default_rng(9)
+    num_experts, k, hidden, width, n = 8, 2, 256, 256, GENERATED_TILE_ROWS
+    w = [jnp.asarray(rng.standard_normal(shape) * 0.05, jnp.float32)
+         for shape in ((num_experts, hidden, width), (num_experts, hidden, width), (num_experts, width, hidden))]
+    counts = [1, 7, 8, 9, 0, 65, 300, 3]
+    pair_expert = rng.permutation(np.repeat(np.arange(num_experts), counts)).astype(np.int32)
+    pair_expert = np.concatenate([pair_expert, np.full(len(pair_expert) % k, num_experts, np.int32)])  # whole rows
+    x = rng.standard_normal((len(pair_expert) // k, hidden)).astype(np.float32)
+    got = np.asarray(jax.jit(lambda x, pe: _small_tiled_mlp(x, k, pe, tuple(w)))(jnp.asarray(x),
+                                                                                 jnp.asarray(pair_expert)))
+    alone = jax.jit(lambda row, e: _expert(jnp.pad(row[None], ((0, n - 1), (0, 0))), *(v[e] for v in w))[0])
+    for p in rng.choice(len(pair_expert), 120, replace=False):
+        if pair_expert[p] == num_experts:
+            assert not got[p].any()
+        else:
+            np.testing.assert_array_equal(got[p], np.asarray(alone(jnp.asarray(x[p // k]), pair_expert[p])))
+
+    class Moe:
+        top_k, renormalize = k, True
+    router = jnp.asarray(rng.standard_normal((hidden, num_experts)), jnp.float32)
+    block = jax.jit(lambda x, g: _moe_rows(x, router, *w, Moe, 64, generated=g))
+    generated = rng.random(len(x)) < 0.5
+    mixed = np.asarray(block(jnp.asarray(x), jnp.asarray(generated)))
+    for kind in (True, False):
+        rows = np.flatnonzero(generated == kind)
+        np.testing.assert_array_equal(mixed[rows], np.asarray(block(jnp.asarray(x[rows]), jnp.full(len(rows), kind))))
 
 
 @pytest.mark.parametrize("family", MOES)

@@ -19,8 +19,12 @@ PAGE = 16
 # 128, as Qwen3-8B; Gemma 3 27B's heads are 128 wide): a QK-norm sums over a short axis, which XLA's CPU backend
 # rounds by the call's row count (engine/device/row_tiles.py).
 BIG_HEADS = dict(heads=8, kv_heads=8, head_dim=128)
+# A mixture of experts 256 wide as well: XLA's CPU matmuls of 8 and of 64 rows round a row alike at the test shape
+# (64 wide, experts 128 wide) and differently from K = 256 on, so only there does a generated token's expert matmul
+# (engine/models/moe.py) show whether it has one row count wherever the token is computed.
 CASES = {**{family: (family, {}) for family in FAMILIES},
-         "qwen3-heads-of-128": ("qwen3", BIG_HEADS), "gemma3_text-heads-of-128": ("gemma3_text", BIG_HEADS)}
+         "qwen3-heads-of-128": ("qwen3", BIG_HEADS), "gemma3_text-heads-of-128": ("gemma3_text", BIG_HEADS),
+         "mixtral-256-wide": ("mixtral", dict(hidden=256, intermediate=256))}
 
 
 def _runner(path, mesh=None) -> ModelRunner:
@@ -52,16 +56,38 @@ def test_a_tokens_logits_do_not_depend_on_the_step_around_it(runner):
     assert (np.asarray(after) == np.asarray(alone)).all(), "a 512-row step"
 
 
-def test_a_tokens_logits_are_the_same_computed_in_a_prompt_or_decoded(runner):
+@pytest.mark.parametrize("num_prompt_tokens", [None, 23])
+def test_a_tokens_logits_are_the_same_computed_in_a_prompt_or_decoded(runner, num_prompt_tokens):
     """Recompute preemption, the prefix cache and swap rest on this: a position's KV and logits are the same bits
-    whether its token came in a prompt chunk or was decoded one step at a time."""
+    whether its token came in a prompt chunk or was decoded one step at a time. For prompt tokens (None), and for
+    generated ones (positions 23 on: a mixture of experts computes those in matmuls of their own size), which a
+    preempted sequence recomputes in a prompt chunk."""
     rng = np.random.default_rng(1)
     prompt = rng.integers(3, 500, 40).tolist()
-    whole = np.asarray(runner.logits([SeqChunk(prompt, 0, _pages(0, 40))])[0])
-    runner.logits([SeqChunk(prompt[:23], 0, _pages(10, 40))])
+    whole = np.asarray(runner.logits([SeqChunk(prompt, 0, _pages(0, 40), num_prompt_tokens)])[0])
+    runner.logits([SeqChunk(prompt[:23], 0, _pages(10, 40), num_prompt_tokens)])
     for i in range(23, 40):  # then one token a step, the way a sample's own tokens are computed
-        decoded = np.asarray(runner.logits([SeqChunk(prompt[i:i + 1], i, _pages(10, 40))])[0])
+        decoded = np.asarray(runner.logits([SeqChunk(prompt[i:i + 1], i, _pages(10, 40), num_prompt_tokens)])[0])
     assert (decoded == whole).all()
+
+
+def test_a_generated_tokens_logits_do_not_depend_on_the_step_around_it(runner):
+    """A generated token decoded alone, beside 63 other sequences' generated tokens, in a step with a prompt chunk
+    or with a long recomputed one: the same bits (a mixture of experts groups a step's generated tokens by expert, into matmuls of one row
+    count, apart from its prompt tokens)."""
+    rng = np.random.default_rng(2)
+    seq = rng.integers(3, 500, 20).tolist()
+    others = rng.integers(3, 500, 63).tolist()
+    runner.logits([SeqChunk(seq[:19], 0, _pages(0, 20), 10)])  # positions 10 .. 18 generated, recomputed
+
+    def last(*beside: SeqChunk) -> np.ndarray:
+        return np.asarray(runner.logits([SeqChunk(seq[19:], 19, _pages(0, 20), 10), *beside])[0])
+    alone = last()
+    assert (last(*(SeqChunk([t], 0, _pages(2 + i, 1), 0) for i, t in enumerate(others))) == alone).all(), \
+        "beside 63 decode rows"
+    assert (last(SeqChunk(others[:40], 0, _pages(70, 40))) == alone).all(), "beside a prompt chunk"
+    recomputed = rng.integers(3, 500, 300).tolist()  # a preempted sequence's 299 generated tokens: ~75 an expert
+    assert (last(SeqChunk(recomputed, 0, _pages(70, 300), 1)) == alone).all(), "beside 299 recomputed tokens"
 
 
 def test_scanned_layers_over_four_devices_give_a_position_the_same_bits_in_a_prompt_or_decoded(tmp_path, monkeypatch):
