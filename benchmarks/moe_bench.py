@@ -1,16 +1,16 @@
 """A tiny mixture of experts against its dense twin (the same attention, a dense MLP as wide as the k active experts
-together): tokens/s of a prefill step and of a decode step, and the prefill step's MLP FLOPs, for E experts and top-k.
+together): tokens/s of a prefill step and of a decode step, and each step's MLP FLOPs, for E experts and top-k.
 
 The prefill step has the CPU's step size (engine.max_prefill_size as `pagefleet generate` sizes it: 4,096 tokens) in
 sequences of 512 tokens; the decode step, 64 rows (the CPU's slots) one token each after 512 cached ones.
 
-The MoE's FLOPs are counted, not read from XLA's cost analysis (which counts a loop body once): on the CPU each
-expert multiplies its own tokens padded to a multiple of 32 rows, at least 64 (engine/models/moe.py), so a step of T
-tokens computes `sum_e max(64, ceil(n_e / 32) * 32)` expert rows over the experts chosen, at most `T * k + E * 63`
-(every expert chosen by one token); the router adds `2 * T * H * E`. The dense twin
-computes `T` rows of a `k * I`-wide MLP. The figure printed is the bound, so it errs against the MoE. A decode step's
-rows are few: each expert chosen runs a matmul of 64 rows for its few tokens (the CPU's row rule), so its cost grows
-with the experts chosen, up to min(E, rows x k), not with k.
+The MoE's FLOPs are counted, not read from XLA's cost analysis (which counts a loop body once). On the CPU
+(engine/models/moe.py) each expert multiplies a prompt token's pairs padded to a multiple of 32 rows, at least 64, so a
+prefill step of T tokens computes `sum_e max(64, ceil(n_e / 32) * 32)` expert rows over the experts chosen, at most
+`T * k + E * 63` (every expert chosen by one token); and a generated token's pairs in matmuls of exactly 8 rows, so a
+decode step of R rows computes `sum_e ceil(n_e / 8) * 8` rows, at most `R * k + E * 7`. The router adds
+`2 * T * H * E`. The dense twin computes `T` rows of a `k * I`-wide MLP. The figures printed are the bounds, so they
+err against the MoE.
 
 Every model's steps are compiled first; then the models' steps alternate, `--reps` rounds, and the medians are
 printed. Run from the repository root (about a minute):
@@ -26,13 +26,14 @@ import time
 from pathlib import Path
 
 from engine.config import EngineConfig
-from engine.device.runner import ModelRunner, SeqChunk
+from engine.device.runner import CPU_MIN_MATMUL_ROWS, ModelRunner, SeqChunk
 from engine.device.runner_config import RunnerConfig
+from engine.models.moe import GENERATED_TILE_ROWS
 from engine.models.presets import Preset, write_model
 from engine.models.weights import load_transformer
 from engine.sizing.machine_sizing import STEP_TOKENS
 
-HIDDEN, EXPERT_SIZE, LAYERS, PAGE_SIZE, TILE = 256, 256, 4, 16, 64
+HIDDEN, EXPERT_SIZE, LAYERS, PAGE_SIZE = 256, 256, 4, 16
 
 
 def preset(experts: int, top_k: int) -> Preset:
@@ -45,11 +46,12 @@ def preset(experts: int, top_k: int) -> Preset:
                   expert_size=EXPERT_SIZE, **common)
 
 
-def mlp_flops(tokens: int, experts: int, top_k: int) -> int:
-    """Multiply-adds x 2 of one step's MLPs (every layer); for the MoE the bound above."""
+def mlp_flops(tokens: int, experts: int, top_k: int, tile: int) -> int:
+    """Multiply-adds x 2 of one step's MLPs (every layer); for the MoE the bound above, for expert matmuls of
+    multiples of `tile` rows."""
     if experts == 0:
         return LAYERS * 2 * tokens * 3 * HIDDEN * top_k * EXPERT_SIZE
-    rows = tokens * top_k + experts * (TILE - 1)
+    rows = tokens * top_k + experts * (tile - 1)
     return LAYERS * (2 * rows * 3 * HIDDEN * EXPERT_SIZE + 2 * tokens * HIDDEN * experts)
 
 
@@ -64,7 +66,8 @@ def step_runners(path: Path, tokens: int, seq_tokens: int, decode_rows: int):
     per_seq_pages = seq_tokens // PAGE_SIZE
     prefill = [SeqChunk([7 + (i * 13 + j) % 500 for j in range(seq_tokens)], 0,
                         list(range(i * per_seq_pages, (i + 1) * per_seq_pages))) for i in range(seqs)]
-    decode = [SeqChunk([7 + i % 500], seq_tokens, list(range(i * decode_pages, (i + 1) * decode_pages)))
+    # Each decode row feeds a token it generated (its prompt was the `seq_tokens` before it), as the engine's do.
+    decode = [SeqChunk([7 + i % 500], seq_tokens, list(range(i * decode_pages, (i + 1) * decode_pages)), seq_tokens)
               for i in range(decode_rows)]
 
     def timed(chunks):
@@ -102,15 +105,18 @@ def main() -> None:
                     times[e, kind].append(steps[e][kind]())
         seconds = {key: statistics.median(t) for key, t in times.items()}
         print(f"dense twin (MLP {k * EXPERT_SIZE} wide): prefill {tokens / seconds[0, 0]:,.0f} tokens/s, "
-              f"MLP {mlp_flops(tokens, 0, k) / 1e9:.2f} GFLOP per step of {tokens} tokens "
+              f"MLP {mlp_flops(tokens, 0, k, 1) / 1e9:.2f} GFLOP per step of {tokens} tokens "
               f"({tokens // args.seq_tokens} x {args.seq_tokens}); decode {args.decode_rows / seconds[0, 1]:,.0f} tokens/s "
               f"({args.decode_rows} rows)")
         for e in args.experts:
-            ratio = mlp_flops(tokens, e, k) / mlp_flops(tokens, 0, k)
+            ratio = mlp_flops(tokens, e, k, CPU_MIN_MATMUL_ROWS) / mlp_flops(tokens, 0, k, 1)
+            rows = args.decode_rows
+            decode_ratio = mlp_flops(rows, e, k, GENERATED_TILE_ROWS) / mlp_flops(rows, 0, k, 1)
             print(f"MoE E={e} k={k}: prefill {tokens / seconds[e, 0]:,.0f} tokens/s (a step costs "
                   f"{seconds[e, 0] / seconds[0, 0]:.2f}x the dense twin's), MLP FLOPs at most {ratio:.2f}x the dense "
                   f"twin's (a dense pass of every expert: {e / k:.0f}x); decode {args.decode_rows / seconds[e, 1]:,.0f} "
-                  f"tokens/s ({seconds[e, 1] / seconds[0, 1]:.2f}x the dense twin's step)")
+                  f"tokens/s ({seconds[e, 1] / seconds[0, 1]:.2f}x the dense twin's step; MLP FLOPs at most "
+                  f"{decode_ratio:.2f}x)")
 
 
 if __name__ == "__main__":
