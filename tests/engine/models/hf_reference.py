@@ -47,6 +47,7 @@ FAMILIES = {
                       num_experts=8, num_experts_per_tok=3, moe_intermediate_size=48, norm_topk_prob=False,
                       shared_expert_intermediate_size=96, mlp_only_layers=[1], layers=3),
 }
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")  # mixtures of experts
 GEMMA_NORMS = ("gemma2", "gemma3_text")  # RMSNorm as (1 + weight): weights drawn around 0, not 1
 
 

@@ -21,11 +21,12 @@ from engine.models.moe import (GENERATED_TILE_ROWS, GRANULES_PER_TILE, TILE_SIZE
                                _small_tiled_mlp, _tiled_grouped_mlp, expert_tiles, shared_expert)
 from engine.models.presets import write_model
 from engine.scheduling.sequence import Request
-from tests.engine.models.hf_reference import generate_records, hf_greedy_logprobs, make_hf_model, prompts_1_to_250
+from tests.engine.models.hf_reference import (MOE_FAMILIES, generate_records, hf_greedy_logprobs, make_hf_model,
+                                              prompts_1_to_250)
 
 VOCAB = 512
 MIN_GAP = 1e-3
-MOES = ["mixtral", "qwen3_moe", "qwen2_moe"]
+MOES = list(MOE_FAMILIES)
 SEEDS = {"mixtral": 0, "qwen3_moe": 0, "qwen2_moe": 0}  # seeds whose greedy runs hold no near-tie (asserted: top-2 gap > MIN_GAP)
 
 

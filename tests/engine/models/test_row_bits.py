@@ -12,7 +12,7 @@ from engine.config import EngineConfig
 from engine.device.runner import ModelRunner, SeqChunk
 from engine.device.runner_config import RunnerConfig
 from engine.models.weights import load_transformer
-from tests.engine.models.hf_reference import FAMILIES, make_hf_model
+from tests.engine.models.hf_reference import FAMILIES, MOE_FAMILIES, make_hf_model
 
 PAGE = 16
 # Every family at its test shape, and the QK-norm families at a released model's head shape too (8 KV heads of
@@ -37,12 +37,16 @@ def _pages(first: int, num_tokens: int) -> list[int]:
     return list(range(first, first + -(-num_tokens // PAGE)))
 
 
-@pytest.fixture(scope="module", params=list(CASES))
-def runner(request, tmp_path_factory):
-    family, shape = CASES[request.param]
+def _case_runner(case: str, tmp_path_factory) -> ModelRunner:
+    family, shape = CASES[case]
     path = tmp_path_factory.mktemp(family)
     make_hf_model(family, path, vocab=512, **shape)
     return _runner(path)
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def runner(request, tmp_path_factory):
+    return _case_runner(request.param, tmp_path_factory)
 
 
 def test_a_tokens_logits_do_not_depend_on_the_step_around_it(runner):
@@ -56,14 +60,8 @@ def test_a_tokens_logits_do_not_depend_on_the_step_around_it(runner):
     assert (np.asarray(after) == np.asarray(alone)).all(), "a 512-row step"
 
 
-@pytest.mark.parametrize("num_prompt_tokens", [None, 23])
-def test_a_tokens_logits_are_the_same_computed_in_a_prompt_or_decoded(runner, num_prompt_tokens):
-    """Recompute preemption, the prefix cache and swap rest on this: a position's KV and logits are the same bits
-    whether its token came in a prompt chunk or was decoded one step at a time. For prompt tokens (None), and for
-    generated ones (positions 23 on: a mixture of experts computes those in matmuls of their own size), which a
-    preempted sequence recomputes in a prompt chunk."""
-    if num_prompt_tokens is not None and runner.model.config.moe is None:
-        pytest.skip("a dense model computes prompt and generated tokens alike")
+def _decoded_equals_whole(runner: ModelRunner, num_prompt_tokens: int | None) -> None:
+    """A 40-token sequence's last logits computed in one chunk, and with positions 23 on decoded one a step."""
     rng = np.random.default_rng(1)
     prompt = rng.integers(3, 500, 40).tolist()
     whole = np.asarray(runner.logits([SeqChunk(prompt, 0, _pages(0, 40), num_prompt_tokens)])[0])
@@ -73,12 +71,29 @@ def test_a_tokens_logits_are_the_same_computed_in_a_prompt_or_decoded(runner, nu
     assert (decoded == whole).all()
 
 
-def test_a_generated_tokens_logits_do_not_depend_on_the_step_around_it(runner):
+def test_a_tokens_logits_are_the_same_computed_in_a_prompt_or_decoded(runner):
+    """Recompute preemption, the prefix cache and swap rest on this: a position's KV and logits are the same bits
+    whether its token came in a prompt chunk or was decoded one step at a time."""
+    _decoded_equals_whole(runner, None)
+
+
+@pytest.fixture(scope="module", params=[case for case, (family, _) in CASES.items() if family in MOE_FAMILIES])
+def moe_runner(request, tmp_path_factory):
+    """`runner` for the mixtures of experts only: they compute a generated token's experts in matmuls of another
+    size than a prompt token's (engine/models/moe.py); a dense model computes both kinds alike."""
+    return _case_runner(request.param, tmp_path_factory)
+
+
+def test_a_generated_tokens_logits_are_the_same_recomputed_or_decoded(moe_runner):
+    """The same for generated tokens (positions 23 on), which a preempted sequence recomputes in a prompt chunk."""
+    _decoded_equals_whole(moe_runner, 23)
+
+
+def test_a_generated_tokens_logits_do_not_depend_on_the_step_around_it(moe_runner):
     """A generated token decoded alone, beside 63 other sequences' generated tokens, in a step with a prompt chunk
-    or with a long recomputed one: the same bits (a mixture of experts groups a step's generated tokens by expert, into matmuls of one row
-    count, apart from its prompt tokens)."""
-    if runner.model.config.moe is None:
-        pytest.skip("a dense model computes prompt and generated tokens alike")
+    or with a long recomputed one: the same bits (a mixture of experts groups a step's generated tokens by expert
+    into matmuls of one row count, apart from its prompt tokens)."""
+    runner = moe_runner
     rng = np.random.default_rng(2)
     seq = rng.integers(3, 500, 20).tolist()
     others = rng.integers(3, 500, 63).tolist()
