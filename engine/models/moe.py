@@ -258,20 +258,26 @@ E = 32 and slower at E = 8; 16 rows 1.5x slower at E = 32."""
 def _small_tiled_mlp(x: jax.Array, k: int, pair_expert: jax.Array,
                      weights: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
     """`_tiled_grouped_mlp`'s result for pairs of generated tokens: expert e's pairs in ceil(counts[e] / n) matmuls
-    of exactly n = GENERATED_TILE_ROWS rows (zero-padded) of its weights, a matmul at a time; experts with no pair
-    skipped."""
+    of exactly n = GENERATED_TILE_ROWS rows (zero-padded) of its weights, an expert at a time (its weights sliced
+    once, not once a matmul: XLA copies the slice; a 64-row decode step's layer at E = 8 ran 16% faster so), experts
+    with no pair skipped."""
     P, E, n = pair_expert.shape[0], weights[0].shape[0], GENERATED_TILE_ROWS
     counts = jnp.bincount(pair_expert, length=E)
     tiles = -(-counts // n)  # [E]
     ends = jnp.cumsum(tiles)
     num_tiles = -(-P // n) + E  # enough for any routing: an expert wastes less than a tile
     layout = _layout(x, k, pair_expert, counts, (ends - tiles) * n, num_tiles * n)
-    tile_expert = jnp.searchsorted(ends, jnp.arange(num_tiles), side="right")  # [num_tiles]: tile t's expert
+    active = jnp.flatnonzero(tiles > 0, size=E, fill_value=0)
     w_gate, w_up, w_down = weights
 
-    def one_tile(t: jax.Array, out: jax.Array) -> jax.Array:
-        e = tile_expert[t]
-        y = _expert(jax.lax.dynamic_slice_in_dim(layout.rows, t * n, n), w_gate[e], w_up[e], w_down[e])
-        return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), t * n, 0)
+    def one_expert(i: jax.Array, out: jax.Array) -> jax.Array:
+        e = active[i]
+        w = (w_gate[e], w_up[e], w_down[e])
 
-    return _pair_outputs(jax.lax.fori_loop(0, ends[-1], one_tile, jnp.zeros_like(layout.rows)), layout)
+        def one_tile(t: jax.Array, out: jax.Array) -> jax.Array:
+            y = _expert(jax.lax.dynamic_slice_in_dim(layout.rows, t * n, n), *w)
+            return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), t * n, 0)
+
+        return jax.lax.fori_loop(ends[e] - tiles[e], ends[e], one_tile, out)
+
+    return _pair_outputs(jax.lax.fori_loop(0, jnp.sum(tiles > 0), one_expert, jnp.zeros_like(layout.rows)), layout)
