@@ -1,4 +1,5 @@
-"""Ragged paged attention on the CPU as a native kernel (`cpu_kernel/ragged_paged_attention.cc`).
+"""Ragged paged attention on the CPU as a native kernel (`cpu_kernel/ragged_paged_attention.cc`), with RoPE and, in
+the same library, a mixture of experts' MLPs for generated tokens (`cpu_kernel/moe_experts.cc`).
 
 The kernel is an XLA FFI custom call compiled on first use with the machine's C++ compiler (`CXX`,
 else `g++`) for this CPU (`-march=native`); `kernel_build.py` builds it (a few seconds, once per
@@ -22,8 +23,8 @@ import numpy as np
 
 from engine.kernels.kernel_build import TEMP_PREFIX, KernelUnavailable, build
 
-__all__ = ["KernelUnavailable", "build", "load", "prepare_in_background", "ragged_paged_attention", "supports",
-           "unavailable_reason"]
+__all__ = ["KernelUnavailable", "build", "load", "moe_experts", "prepare_in_background", "ragged_paged_attention",
+           "supports", "unavailable_reason"]
 
 TARGET = "pagefleet_ragged_paged_attention_f32"
 
@@ -56,16 +57,18 @@ def load() -> None:
 
 
 ROPE_TARGET = "pagefleet_rope_f32"
+MOE_TARGET = "pagefleet_moe_experts_f32"
 
 
 def _load(library: Path) -> None:
     try:
         lib = ctypes.cdll.LoadLibrary(str(library))
-        handler, rope = lib.PagefleetRaggedPagedAttentionF32, lib.PagefleetRopeF32
+        handler, rope, moe = lib.PagefleetRaggedPagedAttentionF32, lib.PagefleetRopeF32, lib.PagefleetMoeExpertsF32
     except (OSError, AttributeError) as err:
         raise KernelUnavailable(f"loading {library} failed: {err}") from err
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
     jax.ffi.register_ffi_target(ROPE_TARGET, jax.ffi.pycapsule(rope), platform="cpu")
+    jax.ffi.register_ffi_target(MOE_TARGET, jax.ffi.pycapsule(moe), platform="cpu")
 
 
 def rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -74,6 +77,17 @@ def rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     in some fusions and not in others); `load()` first."""
     return jax.ffi.ffi_call(ROPE_TARGET, jax.ShapeDtypeStruct(x.shape, jnp.float32))(
         x.astype(jnp.float32), cos.astype(jnp.float32), sin.astype(jnp.float32))
+
+
+def moe_experts(x: jax.Array, pair_expert: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array
+                ) -> jax.Array:
+    """Each pair's expert MLP f32[P, H], down(silu(x w_gate) * (x w_up)), for pair p: row p // (P / R) of x f32[R, H]
+    with expert pair_expert[p] of w_gate, w_up f32[E, H, I], w_down f32[E, I, H] (outside [0, E): none, zeros). Each
+    output element is one chain of multiply-adds in order, so a pair's bits depend on its row and its expert only;
+    float32, `load()` first."""
+    call = jax.ffi.ffi_call(MOE_TARGET, jax.ShapeDtypeStruct((pair_expert.shape[0], x.shape[1]), jnp.float32))
+    return call(x.astype(jnp.float32), pair_expert.astype(jnp.int32), w_gate.astype(jnp.float32),
+                w_up.astype(jnp.float32), w_down.astype(jnp.float32))
 
 
 def prepare_in_background() -> None:

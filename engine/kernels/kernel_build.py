@@ -1,4 +1,5 @@
-"""Compiling the native CPU attention kernel (`cpu_kernel/ragged_paged_attention.cc`), without importing JAX.
+"""Compiling the native CPU kernels (`cpu_kernel/*.cc`: ragged paged attention and RoPE, and the experts of a mixture
+of experts' generated tokens) into one library, without importing JAX.
 
 The build is a few seconds of `g++` once per machine. Kept apart from `cpu_attention.py` (which needs
 JAX to load and call the kernel) so that a command can start it before its own imports: the compiler
@@ -25,7 +26,7 @@ from pathlib import Path
 import jaxlib
 
 from engine.device import compile_cache
-SOURCE = Path(__file__).with_name("cpu_kernel") / "ragged_paged_attention.cc"
+SOURCES = tuple(Path(__file__).with_name("cpu_kernel") / name for name in ("ragged_paged_attention.cc", "moe_experts.cc"))
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-fopenmp-simd", "-ffp-contract=off")
 TEMP_PREFIX = "pagefleet-kernel-"
 
@@ -69,9 +70,10 @@ def _plan() -> tuple[list[str], Path]:
         raise KernelUnavailable(f"no C++ compiler {compiler!r} on PATH (set CXX)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     include = include_dir()
-    parts = [SOURCE.read_text(), " ".join(FLAGS), version, _cpu_signature(), jaxlib.__version__, include]
+    parts = [*(source.read_text() for source in SOURCES), " ".join(FLAGS), version, _cpu_signature(), jaxlib.__version__,
+             include]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
-    return [compiler, *FLAGS, "-isystem", include, str(SOURCE)], _build_dir() / f"ragged_paged_attention-{key}.so"
+    return [compiler, *FLAGS, "-isystem", include, *map(str, SOURCES)], _build_dir() / f"cpu_kernels-{key}.so"
 
 
 def _compile(cmd: list[str], library: Path) -> Path:
@@ -82,7 +84,7 @@ def _compile(cmd: list[str], library: Path) -> Path:
     proc = subprocess.run([*cmd, "-o", str(tmp)], capture_output=True, text=True)
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)
-        raise KernelUnavailable(f"building {SOURCE.name} failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
+        raise KernelUnavailable(f"building the CPU kernels failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
     os.replace(tmp, library)  # atomic: a concurrent process sees the whole library or none
     return library
 
@@ -114,7 +116,7 @@ def build() -> Path:
     try:
         return _submit(cmd, library, background=False).result()
     except OSError as err:
-        raise KernelUnavailable(f"building {SOURCE.name} failed: {err}") from err
+        raise KernelUnavailable(f"building the CPU kernels failed: {err}") from err
 
 
 def start() -> None:
@@ -150,16 +152,16 @@ def main() -> int:
     import time
 
     if not backend_is_cpu_only():
-        print("pagefleet: JAX has an accelerator here; the CPU attention kernel is not needed", file=sys.stderr)
+        print("pagefleet: JAX has an accelerator here; the CPU kernels are not needed", file=sys.stderr)
         return 0
     t = time.perf_counter()
     try:
         library = build()
     except KernelUnavailable as err:
-        print(f"pagefleet: the CPU attention kernel cannot be built ({err}); the engine will use the slower "
-              "JAX reference attention", file=sys.stderr)
+        print(f"pagefleet: the CPU kernels cannot be built ({err}); the engine will use the slower "
+              "JAX reference attention and XLA's matmuls for the experts", file=sys.stderr)
         return 0
-    print(f"pagefleet: CPU attention kernel ready in {time.perf_counter() - t:.1f} s: {library}", file=sys.stderr)
+    print(f"pagefleet: CPU kernels ready in {time.perf_counter() - t:.1f} s: {library}", file=sys.stderr)
     return 0
 
 

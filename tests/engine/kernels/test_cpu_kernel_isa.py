@@ -1,7 +1,7 @@
-"""The CPU attention kernel gives the same bits whatever vector instructions it is built for: with AVX-512, with
-AVX2 and FMA only (rows 8 to a register, AVX's own score reduction), and with none (the generic C++ the vector
-paths must agree with), so a run resumed on, or spread over, machines of either kind samples the same tokens
-and logprobs. Each build runs in its own process: all register the same XLA target name."""
+"""The CPU kernels (attention, and the experts of generated tokens) give the same bits whatever vector instructions
+they are built for: with AVX-512, with AVX2 and FMA only (attention: rows 8 to a register, AVX's own score reduction),
+and with none (the generic C++ the vector paths must agree with), so a run resumed on, or spread over, machines of
+either kind samples the same tokens and logprobs. Each build runs in its own process: all register the same XLA target name."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ from engine.kernels import kernel_build
 # head wider than the registers hold (272), pages longer than 16 keys, and a window.
 CASES = [(64, 4, 2, 16, 0), (128, 2, 1, 16, 0), (72, 2, 3, 4, 0), (8, 1, 4, 32, 0), (272, 1, 2, 4, 0),
          (64, 4, 2, 16, 20)]
+# The experts of generated tokens (moe_experts.cc): (hidden, expert width, experts, rows, top-k); widths past the
+# last whole vector block (72, 40) and more than 8 pairs for an expert.
+MOE_CASES = [(256, 256, 8, 64, 2), (72, 40, 3, 13, 3)]
 
 WORKER = """
 import math, sys
@@ -40,8 +43,16 @@ for head_dim, kv_heads, group, page_size, window in %r:
         jnp.asarray(q), jnp.asarray(pool), jnp.asarray(ctx, jnp.int32), jnp.asarray(pages), jnp.asarray(cu),
         jnp.array([len(ctx)], jnp.int32), sm_scale=head_dim**-0.5, sliding_window=window or None)
     out[f"{head_dim}-{kv_heads}-{group}-{page_size}-{window}"] = np.asarray(got)
+for hidden, width, experts, rows, k in %r:
+    rng = np.random.default_rng(hidden + width + experts)
+    x = rng.standard_normal((rows, hidden)).astype(np.float32)
+    w = [rng.standard_normal(s).astype(np.float32) * 0.1
+         for s in ((experts, hidden, width), (experts, hidden, width), (experts, width, hidden))]
+    pair_expert = rng.integers(0, experts + 1, rows * k).astype(np.int32)  # `experts`: none
+    got = cpu_attention.moe_experts(jnp.asarray(x), jnp.asarray(pair_expert), *map(jnp.asarray, w))
+    out[f"moe-{hidden}-{width}-{experts}-{rows}-{k}"] = np.asarray(got)
 np.savez(sys.argv[2], **out)
-""" % (CASES,)
+""" % (CASES, MOE_CASES)
 
 
 def _cpu_flags() -> set[str]:
@@ -72,7 +83,7 @@ def test_cpu_kernel_without_avx512_gives_the_same_bits(tmp_path):
     subprocess.run([*cmd, "-mno-avx512f", "-o", str(avx2)], check=True, capture_output=True)
     assert avx2.read_bytes() != native.read_bytes(), "the two builds are the same code: the test shows nothing"
     wide, narrow = _outputs(native, tmp_path), _outputs(avx2, tmp_path)
-    assert wide.keys() == narrow.keys() and len(wide) == len(CASES)
+    assert wide.keys() == narrow.keys() and len(wide) == len(CASES) + len(MOE_CASES)
     for case, a in wide.items():
         assert np.isfinite(a).all(), case
         np.testing.assert_array_equal(narrow[case], a, err_msg=case)
@@ -87,7 +98,7 @@ def test_cpu_kernel_vector_paths_give_the_bits_of_its_generic_code(tmp_path):
     generic = tmp_path / "generic.so"
     subprocess.run([*cmd, "-mno-avx", "-o", str(generic)], check=True, capture_output=True)
     vector, plain = _outputs(native, tmp_path), _outputs(generic, tmp_path)
-    assert vector.keys() == plain.keys() and len(vector) == len(CASES)
+    assert vector.keys() == plain.keys() and len(vector) == len(CASES) + len(MOE_CASES)
     for case, a in vector.items():
         assert np.isfinite(a).all(), case
         np.testing.assert_array_equal(plain[case], a, err_msg=case)
