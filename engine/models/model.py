@@ -126,7 +126,7 @@ class Transformer(eqx.Module):
                 # row counts of its kind, prompt or generated token, whoever shares them).
                 x, h = by_token_rows(out_and_norm, x, attn)
                 mlp = moe_mlp(h, layer.moe, cfg.moe, settings.min_matmul_rows, num_tokens, settings.mesh,
-                              inputs.generated)
+                              inputs.generated, native=settings.impl == "cpu_kernel")
                 if layer.moe.shared is not None:  # Qwen2-MoE: in row tiles, as the dense MLP
                     mlp = mlp + by_token_rows(lambda h: shared_expert(h, layer.moe.shared), h)
                 return (x + mlp, pool), None

@@ -12,11 +12,15 @@ The grouped matmul has two forms, one result (within float32 rounding):
   - a prompt token's pairs: each expert's padded to whole granules of half `expert_tile_rows` rows (at least that
     many), run as matmuls of 1 to 4 tiles of the expert's own weights, an expert at a time, experts with no pair
     skipped (`_tiled_grouped_mlp`): matmuls of at least 64 rows, whose bits do not depend on their row count;
-  - a generated token's pairs (the engine sampled the token; its position is past its sequence's prompt): each
-    expert's in matmuls of exactly GENERATED_TILE_ROWS rows (`_small_tiled_mlp`). A decode step's 64 rows bring
-    each of 32 experts ~4 pairs; padding each to 64 rows did ~15x the work of the dense MLP of the same active
-    size. One row count, so one rounding: a generated token has the same bits in a decode step and when a
-    preempted sequence recomputes it in a prompt step, and prefix-cached pages hold prompt tokens only.
+  - a generated token's pairs (the engine sampled the token; its position is past its sequence's prompt): with the
+    native CPU kernels (`native`: the step's attention runs in them), in the library's own grouped matmul
+    (cpu_attention.moe_experts), which reads each expert's weights in place once for up to 16 of its pairs and sums
+    every output element in one fixed order; without them, each expert's pairs in XLA matmuls of exactly
+    GENERATED_TILE_ROWS rows (`_small_tiled_mlp`). A decode step's 64 rows bring each of 32 experts ~4 pairs:
+    padding each to 64 rows did ~15x the work of the dense MLP of the same active size, and XLA copies an expert's
+    weights out of the stacked array before its matmuls (as long as the matmuls, at 8 rows). Either way a
+    generated token's bits do not depend on the pairs beside it, so it has the same bits in a decode step and
+    when a preempted sequence recomputes it in a prompt step, and prefix-cached pages hold prompt tokens only.
   The router's matmul is narrow and rounds by the row count even past 64, so it runs on tiles of exactly
   `expert_tile_rows` rows.
 
@@ -42,6 +46,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from engine.device.row_tiles import by_row_tiles
+from engine.kernels import cpu_attention
 from engine.models.axes import EMBED, SHARED_GATE, SHARED_MLP
 from engine.models.moe_config import MoeConfig
 
@@ -72,11 +77,12 @@ def shared_expert(h: NamedArray, shared: SharedExpert) -> NamedArray:
 
 def moe_mlp(h: NamedArray, moe: MoeMlp, cfg: MoeConfig, expert_tile_rows: int,
             num_rows: jax.Array | None = None, mesh: Mesh | None = None,
-            generated: jax.Array | None = None) -> NamedArray:
+            generated: jax.Array | None = None, native: bool = False) -> NamedArray:
     """The MLP's output for rows `h` [..., embed] (each row's own experts, router-weighted), same axes as `h`.
     `num_rows` (a traced int, with expert tiles): only the rows below it matter; the experts skip the others, whose
     outputs are zeros. `mesh`: with several devices over `model`, the experts are spread over them (module doc).
-    `generated` (bool, one per row, with expert tiles): the rows that are generated tokens (module doc); None: none."""
+    `generated` (bool, one per row, with expert tiles): the rows that are generated tokens (module doc); None: none.
+    `native`: the native CPU kernels are loaded (module doc); they take float32 only."""
     rows_axes = tuple(a for a in h.axes if a.name != EMBED)
     x = h.rearrange((*rows_axes, h.resolve_axis(EMBED))).array
     x = x.reshape(-1, x.shape[-1])  # [R, H]
@@ -86,7 +92,7 @@ def moe_mlp(h: NamedArray, moe: MoeMlp, cfg: MoeConfig, expert_tile_rows: int,
     if mesh is not None and mesh.shape.get("model", 1) > 1:
         def rows(x, generated, router, w_gate, w_up, w_down, *num_rows):
             return _moe_rows(x, router, w_gate, w_up, w_down, cfg, expert_tile_rows, *num_rows, expert_axis="model",
-                             generated=generated)
+                             generated=generated, native=native)
 
         experts, rep = P("model", None, None), P()
         extra = () if num_rows is None else (num_rows,)
@@ -94,7 +100,7 @@ def moe_mlp(h: NamedArray, moe: MoeMlp, cfg: MoeConfig, expert_tile_rows: int,
                                                        *(rep for _ in extra)),
                             out_specs=rep, check_vma=False)(x, generated.reshape(-1), *weights, *extra)
     else:
-        out = _moe_rows(x, *weights, cfg, expert_tile_rows, num_rows, generated=generated.reshape(-1))
+        out = _moe_rows(x, *weights, cfg, expert_tile_rows, num_rows, generated=generated.reshape(-1), native=native)
     return hax.named(out.reshape(*(a.size for a in rows_axes), x.shape[-1]), (*rows_axes, h.resolve_axis(EMBED)))
 
 
@@ -117,10 +123,10 @@ def _expert(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array)
 
 def _moe_rows(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
               cfg: MoeConfig, tile: int, num_rows: jax.Array | None = None, expert_axis: str | None = None,
-              generated: jax.Array | None = None) -> jax.Array:
+              generated: jax.Array | None = None, native: bool = False) -> jax.Array:
     """x [R, H]; router [H, E]; w_gate, w_up [E', H, I]; w_down [E', I, H]: every expert (E' = E), or, inside a
     shard_map over `expert_axis`, this device's E' = E / T of them (module doc). `num_rows`, `generated` (bool[R] or
-    None): see moe_mlp."""
+    None), `native`: see moe_mlp."""
     R, H = x.shape
     k, local = cfg.top_k, w_gate.shape[0]
     # The router's matmul is narrow (E columns): XLA's CPU kernels round it by the call's row count even past 64
@@ -134,12 +140,16 @@ def _moe_rows(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Arra
         pair_expert = jnp.where(jnp.arange(R * k) // k < num_rows, pair_expert, local)
     if tile:
         w = (w_gate, w_up, w_down)
+        if native and all(a.dtype == jnp.float32 for a in (x, *w)):
+            generated_mlp = lambda x, k, pair_expert, w: cpu_attention.moe_experts(x, pair_expert, *w)  # noqa: E731
+        else:
+            generated_mlp = _small_tiled_mlp
         gen = jnp.zeros(R * k, bool) if generated is None else jnp.repeat(generated, k)
         # Each pair goes by its row's kind (module doc); a kind with no pair in the step costs nothing.
         prompt_expert, gen_expert = jnp.where(gen, local, pair_expert), jnp.where(gen, pair_expert, local)
         none = lambda: jnp.zeros((R * k, H), x.dtype)  # noqa: E731
         y = jnp.where(gen[:, None],
-                      jax.lax.cond(jnp.any(gen_expert < local), lambda: _small_tiled_mlp(x, k, gen_expert, w), none),
+                      jax.lax.cond(jnp.any(gen_expert < local), lambda: generated_mlp(x, k, gen_expert, w), none),
                       jax.lax.cond(jnp.any(prompt_expert < local),
                                    lambda: _tiled_grouped_mlp(x, k, prompt_expert, w, tile), none))
     else:

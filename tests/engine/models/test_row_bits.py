@@ -27,8 +27,9 @@ CASES = {**{family: (family, {}) for family in FAMILIES},
          "mixtral-256-wide": ("mixtral", dict(hidden=256, intermediate=256))}
 
 
-def _runner(path, mesh=None) -> ModelRunner:
-    config = EngineConfig(page_size=PAGE, max_pages=96, max_seqs=4, max_prefill_size=1024, max_seq_len=1024)
+def _runner(path, mesh=None, attention_impl: str = "auto") -> ModelRunner:
+    config = EngineConfig(page_size=PAGE, max_pages=96, max_seqs=4, max_prefill_size=1024, max_seq_len=1024,
+                          attention_impl=attention_impl)
     return ModelRunner(load_transformer(path, mesh=mesh), RunnerConfig.of(config), max_seq_len=1024, mesh=mesh)
 
 
@@ -37,11 +38,11 @@ def _pages(first: int, num_tokens: int) -> list[int]:
     return list(range(first, first + -(-num_tokens // PAGE)))
 
 
-def _case_runner(case: str, tmp_path_factory) -> ModelRunner:
+def _case_runner(case: str, tmp_path_factory, attention_impl: str = "auto") -> ModelRunner:
     family, shape = CASES[case]
     path = tmp_path_factory.mktemp(family)
     make_hf_model(family, path, vocab=512, **shape)
-    return _runner(path)
+    return _runner(path, attention_impl=attention_impl)
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -77,11 +78,13 @@ def test_a_tokens_logits_are_the_same_computed_in_a_prompt_or_decoded(runner):
     _decoded_equals_whole(runner, None)
 
 
-@pytest.fixture(scope="module", params=[case for case, (family, _) in CASES.items() if family in MOE_FAMILIES])
+@pytest.fixture(scope="module", params=[(case, impl) for case, (family, _) in CASES.items() if family in MOE_FAMILIES
+                                        for impl in ("cpu_kernel", "reference")], ids="-".join)
 def moe_runner(request, tmp_path_factory):
     """`runner` for the mixtures of experts only: they compute a generated token's experts in matmuls of another
-    size than a prompt token's (engine/models/moe.py); a dense model computes both kinds alike."""
-    return _case_runner(request.param, tmp_path_factory)
+    size than a prompt token's (engine/models/moe.py); a dense model computes both kinds alike. With the native CPU
+    kernels (the library's grouped matmul) and without them (XLA's matmuls of 8 rows)."""
+    return _case_runner(*request.param[:1], tmp_path_factory, attention_impl=request.param[1])
 
 
 def test_a_generated_tokens_logits_are_the_same_recomputed_or_decoded(moe_runner):
