@@ -7,9 +7,9 @@ sequences of 512 tokens; the decode step, 64 rows (the CPU's slots) one token ea
 The MoE's FLOPs are counted, not read from XLA's cost analysis (which counts a loop body once). On the CPU
 (engine/models/moe.py) each expert multiplies a prompt token's pairs padded to a multiple of 32 rows, at least 64, so a
 prefill step of T tokens computes `sum_e max(64, ceil(n_e / 32) * 32)` expert rows over the experts chosen, at most
-`T * k + E * 63` (every expert chosen by one token); and a generated token's pairs in matmuls of exactly 8 rows, so a
-decode step of R rows computes `sum_e ceil(n_e / 8) * 8` rows, at most `R * k + E * 7`. The router adds
-`2 * T * H * E`. The dense twin computes `T` rows of a `k * I`-wide MLP. The figures printed are the bounds, so they
+`T * k + E * 63` (every expert chosen by one token). A generated token's pairs run in the native CPU kernels' grouped
+matmul, which computes a decode step of R rows in exactly `R * k` expert rows; without the native kernels, in XLA
+matmuls of exactly 8 rows: `sum_e ceil(n_e / 8) * 8` rows, at most `R * k + E * 7`. The router adds `2 * T * H * E`. The dense twin computes `T` rows of a `k * I`-wide MLP. The figures printed are the bounds, so they
 err against the MoE.
 
 Every model's steps are compiled first; then the models' steps alternate, `--reps` rounds, and the medians are
@@ -63,6 +63,7 @@ def step_runners(path: Path, tokens: int, seq_tokens: int, decode_rows: int):
     config = EngineConfig(page_size=PAGE_SIZE, max_pages=max(tokens // PAGE_SIZE, decode_rows * decode_pages) + 8,
                           max_prefill_size=tokens, max_seqs=max(seqs, decode_rows))
     runner = ModelRunner(load_transformer(path), RunnerConfig.of(config), max_seq_len=seq_tokens + 1)
+    native = runner.attention_impl == "cpu_kernel"  # generated tokens' experts in the native grouped matmul
     per_seq_pages = seq_tokens // PAGE_SIZE
     prefill = [SeqChunk([7 + (i * 13 + j) % 500 for j in range(seq_tokens)], 0,
                         list(range(i * per_seq_pages, (i + 1) * per_seq_pages))) for i in range(seqs)]
@@ -78,7 +79,7 @@ def step_runners(path: Path, tokens: int, seq_tokens: int, decode_rows: int):
             runner.logits(chunks)
             return time.perf_counter() - t0
         return step
-    return timed(prefill), timed(decode)
+    return timed(prefill), timed(decode), native
 
 
 def main() -> None:
@@ -111,12 +112,13 @@ def main() -> None:
         for e in args.experts:
             ratio = mlp_flops(tokens, e, k, CPU_MIN_MATMUL_ROWS) / mlp_flops(tokens, 0, k, 1)
             rows = args.decode_rows
-            decode_ratio = mlp_flops(rows, e, k, GENERATED_TILE_ROWS) / mlp_flops(rows, 0, k, 1)
+            decode_tile = 1 if steps[e][2] else GENERATED_TILE_ROWS
+            decode_ratio = mlp_flops(rows, e, k, decode_tile) / mlp_flops(rows, 0, k, 1)
             print(f"MoE E={e} k={k}: prefill {tokens / seconds[e, 0]:,.0f} tokens/s (a step costs "
                   f"{seconds[e, 0] / seconds[0, 0]:.2f}x the dense twin's), MLP FLOPs at most {ratio:.2f}x the dense "
                   f"twin's (a dense pass of every expert: {e / k:.0f}x); decode {args.decode_rows / seconds[e, 1]:,.0f} "
                   f"tokens/s ({seconds[e, 1] / seconds[0, 1]:.2f}x the dense twin's step; MLP FLOPs at most "
-                  f"{decode_ratio:.2f}x)")
+                  f"{decode_ratio:.2f}x, {'native grouped matmul' if steps[e][2] else 'XLA matmuls of 8 rows'})")
 
 
 if __name__ == "__main__":

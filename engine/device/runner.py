@@ -144,8 +144,8 @@ class ModelRunner(MultiStepCalls):
         self.kv = KVCache(model.config, self.kv_groups.units(config.max_pages), config.page_size, self.transfers,
                           kv_dtype, mesh, host_pages=config.kv.host_kv_pages, groups=self.kv_groups)
         self.clock = DeviceClock()  # every dispatch and every wait for outputs below is timed on it
-        impl = resolve_attention_impl(config.attention_impl, kv_dtype)
-        self._settings = step_settings(config, self.kv_groups, impl, mesh, platform)
+        self.attention_impl = resolve_attention_impl(config.attention_impl, kv_dtype)  # "cpu_kernel": native kernels
+        self._settings = step_settings(config, self.kv_groups, self.attention_impl, mesh, platform)
         self._ahead: PendingSteps | None = None  # the multi-step call dispatched ahead of the host's read
 
     def run(self, out: SchedulerOutput) -> RunnerOutput:
