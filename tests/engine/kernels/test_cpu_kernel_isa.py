@@ -17,9 +17,9 @@ from engine.kernels import kernel_build
 # head wider than the registers hold (272), pages longer than 16 keys, and a window.
 CASES = [(64, 4, 2, 16, 0), (128, 2, 1, 16, 0), (72, 2, 3, 4, 0), (8, 1, 4, 32, 0), (272, 1, 2, 4, 0),
          (64, 4, 2, 16, 20)]
-# The experts of generated tokens (moe_experts.cc): (hidden, expert width, experts, rows, top-k); widths past the
-# last whole vector block (72, 40) and more than 8 pairs for an expert.
-MOE_CASES = [(256, 256, 8, 64, 2), (72, 40, 3, 13, 3)]
+# The experts of generated tokens (moe_experts.cc): (hidden, expert width, experts, rows, top-k); sizes past the
+# last whole vector block and the last whole block of 8 weight rows (75, 43), and more than 16 pairs for an expert.
+MOE_CASES = [(256, 256, 8, 96, 2), (75, 43, 3, 13, 3)]
 
 WORKER = """
 import math, sys

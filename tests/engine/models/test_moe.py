@@ -67,11 +67,11 @@ def test_native_generated_experts_equal_transformers(tmp_path, family, native_ke
 
 def test_native_generated_experts_give_each_pair_its_bits_alone(native_kernels):
     """The native grouped matmul: whatever its expert's count (0 to 40 pairs: items of 16 and a last partial one) and
-    whichever pairs share the call, each pair has the bits of its row alone; widths past the last vector block
-    (72 wide, experts 40 wide) too; pairs of no expert (another device's) are zeros; and each is within 1e-5 of
-    a float64 reference."""
+    whichever pairs share the call, each pair has the bits of its row alone; sizes past the last vector block and the
+    last block of 8 weight rows (75 wide, experts 43 wide) too; pairs of no expert (another device's) are zeros; and
+    each is within 1e-5 of a float64 reference."""
     rng = np.random.default_rng(11)
-    num_experts, k, hidden, width = 6, 3, 72, 40
+    num_experts, k, hidden, width = 6, 3, 75, 43
     w = [rng.standard_normal(shape).astype(np.float32) * 0.2
          for shape in ((num_experts, hidden, width), (num_experts, hidden, width), (num_experts, width, hidden))]
     counts = [1, 16, 17, 0, 40, 3, 5]  # the last: no expert here
