@@ -26,7 +26,9 @@ from pathlib import Path
 import jaxlib
 
 from engine.device import compile_cache
-SOURCES = tuple(Path(__file__).with_name("cpu_kernel") / name for name in ("ragged_paged_attention.cc", "moe_experts.cc"))
+KERNEL_DIR = Path(__file__).with_name("cpu_kernel")
+SOURCES = tuple(KERNEL_DIR / name for name in ("ragged_paged_attention.cc", "moe_experts.cc"))
+HEADERS = (KERNEL_DIR / "work_items.h",)
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-fopenmp-simd", "-ffp-contract=off")
 TEMP_PREFIX = "pagefleet-kernel-"
 
@@ -70,7 +72,7 @@ def _plan() -> tuple[list[str], Path]:
         raise KernelUnavailable(f"no C++ compiler {compiler!r} on PATH (set CXX)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     include = include_dir()
-    parts = [*(source.read_text() for source in SOURCES), " ".join(FLAGS), version, _cpu_signature(), jaxlib.__version__,
+    parts = [*(source.read_text() for source in (*SOURCES, *HEADERS)), " ".join(FLAGS), version, _cpu_signature(), jaxlib.__version__,
              include]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     return [compiler, *FLAGS, "-isystem", include, *map(str, SOURCES)], _build_dir() / f"cpu_kernels-{key}.so"

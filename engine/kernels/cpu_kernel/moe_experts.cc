@@ -17,12 +17,9 @@
 // library was built for.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__FMA__)
@@ -30,6 +27,7 @@
 #endif
 
 #include "xla/ffi/api/ffi.h"
+#include "work_items.h"
 
 namespace ffi = xla::ffi;
 
@@ -167,19 +165,6 @@ void run_item(const Problem& p, const Item& it) {
   for (int j = 0; j < it.count; ++j) std::memcpy(p.out + int64_t{it.pairs[j]} * p.H, y.data() + j * p.H, sizeof(float) * p.H);
 }
 
-struct Shared {
-  Problem problem;
-  std::vector<Item> items;
-  std::atomic<size_t> next{0};
-  std::atomic<int> active{0};  // threads that may still be inside an item
-};
-
-void work(Shared& st) {
-  st.active.fetch_add(1);
-  for (size_t i; (i = st.next.fetch_add(1)) < st.items.size();) run_item(st.problem, st.items[i]);
-  st.active.fetch_sub(1);
-}
-
 ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> pair_expert,
                 ffi::Buffer<ffi::F32> w_gate, ffi::Buffer<ffi::F32> w_up, ffi::Buffer<ffi::F32> w_down,
                 ffi::ResultBuffer<ffi::F32> out) {
@@ -197,23 +182,19 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
   std::vector<std::vector<int32_t>> by_expert(E);
   for (int64_t q = 0; q < P; ++q)
     if (ex[q] >= 0 && ex[q] < E) by_expert[ex[q]].push_back(static_cast<int32_t>(q));
-  auto shared = std::make_shared<Shared>();
-  shared->problem = {x.typed_data(), w_gate.typed_data(), w_up.typed_data(), w_down.typed_data(),
-                     out->typed_data(), H, I, P / R};
+  const Problem problem{x.typed_data(), w_gate.typed_data(), w_up.typed_data(), w_down.typed_data(),
+                        out->typed_data(), H, I, P / R};
+  std::vector<Item> items;
   for (int64_t e = 0; e < E; ++e) {
     const auto& pairs = by_expert[e];
     for (size_t first = 0; first < pairs.size(); first += kRows) {
       Item it{static_cast<int32_t>(e), static_cast<int32_t>(std::min<size_t>(kRows, pairs.size() - first)), {}};
       std::copy_n(pairs.begin() + first, it.count, it.pairs);
-      shared->items.push_back(it);
+      items.push_back(it);
     }
   }
-  // Helpers run on XLA's intra-op pool, as the attention kernel's do: the caller waits only for helpers inside an
-  // item; one that starts late finds no item left.
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, static_cast<int64_t>(shared->items.size()) - 1);
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([shared] { work(*shared); });
-  work(*shared);
-  while (shared->active.load() > 0) std::this_thread::yield();
+  const size_t n = items.size();
+  pagefleet::run_items(pool, n, [problem, items = std::move(items)](size_t i) { run_item(problem, items[i]); });
   return ffi::Error::Success();
 }
 

@@ -38,12 +38,9 @@
 // matmul shapes elsewhere in the step.)
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -52,6 +49,7 @@
 #endif
 
 #include "xla/ffi/api/ffi.h"
+#include "work_items.h"
 
 namespace ffi = xla::ffi;
 
@@ -668,24 +666,6 @@ void run_item(const Problem& p, const Item& it) {
   }
 }
 
-struct Shared {
-  Problem problem;
-  std::vector<Item> items;
-  std::atomic<size_t> next{0};
-  std::atomic<int> active{0};  // threads that may still be inside an item
-};
-
-void work(Shared& st) {
-  st.active.fetch_add(1);
-  const int64_t D = st.problem.head_dim;
-  for (size_t i; (i = st.next.fetch_add(1)) < st.items.size();) {
-    if (D == 64) run_item<64>(st.problem, st.items[i]);
-    else if (D == 128) run_item<128>(st.problem, st.items[i]);
-    else run_item<0>(st.problem, st.items[i]);
-  }
-  st.active.fetch_sub(1);
-}
-
 ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kv_pages,
                 ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> cu_q_lens,
                 ffi::Buffer<ffi::S32> num_seqs, ffi::ResultBuffer<ffi::F32> out, float sm_scale, int32_t sliding_window,
@@ -717,18 +697,12 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
   // Biggest first, then hand items out one at a time: the threads finish together.
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
 
-  // Helpers run on XLA's intra-op pool. The caller never waits for a helper that has not started (the
-  // pool's threads may all be busy, for instance running this kernel for other devices): it waits only
-  // for helpers inside an item. A helper that starts late finds no item left and touches no buffer; the
-  // shared state it reads outlives this call.
-  auto shared = std::make_shared<Shared>();
-  shared->problem = p;
-  shared->items = std::move(items);
-  const int64_t helpers =
-      std::min<int64_t>(pool.num_threads() - 1, static_cast<int64_t>(shared->items.size()) - 1);
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([shared] { work(*shared); });
-  work(*shared);
-  while (shared->active.load() > 0) std::this_thread::yield();
+  const size_t n = items.size();
+  pagefleet::run_items(pool, n, [p, items = std::move(items)](size_t i) {
+    if (p.head_dim == 64) run_item<64>(p, items[i]);
+    else if (p.head_dim == 128) run_item<128>(p, items[i]);
+    else run_item<0>(p, items[i]);
+  });
   return ffi::Error::Success();
 }
 
