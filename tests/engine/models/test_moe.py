@@ -48,23 +48,6 @@ def native_kernels():
     return cpu_attention
 
 
-@pytest.mark.parametrize("family", MOES)
-def test_native_generated_experts_equal_transformers(tmp_path, family, native_kernels):
-    """Generated tokens' experts in the native library's grouped matmul (the CPU's decode path): the block equals
-    transformers' to 1e-5, as XLA's matmuls do."""
-    hf = make_hf_model(family, tmp_path, seed=1)
-    cfg = ModelConfig.from_pretrained(tmp_path)
-    mlp, weights = _block(hf)
-    x = np.random.default_rng(0).standard_normal((37, 64)).astype(np.float32)
-    with torch.no_grad():
-        ref = mlp(torch.tensor(x)[None])[0].numpy()
-    got = jax.jit(lambda x, *w: _moe_rows(x, *w, cfg.moe, 64, generated=jnp.ones(len(x), bool), native=True))(
-        jnp.asarray(x), *weights)
-    if family == "qwen2_moe":
-        got = got + shared_expert(hax.named(jnp.asarray(x), ("token", "embed")), _shared(mlp)).array
-    np.testing.assert_allclose(np.asarray(got), ref, atol=1e-5, rtol=0)
-
-
 def test_native_generated_experts_give_each_pair_its_bits_alone(native_kernels):
     """The native grouped matmul: whatever its expert's count (0 to 40 pairs: items of 16 and a last partial one) and
     whichever pairs share the call, each pair has the bits of its row alone; sizes past the last vector block and the
@@ -95,17 +78,23 @@ def test_native_generated_experts_give_each_pair_its_bits_alone(native_kernels):
 
 
 @pytest.mark.parametrize("family", MOES)
-@pytest.mark.parametrize("tile", [0, 64])  # ragged_dot; expert tiles of 64 rows (the CPU's form)
-def test_moe_block_equals_transformers(tmp_path, family, tile):
+# ragged_dot; expert tiles of 64 rows (the CPU's form) for prompt tokens; generated tokens' experts in the native
+# library's grouped matmul (the CPU's decode path)
+@pytest.mark.parametrize("tile, native", [(0, False), (64, False), (64, True)], ids=["ragged_dot", "tiles", "native"])
+def test_moe_block_equals_transformers(tmp_path, family, tile, native, request):
     """The router (softmax, top-k, renormalized as the family says) and the experts' weighted sum, plus Qwen2-MoE's
     gated shared expert: 1e-5."""
+    if native:
+        request.getfixturevalue("native_kernels")
     hf = make_hf_model(family, tmp_path, seed=1)
     cfg = ModelConfig.from_pretrained(tmp_path)
     mlp, weights = _block(hf)
     x = np.random.default_rng(0).standard_normal((37, 64)).astype(np.float32)
     with torch.no_grad():
         ref = mlp(torch.tensor(x)[None])[0].numpy()
-    got = jax.jit(lambda x, *w: _moe_rows(x, *w, cfg.moe, tile))(jnp.asarray(x), *weights)
+    generated = jnp.full(len(x), native)
+    got = jax.jit(lambda x, *w: _moe_rows(x, *w, cfg.moe, tile, generated=generated, native=native))(
+        jnp.asarray(x), *weights)
     if family == "qwen2_moe":
         assert cfg.moe.shared_expert_size == 96
         got = got + shared_expert(hax.named(jnp.asarray(x), ("token", "embed")), _shared(mlp)).array
