@@ -7,9 +7,10 @@ sequences of 512 tokens; the decode step, 64 rows (the CPU's slots) one token ea
 The MoE's FLOPs are counted, not read from XLA's cost analysis (which counts a loop body once). On the CPU
 (engine/models/moe.py) each expert multiplies a prompt token's pairs padded to a multiple of 32 rows, at least 64, so a
 prefill step of T tokens computes `sum_e max(64, ceil(n_e / 32) * 32)` expert rows over the experts chosen, at most
-`T * k + E * 63` (every expert chosen by one token). A generated token's pairs run in the native CPU kernels' grouped
-matmul, which computes a decode step of R rows in exactly `R * k` expert rows; without the native kernels, in XLA
-matmuls of exactly 8 rows: `sum_e ceil(n_e / 8) * 8` rows, at most `R * k + E * 7`. The router adds `2 * T * H * E`. The dense twin computes `T` rows of a `k * I`-wide MLP. The figures printed are the bounds, so they
+`T * k + E * 63` (every expert chosen by one token). A generated token's pairs run in the native CPU kernels'
+grouped matmul, which computes a decode step of R rows in exactly `R * k` expert rows; without the native kernels,
+in XLA matmuls of exactly 8 rows: `sum_e ceil(n_e / 8) * 8` rows, at most `R * k + E * 7`. The router adds
+`2 * T * H * E`. The dense twin computes `T` rows of a `k * I`-wide MLP. The figures printed are the bounds, so they
 err against the MoE.
 
 Every model's steps are compiled first; then the models' steps alternate, `--reps` rounds, and the medians are

@@ -72,8 +72,8 @@ def _plan() -> tuple[list[str], Path]:
         raise KernelUnavailable(f"no C++ compiler {compiler!r} on PATH (set CXX)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     include = include_dir()
-    parts = [*(source.read_text() for source in (*SOURCES, *HEADERS)), " ".join(FLAGS), version, _cpu_signature(), jaxlib.__version__,
-             include]
+    texts = [path.read_text() for path in (*SOURCES, *HEADERS)]
+    parts = [*texts, " ".join(FLAGS), version, _cpu_signature(), jaxlib.__version__, include]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     return [compiler, *FLAGS, "-isystem", include, *map(str, SOURCES)], _build_dir() / f"cpu_kernels-{key}.so"
 

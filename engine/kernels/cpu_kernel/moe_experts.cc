@@ -162,7 +162,8 @@ void run_item(const Problem& p, const Item& it) {
   thread_local std::vector<float> y;
   y.resize(kRows * p.H);
   rows_times_any<kRows>(it.count, hidden, p.I, p.w_down + e * p.I * p.H, p.H, y.data(), p.H);
-  for (int j = 0; j < it.count; ++j) std::memcpy(p.out + int64_t{it.pairs[j]} * p.H, y.data() + j * p.H, sizeof(float) * p.H);
+  for (int j = 0; j < it.count; ++j)
+    std::memcpy(p.out + int64_t{it.pairs[j]} * p.H, y.data() + j * p.H, sizeof(float) * p.H);
 }
 
 ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> pair_expert,

@@ -1,7 +1,8 @@
 """The CPU kernels (attention, and the experts of generated tokens) give the same bits whatever vector instructions
 they are built for: with AVX-512, with AVX2 and FMA only (attention: rows 8 to a register, AVX's own score reduction),
 and with none (the generic C++ the vector paths must agree with), so a run resumed on, or spread over, machines of
-either kind samples the same tokens and logprobs. Each build runs in its own process: all register the same XLA target name."""
+either kind samples the same tokens and logprobs. Each build runs in its own process: all register the same XLA
+target name."""
 
 from __future__ import annotations
 
