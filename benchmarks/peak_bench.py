@@ -21,7 +21,7 @@ Printed, in order:
    counted), the best of the three. Both 3 and 4 run before the engine and again after it, and the higher of
    the two readings is kept, so that a slow first reading cannot flatter a fraction;
 5. the engine on the plain workload: `--num-prompts` prompts of 16-512 tokens as benchmarks/generate_bench.py
-   draws them (with 256, bench-peer's `plain`), on bench-peer's llama-40m without EOS (every sample runs to
+   draws them (with 256, bench-peer's `plain`; `--workload shared-prefix`: bench-peer's other workload), on bench-peer's llama-40m without EOS (every sample runs to
    `--new-tokens`), greedy, float32, `pagefleet generate` sized for the machine (no engine flags unless
    `--pagefleet-flags`). One untimed run fills the XLA compile cache, then `--repeats` measured runs; each
    total (steps, tokens, seconds, FLOPs, bytes) is the median over them, and the rates are taken from those.
@@ -65,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine.models.model_config import ModelConfig  # noqa: E402
 from flops import chunk_flops, matmul_params  # noqa: E402 - one FLOP formula for every benchmark
 from generate_bench import matmul_peak, run_timed, write_inputs  # noqa: E402 - the plain workload's draw, the jnp.dot peak
-from peer_bench import write_model  # noqa: E402 - llama-40m without EOS
+from peer_bench import write_model, write_workloads  # noqa: E402 - llama-40m without EOS; bench-peer's workloads
 
 GEMM_SIZES = (1024, 2048)
 BANDWIDTH_MIB = 512
@@ -359,7 +359,9 @@ def print_machine(before: Machine, after: Machine, blas: str) -> Machine:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--num-prompts", type=int, default=256, help="plain workload only")
+    ap.add_argument("--workload", choices=("plain", "shared-prefix"), default="plain",
+                    help="bench-peer's workload to run the engine on (shared-prefix: its 256 prompts, --num-prompts ignored)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="measured engine runs; every engine figure is their median")
     ap.add_argument("--seed", type=int, default=0)
@@ -386,8 +388,12 @@ def main() -> None:
 
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    _, prompts_path, prompts = write_inputs(work, args.num_prompts, 16, 512, args.seed)
     model = write_model(work)
+    if args.workload == "plain":
+        _, prompts_path, prompts = write_inputs(work, args.num_prompts, 16, 512, args.seed)
+    else:
+        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+        prompts_path, prompts = write_workloads(work, vocab, args.seed)[args.workload]
     cfg = ModelConfig.from_pretrained(str(model))
     before = measure_machine()
 
@@ -404,7 +410,7 @@ def main() -> None:
 
     lens = [len(p) for p in prompts]
     last = runs[-1]
-    print(f"\nengine: llama-40m without EOS, float32, {len(prompts)} prompts of {min(lens)}..{max(lens)} tokens "
+    print(f"\nengine: llama-40m without EOS, float32, the {args.workload} workload: {len(prompts)} prompts of {min(lens)}..{max(lens)} tokens "
           f"({sum(lens):,} prompt tokens, seed {args.seed}), {args.new_tokens} new tokens each, greedy; `pagefleet "
           f"generate` {args.pagefleet_flags or '(sized for the machine)'}: max_seqs {last['max_seqs']}, page_size "
           f"{last['page_size']}; median of {args.repeats} measured run(s) after one that filled the compile cache "

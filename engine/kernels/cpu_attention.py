@@ -101,9 +101,14 @@ def supports(q_dtype, kv_dtype) -> bool:
 
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale: float,
-                           sliding_window: int | None, soft_cap: float | None = None) -> jax.Array:
-    """Same contract as `attention.reference_ragged_paged_attention` (float32 only); `load()` first."""
+                           sliding_window: int | None, soft_cap: float | None = None, share_pages: bool = True
+                           ) -> jax.Array:
+    """Same contract as `attention.reference_ragged_paged_attention` (float32 only); `load()` first.
+
+    share_pages: decoding sequences whose first pages are the same physical pages (a prefix cache hit) walk those
+    pages together, their rows in vector lanes, each page read once for all of them; the bits are the same either
+    way (False: each sequence alone, for comparison)."""
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(q, kv_pages, kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32), cu_q_lens.astype(jnp.int32),
                 num_seqs.astype(jnp.int32), sm_scale=np.float32(sm_scale), sliding_window=np.int32(sliding_window or 0),
-                soft_cap=np.float32(soft_cap or 0.0))
+                soft_cap=np.float32(soft_cap or 0.0), share_pages=bool(share_pages))

@@ -32,6 +32,12 @@
 // within 16 registers: a 16-lane vector there is two registers, and loops sized for AVX-512's 32 spilled to
 // the stack on every multiply-add (prefill attention ran at about 8 GFLOP/s on two AMD EPYC cores; now ~45).
 //
+// Decoding sequences whose first pages are the same physical pages (a prefix cache hit: a few-shot block, the n
+// samples of one prompt) walk those pages together, in shared items: the rows of several sequences in vector lanes
+// (run_lanes), each page read once for all of them instead of once per sequence, each row's softmax state kept;
+// each sequence's own item then walks the rest of its pages from that state (share_groups). A row's steps are the
+// same as when it walks its pages alone, page by page in the same order, so its bits are too.
+//
 // Each query row's arithmetic depends only on its own sequence's chunk (its q rows, pages and positions),
 // never on which other sequences share the call or where they sit: results are bit-identical whatever
 // else is in the step. (How a prompt is cut into chunks can change the rounding, as it changes the
@@ -75,7 +81,16 @@ struct Problem {
 struct Item {
   int32_t seq, kv_head, row_begin, row_end;  // rows: global q rows; kv_head < 0: every head
   int64_t cost;
+  // A decoding row whose first pages it shares with other sequences (the same physical pages, as a prefix cache
+  // hit leaves them) walks those pages with theirs first, in a shared item (group >= 0: seq is then the group,
+  // rows its (member, head in KV group) rows), which keeps each row's softmax state; its own item then starts at
+  // page done_pages from that state (`state`: its head 0's, kStateFloats(D) floats a head). See share_groups.
+  int32_t group = -1, done_pages = 0;
+  float* state = nullptr;
 };
+
+// One query row's online softmax between pages: running max, running sum, then the unnormalised output.
+inline int64_t state_floats(int64_t head_dim) { return 2 + head_dim; }
 
 // 16 query rows as the lanes of one vector (GCC vector extensions: AVX-512 registers where the CPU has
 // them, pairs of AVX registers otherwise).
@@ -368,37 +383,55 @@ inline rf page_softmax(const Problem& p, float* s, int32_t n, int32_t t0, ri pos
   return alpha;
 }
 
-// Rows [row0, row0 + kRowLanes) of an item (row = token * G + head in group; rows past `rows` are padding)
-// over its pages, with the rows in vector lanes: a key's scores for the rows are 64 multiply-adds of a q
-// column by one broadcast K element (plus the 15 adds of the score's tree), and a P row times V is 64 more,
-// so there are no horizontal sums and each K/V element loaded serves kRowLanes rows.
+// kRowLanes query rows of one KV head in vector lanes, walked over the same pages: an item's rows (token, head in
+// group), or a shared item's rows of several sequences over the pages they share.
+struct LaneRows {
+  int32_t kv_head;
+  const float* q[kRowLanes];  // the lane's q row; nullptr: a padding lane (sees no key, gives nothing)
+  int32_t pos[kRowLanes];     // the lane's position
+  float* out[kRowLanes];      // where its result goes; nullptr: its softmax state is kept in state[lane]
+  float* state[kRowLanes];    // its state to start from when `resume` (else a fresh start), and to keep
+  bool resume;
+};
+
+// The rows of `ln` over the keys [begin, end) of the pages `seq_pages`, with the rows in vector lanes: a key's
+// scores for the rows are 64 multiply-adds of a q column by one broadcast K element (plus the 15 adds of the
+// score's tree), and a P row times V is 64 more, so there are no horizontal sums and each K/V element loaded
+// serves kRowLanes rows.
 template <int kHeadDim>  // as run_item's
-void run_lanes(const Problem& p, const Item& it, int64_t row0, int64_t rows, int32_t begin, int32_t end) {
-  const int64_t D = kHeadDim > 0 ? kHeadDim : p.head_dim, G = p.num_heads / p.num_kv_heads, ps = p.page_size;
+void run_lanes(const Problem& p, const LaneRows& ln, const int32_t* seq_pages, int32_t begin, int32_t end) {
+  const int64_t D = kHeadDim > 0 ? kHeadDim : p.head_dim, ps = p.page_size;
   const int64_t combined = 2 * p.num_kv_heads;
-  const int32_t s = it.seq, h = it.kv_head;
-  const int32_t q_begin = p.cu[s], q_len = p.cu[s + 1] - p.cu[s], kv_len = p.kv_lens[s];
+  const int32_t h = ln.kv_head;
   const int64_t D8 = (D + 7) / 8 * 8;  // accumulators are moved 8 columns at a time
   const int64_t D16 = (D + kLanes - 1) / kLanes * kLanes;  // the score's partial sums: whole blocks of 16
   std::vector<rf> qt(D16, rf{}), acc(D8, rf{});  // q columns past D stay 0
   alignas(64) int32_t pos_lanes[kRowLanes];
+  alignas(64) float m_lanes[kRowLanes], l_lanes[kRowLanes];
   for (int lane = 0; lane < kRowLanes; ++lane) {
-    const int64_t i = row0 + lane;
-    if (i >= rows) {  // padding lane: sees no key, its output is dropped
+    m_lanes[lane] = kMasked;
+    l_lanes[lane] = 0.f;
+    const float* src = ln.q[lane];
+    if (!src) {
       pos_lanes[lane] = -1;
       for (int64_t d = 0; d < D; ++d) qt[d][lane] = 0.f;
       continue;
     }
-    const int64_t r = it.row_begin + i / G, g = i % G;
-    pos_lanes[lane] = kv_len - q_len + static_cast<int32_t>(r - q_begin);
-    const float* src = p.q + (r * p.num_heads + h * G + g) * D;
+    pos_lanes[lane] = ln.pos[lane];
     for (int64_t d = 0; d < D; ++d) qt[d][lane] = src[d] * p.scale;
+    if (ln.resume) {
+      const float* st = ln.state[lane];
+      m_lanes[lane] = st[0];
+      l_lanes[lane] = st[1];
+      for (int64_t d = 0; d < D; ++d) acc[d][lane] = st[2 + d];
+    }
   }
   ri pos;
+  rf m, l;
   std::memcpy(&pos, pos_lanes, sizeof(pos));
-  rf m = splat_as<rf>(kMasked), l = rf{};
+  std::memcpy(&m, m_lanes, sizeof(m));
+  std::memcpy(&l, l_lanes, sizeof(l));
   std::vector<rf> sc((ps + 7) / 8 * 8 + 2);  // scores are stored 8 keys at a time (and 3 computed at a time)
-  const int32_t* seq_pages = p.pages + static_cast<int64_t>(s) * p.pages_per_seq;
   for (int32_t page_slot = begin / ps; page_slot * ps < end; ++page_slot) {
     const float* base = p.kv + static_cast<int64_t>(seq_pages[page_slot]) * ps * combined * D;
     const int32_t t0 = page_slot * static_cast<int32_t>(ps);
@@ -432,11 +465,17 @@ void run_lanes(const Problem& p, const Item& it, int64_t row0, int64_t rows, int
       for (int u = 0; u < 8; ++u) acc[d0 + u] = a[u];
     }
   }
-  for (int lane = 0; lane < kRowLanes && row0 + lane < rows; ++lane) {
-    const int64_t i = row0 + lane, r = it.row_begin + i / G, g = i % G;
-    const float inv = l[lane] > 0.f ? 1.f / l[lane] : 0.f;
-    float* dst = p.out + (r * p.num_heads + h * G + g) * D;
-    for (int64_t d = 0; d < D; ++d) dst[d] = acc[d][lane] * inv;
+  for (int lane = 0; lane < kRowLanes; ++lane) {
+    if (!ln.q[lane]) continue;
+    if (float* dst = ln.out[lane]) {
+      const float inv = l[lane] > 0.f ? 1.f / l[lane] : 0.f;
+      for (int64_t d = 0; d < D; ++d) dst[d] = acc[d][lane] * inv;
+    } else {
+      float* st = ln.state[lane];
+      st[0] = m[lane];
+      st[1] = l[lane];
+      for (int64_t d = 0; d < D; ++d) st[2 + d] = acc[d][lane];
+    }
   }
 }
 
@@ -528,9 +567,26 @@ void run_item(const Problem& p, const Item& it) {
   const int64_t rows = static_cast<int64_t>(it.row_end - it.row_begin) * heads;  // (token, head)
   int32_t first_pos = kv_len - q_len + (it.row_begin - q_begin), last_pos = first_pos + (it.row_end - it.row_begin) - 1;
   const int32_t end = std::min(kv_len, last_pos + 1);
-  const int32_t begin = p.window > 0 ? std::max(0, first_pos - p.window + 1) : 0;
+  const int32_t begin = it.done_pages > 0 ? it.done_pages * static_cast<int32_t>(ps)  // (no window: share_groups)
+                                          : p.window > 0 ? std::max(0, first_pos - p.window + 1) : 0;
+  const int32_t* seq_pages = p.pages + static_cast<int64_t>(s) * p.pages_per_seq;
+  const int64_t state_stride = state_floats(D);
   if (!all_heads) {
-    for (int64_t row0 = 0; row0 < rows; row0 += kRowLanes) run_lanes<kHeadDim>(p, it, row0, rows, begin, end);
+    for (int64_t row0 = 0; row0 < rows; row0 += kRowLanes) {
+      LaneRows ln{};
+      ln.kv_head = it.kv_head;
+      ln.resume = it.state != nullptr;
+      for (int lane = 0; lane < kRowLanes; ++lane) {
+        const int64_t i = row0 + lane;
+        if (i >= rows) continue;  // padding lane
+        const int64_t r = it.row_begin + i / G, hq = head0 + i % G;
+        ln.q[lane] = p.q + (r * p.num_heads + hq) * D;
+        ln.pos[lane] = kv_len - q_len + static_cast<int32_t>(r - q_begin);
+        ln.out[lane] = p.out + (r * p.num_heads + hq) * D;
+        if (it.state) ln.state[lane] = it.state + hq * state_stride;  // (one token: share_groups)
+      }
+      run_lanes<kHeadDim>(p, ln, seq_pages, begin, end);
+    }
     return;
   }
 
@@ -556,8 +612,13 @@ void run_item(const Problem& p, const Item& it) {
     kv_off[i] = static_cast<int32_t>(2 * (hq / G) * D);  // this head's K row within a token's slot; V follows
     const float* src = p.q + (r * p.num_heads + hq) * D;
     for (int64_t d = 0; d < D; ++d) qbuf[i * D16 + d] = src[d] * p.scale;
+    if (it.state) {  // the state its shared item left (one token: share_groups)
+      const float* st = it.state + hq * state_stride;
+      m[i] = st[0];
+      l[i] = st[1];
+      for (int64_t d = 0; d < D; ++d) acc[i * D + d] = st[2 + d];
+    }
   }
-  const int32_t* seq_pages = p.pages + static_cast<int64_t>(s) * p.pages_per_seq;
   const int64_t page_floats = ps * combined * D;
   const int32_t last_slot = (end - 1) / static_cast<int32_t>(ps);
   for (int32_t page_slot = begin / ps; page_slot <= last_slot && end > 0; ++page_slot) {
@@ -666,10 +727,85 @@ void run_item(const Problem& p, const Item& it) {
   }
 }
 
+// Sequences that decode one token each and whose first pages are the same physical pages (a prefix cache hit:
+// few-shot prompts, several samples of one prompt).
+struct ShareGroup {
+  std::vector<int32_t> seqs;
+  int32_t pages;        // shared: the first `pages` of every member's page list
+  int64_t first_state;  // member m's head hq keeps its state at state[(first_state + m) * num_heads + hq]
+};
+
+// A shared item: rows [row_begin, row_end) of group g's (member, head in KV group) rows of KV head kv_head, over
+// the shared pages, in vector lanes; each row's softmax state is kept for its own item.
+template <int kHeadDim>
+void run_shared(const Problem& p, const Item& it, const ShareGroup& g, float* state) {
+  const int64_t D = kHeadDim > 0 ? kHeadDim : p.head_dim, G = p.num_heads / p.num_kv_heads;
+  for (int32_t row0 = it.row_begin; row0 < it.row_end; row0 += kRowLanes) {
+    LaneRows ln{};
+    ln.kv_head = it.kv_head;
+    ln.resume = false;
+    for (int lane = 0; lane < kRowLanes && row0 + lane < it.row_end; ++lane) {
+      const int32_t member = (row0 + lane) / G, s = g.seqs[member];
+      const int64_t hq = it.kv_head * G + (row0 + lane) % G;
+      ln.q[lane] = p.q + (static_cast<int64_t>(p.cu[s]) * p.num_heads + hq) * D;
+      ln.pos[lane] = p.kv_lens[s] - 1;
+      ln.state[lane] = state + ((g.first_state + member) * p.num_heads + hq) * state_floats(D);
+    }
+    run_lanes<kHeadDim>(p, ln, p.pages + static_cast<int64_t>(g.seqs[0]) * p.pages_per_seq, 0,
+                        g.pages * static_cast<int32_t>(p.page_size));
+  }
+}
+
+// The groups of sequences that share their first pages (ShareGroup). A member decodes one token, has at least
+// kMinSharedPages whole pages before it, and has the same first pages as the group's first sequence; the group
+// shares the K pages that maximise K x members (a member that shares fewer is left out: it runs alone) and has at
+// least kMinLaneRows rows a KV head. No sliding window (its first visible page differs by row).
+constexpr int32_t kMinSharedPages = 2;
+std::vector<ShareGroup> share_groups(const Problem& p, int32_t n_seqs) {
+  std::vector<ShareGroup> groups;
+  if (p.window > 0) return groups;
+  const int64_t G = p.num_heads / p.num_kv_heads;
+  auto pages = [&](int32_t s) { return p.pages + static_cast<int64_t>(s) * p.pages_per_seq; };
+  std::vector<std::pair<int32_t, int32_t>> by_first;  // (first page, seq) of every candidate
+  for (int32_t s = 0; s < n_seqs; ++s) {
+    if (p.cu[s + 1] - p.cu[s] == 1 && (p.kv_lens[s] - 1) / p.page_size >= kMinSharedPages)
+      by_first.push_back({pages(s)[0], s});
+  }
+  std::stable_sort(by_first.begin(), by_first.end());
+  int64_t states = 0;
+  for (size_t a = 0, b; a < by_first.size(); a = b) {
+    for (b = a + 1; b < by_first.size() && by_first[b].first == by_first[a].first;) ++b;
+    if (static_cast<int64_t>(b - a) * G < kMinLaneRows) continue;
+    const int32_t lead = by_first[a].second;
+    std::vector<std::pair<int32_t, int32_t>> common;  // (pages shared with lead, seq)
+    for (size_t i = a; i < b; ++i) {
+      const int32_t s = by_first[i].second;
+      const int32_t whole = static_cast<int32_t>(std::min((p.kv_lens[s] - 1) / p.page_size,
+                                                          (p.kv_lens[lead] - 1) / p.page_size));
+      int32_t k = 0;
+      while (k < whole && pages(s)[k] == pages(lead)[k]) ++k;
+      common.push_back({k, s});
+    }
+    std::stable_sort(common.begin(), common.end(), [](auto x, auto y) { return x.first > y.first; });
+    int64_t best = 0;
+    size_t take = 0;
+    for (size_t i = 0; i < common.size(); ++i) {
+      if (common[i].first * static_cast<int64_t>(i + 1) > best) best = common[i].first * static_cast<int64_t>(i + 1), take = i + 1;
+    }
+    if (take == 0 || static_cast<int64_t>(take) * G < kMinLaneRows || common[take - 1].first < kMinSharedPages) continue;
+    ShareGroup g{{}, common[take - 1].first, states};
+    for (size_t i = 0; i < take; ++i) g.seqs.push_back(common[i].second);
+    std::sort(g.seqs.begin(), g.seqs.end());
+    states += static_cast<int64_t>(take);
+    groups.push_back(std::move(g));
+  }
+  return groups;
+}
+
 ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kv_pages,
                 ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> cu_q_lens,
                 ffi::Buffer<ffi::S32> num_seqs, ffi::ResultBuffer<ffi::F32> out, float sm_scale, int32_t sliding_window,
-                float soft_cap) {
+                float soft_cap, bool share_pages) {
   const auto qd = q.dimensions(), kd = kv_pages.dimensions(), pd = page_indices.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || pd.size() != 2) return ffi::Error::InvalidArgument("bad ranks");
   Problem p{q.typed_data(), kv_pages.typed_data(), kv_lens.typed_data(), page_indices.typed_data(),
@@ -680,29 +816,74 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
   std::memset(p.out, 0, sizeof(float) * qd[0] * qd[1] * qd[2]);
 
   const int32_t n_seqs = std::min<int64_t>(num_seqs.typed_data()[0], pd[0]);
-  std::vector<Item> items;
+  const int64_t G = p.num_heads / p.num_kv_heads;
+  auto groups = std::make_shared<std::vector<ShareGroup>>(share_pages ? share_groups(p, n_seqs) : std::vector<ShareGroup>{});
+  // Two rounds: the shared items with every other sequence's, then the sharing sequences' own items, which start
+  // from the states the shared items keep.
+  std::vector<Item> items, own;
+  std::vector<int32_t> member_of(n_seqs, -1), shared_pages(n_seqs, 0);  // seq -> its index among all members
+  auto state = std::make_shared<std::vector<float>>();
+  for (size_t gi = 0; gi < groups->size(); ++gi) {
+    const ShareGroup& g = (*groups)[gi];
+    for (size_t m = 0; m < g.seqs.size(); ++m) {
+      member_of[g.seqs[m]] = static_cast<int32_t>(g.first_state + m);
+      shared_pages[g.seqs[m]] = g.pages;
+    }
+    const int32_t rows = static_cast<int32_t>(g.seqs.size() * G);
+    for (int32_t h = 0; h < p.num_kv_heads; ++h) {
+      for (int32_t r = 0; r < rows; r += kRowsPerItem * 2) {  // (as many rows as a prompt's item of G = 2)
+        const int32_t r_end = std::min(rows, r + kRowsPerItem * 2);
+        Item it{static_cast<int32_t>(gi), h, r, r_end, static_cast<int64_t>(g.pages) * p.page_size * (r_end - r) / G};
+        it.group = static_cast<int32_t>(gi);
+        items.push_back(it);
+      }
+    }
+  }
+  if (!groups->empty()) {
+    const ShareGroup& last = groups->back();
+    state->resize((last.first_state + last.seqs.size()) * p.num_heads * state_floats(p.head_dim));
+  }
   for (int32_t s = 0; s < n_seqs; ++s) {
     const int32_t begin = p.cu[s], end = p.cu[s + 1];
     for (int32_t r = begin; r < end; r += kRowsPerItem) {
       const int32_t r_end = std::min(end, r + kRowsPerItem);
       const int64_t ctx = std::max<int64_t>(1, p.kv_lens[s] - (end - r_end));  // the last row's context
-      const int64_t group = p.num_heads / p.num_kv_heads;
-      if ((r_end - r) * group >= kMinLaneRows) {
-        for (int32_t h = 0; h < p.num_kv_heads; ++h) items.push_back({s, h, r, r_end, ctx * (r_end - r)});
+      const int64_t per_head = (ctx - static_cast<int64_t>(shared_pages[s]) * p.page_size) * (r_end - r);
+      Item it{s, -1, r, r_end, per_head * p.num_kv_heads};
+      it.done_pages = shared_pages[s];
+      if (member_of[s] >= 0) it.state = state->data() + member_of[s] * p.num_heads * state_floats(p.head_dim);
+      std::vector<Item>& to = member_of[s] < 0 ? items : own;
+      if ((r_end - r) * G >= kMinLaneRows) {
+        for (int32_t h = 0; h < p.num_kv_heads; ++h) {
+          it.kv_head = h;
+          it.cost = per_head;
+          to.push_back(it);
+        }
       } else {
-        items.push_back({s, -1, r, r_end, ctx * (r_end - r) * p.num_kv_heads});
+        to.push_back(it);
       }
     }
   }
-  // Biggest first, then hand items out one at a time: the threads finish together.
-  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
-
-  const size_t n = items.size();
-  pagefleet::run_items(pool, n, [p, items = std::move(items)](size_t i) {
-    if (p.head_dim == 64) run_item<64>(p, items[i]);
-    else if (p.head_dim == 128) run_item<128>(p, items[i]);
-    else run_item<0>(p, items[i]);
-  });
+  for (std::vector<Item>* round : {&items, &own}) {
+    // Biggest first, then hand items out one at a time: the threads finish together.
+    std::stable_sort(round->begin(), round->end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+    const size_t n = round->size();
+    pagefleet::run_items(pool, n, [p, groups, state, items = std::move(*round)](size_t i) {
+      const Item& it = items[i];
+      if (it.group >= 0) {
+        const ShareGroup& g = (*groups)[it.group];
+        if (p.head_dim == 64) run_shared<64>(p, it, g, state->data());
+        else if (p.head_dim == 128) run_shared<128>(p, it, g, state->data());
+        else run_shared<0>(p, it, g, state->data());
+      } else if (p.head_dim == 64) {
+        run_item<64>(p, it);
+      } else if (p.head_dim == 128) {
+        run_item<128>(p, it);
+      } else {
+        run_item<0>(p, it);
+      }
+    });
+  }
   return ffi::Error::Success();
 }
 
@@ -754,4 +935,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagefleetRaggedPagedAttentionF32, Impl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("sm_scale")
                                   .Attr<int32_t>("sliding_window")
-                                  .Attr<float>("soft_cap"));
+                                  .Attr<float>("soft_cap")
+                                  .Attr<bool>("share_pages"));

@@ -320,3 +320,66 @@ def test_cpu_rope_is_torchs_rotation_bit_for_bit(rows, heads, head_dim):
     xt, ct, st = torch.from_numpy(x), torch.from_numpy(cos)[:, None], torch.from_numpy(sin)[:, None]
     expected = (xt * ct + rotate_half(xt) * st).numpy()
     assert (np.asarray(cpu_attention.rope(jnp.asarray(x), jnp.asarray(cos), jnp.asarray(sin))) == expected).all()
+
+
+@pytest.mark.parametrize("head_dim,kv_heads,group,page_size,soft_cap", [
+    (64, 4, 2, 16, None), (128, 2, 8, 16, None), (72, 1, 4, 8, 0.9), (8, 2, 3, 4, None)])
+def test_cpu_kernel_decoding_rows_that_share_pages_get_their_bits_alone(head_dim, kv_heads, group, page_size, soft_cap):
+    """Decoding sequences whose first pages are the same physical pages (a prefix cache hit) walk those pages
+    together, rows of several sequences in vector lanes, then their own pages from the softmax state that walk
+    left: each row gets the bits it gets with the pages walked alone (`share_pages=False`) and with the shared
+    pages copied to pages of its own, and matches dense attention. The step also holds a sequence that shares
+    fewer pages, one that shares none, and a prompt chunk on the shared pages (neither joins a group); with
+    group >= 8 a decoding row's own item puts its rows in lanes too."""
+    rng = np.random.default_rng(head_dim + group)
+    heads, shared = kv_heads * group, 5  # pages every member but the last shares; the last shares 3
+    members = max(2, -(-8 // group)) + 1
+    # sequences: the members, one with a copy of the shared pages, and a prompt chunk of 5 tokens on them
+    lens = [shared * page_size + int(n) for n in rng.integers(2, 3 * page_size, members + 1)]
+    lens.append(shared * page_size + 2 * page_size - 3)
+    q_lens = [1] * (members + 1) + [5]
+    nxt = shared
+    lists = []
+
+    def fresh(n):
+        nonlocal nxt
+        nxt += n
+        return list(range(nxt - n, nxt))
+
+    for s, ctx in enumerate(lens):
+        first = list(range(shared)) if s < members - 1 or s == members + 1 else list(range(3)) + fresh(2)
+        lists.append(fresh(shared) if s == members else first)
+        lists[-1] += fresh(-(-ctx // page_size) - shared)
+    copies = [fresh(shared) for _ in range(members)]  # each member's shared pages, copied to pages of its own
+    pool = rng.standard_normal((nxt, page_size, 2 * kv_heads, head_dim)).astype(np.float32)
+    pool[lists[members][:shared]] = pool[:shared]
+    width = max(map(len, lists))
+    pages = np.array([p + [0] * (width - len(p)) for p in lists], np.int32)
+    copied_pages = pages.copy()
+    for s, c in enumerate(copies):
+        k = shared if s < members - 1 else 3
+        pool[c[:k]] = pool[pages[s, :k]]
+        copied_pages[s, :k] = c[:k]
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = rng.standard_normal((cu[-1], heads, head_dim)).astype(np.float32)
+    scale = head_dim**-0.5
+
+    def attend(page_table, share):
+        return np.asarray(cpu_attention.ragged_paged_attention(
+            jnp.asarray(q), jnp.asarray(pool), jnp.asarray(lens, jnp.int32), jnp.asarray(page_table), jnp.asarray(cu),
+            jnp.array([len(lens)], jnp.int32), sm_scale=scale, sliding_window=None, soft_cap=soft_cap, share_pages=share))
+
+    together, alone, copied = attend(pages, True), attend(pages, False), attend(copied_pages, True)
+    np.testing.assert_array_equal(together, alone)
+    np.testing.assert_array_equal(together, copied)
+    for s, ctx in enumerate(lens):
+        slots = pool[pages[s]].reshape(-1, 2 * kv_heads, head_dim)[:ctx]
+        k, v = np.repeat(slots[:, 0::2], group, axis=1), np.repeat(slots[:, 1::2], group, axis=1)
+        for t in range(q_lens[s]):
+            pos = ctx - q_lens[s] + t
+            sc = np.einsum("hd,khd->hk", q[cu[s] + t].astype(np.float64), k[:pos + 1]) * scale
+            if soft_cap is not None:
+                sc = soft_cap * np.tanh(sc / soft_cap)
+            pr = np.exp(sc - sc.max(-1, keepdims=True))
+            np.testing.assert_allclose(together[cu[s] + t], np.einsum("hk,khd->hd", pr / pr.sum(-1, keepdims=True),
+                                                                      v[:pos + 1]), atol=1e-5, rtol=0)

@@ -15,7 +15,8 @@ import pytest
 
 from engine.kernels import kernel_build
 # (head_dim, kv_heads, group, page_size, sliding_window): the compiled head sizes, a partial block of 16 (72), a
-# head wider than the registers hold (272), pages longer than 16 keys, and a window.
+# head wider than the registers hold (272), pages longer than 16 keys, and a window. Without a window, decoding
+# sequences share their first pages (rows of several sequences in lanes, then each one's own pages from there).
 CASES = [(64, 4, 2, 16, 0), (128, 2, 1, 16, 0), (72, 2, 3, 4, 0), (8, 1, 4, 32, 0), (272, 1, 2, 4, 0),
          (64, 4, 2, 16, 20)]
 # The experts of generated tokens (moe_experts.cc): (hidden, expert width, experts, rows, top-k); sizes past the
@@ -32,12 +33,16 @@ cpu_attention._load(Path(sys.argv[1]))
 out = {}
 for head_dim, kv_heads, group, page_size, window in %r:
     rng = np.random.default_rng(head_dim + group + window)
-    q_lens = np.array([1, 16, 1, 5, 30, 1, 1, 3])  # decoding tokens (the all-heads path) and prompt chunks (rows in lanes)
-    ctx = np.array([90, 70, 33, 90, 64, 17, 120, 40])
+    q_lens = np.array([1, 16, 1, 5, 30, 1, 1, 3, 1, 1])  # decoding tokens (the all-heads path), prompt chunks (lanes)
+    ctx = np.array([90, 70, 33, 90, 64, 17, 120, 40, 100, 75])
     pages_per_seq = math.ceil(ctx.max() / page_size)
     num_pages = len(ctx) * pages_per_seq + 1
     pool = rng.standard_normal((num_pages, page_size, 2 * kv_heads, head_dim)).astype(np.float32)
     pages = rng.permutation(num_pages)[:len(ctx) * pages_per_seq].reshape(len(ctx), -1).astype(np.int32)
+    if not window:  # decoding sequences on sequence 0's first pages (a prefix cache hit): they walk them together
+        for s in (2, 6, 8, 9):
+            n = min(ctx[s] - 1, ctx[0] - 1) // page_size
+            pages[s, :n] = pages[0, :n]
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     q = rng.standard_normal((cu[-1], kv_heads * group, head_dim)).astype(np.float32)
     got = cpu_attention.ragged_paged_attention(
