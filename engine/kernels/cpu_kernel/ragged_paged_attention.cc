@@ -383,61 +383,116 @@ inline rf page_softmax(const Problem& p, float* s, int32_t n, int32_t t0, ri pos
   return alpha;
 }
 
-// kRowLanes query rows of one KV head in vector lanes, walked over the same pages: an item's rows (token, head in
-// group), or a shared item's rows of several sequences over the pages they share.
+// The scores of keys ka and kb for two groups of rows in lanes (qt0, qt1), in the fixed order (see the top), for
+// AVX-512's 32 registers: a quarter of each score's partial sums at a time, l in {u, u + 8, u + 4, u + 12} (as
+// scores3), which gives one of the tree's four sums after + 4, T4[u] = (P[u] + P[u + 8]) + (P[u + 4] + P[u + 12]);
+// quarters in the order 0, 2, 1, 3, so that T4[0] + T4[2] and T4[1] + T4[3] are summed as they come, and the score
+// is their sum, as scores2's. Each K element broadcast serves both groups: a load per multiply-add (scores2: 1.5).
+template <int kHeadDim>
+inline void scores2x2(const rf* qt0, const rf* qt1, const float* ka, const float* kb, int64_t head_dim, rf* out) {
+  const int64_t D = kHeadDim > 0 ? kHeadDim : head_dim;  // as in scores2
+  const int64_t D16 = (D + kLanes - 1) / kLanes * kLanes;
+  constexpr int kQuarter[4] = {0, 8, 4, 12}, kOrder[4] = {0, 2, 1, 3};
+  rf s02[4], s13[4];  // per (group, key): T4[0] + T4[2], T4[1] + T4[3]
+#pragma GCC unroll 1
+  for (int qi = 0; qi < 4; ++qi) {
+    const int u = kOrder[qi];
+    rf a[4][4] = {};  // [(group, key)][i]: partial sum u + kQuarter[i]
+    for (int64_t d0 = 0; d0 < D16; d0 += kLanes) {
+      const bool whole = d0 + kLanes <= D;
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        const int64_t d = d0 + u + kQuarter[i];
+        const rf q0 = qt0[d], q1 = qt1[d];
+        const rf x = splat_as<rf>(whole || d < D ? ka[d] : 0.f), y = splat_as<rf>(whole || d < D ? kb[d] : 0.f);
+        a[0][i] = fma(q0, x, a[0][i]);
+        a[1][i] = fma(q0, y, a[1][i]);
+        a[2][i] = fma(q1, x, a[2][i]);
+        a[3][i] = fma(q1, y, a[3][i]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const rf t4 = (a[c][0] + a[c][1]) + (a[c][2] + a[c][3]);
+      if (qi == 0) s02[c] = t4;
+      else if (qi == 1) s02[c] = s02[c] + t4;
+      else if (qi == 2) s13[c] = t4;
+      else s13[c] = s13[c] + t4;
+    }
+  }
+#pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c) out[c] = s02[c] + s13[c];
+}
+
+// Query rows of one KV head in vector lanes, walked over the same pages: an item's rows (token, head in group),
+// or a shared item's rows of several sequences over the pages they share. Up to kMaxLaneGroups groups of
+// kRowLanes rows.
+#if defined(__AVX512F__)
+constexpr int kMaxLaneGroups = 2;  // two groups share each K and V element loaded (scores2x2)
+#else
+constexpr int kMaxLaneGroups = 1;  // AVX's 16 registers hold one group's accumulators
+#endif
 struct LaneRows {
   int32_t kv_head;
-  const float* q[kRowLanes];  // the lane's q row; nullptr: a padding lane (sees no key, gives nothing)
-  int32_t pos[kRowLanes];     // the lane's position
-  float* out[kRowLanes];      // where its result goes; nullptr: its softmax state is kept in state[lane]
-  float* state[kRowLanes];    // its state to start from when `resume` (else a fresh start), and to keep
+  const float* q[kMaxLaneGroups * kRowLanes];  // the lane's q row; nullptr: a padding lane (sees no key, gives nothing)
+  int32_t pos[kMaxLaneGroups * kRowLanes];     // the lane's position
+  float* out[kMaxLaneGroups * kRowLanes];      // where its result goes; nullptr: its softmax state is kept in state
+  float* state[kMaxLaneGroups * kRowLanes];    // its state to start from when `resume` (else a fresh start), and to keep
   bool resume;
 };
 
-// The rows of `ln` over the keys [begin, end) of the pages `seq_pages`, with the rows in vector lanes: a key's
-// scores for the rows are 64 multiply-adds of a q column by one broadcast K element (plus the 15 adds of the
-// score's tree), and a P row times V is 64 more, so there are no horizontal sums and each K/V element loaded
-// serves kRowLanes rows.
-template <int kHeadDim>  // as run_item's
+// The rows of `ln` (kGroups groups of kRowLanes lanes) over the keys [begin, end) of the pages `seq_pages`, with
+// the rows in vector lanes: a key's scores for the rows are 64 multiply-adds of a q column by one broadcast K
+// element (plus the 15 adds of the score's tree), and a P row times V is 64 more, so there are no horizontal sums
+// and each K/V element loaded serves kRowLanes rows (kGroups x kRowLanes with two groups).
+template <int kHeadDim, int kGroups>  // kHeadDim: as run_item's
 void run_lanes(const Problem& p, const LaneRows& ln, const int32_t* seq_pages, int32_t begin, int32_t end) {
+  static_assert(kGroups == 1 || (kGroups == 2 && kRowLanes == 16));
   const int64_t D = kHeadDim > 0 ? kHeadDim : p.head_dim, ps = p.page_size;
   const int64_t combined = 2 * p.num_kv_heads;
   const int32_t h = ln.kv_head;
   const int64_t D8 = (D + 7) / 8 * 8;  // accumulators are moved 8 columns at a time
   const int64_t D16 = (D + kLanes - 1) / kLanes * kLanes;  // the score's partial sums: whole blocks of 16
-  std::vector<rf> qt(D16, rf{}), acc(D8, rf{});  // q columns past D stay 0
-  alignas(64) int32_t pos_lanes[kRowLanes];
-  alignas(64) float m_lanes[kRowLanes], l_lanes[kRowLanes];
-  for (int lane = 0; lane < kRowLanes; ++lane) {
+  std::vector<rf> qt(kGroups * D16, rf{}), acc(kGroups * D8, rf{});  // group g at g * D16, g * D8; q past D: 0
+  alignas(64) int32_t pos_lanes[kGroups * kRowLanes];
+  alignas(64) float m_lanes[kGroups * kRowLanes], l_lanes[kGroups * kRowLanes];
+  for (int lane = 0; lane < kGroups * kRowLanes; ++lane) {
+    const int g = lane / kRowLanes, k = lane % kRowLanes;
     m_lanes[lane] = kMasked;
     l_lanes[lane] = 0.f;
     const float* src = ln.q[lane];
     if (!src) {
       pos_lanes[lane] = -1;
-      for (int64_t d = 0; d < D; ++d) qt[d][lane] = 0.f;
       continue;
     }
     pos_lanes[lane] = ln.pos[lane];
-    for (int64_t d = 0; d < D; ++d) qt[d][lane] = src[d] * p.scale;
+    for (int64_t d = 0; d < D; ++d) qt[g * D16 + d][k] = src[d] * p.scale;
     if (ln.resume) {
       const float* st = ln.state[lane];
       m_lanes[lane] = st[0];
       l_lanes[lane] = st[1];
-      for (int64_t d = 0; d < D; ++d) acc[d][lane] = st[2 + d];
+      for (int64_t d = 0; d < D; ++d) acc[g * D8 + d][k] = st[2 + d];
     }
   }
-  ri pos;
-  rf m, l;
-  std::memcpy(&pos, pos_lanes, sizeof(pos));
-  std::memcpy(&m, m_lanes, sizeof(m));
-  std::memcpy(&l, l_lanes, sizeof(l));
-  std::vector<rf> sc((ps + 7) / 8 * 8 + 2);  // scores are stored 8 keys at a time (and 3 computed at a time)
+  ri pos[kGroups];
+  rf m[kGroups], l[kGroups];
+  std::memcpy(pos, pos_lanes, sizeof(pos));
+  std::memcpy(m, m_lanes, sizeof(m));
+  std::memcpy(l, l_lanes, sizeof(l));
+  const int64_t sc_keys = (ps + 7) / 8 * 8 + 2;  // scores are stored 8 keys at a time (and 3 computed at a time)
+  std::vector<rf> sc(kGroups * sc_keys);  // group g's key j at sc[g * sc_keys + j]
   for (int32_t page_slot = begin / ps; page_slot * ps < end; ++page_slot) {
     const float* base = p.kv + static_cast<int64_t>(seq_pages[page_slot]) * ps * combined * D;
     const int32_t t0 = page_slot * static_cast<int32_t>(ps);
     const int32_t n = std::min<int32_t>(ps, end - t0);
     auto key = [&](int32_t j) { return base + (std::min(j, n - 1) * combined + 2 * h) * D; };  // past n: ignored
-    if constexpr (kRowLanes == 16) {
+    if constexpr (kGroups == 2) {
+      for (int32_t j = 0; j < n; j += 2) {
+        rf o[4];
+        scores2x2<kHeadDim>(qt.data(), qt.data() + D16, key(j), key(j + 1), D, o);
+        sc[j] = o[0], sc[j + 1] = o[1], sc[sc_keys + j] = o[2], sc[sc_keys + j + 1] = o[3];
+      }
+    } else if constexpr (kRowLanes == 16) {
       for (int32_t j = 0; j < n; j += 2) scores2<kHeadDim>(qt.data(), key(j), key(j + 1), D, &sc[j], &sc[j + 1]);
     } else {
       for (int32_t j = 0; j < n; j += 3) {
@@ -445,37 +500,66 @@ void run_lanes(const Problem& p, const LaneRows& ln, const int32_t* seq_pages, i
         scores3<kHeadDim>(qt.data(), k, D, &sc[j]);
       }
     }
-    const rf alpha = page_softmax(p, reinterpret_cast<float*>(sc.data()), n, t0, pos, m, l);
+    rf alpha[kGroups];
+    for (int g = 0; g < kGroups; ++g)
+      alpha[g] = page_softmax(p, reinterpret_cast<float*>(&sc[g * sc_keys]), n, t0, pos[g], m[g], l[g]);
     for (int64_t d0 = 0; d0 < D; d0 += 8) {  // 8 output columns at a time, kept in registers over the keys
       const int64_t nd = std::min<int64_t>(8, D - d0);
-      rf a[8];
+      rf a[kGroups][8];
+#pragma GCC unroll 2
+      for (int g = 0; g < kGroups; ++g)
 #pragma GCC unroll 8
-      for (int u = 0; u < 8; ++u) a[u] = acc[d0 + u] * alpha;  // columns past D: padding, never read out
+        for (int u = 0; u < 8; ++u) a[g][u] = acc[g * D8 + d0 + u] * alpha[g];  // columns past D: never read out
       auto keys = [&](auto whole) {  // whole: all 8 columns exist (no per-column test in the loop)
         for (int32_t j = 0; j < n; ++j) {
           const float* v = base + (j * combined + 2 * h + 1) * D + d0;
-          const rf pj = sc[j];
+          rf pj[kGroups];
+#pragma GCC unroll 2
+          for (int g = 0; g < kGroups; ++g) pj[g] = sc[g * sc_keys + j];
 #pragma GCC unroll 8
-          for (int u = 0; u < 8; ++u) a[u] = fma(pj, splat_as<rf>(v[decltype(whole)::value || u < nd ? u : 0]), a[u]);
+          for (int u = 0; u < 8; ++u) {
+            const rf vu = splat_as<rf>(v[decltype(whole)::value || u < nd ? u : 0]);
+#pragma GCC unroll 2
+            for (int g = 0; g < kGroups; ++g) a[g][u] = fma(pj[g], vu, a[g][u]);
+          }
         }
       };
       if (nd == 8) keys(std::true_type{});
       else keys(std::false_type{});
+#pragma GCC unroll 2
+      for (int g = 0; g < kGroups; ++g)
 #pragma GCC unroll 8
-      for (int u = 0; u < 8; ++u) acc[d0 + u] = a[u];
+        for (int u = 0; u < 8; ++u) acc[g * D8 + d0 + u] = a[g][u];
     }
   }
-  for (int lane = 0; lane < kRowLanes; ++lane) {
+  for (int lane = 0; lane < kGroups * kRowLanes; ++lane) {
     if (!ln.q[lane]) continue;
+    const int g = lane / kRowLanes, k = lane % kRowLanes;
     if (float* dst = ln.out[lane]) {
-      const float inv = l[lane] > 0.f ? 1.f / l[lane] : 0.f;
-      for (int64_t d = 0; d < D; ++d) dst[d] = acc[d][lane] * inv;
+      const float inv = l[g][k] > 0.f ? 1.f / l[g][k] : 0.f;
+      for (int64_t d = 0; d < D; ++d) dst[d] = acc[g * D8 + d][k] * inv;
     } else {
       float* st = ln.state[lane];
-      st[0] = m[lane];
-      st[1] = l[lane];
-      for (int64_t d = 0; d < D; ++d) st[2 + d] = acc[d][lane];
+      st[0] = m[g][k];
+      st[1] = l[g][k];
+      for (int64_t d = 0; d < D; ++d) st[2 + d] = acc[g * D8 + d][k];
     }
+  }
+}
+
+// Rows [row0, row0 + rows) of a walk, in one or two groups of lanes (`lane_row(lane)` fills lane `lane`).
+template <int kHeadDim, class Fill>
+void run_lane_rows(const Problem& p, LaneRows& ln, int64_t rows, const int32_t* seq_pages, int32_t begin,
+                   int32_t end, Fill lane_row) {
+  for (int64_t row0 = 0; row0 < rows;) {
+    const int groups = rows - row0 > kRowLanes ? kMaxLaneGroups : 1;
+    for (int lane = 0; lane < groups * kRowLanes; ++lane) {
+      ln.q[lane] = nullptr;
+      if (row0 + lane < rows) lane_row(lane, row0 + lane);
+    }
+    if (groups == 2) run_lanes<kHeadDim, kMaxLaneGroups>(p, ln, seq_pages, begin, end);
+    else run_lanes<kHeadDim, 1>(p, ln, seq_pages, begin, end);
+    row0 += groups * kRowLanes;
   }
 }
 
@@ -572,21 +656,16 @@ void run_item(const Problem& p, const Item& it) {
   const int32_t* seq_pages = p.pages + static_cast<int64_t>(s) * p.pages_per_seq;
   const int64_t state_stride = state_floats(D);
   if (!all_heads) {
-    for (int64_t row0 = 0; row0 < rows; row0 += kRowLanes) {
-      LaneRows ln{};
-      ln.kv_head = it.kv_head;
-      ln.resume = it.state != nullptr;
-      for (int lane = 0; lane < kRowLanes; ++lane) {
-        const int64_t i = row0 + lane;
-        if (i >= rows) continue;  // padding lane
-        const int64_t r = it.row_begin + i / G, hq = head0 + i % G;
-        ln.q[lane] = p.q + (r * p.num_heads + hq) * D;
-        ln.pos[lane] = kv_len - q_len + static_cast<int32_t>(r - q_begin);
-        ln.out[lane] = p.out + (r * p.num_heads + hq) * D;
-        if (it.state) ln.state[lane] = it.state + hq * state_stride;  // (one token: share_groups)
-      }
-      run_lanes<kHeadDim>(p, ln, seq_pages, begin, end);
-    }
+    LaneRows ln{};
+    ln.kv_head = it.kv_head;
+    ln.resume = it.state != nullptr;
+    run_lane_rows<kHeadDim>(p, ln, rows, seq_pages, begin, end, [&](int lane, int64_t i) {
+      const int64_t r = it.row_begin + i / G, hq = head0 + i % G;
+      ln.q[lane] = p.q + (r * p.num_heads + hq) * D;
+      ln.pos[lane] = kv_len - q_len + static_cast<int32_t>(r - q_begin);
+      ln.out[lane] = p.out + (r * p.num_heads + hq) * D;
+      if (it.state) ln.state[lane] = it.state + hq * state_stride;  // (one token: share_groups)
+    });
     return;
   }
 
@@ -740,20 +819,18 @@ struct ShareGroup {
 template <int kHeadDim>
 void run_shared(const Problem& p, const Item& it, const ShareGroup& g, float* state) {
   const int64_t D = kHeadDim > 0 ? kHeadDim : p.head_dim, G = p.num_heads / p.num_kv_heads;
-  for (int32_t row0 = it.row_begin; row0 < it.row_end; row0 += kRowLanes) {
-    LaneRows ln{};
-    ln.kv_head = it.kv_head;
-    ln.resume = false;
-    for (int lane = 0; lane < kRowLanes && row0 + lane < it.row_end; ++lane) {
-      const int32_t member = (row0 + lane) / G, s = g.seqs[member];
-      const int64_t hq = it.kv_head * G + (row0 + lane) % G;
-      ln.q[lane] = p.q + (static_cast<int64_t>(p.cu[s]) * p.num_heads + hq) * D;
-      ln.pos[lane] = p.kv_lens[s] - 1;
-      ln.state[lane] = state + ((g.first_state + member) * p.num_heads + hq) * state_floats(D);
-    }
-    run_lanes<kHeadDim>(p, ln, p.pages + static_cast<int64_t>(g.seqs[0]) * p.pages_per_seq, 0,
-                        g.pages * static_cast<int32_t>(p.page_size));
-  }
+  LaneRows ln{};
+  ln.kv_head = it.kv_head;
+  ln.resume = false;
+  run_lane_rows<kHeadDim>(p, ln, it.row_end - it.row_begin, p.pages + static_cast<int64_t>(g.seqs[0]) * p.pages_per_seq,
+                          0, g.pages * static_cast<int32_t>(p.page_size), [&](int lane, int64_t i) {
+    const int32_t member = static_cast<int32_t>((it.row_begin + i) / G), s = g.seqs[member];
+    const int64_t hq = it.kv_head * G + (it.row_begin + i) % G;
+    ln.q[lane] = p.q + (static_cast<int64_t>(p.cu[s]) * p.num_heads + hq) * D;
+    ln.pos[lane] = p.kv_lens[s] - 1;
+    ln.out[lane] = nullptr;
+    ln.state[lane] = state + ((g.first_state + member) * p.num_heads + hq) * state_floats(D);
+  });
 }
 
 // The groups of sequences that share their first pages (ShareGroup). A member decodes one token, has at least
