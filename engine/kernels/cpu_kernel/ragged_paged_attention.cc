@@ -84,7 +84,7 @@ struct Item {
   // A decoding row whose first pages it shares with other sequences (the same physical pages, as a prefix cache
   // hit leaves them) walks those pages with theirs first, in a shared item (group >= 0: seq is then the group,
   // rows its (member, head in KV group) rows), which keeps each row's softmax state; its own item then starts at
-  // page done_pages from that state (`state`: its head 0's, kStateFloats(D) floats a head). See share_groups.
+  // page done_pages from that state (`state`: its head 0's, state_floats(D) floats a head). See share_groups.
   int32_t group = -1, done_pages = 0;
   float* state = nullptr;
 };
