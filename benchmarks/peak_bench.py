@@ -21,10 +21,11 @@ Printed, in order:
    counted), the best of the three. Both 3 and 4 run before the engine and again after it, and the higher of
    the two readings is kept, so that a slow first reading cannot flatter a fraction;
 5. the engine on the plain workload: `--num-prompts` prompts of 16-512 tokens as benchmarks/generate_bench.py
-   draws them (with 256, bench-peer's `plain`; `--workload shared-prefix`: bench-peer's other workload), on bench-peer's llama-40m without EOS (every sample runs to
-   `--new-tokens`), greedy, float32, `pagefleet generate` sized for the machine (no engine flags unless
-   `--pagefleet-flags`). One untimed run fills the XLA compile cache, then `--repeats` measured runs; each
-   total (steps, tokens, seconds, FLOPs, bytes) is the median over them, and the rates are taken from those.
+   draws them (with 256, bench-peer's `plain`; `--workload shared-prefix`: bench-peer's other workload), on
+   bench-peer's llama-40m without EOS (every sample runs to `--new-tokens`), greedy, float32, `pagefleet
+   generate` sized for the machine (no engine flags unless `--pagefleet-flags`). One untimed run fills the XLA
+   compile cache, then `--repeats` measured runs; each total (steps, tokens, seconds, FLOPs, bytes) is the median
+   over them, and the rates are taken from those.
 
 `pagefleet generate --stats_output` holds the engine's summary, not its steps, so the engine runs as
 `peak_bench.py --engine-worker STEPS -- generate ...`: pagefleet's own command line in a process of its own, with
@@ -361,7 +362,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--num-prompts", type=int, default=256, help="plain workload only")
     ap.add_argument("--workload", choices=("plain", "shared-prefix"), default="plain",
-                    help="bench-peer's workload to run the engine on (shared-prefix: its 256 prompts, --num-prompts ignored)")
+                    help="bench-peer's workload to run the engine on (shared-prefix: its 256 prompts, "
+                         "--num-prompts ignored)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="measured engine runs; every engine figure is their median")
     ap.add_argument("--seed", type=int, default=0)
@@ -410,7 +412,8 @@ def main() -> None:
 
     lens = [len(p) for p in prompts]
     last = runs[-1]
-    print(f"\nengine: llama-40m without EOS, float32, the {args.workload} workload: {len(prompts)} prompts of {min(lens)}..{max(lens)} tokens "
+    print(f"\nengine: llama-40m without EOS, float32, the {args.workload} workload: {len(prompts)} prompts of "
+          f"{min(lens)}..{max(lens)} tokens "
           f"({sum(lens):,} prompt tokens, seed {args.seed}), {args.new_tokens} new tokens each, greedy; `pagefleet "
           f"generate` {args.pagefleet_flags or '(sized for the machine)'}: max_seqs {last['max_seqs']}, page_size "
           f"{last['page_size']}; median of {args.repeats} measured run(s) after one that filled the compile cache "

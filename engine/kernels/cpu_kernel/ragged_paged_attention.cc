@@ -434,10 +434,10 @@ constexpr int kMaxLaneGroups = 1;  // AVX's 16 registers hold one group's accumu
 #endif
 struct LaneRows {
   int32_t kv_head;
-  const float* q[kMaxLaneGroups * kRowLanes];  // the lane's q row; nullptr: a padding lane (sees no key, gives nothing)
+  const float* q[kMaxLaneGroups * kRowLanes];  // the lane's q row; nullptr: padding (sees no key, gives nothing)
   int32_t pos[kMaxLaneGroups * kRowLanes];     // the lane's position
   float* out[kMaxLaneGroups * kRowLanes];      // where its result goes; nullptr: its softmax state is kept in state
-  float* state[kMaxLaneGroups * kRowLanes];    // its state to start from when `resume` (else a fresh start), and to keep
+  float* state[kMaxLaneGroups * kRowLanes];    // its state to start from when `resume` (else fresh), and to keep
   bool resume;
 };
 
@@ -867,9 +867,11 @@ std::vector<ShareGroup> share_groups(const Problem& p, int32_t n_seqs) {
     int64_t best = 0;
     size_t take = 0;
     for (size_t i = 0; i < common.size(); ++i) {
-      if (common[i].first * static_cast<int64_t>(i + 1) > best) best = common[i].first * static_cast<int64_t>(i + 1), take = i + 1;
+      const int64_t gain = common[i].first * static_cast<int64_t>(i + 1);  // pages x members
+      if (gain > best) best = gain, take = i + 1;
     }
-    if (take == 0 || static_cast<int64_t>(take) * G < kMinLaneRows || common[take - 1].first < kMinSharedPages) continue;
+    if (take == 0 || static_cast<int64_t>(take) * G < kMinLaneRows || common[take - 1].first < kMinSharedPages)
+      continue;
     ShareGroup g{{}, common[take - 1].first, states};
     for (size_t i = 0; i < take; ++i) g.seqs.push_back(common[i].second);
     std::sort(g.seqs.begin(), g.seqs.end());
@@ -894,7 +896,8 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
 
   const int32_t n_seqs = std::min<int64_t>(num_seqs.typed_data()[0], pd[0]);
   const int64_t G = p.num_heads / p.num_kv_heads;
-  auto groups = std::make_shared<std::vector<ShareGroup>>(share_pages ? share_groups(p, n_seqs) : std::vector<ShareGroup>{});
+  auto groups = std::make_shared<std::vector<ShareGroup>>(share_pages ? share_groups(p, n_seqs)
+                                                                      : std::vector<ShareGroup>{});
   // Two rounds: the shared items with every other sequence's, then the sharing sequences' own items, which start
   // from the states the shared items keep.
   std::vector<Item> items, own;

@@ -367,7 +367,8 @@ def test_cpu_kernel_decoding_rows_that_share_pages_get_their_bits_alone(head_dim
     def attend(page_table, share):
         return np.asarray(cpu_attention.ragged_paged_attention(
             jnp.asarray(q), jnp.asarray(pool), jnp.asarray(lens, jnp.int32), jnp.asarray(page_table), jnp.asarray(cu),
-            jnp.array([len(lens)], jnp.int32), sm_scale=scale, sliding_window=None, soft_cap=soft_cap, share_pages=share))
+            jnp.array([len(lens)], jnp.int32), sm_scale=scale, sliding_window=None, soft_cap=soft_cap,
+            share_pages=share))
 
     together, alone, copied = attend(pages, True), attend(pages, False), attend(copied_pages, True)
     np.testing.assert_array_equal(together, alone)
