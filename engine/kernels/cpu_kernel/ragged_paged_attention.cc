@@ -287,6 +287,17 @@ inline V vexp(V x) {
   return y * reinterpret_cast<const V&>(e);
 }
 
+// Keeps v in a register where it is read: GCC would otherwise fold its load into each multiply-add that reads it
+// (one more load per multiply-add, and the loops here are limited by their loads). No arithmetic changes.
+template <class V>
+inline void in_register(V& v) {
+#if defined(__AVX__)
+  asm("" : "+x"(v));
+#else
+  (void)v;
+#endif
+}
+
 // Scores of keys ka and kb (K rows of one head) for the rows in lanes (qt[d]: column d of the rows' q, zero
 // past D), each summed in the fixed order (see the top), with 16 lanes: the partial sums are taken in two
 // halves, l in {0-3, 8-11} then {4-7, 12-15}, so that each half's l + (l + 8) sums can be added before the
@@ -336,7 +347,8 @@ inline void scores3(const rf* qt, const float* const* k, int64_t head_dim, rf* o
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i) {
         const int64_t d = d0 + u + kQuarter[i];
-        const rf qd = qt[d];
+        rf qd = qt[d];
+        in_register(qd);
 #pragma GCC unroll 3
         for (int j = 0; j < 3; ++j) a[j][i] = fma(qd, splat_as<rf>(whole || d < D ? k[j][d] : 0.f), a[j][i]);
       }
@@ -424,14 +436,62 @@ inline void scores2x2(const rf* qt0, const rf* qt1, const float* ka, const float
   for (int c = 0; c < 4; ++c) out[c] = s02[c] + s13[c];
 }
 
+// scores2x2 for two groups of 8 lanes (AVX's 16 registers): an eighth of each score's partial sums at a time,
+// l in {u + a, u + a + 8}, which gives P[u + a] + P[u + a + 8]; a = 0 then 4 make T4[u], and the quarters come in
+// scores2x2's order, so every score is summed in the same tree. Each K element broadcast serves both groups (scores3:
+// one row group, a broadcast per multiply-add; on Zen 3 a broadcast from memory costs a fifth of a multiply-add's
+// slot).
+template <int kHeadDim>
+inline void scores2x2_eighths(const rf* qt0, const rf* qt1, const float* ka, const float* kb, int64_t head_dim,
+                              rf* out) {
+  const int64_t D = kHeadDim > 0 ? kHeadDim : head_dim;  // as in scores2
+  const int64_t D16 = (D + kLanes - 1) / kLanes * kLanes;
+  constexpr int kOrder[4] = {0, 2, 1, 3};
+  rf s02[4], s13[4], t2[4];  // per (group, key): as scores2x2's; t2: P[u] + P[u + 8]
+#pragma GCC unroll 1
+  for (int qi = 0; qi < 4; ++qi) {
+    const int u = kOrder[qi];
+#pragma GCC unroll 1
+    for (int a = 0; a <= 4; a += 4) {
+      rf acc[4][2] = {};  // [(group, key)][i]: partial sum u + a + 8 i
+      for (int64_t d0 = 0; d0 < D16; d0 += kLanes) {
+        const bool whole = d0 + kLanes <= D;
+#pragma GCC unroll 2
+        for (int i = 0; i < 2; ++i) {
+          const int64_t d = d0 + u + a + 8 * i;
+          rf q0 = qt0[d], q1 = qt1[d];
+          in_register(q0);
+          in_register(q1);
+          const rf x = splat_as<rf>(whole || d < D ? ka[d] : 0.f), y = splat_as<rf>(whole || d < D ? kb[d] : 0.f);
+          acc[0][i] = fma(q0, x, acc[0][i]);
+          acc[1][i] = fma(q0, y, acc[1][i]);
+          acc[2][i] = fma(q1, x, acc[2][i]);
+          acc[3][i] = fma(q1, y, acc[3][i]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        const rf t = acc[c][0] + acc[c][1];
+        if (a == 0) {
+          t2[c] = t;
+          continue;
+        }
+        const rf t4 = t2[c] + t;
+        if (qi == 0) s02[c] = t4;
+        else if (qi == 1) s02[c] = s02[c] + t4;
+        else if (qi == 2) s13[c] = t4;
+        else s13[c] = s13[c] + t4;
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c) out[c] = s02[c] + s13[c];
+}
+
 // Query rows of one KV head in vector lanes, walked over the same pages: an item's rows (token, head in group),
 // or a shared item's rows of several sequences over the pages they share. Up to kMaxLaneGroups groups of
 // kRowLanes rows.
-#if defined(__AVX512F__)
-constexpr int kMaxLaneGroups = 2;  // two groups share each K and V element loaded (scores2x2)
-#else
-constexpr int kMaxLaneGroups = 1;  // AVX's 16 registers hold one group's accumulators
-#endif
+constexpr int kMaxLaneGroups = 2;  // two groups share each K and V element loaded (scores2x2, scores2x2_eighths)
 struct LaneRows {
   int32_t kv_head;
   const float* q[kMaxLaneGroups * kRowLanes];  // the lane's q row; nullptr: padding (sees no key, gives nothing)
@@ -447,7 +507,9 @@ struct LaneRows {
 // and each K/V element loaded serves kRowLanes rows (kGroups x kRowLanes with two groups).
 template <int kHeadDim, int kGroups>  // kHeadDim: as run_item's
 void run_lanes(const Problem& p, const LaneRows& ln, const int32_t* seq_pages, int32_t begin, int32_t end) {
-  static_assert(kGroups == 1 || (kGroups == 2 && kRowLanes == 16));
+  static_assert(kGroups == 1 || kGroups == 2);
+  // P times V's output columns kept in registers at a time: 8 a group, or 4 with two groups of 8 lanes (AVX)
+  constexpr int64_t kCols = kGroups == 2 && kRowLanes == 8 ? 4 : 8;
   const int64_t D = kHeadDim > 0 ? kHeadDim : p.head_dim, ps = p.page_size;
   const int64_t combined = 2 * p.num_kv_heads;
   const int32_t h = ln.kv_head;
@@ -489,7 +551,8 @@ void run_lanes(const Problem& p, const LaneRows& ln, const int32_t* seq_pages, i
     if constexpr (kGroups == 2) {
       for (int32_t j = 0; j < n; j += 2) {
         rf o[4];
-        scores2x2<kHeadDim>(qt.data(), qt.data() + D16, key(j), key(j + 1), D, o);
+        if constexpr (kRowLanes == 16) scores2x2<kHeadDim>(qt.data(), qt.data() + D16, key(j), key(j + 1), D, o);
+        else scores2x2_eighths<kHeadDim>(qt.data(), qt.data() + D16, key(j), key(j + 1), D, o);
         sc[j] = o[0], sc[j + 1] = o[1], sc[sc_keys + j] = o[2], sc[sc_keys + j + 1] = o[3];
       }
     } else if constexpr (kRowLanes == 16) {
@@ -503,33 +566,33 @@ void run_lanes(const Problem& p, const LaneRows& ln, const int32_t* seq_pages, i
     rf alpha[kGroups];
     for (int g = 0; g < kGroups; ++g)
       alpha[g] = page_softmax(p, reinterpret_cast<float*>(&sc[g * sc_keys]), n, t0, pos[g], m[g], l[g]);
-    for (int64_t d0 = 0; d0 < D; d0 += 8) {  // 8 output columns at a time, kept in registers over the keys
-      const int64_t nd = std::min<int64_t>(8, D - d0);
-      rf a[kGroups][8];
+    for (int64_t d0 = 0; d0 < D; d0 += kCols) {  // kCols output columns at a time, kept in registers over the keys
+      const int64_t nd = std::min<int64_t>(kCols, D - d0);
+      rf a[kGroups][kCols];
 #pragma GCC unroll 2
       for (int g = 0; g < kGroups; ++g)
 #pragma GCC unroll 8
-        for (int u = 0; u < 8; ++u) a[g][u] = acc[g * D8 + d0 + u] * alpha[g];  // columns past D: never read out
-      auto keys = [&](auto whole) {  // whole: all 8 columns exist (no per-column test in the loop)
+        for (int u = 0; u < kCols; ++u) a[g][u] = acc[g * D8 + d0 + u] * alpha[g];  // columns past D: never read out
+      auto keys = [&](auto whole) {  // whole: all kCols columns exist (no per-column test in the loop)
         for (int32_t j = 0; j < n; ++j) {
           const float* v = base + (j * combined + 2 * h + 1) * D + d0;
           rf pj[kGroups];
 #pragma GCC unroll 2
           for (int g = 0; g < kGroups; ++g) pj[g] = sc[g * sc_keys + j];
 #pragma GCC unroll 8
-          for (int u = 0; u < 8; ++u) {
+          for (int u = 0; u < kCols; ++u) {
             const rf vu = splat_as<rf>(v[decltype(whole)::value || u < nd ? u : 0]);
 #pragma GCC unroll 2
             for (int g = 0; g < kGroups; ++g) a[g][u] = fma(pj[g], vu, a[g][u]);
           }
         }
       };
-      if (nd == 8) keys(std::true_type{});
+      if (nd == kCols) keys(std::true_type{});
       else keys(std::false_type{});
 #pragma GCC unroll 2
       for (int g = 0; g < kGroups; ++g)
 #pragma GCC unroll 8
-        for (int u = 0; u < 8; ++u) acc[g * D8 + d0 + u] = a[g][u];
+        for (int u = 0; u < kCols; ++u) acc[g * D8 + d0 + u] = a[g][u];
     }
   }
   for (int lane = 0; lane < kGroups * kRowLanes; ++lane) {
