@@ -395,6 +395,27 @@ inline rf page_softmax(const Problem& p, float* s, int32_t n, int32_t t0, ri pos
   return alpha;
 }
 
+// One column d of the scores of keys ka and kb for two groups of rows (q0, q1: their q column d): the four
+// multiply-adds into the partial sums a (group 0 key a, group 0 key b, group 1 key a, group 1 key b). `valid`: d < D
+// (past it the K element is 0, as q is).
+inline void fma2x2(rf q0, rf q1, const float* ka, const float* kb, int64_t d, bool valid, rf& a0, rf& a1, rf& a2,
+                   rf& a3) {
+  const rf x = splat_as<rf>(valid ? ka[d] : 0.f), y = splat_as<rf>(valid ? kb[d] : 0.f);
+  a0 = fma(q0, x, a0);
+  a1 = fma(q0, y, a1);
+  a2 = fma(q1, x, a2);
+  a3 = fma(q1, y, a3);
+}
+
+// Quarter qi's sum T4 (qi-th of the order 0, 2, 1, 3) into the two halves of a score's tree: T4[0] + T4[2] in s02,
+// T4[1] + T4[3] in s13.
+inline void add_quarter(int qi, rf t4, rf& s02, rf& s13) {
+  if (qi == 0) s02 = t4;
+  else if (qi == 1) s02 = s02 + t4;
+  else if (qi == 2) s13 = t4;
+  else s13 = s13 + t4;
+}
+
 // The scores of keys ka and kb for two groups of rows in lanes (qt0, qt1), in the fixed order (see the top), for
 // AVX-512's 32 registers: a quarter of each score's partial sums at a time, l in {u, u + 8, u + 4, u + 12} (as
 // scores3), which gives one of the tree's four sums after + 4, T4[u] = (P[u] + P[u + 8]) + (P[u + 4] + P[u + 12]);
@@ -415,21 +436,12 @@ inline void scores2x2(const rf* qt0, const rf* qt1, const float* ka, const float
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i) {
         const int64_t d = d0 + u + kQuarter[i];
-        const rf q0 = qt0[d], q1 = qt1[d];
-        const rf x = splat_as<rf>(whole || d < D ? ka[d] : 0.f), y = splat_as<rf>(whole || d < D ? kb[d] : 0.f);
-        a[0][i] = fma(q0, x, a[0][i]);
-        a[1][i] = fma(q0, y, a[1][i]);
-        a[2][i] = fma(q1, x, a[2][i]);
-        a[3][i] = fma(q1, y, a[3][i]);
+        fma2x2(qt0[d], qt1[d], ka, kb, d, whole || d < D, a[0][i], a[1][i], a[2][i], a[3][i]);
       }
     }
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
-      const rf t4 = (a[c][0] + a[c][1]) + (a[c][2] + a[c][3]);
-      if (qi == 0) s02[c] = t4;
-      else if (qi == 1) s02[c] = s02[c] + t4;
-      else if (qi == 2) s13[c] = t4;
-      else s13[c] = s13[c] + t4;
+      add_quarter(qi, (a[c][0] + a[c][1]) + (a[c][2] + a[c][3]), s02[c], s13[c]);
     }
   }
 #pragma GCC unroll 4
@@ -462,11 +474,7 @@ inline void scores2x2_eighths(const rf* qt0, const rf* qt1, const float* ka, con
           rf q0 = qt0[d], q1 = qt1[d];
           in_register(q0);
           in_register(q1);
-          const rf x = splat_as<rf>(whole || d < D ? ka[d] : 0.f), y = splat_as<rf>(whole || d < D ? kb[d] : 0.f);
-          acc[0][i] = fma(q0, x, acc[0][i]);
-          acc[1][i] = fma(q0, y, acc[1][i]);
-          acc[2][i] = fma(q1, x, acc[2][i]);
-          acc[3][i] = fma(q1, y, acc[3][i]);
+          fma2x2(q0, q1, ka, kb, d, whole || d < D, acc[0][i], acc[1][i], acc[2][i], acc[3][i]);
         }
       }
 #pragma GCC unroll 4
@@ -476,11 +484,7 @@ inline void scores2x2_eighths(const rf* qt0, const rf* qt1, const float* ka, con
           t2[c] = t;
           continue;
         }
-        const rf t4 = t2[c] + t;
-        if (qi == 0) s02[c] = t4;
-        else if (qi == 1) s02[c] = s02[c] + t4;
-        else if (qi == 2) s13[c] = t4;
-        else s13[c] = s13[c] + t4;
+        add_quarter(qi, t2[c] + t, s02[c], s13[c]);
       }
     }
   }
