@@ -63,11 +63,13 @@ def test_sample_does_not_depend_on_its_batch(checkpoint, preset, impl, count):
     prompts = varied_prompts(512, count=count, seed=5)  # 1 to 400 tokens
     settings = [SamplingConfig(max_new_tokens=10, temperature=0.0, seed=3),
                 SamplingConfig(max_new_tokens=10, temperature=0.8, top_p=0.9, top_k=50, seed=3)]
-    alone = Engine(path, EngineConfig(max_pages=64, max_seq_len=512, attention_impl=impl))
     engines = [Engine(path, config) for config in (
         EngineConfig(max_pages=200, max_seqs=16, max_seq_len=512, attention_impl=impl),
         EngineConfig(page_size=4, max_pages=150, max_seqs=3, max_seqs_in_prefill=2, max_prefill_size=64,
                      max_seq_len=512, attention_impl=impl))]  # each runs both settings, one after the other
+    # A prompt alone in its steps, under the first batching's settings: its steps are of other sizes than in a
+    # batch (its own length's bucket), and it compiles no programs of its own.
+    alone = Engine(path, engines[0].config)
     for sampling in settings:
         requests = [Request(f"q{i}", tuple(p), sampling) for i, p in enumerate(prompts)]
         reference = {r.prompt_id: alone.generate([r])[0].token_ids for r in requests[:8]}  # the 7 edge lengths too

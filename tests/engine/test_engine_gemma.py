@@ -35,11 +35,12 @@ def test_sample_does_not_depend_on_its_batch(gemma, impl):
     for sampling in (SamplingConfig(max_new_tokens=8, temperature=0.0, seed=3),
                      SamplingConfig(max_new_tokens=8, temperature=0.8, top_p=0.9, seed=3)):
         requests = [Request(f"q{i}", tuple(p), sampling) for i, p in enumerate(prompts)]
-        alone = Engine(gemma, EngineConfig(max_pages=64, max_seq_len=512, attention_impl=impl))
+        configs = (EngineConfig(max_pages=200, max_seqs=16, max_seq_len=512, attention_impl=impl),
+                   EngineConfig(page_size=4, max_pages=300, max_seqs=3, max_seqs_in_prefill=2, max_prefill_size=64,
+                                max_seq_len=512, attention_impl=impl))
+        alone = Engine(gemma, configs[0])  # alone in its steps, under the first batching's settings (its programs)
         reference = {r.prompt_id: c.token_ids for r in requests[:8] for c in alone.generate([r])}
-        for config in (EngineConfig(max_pages=200, max_seqs=16, max_seq_len=512, attention_impl=impl),
-                       EngineConfig(page_size=4, max_pages=300, max_seqs=3, max_seqs_in_prefill=2, max_prefill_size=64,
-                                    max_seq_len=512, attention_impl=impl)):
+        for config in configs:
             shuffled = list(requests)
             np.random.default_rng(1).shuffle(shuffled)
             got = {c.prompt_id: c.token_ids for c in Engine(gemma, config).generate(shuffled)}
@@ -54,10 +55,9 @@ def test_logprobs_do_not_depend_on_the_batch_at_one_page_size(gemma):
     prompts = varied_prompts(512, count=16, seed=5)
     sampling = SamplingConfig(max_new_tokens=8, temperature=0.0, seed=3, logprobs=True)
     requests = [Request(f"q{i}", tuple(p), sampling) for i, p in enumerate(prompts)]
-    alone = Engine(gemma, EngineConfig(max_pages=64, max_seq_len=512))
-    reference = {r.prompt_id: c.logprobs for r in requests[:4] for c in alone.generate([r])}
-    got = {c.prompt_id: c.logprobs
-           for c in Engine(gemma, EngineConfig(max_pages=200, max_seqs=16, max_seq_len=512)).generate(requests)}
+    config = EngineConfig(max_pages=200, max_seqs=16, max_seq_len=512)
+    reference = {r.prompt_id: c.logprobs for r in requests[:4] for c in Engine(gemma, config).generate([r])}
+    got = {c.prompt_id: c.logprobs for c in Engine(gemma, config).generate(requests)}
     assert {pid: got[pid] for pid in reference} == reference
 
 
