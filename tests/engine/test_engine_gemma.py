@@ -32,13 +32,13 @@ def test_sample_does_not_depend_on_its_batch(gemma, impl):
     """Prompts of 1 to 400 tokens, greedy and seeded: each alone, and shuffled in batches of other shapes and page
     sizes, draws the same tokens (as tests/engine/test_engine.py asserts for Llama)."""
     prompts = varied_prompts(512, count=16, seed=5)
+    configs = (EngineConfig(max_pages=200, max_seqs=16, max_seq_len=512, attention_impl=impl),
+               EngineConfig(page_size=4, max_pages=300, max_seqs=3, max_seqs_in_prefill=2, max_prefill_size=64,
+                            max_seq_len=512, attention_impl=impl))
+    alone = Engine(gemma, configs[0])  # alone in its steps, under the first batching's settings (its programs)
     for sampling in (SamplingConfig(max_new_tokens=8, temperature=0.0, seed=3),
                      SamplingConfig(max_new_tokens=8, temperature=0.8, top_p=0.9, seed=3)):
         requests = [Request(f"q{i}", tuple(p), sampling) for i, p in enumerate(prompts)]
-        configs = (EngineConfig(max_pages=200, max_seqs=16, max_seq_len=512, attention_impl=impl),
-                   EngineConfig(page_size=4, max_pages=300, max_seqs=3, max_seqs_in_prefill=2, max_prefill_size=64,
-                                max_seq_len=512, attention_impl=impl))
-        alone = Engine(gemma, configs[0])  # alone in its steps, under the first batching's settings (its programs)
         reference = {r.prompt_id: c.token_ids for r in requests[:8] for c in alone.generate([r])}
         for config in configs:
             shuffled = list(requests)

@@ -81,12 +81,13 @@ def test_a_tokens_logits_are_the_same_computed_in_a_prompt_or_decoded(runner):
 # XLA's expert matmuls (`reference`) on the case whose rounding shows a row count (256 wide) and on the family with a
 # shared expert in the default run; on the other families too under -m slow. The native kernels on every case.
 REFERENCE_DEFAULT = {"mixtral-256-wide", "qwen2_moe"}
+MOE_RUNNERS = [(case, impl) for case, (family, _) in CASES.items() if family in MOE_FAMILIES
+               for impl in ("cpu_kernel", "reference")]
 
 
-@pytest.fixture(scope="module", params=[
-    (case, impl) if impl == "cpu_kernel" or case in REFERENCE_DEFAULT else pytest.param((case, impl), marks=pytest.mark.slow)
-    for case, (family, _) in CASES.items() if family in MOE_FAMILIES for impl in ("cpu_kernel", "reference")],
-    ids=lambda p: "-".join(p))
+@pytest.fixture(scope="module", ids=lambda p: "-".join(p), params=[
+    p if p[1] == "cpu_kernel" or p[0] in REFERENCE_DEFAULT else pytest.param(p, marks=pytest.mark.slow)
+    for p in MOE_RUNNERS])
 def moe_runner(request, tmp_path_factory):
     """`runner` for the mixtures of experts only: they compute a generated token's experts in matmuls of another
     size than a prompt token's (engine/models/moe.py); a dense model computes both kinds alike. With the native CPU
