@@ -52,8 +52,9 @@ class CorpusConfig:
     shard_bytes: int = 16 * 2**20
     """Target bytes per shard read by one worker task (does not change the plan)."""
     in_process_bytes: int = 16 * 2**20
-    """A corpus of at most this many bytes (as stored) is read and tokenized in the head's own process rather than on
-    Ray Data, whose start-up takes seconds; 0: always Ray Data. The same code runs either way: the plan is the same."""
+    """A corpus of at most this many bytes (as stored) is read and tokenized in the head's own process rather than by
+    Ray tasks on the cluster's workers (which start Ray if it is not running, and load the tokenizer in each worker);
+    0: always on the cluster. The same code runs either way: the plan is the same."""
     window_rows: int = 1_000_000
     """Rows the head plans at a time, at most: it tokenizes, packs and writes the batches of one window of consecutive
     rows before the next, so its memory follows the window, not the corpus's size. Prompts pack (and share prefixes)

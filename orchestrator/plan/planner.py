@@ -34,7 +34,7 @@ from orchestrator.plan.model_source import (decoder_config, kv_groups, load_toke
 from orchestrator.plan.continuation import batch_samples
 from orchestrator.plan.packing import PackingLimits, bound_totals, pack, shareable_prompt_tokens
 from orchestrator.plan.report import PlanStats, PlanTally
-from orchestrator.plan.tokenized import (SUMMARY_COLUMNS, Assignment, InProcess, OnRayData, corpus_bytes, count,
+from orchestrator.plan.tokenized import (SUMMARY_COLUMNS, Assignment, InProcess, OnRay, corpus_bytes, count,
                                          tokenize)
 from orchestrator.plan.windows import LineSpool, SeenIds
 from orchestrator.plan.weights_identity import check_weights, weights_digest, weights_identity
@@ -141,7 +141,7 @@ def plan_locked(cfg: RunConfig) -> PlanResult:
     _refuse_foreign_outputs(run_dir, plan_fingerprint(prints))
     with ManifestLines() as batches:  # the batches' records as manifest lines, window after window
         try:
-            stats = _plan_into(cfg, run_dir, files, batches)
+            stats = _plan_into(cfg, run_dir, files, batches, prints["tokenizer"])
         except Exception as e:  # noqa: BLE001 - only a full disk is turned into its one line; the rest is re-raised
             full = disk_full(e, run_dir.root)
             if full is None:
@@ -203,11 +203,12 @@ def _nothing_accepted(stats: PlanStats, run_dir: RunDir, cfg: RunConfig) -> str:
             f"in {run_dir.rejected}")
 
 
-def _plan_into(cfg: RunConfig, run_dir: RunDir, files: list[str], batches: ManifestLines) -> PlanStats:
+def _plan_into(cfg: RunConfig, run_dir: RunDir, files: list[str], batches: ManifestLines,
+               tokenizer_print: str) -> PlanStats:
     """Count the corpus's rows, then plan it a window of rows at a time (window_rows): tokenize the window,
     reject its bad rows (and ids an earlier row holds), pack it, write its batch files, add its batches' records to
     `batches`, and let it go. Batches are numbered across windows in corpus order; what is kept from one window to the
-    next is bounded (PlanTally, SeenIds)."""
+    next is bounded (PlanTally, SeenIds). `tokenizer_print`: the tokenizer files' digest (tokenizer_fingerprint)."""
     limits = PackingLimits.resolve(cfg.packing, cfg.engine, cfg.sampling, kv_groups(cfg.model, cfg.engine))
     context = max_seq_len(cfg.model, cfg.engine)
     if run_dir.batches.exists():  # leftovers of an interrupted plan
@@ -242,8 +243,8 @@ def _plan_into(cfg: RunConfig, run_dir: RunDir, files: list[str], batches: Manif
         for w, start in enumerate(windows):
             end = min(start + window, num_rows)
             where = f" (window {w + 1}/{len(windows)}: rows {start:,}-{end - 1:,})" if len(windows) > 1 else ""
-            tokenized = tokenize(window_shards(shards, counts, start, end), tokenizer_args, workers)
-            phase(f"tokenizing{where} " + (f"on Ray Data ({workers} tokenizers)" if workers else "here"))
+            tokenized = tokenize(window_shards(shards, counts, start, end), tokenizer_args, tokenizer_print, workers)
+            phase(f"tokenizing{where} " + (f"on {workers} CPUs of the cluster" if workers else "here"))
             for record in _plan_window(tokenized, start, end, limits, run_dir, files, seen, tally, rejected_lines,
                                        phase, where, len(batches)):
                 hold(batches, record)
@@ -265,7 +266,7 @@ def window_rows(corpus: CorpusConfig, num_rows: int, stored_bytes: int) -> int:
     return max(1, min(corpus.window_rows, corpus.window_bytes * num_rows // max(1, stored_bytes)))
 
 
-def _plan_window(tokenized: InProcess | OnRayData, start: int, end: int, limits: PackingLimits, run_dir: RunDir,
+def _plan_window(tokenized: InProcess | OnRay, start: int, end: int, limits: PackingLimits, run_dir: RunDir,
                  files: list[str], seen: SeenIds, tally: PlanTally, rejected_lines: LineSpool, phase,
                  where: str, first_batch: int) -> list[BatchRecord]:
     """Plan rows [start, end) into batches first_batch, first_batch + 1, ...: their records."""

@@ -1,4 +1,4 @@
-"""Tokenizing the corpus: a Ray Data stage that reads shards and turns rows into token ids.
+"""Tokenizing the corpus: reading a shard and turning its rows into token ids (on a Ray worker, or in the head).
 
 Raw prompts (`corpus.text_field`) are encoded as the tokenizer does by default (its own special
 tokens, e.g. BOS). Chats (`corpus.messages_field`) are rendered with the tokenizer's chat template
@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import gc
 import itertools
-import json
 from contextlib import contextmanager
-from dataclasses import asdict
 
 import numpy as np
 import pyarrow as pa
@@ -82,12 +80,8 @@ def cycle_collector_paused():
             gc.enable()
 
 
-def shard_item(shard: Shard) -> dict[str, str]:
-    return {"shard": json.dumps(asdict(shard))}
-
-
 class PromptTokenizer:
-    """Ray Data stage (`map_batches`, one shard per call); the tokenizer is built once per worker."""
+    """Tokenizes shards (`tokenize_shard`); built once per process that tokenizes (tokenized.tokenize_on_worker)."""
 
     def __init__(self, model: ModelSourceConfig, corpus: CorpusConfig, limits: PackingLimits, max_seq_len: int,
                  vocab_size: int | None = None, sampling: SamplingConfig | None = None):
@@ -166,10 +160,6 @@ class PromptTokenizer:
         if (why := structured_error(self.tokenizer, self.vocab_size or len(self.tokenizer), sampling)) is not None:
             return "invalid_grammar", why
         return None
-
-    def __call__(self, batch: dict[str, np.ndarray]) -> pa.Table:
-        tables = [self.tokenize_shard(Shard(**json.loads(s))) for s in batch["shard"]]
-        return pa.concat_tables(tables) if tables else SCHEMA.empty_table()
 
     def parse(self, raw: RawRow) -> tuple[Prompt | Rejection, list | Rejection | None, str | None, dict]:
         """A row as read: (its prompt, or why it cannot run; a scored row's continuations (row_continuations), None

@@ -1,11 +1,13 @@
-"""The tokenized corpus, where planning keeps it: in this process for a small corpus, on Ray Data for a large one.
+"""The tokenized corpus, where planning keeps it: in this process for a small corpus, on the cluster for a large one.
 
 Both run the same code on the same shards (`count_rows`, `PromptTokenizer.tokenize_shard`, `assign_batches`,
-`write_grouped`), so a plan does not depend on where it was made; only the place and the start-up differ. Ray Data
-starts an actor pool (a tokenizer per free CPU) and loads the tokenizer in each actor (seconds before the first
-row); Ray tasks then write the batch files, each over a range of batches; a corpus of at most
-`corpus.in_process_bytes` is read, tokenized and grouped into batch files by the head itself instead, which holds
-its token ids (a few bytes per corpus byte) for the length of a window.
+`write_grouped`), so a plan does not depend on where it was made; only the place and the start-up differ. On the
+cluster, plain Ray tasks tokenize a shard each on the worker processes Ray keeps started (each loads the tokenizer
+once, at its first shard), then others write the batch files, each over a range of batches. Not Ray Data: its
+actor pool booted new processes for every window (~3.5-5 s of a 1M-row window's ~70 on 2 cores, and the workers it
+displaced booted again for the summaries). A corpus of at most `corpus.in_process_bytes` is read, tokenized and
+grouped into batch files by the head itself instead, which holds its token ids (a few bytes per corpus byte) for
+the length of a window.
 
 Either way the corpus is counted first (every shard's rows), then planned a window of `corpus.window_rows` rows at a
 time (planner.py): each window is tokenized, packed and written, then released.
@@ -13,7 +15,7 @@ time (planner.py): each window is tokenized, packed and written, then released.
 
 from __future__ import annotations
 
-import warnings
+import pickle
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -21,10 +23,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from orchestrator.observe.ray_noise import quiet_ray_data
 from orchestrator.plan.corpus import Shard, count_rows, number_shards
 from orchestrator.plan.inline import array_pieces, from_pieces, table_pieces
-from orchestrator.plan.tokenize import SCHEMA, PromptTokenizer, shard_item
+from orchestrator.plan.tokenize import SCHEMA, PromptTokenizer
 from orchestrator.slices.cluster import ClusterConfig, ensure_ray
 from orchestrator.state.faults import crash_point
 from orchestrator.state.manifest import batch_id
@@ -137,48 +138,54 @@ def split_by_batch(table: pa.Table, assignment: Assignment, bounds: np.ndarray) 
 
 
 @dataclass
-class OnRayData:
-    """A planning window's tokenized rows as a materialized Ray Data dataset, spread over the cluster's object
-    stores. What crosses to and from the head goes in inline pieces (inline.py): the head maps no page of the object
-    store."""
+class OnRay:
+    """A planning window's tokenized rows as Ray objects, a table per shard, spread over the cluster's object stores.
+    What crosses to and from the head goes in inline pieces (inline.py): the head maps no page of the object store."""
 
-    dataset: object
+    blocks: list
+    """Each shard's table (an object ref), in shard order."""
     workers: int
-    blocks: list = field(default_factory=list)
-    """The dataset's block refs, in the order `summaries` read them."""
     row_ranges: list[tuple[int, int]] = field(default_factory=list)
-    """Each block's first row and the row after its last (0, 0 for an empty one)."""
+    """Each block's first row and the row after its last (0, 0 for an empty one), once `summaries` has read them."""
 
     @classmethod
-    def tokenize(cls, shards: list[Shard], tokenizer_args: tuple, workers: int) -> OnRayData:
+    def tokenize(cls, shards: list[Shard], tokenizer_args: tuple, tokenizer_print: str, workers: int) -> OnRay:
+        """A task a shard (`tokenize_on_worker`), on the workers Ray keeps started, until every shard is done; a
+        shard's error is raised here."""
         import ray
 
         if not shards:
-            return cls(None, workers)
-        with warnings.catch_warnings():  # max_restarts has no named parameter in map_batches (Ray 2.60)
-            warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
-            dataset = ray.data.from_items([shard_item(s) for s in shards], override_num_blocks=len(shards)).map_batches(
-                PromptTokenizer, fn_constructor_args=tokenizer_args,
-                batch_size=1, compute=ray.data.ActorPoolStrategy(size=max(1, min(len(shards), workers))),
-                batch_format="numpy",
-                # No actor restarts: Ray Data hands its actors their arguments as object refs, which a restart may
-                # not recover (Ray says so in an E-level core_worker line on every plan). A lost tokenizer fails the
-                # plan, and rerunning plans afresh.
-                max_restarts=0,
-            ).materialize()
-        return cls(dataset, workers)
+            return cls([], workers)
+        args = ray.put(pickle.dumps((tokenizer_args, tokenizer_print)))
+        task = ray.remote(num_cpus=1, num_returns=2)(tokenize_on_worker)
+        tables, rows = zip(*[task.remote(s, args) for s in shards])
+        try:
+            ray.get(list(rows))
+        except ray.exceptions.RayTaskError as e:
+            for table in tables:  # the plan has failed: the shards still to do are not needed
+                ray.cancel(table)
+            ray.wait(list(rows), num_returns=len(rows))
+            failed = (ray.exceptions.RayTaskError, ray.exceptions.TaskCancelledError)
+            for table, count in zip(tables, rows):  # a failed task's table holds its error too: read it, or Ray
+                try:  # reports it as an error nobody handled
+                    ray.get(count)
+                except failed:
+                    try:
+                        ray.get(table)
+                    except failed:
+                        pass
+            # The shard's own error (a corpus file gone, unreadable): its message, not Ray's traceback text
+            raise (e.cause if isinstance(e.cause, Exception) else e) from e
+        return cls(list(tables), workers)
 
     def release(self) -> None:
         """Free the window's blocks in the object store before the next window is tokenized."""
-        self.dataset, self.blocks = None, []
+        self.blocks = []
 
     def summaries(self) -> list[pa.Table]:
         """The window's summaries, a table per block, read in pieces by a task per block."""
         import ray
 
-        if self.dataset is None:
-            return []
-        self.blocks = list(self.dataset.to_arrow_refs())
         read = ray.remote(num_cpus=1, num_returns="streaming")(summary_pieces)
         tables = [from_pieces([ray.get(piece) for piece in pieces], SUMMARY_SCHEMA)
                   for pieces in [read.remote(block) for block in self.blocks]]
@@ -214,6 +221,22 @@ class OnRayData:
 
 SUMMARY_SCHEMA = pa.schema([SCHEMA.field(c) for c in SUMMARY_COLUMNS])
 
+_TOKENIZER: dict[bytes, PromptTokenizer] = {}
+"""This worker process's tokenizer, by the pickled (arguments, tokenizer files' digest) it was built from: a plan
+after the files changed in place builds another. One at a time."""
+
+
+def tokenize_on_worker(shard: Shard, tokenizer_args: bytes) -> tuple[pa.Table, int]:
+    """A Ray task: (`shard` tokenized, its rows). The worker's PromptTokenizer is built by its first shard and kept for
+    the next (a worker runs many; building one reads the tokenizer's files). `tokenizer_args`: the pickled
+    (PromptTokenizer's arguments, the tokenizer files' digest)."""
+    tokenizer = _TOKENIZER.get(tokenizer_args)
+    if tokenizer is None:
+        _TOKENIZER.clear()
+        tokenizer = _TOKENIZER[tokenizer_args] = PromptTokenizer(*pickle.loads(tokenizer_args)[0])
+    table = tokenizer.tokenize_shard(shard)
+    return table, table.num_rows
+
 
 def summary_pieces(block: pa.Table) -> Iterator[bytes]:
     """A tokenized block's summaries, in inline pieces (a Ray streaming task)."""
@@ -232,8 +255,8 @@ def split_block(block: pa.Table, bounds: np.ndarray, first_row: int, id_bound: i
 
 def free_cpus() -> int:
     """The CPUs free in the Ray cluster now. Read while nothing of the plan runs: just after tasks end Ray's
-    count of free resources lags (it reads no CPUs at all for a moment), and a pool sized from it would be one
-    tokenizer on a cluster of many CPUs; the cluster's total stands in when the count has no CPU entry."""
+    count of free resources lags (it reads no CPUs at all for a moment), and a plan sized from it would see one
+    CPU on a cluster of many; the cluster's total stands in when the count has no CPU entry."""
     import ray
 
     free = ray.available_resources().get("CPU")
@@ -241,8 +264,8 @@ def free_cpus() -> int:
 
 
 def count(shards: list[Shard], cluster: ClusterConfig, in_process: bool) -> tuple[list[Shard], list[tuple[int, int]], int]:
-    """Each shard numbered (its first row and line), each shard's (rows, lines), and how many tokenizers a window
-    gets on Ray Data (0 in process): the CPUs free before the counting tasks take any, read once for the whole plan
+    """Each shard numbered (its first row and line), each shard's (rows, lines), and how many shards the cluster
+    tokenizes at once (0 in process): the CPUs free before the counting tasks take any, read once for the whole plan
     (see free_cpus)."""
     if in_process:
         counts = [count_rows(s) for s in shards]
@@ -252,19 +275,13 @@ def count(shards: list[Shard], cluster: ClusterConfig, in_process: bool) -> tupl
     ensure_ray(cluster)
     workers = max(1, min(len(shards), free_cpus()))
     remote_count = ray.remote(num_cpus=1)(count_rows)
-    counting = [remote_count.remote(s) for s in shards]
-    from ray.data import DataContext  # imported while the shards are counted (~0.5 s in a fresh head)
-
-    quiet_ray_data()
-    data_context = DataContext.get_current()
-    data_context.enable_progress_bars = False  # the capacity report is the output; phases are logged
-    data_context.print_on_execution_start = False
-    counts = ray.get(counting)
+    counts = ray.get([remote_count.remote(s) for s in shards])
     return number_shards(shards, counts), counts, workers
 
 
-def tokenize(shards: list[Shard], tokenizer_args: tuple, workers: int) -> InProcess | OnRayData:
-    """A window's shards (corpus.window_shards) tokenized here (`workers` 0) or on Ray Data."""
+def tokenize(shards: list[Shard], tokenizer_args: tuple, tokenizer_print: str, workers: int) -> InProcess | OnRay:
+    """A window's shards (corpus.window_shards) tokenized here (`workers` 0) or on the cluster's Ray workers, by a
+    PromptTokenizer(*tokenizer_args) of the tokenizer files whose digest is `tokenizer_print`."""
     if not workers:
         return InProcess.tokenize(shards, tokenizer_args)
-    return OnRayData.tokenize(shards, tokenizer_args, workers)
+    return OnRay.tokenize(shards, tokenizer_args, tokenizer_print, workers)

@@ -14,7 +14,7 @@ class DiskFull(OSError):
 
 
 def disk_full(e: BaseException, where: str | Path) -> DiskFull | None:
-    """A DiskFull for an out-of-space error `e` or one it wraps (a Ray task's or Ray Data's error carries the
+    """A DiskFull for an out-of-space error `e` or one it wraps (a Ray task's error carries the
     worker's OSError as its cause), None for any other error."""
     seen: set[int] = set()
     while e is not None and id(e) not in seen:

@@ -4,7 +4,7 @@
 Points: planned, dispatched, output_tmp (a batch's outputs written to the temporary file, not yet renamed),
 output_written, manifest_tmp (the new batches.jsonl written, not yet renamed), manifest_written; and in a slice's
 process, slice_start (as it starts: the slice dies before loading anything; the head passes the variable on);
-batch_file (planning writes a batch file: in the head, or in a Ray Data worker, which sees the variable when
+batch_file (planning writes a batch file: in the head, or in a Ray worker, which sees the variable when
 the head started its Ray); window_planned (planning has written a window's batch files, before the next window).
 
 `PAGEFLEET_DISK_FULL_AT=name[:k]` instead raises the OSError(ENOSPC) a full disk gives, there.

@@ -1,4 +1,4 @@
-"""A small corpus is planned in the head's own process, a large one on Ray Data: the same code on the same shards,
+"""A small corpus is planned in the head's own process, a large one by Ray tasks on the cluster: the same code on the same shards,
 so the plan is the same either way (batch files, manifest, rejections), byte for byte, window by window."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def _plan_of(run_dir: Path) -> dict[str, object]:
             "rejected": (run_dir / "rejected.jsonl").read_text()}
 
 
-def test_a_plan_made_here_equals_the_plan_made_on_ray_data(tiny_model, tmp_path, monkeypatch, ray_local):
+def test_a_plan_made_here_equals_the_plan_made_on_the_cluster(tiny_model, tmp_path, monkeypatch, ray_local):
     corpus = tmp_path / "corpus.jsonl"
     _corpus(corpus)
     where, made = [], []
@@ -60,11 +60,11 @@ def test_a_plan_made_here_equals_the_plan_made_on_ray_data(tiny_model, tmp_path,
     assert results["here"] == results["ray"]
 
 
-@pytest.mark.parametrize("in_process_bytes", [2**20, pytest.param(0, marks=pytest.mark.slow)], ids=["here", "ray-data"])
+@pytest.mark.parametrize("in_process_bytes", [2**20, pytest.param(0, marks=pytest.mark.slow)], ids=["here", "cluster"])
 def test_a_full_disk_while_planning_is_one_line_naming_the_file_and_a_rerun_plans(tiny_model, tmp_path,
                                                                                   in_process_bytes):
-    """A full disk while a batch file is written: in the head, or in a Ray Data worker, whose error came back as
-    Ray's HashShuffle traceback and `internal error`."""
+    """A full disk while a batch file is written: in the head, or in a Ray worker (whose error, under Ray Data, came
+    back as Ray's HashShuffle traceback and `internal error`)."""
     corpus = tmp_path / "corpus.jsonl"
     _corpus(corpus)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "RAY_AUTH_MODE": "disabled",
@@ -83,3 +83,46 @@ def test_a_full_disk_while_planning_is_one_line_naming_the_file_and_a_rerun_plan
     env.pop("PAGEFLEET_DISK_FULL_AT")
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_shard_that_fails_on_the_cluster_fails_the_plan_with_its_own_error_once(tiny_model, tmp_path, monkeypatch,
+                                                                                  ray_local):
+    """A corpus file gone between counting and tokenizing: the plan raises the worker's own FileNotFoundError (one line
+    naming the file, as the command prints it), and Ray prints no error of its own for the tasks' other results."""
+    import gc
+    import logging
+    import time
+
+    from orchestrator.plan import planner
+
+    for name in ("a", "b"):
+        (tmp_path / "corpus").mkdir(exist_ok=True)
+        (tmp_path / "corpus" / f"{name}.jsonl").write_text("".join(
+            json.dumps({"id": f"{name}{i}", "prompt": "word " * (1 + i % 9)}) + "\n" for i in range(40)))
+    real = planner.count
+
+    def count_then_lose_a_file(*args):
+        counted = real(*args)
+        (tmp_path / "corpus" / "b.jsonl").unlink()
+        return counted
+
+    monkeypatch.setattr(planner, "count", count_then_lose_a_file)
+    cfg = load_run_config(None, [f"--run_dir={tmp_path / 'run'}", f"--corpus.path={tmp_path / 'corpus'}",
+                                 f"--model.path={tiny_model}", "--engine.max_seqs=4", "--engine.max_pages=64",
+                                 "--engine.page_size=4", "--sampling.max_new_tokens=4", "--corpus.shard_bytes=400",
+                                 "--corpus.in_process_bytes=0"])
+    reported = []
+    handler = logging.Handler()
+    handler.emit = lambda record: reported.append(record.getMessage())
+    ray_worker = logging.getLogger("ray._private.worker")  # where Ray reports an error nobody read
+    ray_worker.addHandler(handler)
+    try:
+        with pytest.raises(FileNotFoundError) as e:
+            plan(cfg)
+        assert "b.jsonl" in str(e.value) and "\n" not in str(e.value), str(e.value)
+        del e
+        gc.collect()
+        time.sleep(2)  # reported when the last reference to the error goes
+    finally:
+        ray_worker.removeHandler(handler)
+    assert not [m for m in reported if "Unhandled error" in m], reported

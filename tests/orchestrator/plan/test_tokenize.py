@@ -217,3 +217,28 @@ def test_a_shards_ids_are_checked_against_the_vocabulary_row_by_row(tiny_model, 
         assert row["reason"] == ("out_of_vocabulary" if out else None), row
         assert row["token_ids"] == ([] if out else expected)
         assert row["num_tokens"] == len(expected)
+
+
+def test_a_worker_builds_its_tokenizer_once_for_every_shard_of_a_plan(tiny_model, tmp_path, monkeypatch):
+    """The task that tokenizes a shard on a Ray worker keeps the worker's tokenizer for the next shard (loading one
+    reads its files: ~0.6 s), and builds another for other settings or other tokenizer files."""
+    import pickle
+
+    from orchestrator.plan import tokenized
+
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"id": f"p{i}", "prompt": "hello world " * (1 + i)}) + "\n" for i in range(4)))
+    shard = Shard(str(path), "jsonl", 0, path.stat().st_size)
+    built = []
+    monkeypatch.setattr(tokenized, "PromptTokenizer", lambda *args: built.append(args) or PromptTokenizer(*args))
+    monkeypatch.setattr(tokenized, "_TOKENIZER", {})
+    limits = PackingLimits.resolve(PackingConfig(), EngineConfig(max_pages=1024), SamplingConfig(max_new_tokens=16))
+    args = pickle.dumps(((ModelSourceConfig(path=tiny_model), CorpusConfig(), limits, 64), "digest"))
+    tables = [tokenized.tokenize_on_worker(shard, args) for _ in range(3)]
+    assert len(built) == 1 and all(t.equals(tables[0][0]) and rows == 4 for t, rows in tables)
+    other = pickle.dumps(((ModelSourceConfig(path=tiny_model), CorpusConfig(), limits, 32), "digest"))
+    tokenized.tokenize_on_worker(shard, other)
+    assert len(built) == 2 and len(tokenized._TOKENIZER) == 1  # one tokenizer held at a time
+    edited = pickle.dumps(((ModelSourceConfig(path=tiny_model), CorpusConfig(), limits, 32), "files changed"))
+    tokenized.tokenize_on_worker(shard, edited)
+    assert len(built) == 3  # the same settings, but the tokenizer's files changed since

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -186,19 +187,40 @@ def _shared_memory_kib() -> int:
     raise AssertionError("no RssShmem in /proc/self/status")
 
 
-def test_a_plan_on_ray_data_maps_no_object_store_pages_in_the_head(tiny_model, tmp_path, ray_local):
+def test_a_plan_on_the_cluster_maps_no_object_store_pages_in_the_head_and_boots_no_process(tiny_model, tmp_path,
+                                                                                           ray_local):
     """The head reads each window's summaries and sends its rows' batches in pieces Ray passes inline: it maps no page
-    of the object store, whose pages (placed anew every window) added up in its RSS to as much as the store holds."""
+    of the object store, whose pages (placed anew every window) added up in its RSS to as much as the store holds.
+    And every task of the plan runs on the worker processes Ray keeps started, one a CPU: Ray Data's tokenizer actors
+    booted processes of their own every window (seconds each on 2 cores)."""
+    started = time.time()
     rows = 20_000
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"id": f"p{i}", "prompt": "alpha beta " * (1 + i % 9)}) + "\n"
                               for i in range(rows)))
     args = [*_args(tiny_model, corpus, tmp_path / "run", 6_000), "--corpus.shard_bytes=100000",
-            "--corpus.in_process_bytes=0"]  # on Ray Data: four windows, several blocks each
+            "--corpus.in_process_bytes=0"]  # on the cluster: four windows, several blocks each
     before = _shared_memory_kib()
     result = plan(load_run_config(None, args))
     grown = _shared_memory_kib() - before
     placed, reasons, _ = _rows_of(tmp_path / "run")
     assert sorted(placed) == list(range(rows)) and not reasons and result.stats.num_batches > 100
-    # The summaries alone are ~1.5 MiB; what Ray Data itself puts (the shards' names) is a few pages.
+    # The summaries alone are ~1.5 MiB; what Ray itself puts (the shards' names, the tokenizer's settings) is a few
+    # pages.
     assert grown < 256, f"the head mapped {grown} KiB of shared memory while planning"
+    workers = _plan_workers(ray_local, started, windows=4)
+    assert len(workers) <= 2, f"the plan's tasks ran in {len(workers)} processes on 2 CPUs: {sorted(workers)}"
+
+
+def _plan_workers(ray, since: float, windows: int) -> set[str]:
+    """The worker processes that ran the plan's tasks and actors since `since` (time.time()), read from Ray's timeline
+    once it holds every window's last tasks, those that cut its blocks by batch (its events come every second or so)."""
+    deadline = time.time() + 30
+    while True:
+        events = [e for e in ray.timeline() if e.get("ph") == "X" and e["ts"] >= since * 1e6]
+        names = [e["name"] for e in events]
+        if sum(n.endswith("split_block") for n in names) >= windows or time.time() > deadline:
+            break
+        time.sleep(1)
+    assert sum(n.endswith("split_block") for n in names) >= windows, sorted(set(names))
+    return {e["tid"] for e in events if str(e.get("tid", "")).startswith("worker:")}

@@ -453,7 +453,7 @@ def test_sigterm_before_the_slices_start_is_a_clean_interrupt(tmp_path, run_mode
     """`ray job stop` while the head plans: the command's one line and exit 130, not a stack dump."""
     from orchestrator.run import driver
 
-    def plan_then_get_stopped(cfg):  # planning is where SIGTERM arrives (Ray Data tokenizing)
+    def plan_then_get_stopped(cfg):  # planning is where SIGTERM arrives (Ray tasks tokenizing)
         os.kill(os.getpid(), signal.SIGTERM)
         raise AssertionError("SIGTERM did not stop planning")
 

@@ -58,7 +58,7 @@ def _no_constant(name: str):
 
 
 def one_line(err: str, *needles: str) -> str:
-    """The stderr line naming every needle (a fault is one line, not a traceback). Ray Data's logger may still
+    """The stderr line naming every needle (a fault is one line, not a traceback). Ray's loggers may still
     hold an earlier test's captured stderr, and its complaint about that closed stream is not ours: skipped."""
     err = re.sub(r"--- Logging error ---.*?\nArguments: [^\n]*\n", "", err, flags=re.DOTALL)
     assert "Traceback" not in err, err
