@@ -1,5 +1,5 @@
-"""A small corpus is planned in the head's own process, a large one by Ray tasks on the cluster: the same code on the same shards,
-so the plan is the same either way (batch files, manifest, rejections), byte for byte, window by window."""
+"""A small corpus is planned in the head's own process, a large one by Ray tasks on the cluster: the same code on the
+same shards, so the plan is the same either way (batch files, manifest, rejections), byte for byte, window by window."""
 
 from __future__ import annotations
 
