@@ -14,8 +14,9 @@ never stops transformers, and the engine's early stops are counted, not hidden).
    run left behind (every later job; `pagefleet generate` keeps them in ~/.cache/pagefleet/xla by default);
    both ratios are printed, and the kernel build's own time;
 2. steady state in process (start-up and compile excluded): the engine's second `generate` call in
-   this process (compile cache off here, so the first call's compile time is real), and transformers'
-   own `generate` time inside its subprocess;
+   this process (compile cache off here, so the first call's compile time is real; every call ends with a
+   reset, so the second computes every prompt token again rather than reading the first's pages from the prefix
+   cache), and transformers' own `generate` time inside its subprocess;
 3. the engine's model FLOP/s on real tokens (no padding, no recompute) over its steady `generate`
    wall time, as a fraction of the float32 matmul peak measured in this run, before the whole-process runs
    and again after the in-process ones, the higher of the two (acceptance: >= 0.45);
@@ -194,15 +195,21 @@ def engine_in_process(model: Path, prompts: list[list[int]], new_tokens: int, ma
     sampling = SamplingConfig(max_new_tokens=new_tokens, temperature=0.0)
     requests = [Request(str(i), tuple(p), sampling) for i, p in enumerate(prompts)]
     # A tiny first call compiles the smallest buckets and pays the process's one-off costs before timing.
+    # Every call ends with a reset: the next one finds no page of this one's prompts in the prefix cache, so the
+    # warm call computes every prompt token as the cold one does (it only skips compiling).
     t = time.perf_counter()
-    engine.generate([Request("warmup", tuple(prompts[0][:16]), dataclasses.replace(sampling, max_new_tokens=2))])
+    engine.generate([Request("warmup", tuple(prompts[0][:16]), dataclasses.replace(sampling, max_new_tokens=2))],
+                    reset=True)
     first_call_s = time.perf_counter() - t
     runs = []
     for _ in range(2):  # cold (compiles), then warm
         records.clear()  # engine.stats start afresh with each generate call
         t = time.perf_counter()
-        done = engine.generate(requests)
+        done = engine.generate(requests, reset=True)
         wall = time.perf_counter() - t
+        if engine.stats.prefix_cache_hit_tokens:  # the model FLOPs below count every prompt token as computed
+            raise SystemExit(f"the timed call read {engine.stats.prefix_cache_hit_tokens} prompt tokens from the "
+                             "prefix cache; its figures would count work it did not do")
         runs.append(dict(wall_s=wall, steps_s=sum(engine.stats.step_s), records=list(records),
                          summary=engine.stats.summary(cfg.max_seqs), tokens={c.prompt_id: c.token_ids for c in done}))
     return dict(load_s=load_s, first_call_s=first_call_s, cold=runs[0], warm=runs[1], config=cfg)
