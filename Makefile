@@ -24,7 +24,8 @@ demo: $(STAMP)
 	JAX_PLATFORMS=cpu $(VENV)/bin/pagefleet run configs/demo.yaml
 
 # Two pytest workers (pytest-xdist): much of a test's time is waiting (Ray start-up, subprocesses, compiling on one
-# thread), so two share two cores well: 43 -> 31-34 minutes on a 2-core AVX2 machine. PYTEST_WORKERS=0: one process.
+# thread), so two share two cores well: 43 -> 31-34 minutes on a 2-core AVX2 machine (25 minutes since). Three are
+# slower there (27 against 25 minutes, more CPU time in all). PYTEST_WORKERS=0: one process.
 PYTEST_WORKERS ?= 2
 test: $(STAMP)
 	JAX_PLATFORMS=cpu $(VENV)/bin/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
