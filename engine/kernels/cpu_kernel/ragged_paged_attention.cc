@@ -31,6 +31,9 @@
 // On a CPU with AVX2 but no AVX-512 (16 vector registers of 8 floats), every loop keeps its live vectors
 // within 16 registers: a 16-lane vector there is two registers, and loops sized for AVX-512's 32 spilled to
 // the stack on every multiply-add (prefill attention ran at about 8 GFLOP/s on two AMD EPYC cores; now ~45).
+// There, with two loads a cycle, the loops are limited by their loads as much as by their multiply-adds: P times
+// V keeps each key's probabilities in registers (fma_regs), a prompt's rows move into lanes by 8 x 8 transposes,
+// and a page that every row sees whole skips the softmax's masks (~70 GFLOP/s on the same cores, same bits).
 //
 // Decoding sequences whose first pages are the same physical pages (a prefix cache hit: a few-shot block, the n
 // samples of one prompt) walk those pages together, in shared items: the rows of several sequences in vector lanes
@@ -153,6 +156,17 @@ inline V fma(V a, V b, V c) {
   for (int i = 0; i < n; ++i) r[i] = std::fma(a[i], b[i], c[i]);
   return r;
 }
+// fma with every operand in a register, for an operand reused by several multiply-adds: GCC folds such a load into
+// each multiply-add that reads it (one load per multiply-add), and with AVX's two loads a cycle, loops that read
+// a broadcast for every two multiply-adds then wait on their loads. The same instruction, so the same bits.
+inline rf fma_regs(rf a, rf b, rf c) {
+#if defined(__FMA__) && !defined(__AVX512F__)
+  asm("vfmadd231ps %2, %1, %0" : "+x"(c) : "x"(a), "x"(b));
+  return c;
+#else
+  return fma(a, b, c);
+#endif
+}
 template <class I = ri>
 inline I splat_ri(int32_t x) {  // (a broadcast)
   if constexpr (sizeof(I) == 8 * sizeof(int32_t)) return I{x, x, x, x, x, x, x, x};
@@ -273,8 +287,23 @@ inline V vexp(V x) {
   x = x < splat_as<V>(-87.3f) ? splat_as<V>(-87.3f) : x;
   x = x > splat_as<V>(88.3f) ? splat_as<V>(88.3f) : x;
   const V fx = x * 1.44269504088896341f + 0.5f;
-  V n = __builtin_convertvector(__builtin_convertvector(fx, I), V);
-  n = n > fx ? n - 1.f : n;  // floor
+  V n;  // floor(fx): truncated, less one where that rounded up (the round instruction gives the same value)
+#if defined(__AVX512F__)
+  if constexpr (Lanes<V>::n == 16) {
+    const __m512 f = _mm512_roundscale_ps(reinterpret_cast<__m512>(fx), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    n = reinterpret_cast<const V&>(f);
+  } else
+#endif
+#if defined(__AVX__)
+  if constexpr (Lanes<V>::n == 8) {
+    const __m256 f = _mm256_floor_ps(reinterpret_cast<__m256>(fx));
+    n = reinterpret_cast<const V&>(f);
+  } else
+#endif
+  {
+    n = __builtin_convertvector(__builtin_convertvector(fx, I), V);
+    n = n > fx ? n - 1.f : n;
+  }
   x = x - n * 0.693359375f + n * 2.12194440e-4f;
   V y = splat_as<V>(1.9875691500e-4f);
   y = y * x + 1.3981999507e-3f;
@@ -365,31 +394,53 @@ inline void scores3(const rf* qt, const float* const* k, int64_t head_dim, rf* o
 // row's position or outside its window) in place, then replaced by their probabilities exp(score - max) (0 where
 // masked), summed in key order. The rows' running max `m` and sum `l` move on; returns the factor that rescales
 // what the rows summed before this page.
-inline rf page_softmax(const Problem& p, float* s, int32_t n, int32_t t0, ri pos, rf& m, rf& l) {
+// The lowest and highest position of a group's rows (pos: kRowLanes of them), for page_softmax's `whole`.
+struct PosRange {
+  int32_t lo, hi;
+};
+inline PosRange pos_range(const int32_t* pos) {
+  PosRange r{pos[0], pos[0]};
+  for (int k = 1; k < kRowLanes; ++k) r.lo = std::min(r.lo, pos[k]), r.hi = std::max(r.hi, pos[k]);
+  return r;
+}
+
+// (`rows`: the range of `pos`.) A page that every row sees whole (all its keys at or before each row's position, and
+// inside its window) is not masked: its masks would select every lane. Padding rows (position -1) keep the masks.
+inline rf page_softmax(const Problem& p, float* s, int32_t n, int32_t t0, ri pos, PosRange rows, rf& m, rf& l) {
   auto visible = [&](int32_t j) {
     const ri key = splat_ri(t0 + j);
     ri seen = key <= pos;
     if (p.window > 0) seen &= (pos - key) < splat_ri(p.window);
     return seen;
   };
+  const bool whole = t0 + n - 1 <= rows.lo && (p.window <= 0 || rows.hi - t0 < p.window);
   rf mx = m;
-  for (int32_t j = 0; j < n; ++j) {
-    rf v;
-    std::memcpy(&v, &s[j * kRowLanes], sizeof(v));
-    if (p.soft_cap > 0.f) v = soft_cap_scores(v, p.soft_cap);
-    v = visible(j) ? v : splat_as<rf>(kMasked);
-    std::memcpy(&s[j * kRowLanes], &v, sizeof(v));
-    mx = mx > v ? mx : v;
-  }
+  auto max_pass = [&](auto masked) {
+    for (int32_t j = 0; j < n; ++j) {
+      rf v;
+      std::memcpy(&v, &s[j * kRowLanes], sizeof(v));
+      if (p.soft_cap > 0.f) v = soft_cap_scores(v, p.soft_cap);
+      if constexpr (decltype(masked)::value) v = visible(j) ? v : splat_as<rf>(kMasked);
+      std::memcpy(&s[j * kRowLanes], &v, sizeof(v));
+      mx = mx > v ? mx : v;
+    }
+  };
+  if (whole) max_pass(std::false_type{});
+  else max_pass(std::true_type{});
   const rf alpha = vexp(m - mx);
   rf sum = rf{};
-  for (int32_t j = 0; j < n; ++j) {
-    rf v;
-    std::memcpy(&v, &s[j * kRowLanes], sizeof(v));
-    v = visible(j) ? vexp(v - mx) : rf{};
-    std::memcpy(&s[j * kRowLanes], &v, sizeof(v));
-    sum = sum + v;
-  }
+  auto exp_pass = [&](auto masked) {
+    for (int32_t j = 0; j < n; ++j) {
+      rf v;
+      std::memcpy(&v, &s[j * kRowLanes], sizeof(v));
+      if constexpr (decltype(masked)::value) v = visible(j) ? vexp(v - mx) : rf{};
+      else v = vexp(v - mx);
+      std::memcpy(&s[j * kRowLanes], &v, sizeof(v));
+      sum = sum + v;
+    }
+  };
+  if (whole) exp_pass(std::false_type{});
+  else exp_pass(std::true_type{});
   l = l * alpha + sum;
   m = mx;
   return alpha;
@@ -492,6 +543,40 @@ inline void scores2x2_eighths(const rf* qt0, const rf* qt1, const float* ka, con
   for (int c = 0; c < 4; ++c) out[c] = s02[c] + s13[c];
 }
 
+// Eight rows' q into lanes: lane k of qt[d] = q[k][d] * scale, d < D (nullptr: a padding row, zeros). With AVX, 8 x 8
+// blocks are transposed in registers: storing lane by lane left each column's vector load waiting on 8 stores.
+inline void q_to_lanes8(const float* const* q, float scale, int64_t D, rf* qt) {
+  static_assert(kRowLanes == 8 || kRowLanes == 16);
+  if constexpr (kRowLanes == 8) {
+    int64_t d0 = 0;
+#if defined(__AVX__)
+    const __m256 zero = _mm256_setzero_ps();
+    for (; d0 + 8 <= D; d0 += 8) {
+      __m256 r[8], t[8];
+      for (int k = 0; k < 8; ++k) r[k] = q[k] ? _mm256_loadu_ps(q[k] + d0) : zero;
+      for (int k = 0; k < 8; k += 2) {  // rows k, k + 1 interleaved: [k0 k+1_0 k1 k+1_1 | k4 ...], [k2 ... | k6 ...]
+        t[k] = _mm256_unpacklo_ps(r[k], r[k + 1]);
+        t[k + 1] = _mm256_unpackhi_ps(r[k], r[k + 1]);
+      }
+      for (int k = 0; k < 8; k += 4) {  // rows k .. k + 3 of columns (0, 4), (1, 5), (2, 6), (3, 7)
+        r[k] = _mm256_shuffle_ps(t[k], t[k + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[k + 1] = _mm256_shuffle_ps(t[k], t[k + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[k + 2] = _mm256_shuffle_ps(t[k + 1], t[k + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[k + 3] = _mm256_shuffle_ps(t[k + 1], t[k + 3], _MM_SHUFFLE(3, 2, 3, 2));
+      }
+      for (int c = 0; c < 4; ++c) {  // columns c and c + 4 of all 8 rows
+        const __m256 lo = _mm256_permute2f128_ps(r[c], r[c + 4], 0x20);
+        const __m256 hi = _mm256_permute2f128_ps(r[c], r[c + 4], 0x31);
+        qt[d0 + c] = reinterpret_cast<const rf&>(lo) * scale;
+        qt[d0 + c + 4] = reinterpret_cast<const rf&>(hi) * scale;
+      }
+    }
+#endif
+    for (; d0 < D; ++d0)
+      for (int k = 0; k < 8; ++k) qt[d0][k] = q[k] ? q[k][d0] * scale : 0.f;
+  }
+}
+
 // Query rows of one KV head in vector lanes, walked over the same pages: an item's rows (token, head in group),
 // or a shared item's rows of several sequences over the pages they share. Up to kMaxLaneGroups groups of
 // kRowLanes rows.
@@ -532,7 +617,7 @@ void run_lanes(const Problem& p, const LaneRows& ln, const int32_t* seq_pages, i
       continue;
     }
     pos_lanes[lane] = ln.pos[lane];
-    for (int64_t d = 0; d < D; ++d) qt[g * D16 + d][k] = src[d] * p.scale;
+    if (kRowLanes != 8) for (int64_t d = 0; d < D; ++d) qt[g * D16 + d][k] = src[d] * p.scale;
     if (ln.resume) {
       const float* st = ln.state[lane];
       m_lanes[lane] = st[0];
@@ -540,9 +625,13 @@ void run_lanes(const Problem& p, const LaneRows& ln, const int32_t* seq_pages, i
       for (int64_t d = 0; d < D; ++d) acc[g * D8 + d][k] = st[2 + d];
     }
   }
+  if constexpr (kRowLanes == 8)
+    for (int g = 0; g < kGroups; ++g) q_to_lanes8(&ln.q[g * kRowLanes], p.scale, D, &qt[g * D16]);
   ri pos[kGroups];
   rf m[kGroups], l[kGroups];
   std::memcpy(pos, pos_lanes, sizeof(pos));
+  PosRange range[kGroups];
+  for (int g = 0; g < kGroups; ++g) range[g] = pos_range(&pos_lanes[g * kRowLanes]);
   std::memcpy(m, m_lanes, sizeof(m));
   std::memcpy(l, l_lanes, sizeof(l));
   const int64_t sc_keys = (ps + 7) / 8 * 8 + 2;  // scores are stored 8 keys at a time (and 3 computed at a time)
@@ -569,7 +658,7 @@ void run_lanes(const Problem& p, const LaneRows& ln, const int32_t* seq_pages, i
     }
     rf alpha[kGroups];
     for (int g = 0; g < kGroups; ++g)
-      alpha[g] = page_softmax(p, reinterpret_cast<float*>(&sc[g * sc_keys]), n, t0, pos[g], m[g], l[g]);
+      alpha[g] = page_softmax(p, reinterpret_cast<float*>(&sc[g * sc_keys]), n, t0, pos[g], range[g], m[g], l[g]);
     for (int64_t d0 = 0; d0 < D; d0 += kCols) {  // kCols output columns at a time, kept in registers over the keys
       const int64_t nd = std::min<int64_t>(kCols, D - d0);
       rf a[kGroups][kCols];
@@ -578,16 +667,17 @@ void run_lanes(const Problem& p, const LaneRows& ln, const int32_t* seq_pages, i
 #pragma GCC unroll 8
         for (int u = 0; u < kCols; ++u) a[g][u] = acc[g * D8 + d0 + u] * alpha[g];  // columns past D: never read out
       auto keys = [&](auto whole) {  // whole: all kCols columns exist (no per-column test in the loop)
+        const rf* s0 = sc.data();
         for (int32_t j = 0; j < n; ++j) {
           const float* v = base + (j * combined + 2 * h + 1) * D + d0;
-          rf pj[kGroups];
-#pragma GCC unroll 2
-          for (int g = 0; g < kGroups; ++g) pj[g] = sc[g * sc_keys + j];
+          rf p0, p1;
+          std::memcpy(&p0, s0 + j, sizeof(rf));
+          if constexpr (kGroups == 2) std::memcpy(&p1, s0 + sc_keys + j, sizeof(rf));
 #pragma GCC unroll 8
           for (int u = 0; u < kCols; ++u) {
             const rf vu = splat_as<rf>(v[decltype(whole)::value || u < nd ? u : 0]);
-#pragma GCC unroll 2
-            for (int g = 0; g < kGroups; ++g) a[g][u] = fma(pj[g], vu, a[g][u]);
+            a[0][u] = fma_regs(p0, vu, a[0][u]);
+            if constexpr (kGroups == 2) a[kGroups - 1][u] = fma_regs(p1, vu, a[kGroups - 1][u]);
           }
         }
       };
@@ -833,7 +923,7 @@ void run_item(const Problem& p, const Item& it) {
       std::memcpy(&position, &pos[g * R], sizeof(position));
       std::memcpy(&m_g, &m[g * R], sizeof(m_g));
       std::memcpy(&l_g, &l[g * R], sizeof(l_g));
-      const rf a = page_softmax(p, &st[g * ps_lanes * R], n, t0, position, m_g, l_g);
+      const rf a = page_softmax(p, &st[g * ps_lanes * R], n, t0, position, pos_range(&pos[g * R]), m_g, l_g);
       std::memcpy(&alpha[g * R], &a, sizeof(a));
       std::memcpy(&l[g * R], &l_g, sizeof(l_g));
       std::memcpy(&m[g * R], &m_g, sizeof(m_g));

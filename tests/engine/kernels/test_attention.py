@@ -273,11 +273,11 @@ def test_cpu_kernel_row_is_bit_identical_in_a_long_chunk_and_alone(window, soft_
 
 
 @pytest.mark.parametrize("head_dim,kv_heads,group,page_size", [(64, 4, 2, 16), (128, 2, 1, 16), (72, 2, 3, 4),
-                                                               (8, 1, 4, 32), (272, 1, 2, 4)])
+                                                               (8, 1, 4, 32), (272, 1, 2, 4), (20, 2, 2, 16)])
 def test_cpu_kernel_score_order_is_the_same_in_both_paths_at_real_head_dims(head_dim, kv_heads, group, page_size):
     """The kernel's two paths sum a score in one fixed order (16 partial sums, then a tree) whatever the head
     size: the compiled sizes (64, 128), one that ends in a partial block of 16 (72), one wider than the
-    registers hold (272), and pages longer than 16 keys. A row alone (the all-heads path, keys in lanes) equals the same row in a 16-token chunk (rows in
+    registers hold (272), one that is no whole number of 8-column blocks either (20), and pages longer than 16 keys. A row alone (the all-heads path, keys in lanes) equals the same row in a 16-token chunk (rows in
     lanes), bit for bit, and both match dense attention."""
     rng = np.random.default_rng(head_dim + group)
     heads, num_pages, ctx = kv_heads * group, 24, 70

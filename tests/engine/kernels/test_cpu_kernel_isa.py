@@ -15,10 +15,11 @@ import pytest
 
 from engine.kernels import kernel_build
 # (head_dim, kv_heads, group, page_size, sliding_window): the compiled head sizes, a partial block of 16 (72), a
-# head wider than the registers hold (272), pages longer than 16 keys, and a window. Without a window, decoding
-# sequences share their first pages (rows of several sequences in lanes, then each one's own pages from there).
+# head wider than the registers hold (272), one of no whole number of 8-column blocks (20), pages longer than 16
+# keys, and a window. Without a window, decoding sequences share their first pages (rows of several sequences in
+# lanes, then each one's own pages from there).
 CASES = [(64, 4, 2, 16, 0), (128, 2, 1, 16, 0), (72, 2, 3, 4, 0), (8, 1, 4, 32, 0), (272, 1, 2, 4, 0),
-         (64, 4, 2, 16, 20)]
+         (20, 2, 2, 16, 0), (64, 4, 2, 16, 20)]
 # The experts of generated tokens (moe_experts.cc): (hidden, expert width, experts, rows, top-k); sizes past the
 # last whole vector block and the last whole block of 8 weight rows (75, 43), and more than 16 pairs for an expert.
 MOE_CASES = [(256, 256, 8, 96, 2), (75, 43, 3, 13, 3)]
