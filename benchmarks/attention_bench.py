@@ -17,6 +17,10 @@ Between timed calls a 256 MiB array is rewritten, so that each call reads its K/
 
 The ratio kernel / pool read is how close decoding is to the memory; what is left is the kernel's arithmetic that
 the memory does not hide.
+
+`--prompts 341,341,342` times the kernel's prompt path instead: sequences whose whole prompt is one chunk (a prefill
+step's attention in one layer), and prints its median time and GFLOP/s (4 x heads x head_dim per query token and
+key it sees, the count benchmarks/flops.py uses). Run it from two revisions to compare them.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, nargs=3, default=[8, 4, 64], metavar=("Q", "KV", "HEAD_DIM"))
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--prompts", help="comma-separated prompt lengths: time the prompt path on them instead")
     args = parser.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
@@ -53,6 +58,8 @@ def main() -> None:
     if (why := cpu_attention.unavailable_reason()) is not None:
         sys.exit(f"attention_bench: the CPU kernel is unavailable here: {why}")
     cpu_attention.load()
+    if args.prompts:
+        return prompt_path(args, jax, jnp, cpu_attention)
     (heads, kv_heads, head_dim), ps, rows = args.heads, args.page_size, args.rows
     rng = np.random.default_rng(0)
     context = rng.integers(args.context[0], args.context[1] + 1, rows).astype(np.int32)
@@ -86,13 +93,45 @@ def main() -> None:
     print(f"CPU: {cpu.name}, {cpu.isa}, {cpu.cores} cores ({cpu.cpus} logical CPUs this process may use)")
     print(f"{rows} rows decoding at {args.context[0]}-{args.context[1]} tokens of context; {heads} query heads over "
           f"{kv_heads} KV heads of {head_dim}; pages of {ps}: {kv_bytes / 2**20:,.1f} MiB of K/V "
-          f"({page_bytes / 2**20:,.1f} MiB in whole pages); {jax.device_count()} CPU device(s); medians of {args.repeats}, sides alternated")
+          f"({page_bytes / 2**20:,.1f} MiB in whole pages); {jax.device_count()} CPU device(s); "
+          f"medians of {args.repeats}, sides alternated")
     median = {name: statistics.median(t) for name, t in times.items()}
     for name in sides:
         moved = kv_bytes if name == "kernel" else page_bytes
         print(f"  {name:16s} {median[name] * 1e3:7.2f} ms  {moved / median[name] / 1e9:5.1f} GB/s")
     print(f"kernel / pool read: {(kv_bytes / median['kernel']) / (page_bytes / median['pool read']):.2f} (the kernel's "
           "K/V rate as a fraction of the rate this machine reads the pool)")
+
+
+def prompt_path(args, jax, jnp, cpu_attention) -> None:
+    """The kernel on whole prompts in one call (each its own sequence, pages shuffled over the pool)."""
+    (heads, kv_heads, head_dim), ps = args.heads, args.page_size
+    lens = [int(n) for n in args.prompts.split(",")]
+    rng = np.random.default_rng(0)
+    pages_of = [(n + ps - 1) // ps for n in lens]
+    order = rng.permutation(sum(pages_of)).astype(np.int32)
+    page_table = np.zeros((len(lens), max(pages_of)), np.int32)
+    starts = np.concatenate([[0], np.cumsum(pages_of)])
+    for s in range(len(lens)):
+        page_table[s, :pages_of[s]] = order[starts[s]:starts[s + 1]]
+    pool = jnp.asarray(rng.standard_normal((sum(pages_of), ps, 2 * kv_heads, head_dim), dtype=np.float32))
+    q = jnp.asarray(rng.standard_normal((sum(lens), heads, head_dim), dtype=np.float32))
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    inputs = (q, pool, jnp.asarray(lens, jnp.int32), jnp.asarray(page_table), cu, jnp.asarray([len(lens)], jnp.int32))
+    kernel = jax.jit(lambda *a: cpu_attention.ragged_paged_attention(*a, sm_scale=head_dim**-0.5, sliding_window=None))
+    kernel(*inputs).block_until_ready()  # compiled and warm
+    times = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        kernel(*inputs).block_until_ready()
+        times.append(time.perf_counter() - start)
+    flops = 4 * sum(n * (n + 1) // 2 for n in lens) * heads * head_dim
+    cpu = cpu_info()
+    print(f"CPU: {cpu.name}, {cpu.isa}, {cpu.cores} cores ({cpu.cpus} logical CPUs this process may use)")
+    print(f"prompts of {args.prompts} tokens in one call ({sum(lens):,} query tokens); {heads} query heads over "
+          f"{kv_heads} KV heads of {head_dim}; pages of {ps}; median of {args.repeats}")
+    median = statistics.median(times)
+    print(f"  kernel {median * 1e3:7.2f} ms  {flops / median / 1e9:6.1f} GFLOP/s (fastest {min(times) * 1e3:.2f} ms)")
 
 
 if __name__ == "__main__":
