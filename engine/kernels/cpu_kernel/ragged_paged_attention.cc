@@ -157,8 +157,8 @@ inline V fma(V a, V b, V c) {
   return r;
 }
 // fma with every operand in a register, for an operand reused by several multiply-adds: GCC folds such a load into
-// each multiply-add that reads it (one load per multiply-add), and with AVX's two loads a cycle, loops that read
-// a broadcast for every two multiply-adds then wait on their loads. The same instruction, so the same bits.
+// each multiply-add that reads it. P times V (two groups, 4 columns) then made 12 loads per 8 multiply-adds, and
+// with AVX's two loads a cycle it waited on them; in registers, 6. The same instruction, so the same bits.
 inline rf fma_regs(rf a, rf b, rf c) {
 #if defined(__FMA__) && !defined(__AVX512F__)
   asm("vfmadd231ps %2, %1, %0" : "+x"(c) : "x"(a), "x"(b));
@@ -264,10 +264,12 @@ inline __m256 plus4(__m256 a, __m256 b) {  // [a_l + a_(l+4), b_l + b_(l+4)], l 
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 inline __m256 plus2(__m256 x, __m256 y) {  // per 128 bits: [x_0 + x_2, x_1 + x_3, y_0 + y_2, y_1 + y_3]
-  return _mm256_add_ps(_mm256_shuffle_ps(x, y, _MM_SHUFFLE(1, 0, 1, 0)), _mm256_shuffle_ps(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm256_add_ps(_mm256_shuffle_ps(x, y, _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm256_shuffle_ps(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
 }
 inline __m256 plus1(__m256 z, __m256 w) {  // per 128 bits: [z_0 + z_1, z_2 + z_3, w_0 + w_1, w_2 + w_3]
-  return _mm256_add_ps(_mm256_shuffle_ps(z, w, _MM_SHUFFLE(2, 0, 2, 0)), _mm256_shuffle_ps(z, w, _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm256_add_ps(_mm256_shuffle_ps(z, w, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm256_shuffle_ps(z, w, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 inline __m256 scores8(const vf* qv, int64_t blocks, const float* const* k, int64_t D) {
   // plus4 of keys (c, c + 4) puts them in the two 128-bit halves; plus2 of (0, 4) with (1, 5) gives
@@ -389,12 +391,7 @@ inline void scores3(const rf* qt, const float* const* k, int64_t head_dim, rf* o
   for (int j = 0; j < 3; ++j) out[j] = (sq[j][0] + sq[j][2]) + (sq[j][1] + sq[j][3]);
 }
 
-// One page's step of the online softmax for kRowLanes rows in vector lanes (run_lanes, and the all-heads path's
-// row groups): key j's scores for the rows lie at s[j * kRowLanes]; they are soft-capped and masked (keys after a
-// row's position or outside its window) in place, then replaced by their probabilities exp(score - max) (0 where
-// masked), summed in key order. The rows' running max `m` and sum `l` move on; returns the factor that rescales
-// what the rows summed before this page.
-// The lowest and highest position of a group's rows (pos: kRowLanes of them), for page_softmax's `whole`.
+// The lowest and highest position of a group's rows (pos: kRowLanes of them), for page_softmax.
 struct PosRange {
   int32_t lo, hi;
 };
@@ -404,7 +401,12 @@ inline PosRange pos_range(const int32_t* pos) {
   return r;
 }
 
-// (`rows`: the range of `pos`.) A page that every row sees whole (all its keys at or before each row's position, and
+// One page's step of the online softmax for kRowLanes rows in vector lanes (run_lanes, and the all-heads path's
+// row groups): key j's scores for the rows lie at s[j * kRowLanes]; they are soft-capped and masked (keys after a
+// row's position or outside its window) in place, then replaced by their probabilities exp(score - max) (0 where
+// masked), summed in key order. The rows' running max `m` and sum `l` move on; returns the factor that rescales
+// what the rows summed before this page.
+// `rows`: the range of `pos`. A page that every row sees whole (all its keys at or before each row's position, and
 // inside its window) is not masked: its masks would select every lane. Padding rows (position -1) keep the masks.
 inline rf page_softmax(const Problem& p, float* s, int32_t n, int32_t t0, ri pos, PosRange rows, rf& m, rf& l) {
   auto visible = [&](int32_t j) {

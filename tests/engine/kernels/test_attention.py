@@ -80,9 +80,9 @@ class PagedBatch:
         pg = np.zeros((max_seqs, self.pages.shape[1]), np.int32)
         pg[:ns] = np.stack(pages)
         blocks = dict(dict(pages_per_block=8, queries_per_block=16), **blocks)
-        out = ragged_paged_attention(jnp.asarray(qa), self.kv_pages, jnp.asarray(kvl), jnp.asarray(pg), jnp.asarray(cu_a),
-                                     jnp.array([ns], jnp.int32), sm_scale=SCALE, sliding_window=sliding_window,
-                                     soft_cap=soft_cap, impl=impl, **blocks)
+        out = ragged_paged_attention(jnp.asarray(qa), self.kv_pages, jnp.asarray(kvl), jnp.asarray(pg),
+                                     jnp.asarray(cu_a), jnp.array([ns], jnp.int32), sm_scale=SCALE,
+                                     sliding_window=sliding_window, soft_cap=soft_cap, impl=impl, **blocks)
         out = np.asarray(out)
         assert np.all(out[n:] == 0), "padding rows must stay zero"
         return [out[cu[i]:cu[i + 1]] for i in range(ns)]
@@ -277,7 +277,8 @@ def test_cpu_kernel_row_is_bit_identical_in_a_long_chunk_and_alone(window, soft_
 def test_cpu_kernel_score_order_is_the_same_in_both_paths_at_real_head_dims(head_dim, kv_heads, group, page_size):
     """The kernel's two paths sum a score in one fixed order (16 partial sums, then a tree) whatever the head
     size: the compiled sizes (64, 128), one that ends in a partial block of 16 (72), one wider than the
-    registers hold (272), one that is no whole number of 8-column blocks either (20), and pages longer than 16 keys. A row alone (the all-heads path, keys in lanes) equals the same row in a 16-token chunk (rows in
+    registers hold (272), one that is no whole number of 8-column blocks either (20), and pages longer than 16
+    keys. A row alone (the all-heads path, keys in lanes) equals the same row in a 16-token chunk (rows in
     lanes), bit for bit, and both match dense attention."""
     rng = np.random.default_rng(head_dim + group)
     heads, num_pages, ctx = kv_heads * group, 24, 70
