@@ -65,11 +65,7 @@ def main() -> None:
     context = rng.integers(args.context[0], args.context[1] + 1, rows).astype(np.int32)
     pages_of = (context + ps - 1) // ps
     num_pages = int(pages_of.sum())
-    order = rng.permutation(num_pages).astype(np.int32)  # each sequence's pages scattered over the pool
-    page_table = np.zeros((rows, int(pages_of.max())), np.int32)
-    starts = np.concatenate([[0], np.cumsum(pages_of)])
-    for s in range(rows):
-        page_table[s, :pages_of[s]] = order[starts[s]:starts[s + 1]]
+    page_table = scattered_pages(rng, pages_of)
     pool = jnp.asarray(rng.standard_normal((num_pages, ps, 2 * kv_heads, head_dim), dtype=np.float32))
     q = jnp.asarray(rng.standard_normal((rows, heads, head_dim), dtype=np.float32))
     inputs = (q, pool, jnp.asarray(context), jnp.asarray(page_table), jnp.arange(rows + 1, dtype=jnp.int32),
@@ -103,18 +99,24 @@ def main() -> None:
           "K/V rate as a fraction of the rate this machine reads the pool)")
 
 
+def scattered_pages(rng: np.random.Generator, pages_of: np.ndarray) -> np.ndarray:
+    """A page table whose sequence s holds pages_of[s] pages, all sequences' pages scattered over one pool."""
+    order = rng.permutation(int(pages_of.sum())).astype(np.int32)
+    page_table = np.zeros((len(pages_of), int(pages_of.max())), np.int32)
+    starts = np.concatenate([[0], np.cumsum(pages_of)])
+    for s in range(len(pages_of)):
+        page_table[s, :pages_of[s]] = order[starts[s]:starts[s + 1]]
+    return page_table
+
+
 def prompt_path(args, jax, jnp, cpu_attention) -> None:
     """The kernel on whole prompts in one call (each its own sequence, pages shuffled over the pool)."""
     (heads, kv_heads, head_dim), ps = args.heads, args.page_size
     lens = [int(n) for n in args.prompts.split(",")]
     rng = np.random.default_rng(0)
-    pages_of = [(n + ps - 1) // ps for n in lens]
-    order = rng.permutation(sum(pages_of)).astype(np.int32)
-    page_table = np.zeros((len(lens), max(pages_of)), np.int32)
-    starts = np.concatenate([[0], np.cumsum(pages_of)])
-    for s in range(len(lens)):
-        page_table[s, :pages_of[s]] = order[starts[s]:starts[s + 1]]
-    pool = jnp.asarray(rng.standard_normal((sum(pages_of), ps, 2 * kv_heads, head_dim), dtype=np.float32))
+    pages_of = np.array([(n + ps - 1) // ps for n in lens])
+    page_table = scattered_pages(rng, pages_of)
+    pool = jnp.asarray(rng.standard_normal((int(pages_of.sum()), ps, 2 * kv_heads, head_dim), dtype=np.float32))
     q = jnp.asarray(rng.standard_normal((sum(lens), heads, head_dim), dtype=np.float32))
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
     inputs = (q, pool, jnp.asarray(lens, jnp.int32), jnp.asarray(page_table), cu, jnp.asarray([len(lens)], jnp.int32))

@@ -726,6 +726,7 @@ void run_lane_rows(const Problem& p, LaneRows& ln, int64_t rows, const int32_t* 
 struct Scratch {
   std::vector<float> f[6];
   std::vector<int32_t> i[2];
+  std::vector<PosRange> ranges;  // each row group's position range (page_softmax)
   float* take(int k, int64_t n, float fill) {
     f[k].assign(n, fill);
     return f[k].data();
@@ -857,6 +858,8 @@ void run_item(const Problem& p, const Item& it) {
       for (int64_t d = 0; d < D; ++d) acc[i * D + d] = st[2 + d];
     }
   }
+  buf.ranges.resize(groups);
+  for (int64_t g = 0; g < groups; ++g) buf.ranges[g] = pos_range(&pos[g * R]);
   const int64_t page_floats = ps * combined * D;
   const int32_t last_slot = (end - 1) / static_cast<int32_t>(ps);
   for (int32_t page_slot = begin / ps; page_slot <= last_slot && end > 0; ++page_slot) {
@@ -925,7 +928,7 @@ void run_item(const Problem& p, const Item& it) {
       std::memcpy(&position, &pos[g * R], sizeof(position));
       std::memcpy(&m_g, &m[g * R], sizeof(m_g));
       std::memcpy(&l_g, &l[g * R], sizeof(l_g));
-      const rf a = page_softmax(p, &st[g * ps_lanes * R], n, t0, position, pos_range(&pos[g * R]), m_g, l_g);
+      const rf a = page_softmax(p, &st[g * ps_lanes * R], n, t0, position, buf.ranges[g], m_g, l_g);
       std::memcpy(&alpha[g * R], &a, sizeof(a));
       std::memcpy(&l[g * R], &l_g, sizeof(l_g));
       std::memcpy(&m[g * R], &m_g, sizeof(m_g));
