@@ -545,12 +545,12 @@ inline void scores2x2_eighths(const rf* qt0, const rf* qt1, const float* ka, con
   for (int c = 0; c < 4; ++c) out[c] = s02[c] + s13[c];
 }
 
-// Eight rows' q into lanes: lane k of qt[d] = q[k][d] * scale, d < D (nullptr: a padding row, zeros). With AVX, 8 x 8
-// blocks are transposed in registers: storing lane by lane left each column's vector load waiting on 8 stores.
-inline void q_to_lanes8(const float* const* q, float scale, int64_t D, rf* qt) {
-  static_assert(kRowLanes == 8 || kRowLanes == 16);
+// A group's rows' q into lanes: lane k of qt[d] = q[k][d] * scale, d < D (nullptr: a padding row, zeros). With 8
+// lanes and AVX, 8 x 8 blocks are transposed in registers: storing lane by lane left each column's vector load
+// waiting on 8 stores.
+inline void q_to_lanes(const float* const* q, float scale, int64_t D, rf* qt) {
+  int64_t d0 = 0;
   if constexpr (kRowLanes == 8) {
-    int64_t d0 = 0;
 #if defined(__AVX__)
     const __m256 zero = _mm256_setzero_ps();
     for (; d0 + 8 <= D; d0 += 8) {
@@ -574,9 +574,9 @@ inline void q_to_lanes8(const float* const* q, float scale, int64_t D, rf* qt) {
       }
     }
 #endif
-    for (; d0 < D; ++d0)
-      for (int k = 0; k < 8; ++k) qt[d0][k] = q[k] ? q[k][d0] * scale : 0.f;
   }
+  for (; d0 < D; ++d0)
+    for (int k = 0; k < kRowLanes; ++k) qt[d0][k] = q[k] ? q[k][d0] * scale : 0.f;
 }
 
 // Query rows of one KV head in vector lanes, walked over the same pages: an item's rows (token, head in group),
@@ -619,7 +619,6 @@ void run_lanes(const Problem& p, const LaneRows& ln, const int32_t* seq_pages, i
       continue;
     }
     pos_lanes[lane] = ln.pos[lane];
-    if (kRowLanes != 8) for (int64_t d = 0; d < D; ++d) qt[g * D16 + d][k] = src[d] * p.scale;
     if (ln.resume) {
       const float* st = ln.state[lane];
       m_lanes[lane] = st[0];
@@ -627,8 +626,7 @@ void run_lanes(const Problem& p, const LaneRows& ln, const int32_t* seq_pages, i
       for (int64_t d = 0; d < D; ++d) acc[g * D8 + d][k] = st[2 + d];
     }
   }
-  if constexpr (kRowLanes == 8)
-    for (int g = 0; g < kGroups; ++g) q_to_lanes8(&ln.q[g * kRowLanes], p.scale, D, &qt[g * D16]);
+  for (int g = 0; g < kGroups; ++g) q_to_lanes(&ln.q[g * kRowLanes], p.scale, D, &qt[g * D16]);
   ri pos[kGroups];
   rf m[kGroups], l[kGroups];
   std::memcpy(pos, pos_lanes, sizeof(pos));
