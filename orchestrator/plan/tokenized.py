@@ -151,32 +151,38 @@ class OnRay:
     @classmethod
     def tokenize(cls, shards: list[Shard], tokenizer_args: tuple, tokenizer_print: str, workers: int) -> OnRay:
         """A task a shard (`tokenize_on_worker`), on the workers Ray keeps started, until every shard is done; a
-        shard's error is raised here."""
+        shard's error is raised here, once the tasks already started have ended.
+
+        At most two tasks a worker are submitted at a time (one running, one queued behind it), the next as one
+        ends, and none after a shard fails. Nothing is cancelled: `ray.cancel` of a task whose reply is on its way
+        can abort this process inside Ray (Ray 2.60: "Check failed: it != submissible_tasks_.end() Tried to complete
+        task that was not pending", ray-project/ray#54846), and a failed plan must end in its own error."""
         import ray
 
         if not shards:
             return cls([], workers)
         args = ray.put(pickle.dumps((tokenizer_args, tokenizer_print)))
         task = ray.remote(num_cpus=1, num_returns=2)(tokenize_on_worker)
-        tables, rows = zip(*[task.remote(s, args) for s in shards])
-        try:
-            ray.get(list(rows))
-        except ray.exceptions.RayTaskError as e:
-            for table in tables:  # the plan has failed: the shards still to do are not needed
-                ray.cancel(table)
-            ray.wait(list(rows), num_returns=len(rows))
-            failed = (ray.exceptions.RayTaskError, ray.exceptions.TaskCancelledError)
-            for table, count in zip(tables, rows):  # a failed task's table holds its error too: read it, or Ray
-                try:  # reports it as an error nobody handled
-                    ray.get(count)
-                except failed:
-                    try:
-                        ray.get(table)
-                    except failed:
-                        pass
-            # The shard's own error (a corpus file gone, unreadable): its message, not Ray's traceback text
-            raise (e.cause if isinstance(e.cause, Exception) else e) from e
-        return cls(list(tables), workers)
+        tables, rows, running = [], [], []
+        for shard in shards:
+            if len(running) >= 2 * max(1, workers):
+                ended, running = ray.wait(running, num_returns=1)
+                if _first_error(ended) is not None:
+                    break
+            table, count = task.remote(shard, args)
+            tables.append(table)
+            rows.append(count)
+            running.append(count)
+        if running:
+            ray.wait(running, num_returns=len(running))
+        errors = [(table, e) for table, e in zip(tables, map(_first_error, [[count] for count in rows])) if e]
+        if not errors:
+            return cls(tables, workers)
+        for table, _ in errors:  # a failed task's table holds its error too: read it, or Ray reports it as an error
+            _first_error([table])  # nobody handled
+        e = errors[0][1]  # the first failed shard's, in corpus order
+        # The shard's own error (a corpus file gone, unreadable): its message, not Ray's traceback text
+        raise (e.cause if isinstance(e.cause, Exception) else e) from e
 
     def release(self) -> None:
         """Free the window's blocks in the object store before the next window is tokenized."""
@@ -236,6 +242,18 @@ def tokenize_on_worker(shard: Shard, tokenizer_args: bytes) -> tuple[pa.Table, i
         tokenizer = _TOKENIZER[tokenizer_args] = PromptTokenizer(*pickle.loads(tokenizer_args)[0])
     table = tokenizer.tokenize_shard(shard)
     return table, table.num_rows
+
+
+def _first_error(refs: list):
+    """The RayTaskError of the first of `refs` (ended tasks' results) that holds one; None if none does."""
+    import ray
+
+    for ref in refs:
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayTaskError as e:
+            return e
+    return None
 
 
 def summary_pieces(block: pa.Table) -> Iterator[bytes]:
