@@ -156,7 +156,8 @@ class OnRay:
         At most two tasks a worker are submitted at a time (one running, one queued behind it), the next as one
         ends, and none after a shard fails. Nothing is cancelled: `ray.cancel` of a task whose reply is on its way
         can abort this process inside Ray (Ray 2.60: "Check failed: it != submissible_tasks_.end() Tried to complete
-        task that was not pending", ray-project/ray#54846), and a failed plan must end in its own error."""
+        task that was not pending"; ray-project/ray#54846 reports a variant), and a failed plan must end in its own
+        error."""
         import ray
 
         if not shards:
@@ -167,7 +168,7 @@ class OnRay:
         for shard in shards:
             if len(running) >= 2 * max(1, workers):
                 ended, running = ray.wait(running, num_returns=1)
-                if _first_error(ended) is not None:
+                if _error(ended[0]) is not None:
                     break
             table, count = task.remote(shard, args)
             tables.append(table)
@@ -175,11 +176,11 @@ class OnRay:
             running.append(count)
         if running:
             ray.wait(running, num_returns=len(running))
-        errors = [(table, e) for table, e in zip(tables, map(_first_error, [[count] for count in rows])) if e]
+        errors = [(table, e) for table, count in zip(tables, rows) if (e := _error(count)) is not None]
         if not errors:
             return cls(tables, workers)
         for table, _ in errors:  # a failed task's table holds its error too: read it, or Ray reports it as an error
-            _first_error([table])  # nobody handled
+            _error(table)  # nobody handled
         e = errors[0][1]  # the first failed shard's, in corpus order
         # The shard's own error (a corpus file gone, unreadable): its message, not Ray's traceback text
         raise (e.cause if isinstance(e.cause, Exception) else e) from e
@@ -244,15 +245,14 @@ def tokenize_on_worker(shard: Shard, tokenizer_args: bytes) -> tuple[pa.Table, i
     return table, table.num_rows
 
 
-def _first_error(refs: list):
-    """The RayTaskError of the first of `refs` (ended tasks' results) that holds one; None if none does."""
+def _error(ref):
+    """The RayTaskError an ended task's result holds; None if it holds a value."""
     import ray
 
-    for ref in refs:
-        try:
-            ray.get(ref)
-        except ray.exceptions.RayTaskError as e:
-            return e
+    try:
+        ray.get(ref)
+    except ray.exceptions.RayTaskError as e:
+        return e
     return None
 
 
@@ -281,7 +281,8 @@ def free_cpus() -> int:
     return int(free if free is not None else ray.cluster_resources().get("CPU", 1))
 
 
-def count(shards: list[Shard], cluster: ClusterConfig, in_process: bool) -> tuple[list[Shard], list[tuple[int, int]], int]:
+def count(shards: list[Shard], cluster: ClusterConfig,
+          in_process: bool) -> tuple[list[Shard], list[tuple[int, int]], int]:
     """Each shard numbered (its first row and line), each shard's (rows, lines), and how many shards the cluster
     tokenizes at once (0 in process): the CPUs free before the counting tasks take any, read once for the whole plan
     (see free_cpus)."""
