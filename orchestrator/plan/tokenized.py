@@ -151,39 +151,14 @@ class OnRay:
     @classmethod
     def tokenize(cls, shards: list[Shard], tokenizer_args: tuple, tokenizer_print: str, workers: int) -> OnRay:
         """A task a shard (`tokenize_on_worker`), on the workers Ray keeps started, until every shard is done; a
-        shard's error is raised here, once the tasks already started have ended.
-
-        At most two tasks a worker are submitted at a time (one running, one queued behind it), the next as one
-        ends, and none after a shard fails. Nothing is cancelled: `ray.cancel` of a task whose reply is on its way
-        can abort this process inside Ray (Ray 2.60: "Check failed: it != submissible_tasks_.end() Tried to complete
-        task that was not pending"; ray-project/ray#54846 reports a variant), and a failed plan must end in its own
-        error."""
+        shard's error is raised here (shard_tasks)."""
         import ray
 
         if not shards:
             return cls([], workers)
         args = ray.put(pickle.dumps((tokenizer_args, tokenizer_print)))
         task = ray.remote(num_cpus=1, num_returns=2)(tokenize_on_worker)
-        tables, rows, running = [], [], []
-        for shard in shards:
-            if len(running) >= 2 * max(1, workers):
-                ended, running = ray.wait(running, num_returns=1)
-                if _error(ended[0]) is not None:
-                    break
-            table, count = task.remote(shard, args)
-            tables.append(table)
-            rows.append(count)
-            running.append(count)
-        if running:
-            ray.wait(running, num_returns=len(running))
-        errors = [(table, e) for table, count in zip(tables, rows) if (e := _error(count)) is not None]
-        if not errors:
-            return cls(tables, workers)
-        for table, _ in errors:  # a failed task's table holds its error too: read it, or Ray reports it as an error
-            _error(table)  # nobody handled
-        e = errors[0][1]  # the first failed shard's, in corpus order
-        # The shard's own error (a corpus file gone, unreadable): its message, not Ray's traceback text
-        raise (e.cause if isinstance(e.cause, Exception) else e) from e
+        return cls([table for table, _ in shard_tasks(task, shards, (args,), workers)], workers)
 
     def release(self) -> None:
         """Free the window's blocks in the object store before the next window is tokenized."""
@@ -245,6 +220,39 @@ def tokenize_on_worker(shard: Shard, tokenizer_args: bytes) -> tuple[pa.Table, i
     return table, table.num_rows
 
 
+def shard_tasks(task, shards: list[Shard], args: tuple, workers: int) -> list[list]:
+    """`task.remote(shard, *args)` for each shard, in order: each one's return refs, its row count (or counts) last.
+    At most two tasks a worker are submitted at a time (one running, one queued behind it), the next as one ends,
+    and none after one fails; then the first failed shard's own error is raised (a corpus file gone or unreadable:
+    its one-line message, not Ray's traceback text), once the tasks started have ended, and every failed task's
+    results are read, or Ray prints each as an error nobody handled.
+
+    Nothing is cancelled: `ray.cancel` of a task whose reply is on its way can abort this process inside Ray (Ray
+    2.60: "Check failed: it != submissible_tasks_.end() Tried to complete task that was not pending";
+    ray-project/ray#54846 reports a variant), and a failed plan must end in its own error."""
+    import ray
+
+    refs, running = [], []
+    for shard in shards:
+        if len(running) >= 2 * max(1, workers):
+            ended, running = ray.wait(running, num_returns=1)
+            if _error(ended[0]) is not None:
+                break
+        returned = task.remote(shard, *args)
+        refs.append(list(returned) if isinstance(returned, (list, tuple)) else [returned])
+        running.append(refs[-1][-1])
+    if running:
+        ray.wait(running, num_returns=len(running))
+    failed = [(returned, e) for returned in refs if (e := _error(returned[-1])) is not None]
+    if not failed:
+        return refs
+    for returned, _ in failed:
+        for ref in returned[:-1]:
+            _error(ref)
+    e = failed[0][1]
+    raise (e.cause if isinstance(e.cause, Exception) else e) from e
+
+
 def _error(ref):
     """The RayTaskError an ended task's result holds; None if it holds a value."""
     import ray
@@ -294,7 +302,7 @@ def count(shards: list[Shard], cluster: ClusterConfig,
     ensure_ray(cluster)
     workers = max(1, min(len(shards), free_cpus()))
     remote_count = ray.remote(num_cpus=1)(count_rows)
-    counts = ray.get([remote_count.remote(s) for s in shards])
+    counts = ray.get([count for count, in shard_tasks(remote_count, shards, (), workers)])
     return number_shards(shards, counts), counts, workers
 
 

@@ -85,12 +85,14 @@ def test_a_full_disk_while_planning_is_one_line_naming_the_file_and_a_rerun_plan
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+@pytest.mark.parametrize("stage", ["count", "tokenize"])
 def test_a_shard_that_fails_on_the_cluster_fails_the_plan_with_its_own_error_once(tiny_model, tmp_path, monkeypatch,
-                                                                                  ray_local):
-    """A corpus file gone between counting and tokenizing: the plan raises the worker's own FileNotFoundError (one line
-    naming the file, as the command prints it), and Ray prints no error of its own for the tasks' other results. The
-    shards after the failure are not started (at most two tasks a CPU were submitted), and no task is cancelled:
-    `ray.cancel` racing a task's reply aborted the head inside Ray (2.60) now and then."""
+                                                                                  ray_local, stage):
+    """A corpus file gone after it was listed, before its shards are counted or tokenized on the cluster: the plan
+    raises the worker's own FileNotFoundError (one line naming the file, as the command prints it), and Ray prints no
+    error of its own for the tasks' other results. The shards after the failure are not started (at most two tasks a
+    CPU were submitted), and no task is cancelled: `ray.cancel` racing a task's reply aborted the head inside Ray
+    (2.60) now and then."""
     import gc
     import logging
     import time
@@ -103,29 +105,31 @@ def test_a_shard_that_fails_on_the_cluster_fails_the_plan_with_its_own_error_onc
     for name, rows in (("a", 40), ("b", 400)):
         (tmp_path / "corpus" / f"{name}.jsonl").write_text("".join(
             json.dumps({"id": f"{name}{i}", "prompt": "word " * (1 + i % 9)}) + "\n" for i in range(rows)))
-    real = planner.count
+    before = {"count": "corpus_bytes", "tokenize": "count"}[stage]  # the step after which the file goes
+    real = getattr(planner, before)
 
-    def count_then_lose_a_file(*args):
-        counted = real(*args)
+    def then_lose_a_file(*args):
+        result = real(*args)
         (tmp_path / "corpus" / "a.jsonl").unlink()
-        return counted
+        return result
 
-    submitted, cancelled, real_remote = [], [], ray.remote
+    submitted, cancelled, real_remote = {}, [], ray.remote
+    watched = {tokenized.count_rows: "count", tokenized.tokenize_on_worker: "tokenize"}
 
     def counting_remote(*args, **kwargs):
         def wrap(function):
             remote = real_remote(*args, **kwargs)(function)
-            if function is not tokenized.tokenize_on_worker:
+            if function not in watched:
                 return remote
 
             class Counted:
                 def remote(self, *task_args):
-                    submitted.append(task_args[0])
+                    submitted.setdefault(watched[function], []).append(task_args[0])
                     return remote.remote(*task_args)
             return Counted()
         return wrap
 
-    monkeypatch.setattr(planner, "count", count_then_lose_a_file)
+    monkeypatch.setattr(planner, before, then_lose_a_file)
     monkeypatch.setattr(ray, "remote", counting_remote)
     monkeypatch.setattr(ray, "cancel", lambda *args, **kwargs: cancelled.append(args))
     cfg = load_run_config(None, [f"--run_dir={tmp_path / 'run'}", f"--corpus.path={tmp_path / 'corpus'}",
@@ -149,4 +153,6 @@ def test_a_shard_that_fails_on_the_cluster_fails_the_plan_with_its_own_error_onc
     assert not [m for m in reported if "Unhandled error" in m], reported
     assert not cancelled
     # a.jsonl's shards come first (5 of 400 bytes); the local Ray has 2 CPUs: 4 tasks at a time, none after one fails
-    assert len(submitted) <= 4 and all(shard.file.endswith("a.jsonl") for shard in submitted), submitted
+    failing = submitted[stage]
+    assert len(failing) <= 4 and all(shard.file.endswith("a.jsonl") for shard in failing), failing
+    assert ("tokenize" in submitted) == (stage == "tokenize")
