@@ -302,7 +302,7 @@ def count(shards: list[Shard], cluster: ClusterConfig,
     ensure_ray(cluster)
     workers = max(1, min(len(shards), free_cpus()))
     remote_count = ray.remote(num_cpus=1)(count_rows)
-    counts = ray.get([count for count, in shard_tasks(remote_count, shards, (), workers)])
+    counts = ray.get([counted for counted, in shard_tasks(remote_count, shards, (), workers)])
     return number_shards(shards, counts), counts, workers
 
 
