@@ -30,6 +30,7 @@ from orchestrator.plan.prompt_checks import out_of_vocabulary, render_chat
 from orchestrator.plan.response_format import with_response_format
 from orchestrator.plan.row_sampling import apply, row_overrides
 from orchestrator.storage.atomic import atomic_write_text
+from orchestrator.storage.readable import reading
 
 
 @dataclass(frozen=True)
@@ -278,10 +279,11 @@ def run_generate(cfg: GenerateConfig, explicit: frozenset[str] = frozenset()) ->
             print(f"pagefleet generate: --{name} is required", file=sys.stderr)
             return exit_codes.FAULT
     model = resolve_model(cfg.model, "--model")
-    with open(cfg.input, "rb") as f:
+    with reading("--input", workers_read=False), open(cfg.input, "rb") as f:
         numbered = [(line_no, line) for line_no, line in enumerate(f, 1) if line.strip()]
     try:
-        engine, parsed = sized_engine(model, cfg.engine, cfg.dtype, explicit, numbered, cfg.sampling)
+        with reading("--model", workers_read=False, under=model):  # its weights, config and tokenizer
+            engine, parsed = sized_engine(model, cfg.engine, cfg.dtype, explicit, numbered, cfg.sampling)
     except ValueError as e:
         print(f"pagefleet generate: {e}", file=sys.stderr)
         return exit_codes.FAULT

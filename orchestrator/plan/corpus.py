@@ -9,9 +9,9 @@ cut at line ends, or groups of parquet row groups) that workers read in parallel
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from json.encoder import c_encode_basestring, c_make_encoder  # type: ignore[attr-defined]
 from typing import Any, Literal
@@ -21,10 +21,7 @@ import fsspec
 from engine import RESERVED_COLUMNS
 from orchestrator.json_out import finite
 from orchestrator.plan.json_row import loads_row, lone_surrogate, may_hold_lone_surrogate
-from orchestrator.surface import setting
-
-EXTENSIONS = (".jsonl", ".json", ".parquet")
-
+from orchestrator.storage.readable import reading
 
 @dataclass(frozen=True)
 class CorpusConfig:
@@ -112,48 +109,14 @@ class Rejection:
     detail: str
 
 
-def list_files(path: str) -> list[str]:
-    """The corpus files, sorted; an error names the path when there are none."""
-    fs, root = fsspec.core.url_to_fs(path)
-    if fs.isdir(root):
-        found = [p for p in fs.find(root) if p.endswith(EXTENSIONS)]
-    elif any(ch in root for ch in "*?["):
-        found = [p for p in fs.glob(root) if p.endswith(EXTENSIONS) and not fs.isdir(p)]
-    elif fs.exists(root):
-        if not root.endswith(EXTENSIONS):
-            raise ValueError(f"corpus.path {path!r}: unsupported file type; use one of {', '.join(EXTENSIONS)}")
-        found = [root]
-    else:
-        raise FileNotFoundError(f"corpus.path {path!r} does not exist; pass {setting('corpus.path', 'FILE|DIR|GLOB')}")
-    if not found:
-        raise FileNotFoundError(f"corpus.path {path!r} holds no {'/'.join(EXTENSIONS)} files")
-    return sorted(fs.unstrip_protocol(p) if fs.protocol not in ("file", ("file", "local")) else p for p in found)
-
-
-def corpus_fingerprint(files: list[str]) -> str:
-    """sha256 over each file's name, size and modification time.
-
-    Metadata rather than content: resuming must check the corpus without reading it again (it may
-    be terabytes); size plus mtime (or the object store's update time) catches edits in place.
-    """
-    digest = hashlib.sha256()
-    for url in files:
-        fs, path = fsspec.core.url_to_fs(url)
-        info = fs.info(path)
-        mtime = info.get("mtime") or info.get("updated") or info.get("LastModified") or info.get("created")
-        digest.update(json.dumps([url, info.get("size"), str(mtime)]).encode())
-    return digest.hexdigest()
-
-
 def split_shards(files: list[str], shard_bytes: int) -> list[Shard]:
     """Cut files into shards of about `shard_bytes`; JSON-lines ranges end just after a newline."""
     shards: list[Shard] = []
     for index, url in enumerate(files):
-        fs, path = fsspec.core.url_to_fs(url)
         if url.endswith(".parquet"):
             import pyarrow.parquet as pq
 
-            with fs.open(path, "rb") as f:
+            with _open(url) as f:
                 meta = pq.ParquetFile(f).metadata
             start, size = 0, 0
             for g in range(meta.num_row_groups):
@@ -166,9 +129,10 @@ def split_shards(files: list[str], shard_bytes: int) -> list[Shard]:
         elif url.endswith(".json"):
             shards.append(Shard(url, "json", file_index=index))
         else:
+            fs, path = fsspec.core.url_to_fs(url)
             total = fs.size(path)
             cuts = [0]
-            with fs.open(path, "rb") as f:
+            with _open(url) as f:
                 while cuts[-1] + shard_bytes < total:
                     f.seek(cuts[-1] + shard_bytes)
                     f.readline()  # move to just after the next newline
@@ -180,9 +144,18 @@ def split_shards(files: list[str], shard_bytes: int) -> list[Shard]:
     return shards
 
 
+@contextmanager
+def _open(url: str) -> Iterator:
+    """A corpus file open for reading; a refusal names corpus.path, the file and the fix (readable.reading)."""
+    fs, path = fsspec.core.url_to_fs(url)
+    with reading("corpus.path"):
+        f = fs.open(path, "rb")
+    with f:
+        yield f
+
+
 def _read_bytes(shard: Shard) -> bytes:
-    fs, path = fsspec.core.url_to_fs(shard.file)
-    with fs.open(path, "rb") as f:
+    with _open(shard.file) as f:
         if shard.kind == "jsonl":
             f.seek(shard.start)
             return f.read(shard.end - shard.start)
@@ -203,8 +176,7 @@ def count_rows(shard: Shard) -> tuple[int, int]:
     if shard.kind == "parquet":
         import pyarrow.parquet as pq
 
-        fs, path = fsspec.core.url_to_fs(shard.file)
-        with fs.open(path, "rb") as f:
+        with _open(shard.file) as f:
             meta = pq.ParquetFile(f).metadata
         return sum(meta.row_group(g).num_rows for g in range(shard.start, shard.end)), 0
     data = _read_bytes(shard)
@@ -222,8 +194,7 @@ def read_rows(shard: Shard) -> Iterator[RawRow]:
     if shard.kind == "parquet":
         import pyarrow.parquet as pq
 
-        fs, path = fsspec.core.url_to_fs(shard.file)
-        with fs.open(path, "rb") as f:
+        with _open(shard.file) as f:
             pf = pq.ParquetFile(f)
             for g in range(shard.start, shard.end):
                 for record in pf.read_row_group(g).to_pylist():

@@ -16,6 +16,7 @@ import fsspec
 import engine as capacity
 from engine import EngineConfig, load_tokenizer as load, model_family
 from orchestrator.plan.model_cache import local_copy
+from orchestrator.storage.readable import reading
 from orchestrator.surface import setting
 
 # Files that make up a tokenizer (hashed for the tokenizer fingerprint).
@@ -42,6 +43,11 @@ class ModelSourceConfig:
     @property
     def tokenizer_path(self) -> str:
         return resolve_model(self.tokenizer, "model.tokenizer") if self.tokenizer else self.require_path()
+
+    @property
+    def tokenizer_key(self) -> str:
+        """The setting that names the tokenizer's directory."""
+        return "model.tokenizer" if self.tokenizer else "model.path"
 
     def require_path(self) -> str:
         """The checkpoint's location: a local directory (checked), an fsspec URL, or a cached Hub id's snapshot."""
@@ -105,7 +111,8 @@ def resolve_model(path: str, key: str = "model.path") -> str:
 
 
 def _read(url: str) -> bytes:
-    with fsspec.open(url, "rb") as f:
+    """A file of the model's directory (model.path)."""
+    with reading("model.path"), fsspec.open(url, "rb") as f:
         return f.read()
 
 
@@ -147,18 +154,20 @@ def max_seq_len(source: ModelSourceConfig, engine: EngineConfig) -> int:
 def load_tokenizer(source: ModelSourceConfig):
     """The tokenizer as transformers' AutoTokenizer builds it (local directory; never the Hugging Face hub)."""
     # A gs:// tokenizer: only its own files (and config.json) are copied, never the weights.
-    path = local_copy(source.tokenizer_path, source.cache_dir, names=(*TOKENIZER_FILES, "config.json")).local_path
-    return load(path, local_files_only=True)
+    with reading(source.tokenizer_key):
+        path = local_copy(source.tokenizer_path, source.cache_dir, names=(*TOKENIZER_FILES, "config.json")).local_path
+        return load(path, local_files_only=True)
 
 
 def tokenizer_fingerprint(source: ModelSourceConfig) -> str:
     """sha256 over the tokenizer's files (those of TOKENIZER_FILES that exist), by name."""
     fs, root = fsspec.core.url_to_fs(source.tokenizer_path)
     digest = hashlib.sha256()
-    for name in TOKENIZER_FILES:
-        path = root.rstrip("/") + "/" + name
-        if fs.exists(path):
-            digest.update(name.encode() + b"\0" + fs.cat_file(path) + b"\0")
+    with reading(source.tokenizer_key):
+        for name in TOKENIZER_FILES:
+            path = root.rstrip("/") + "/" + name
+            if fs.exists(path):
+                digest.update(name.encode() + b"\0" + fs.cat_file(path) + b"\0")
     return digest.hexdigest()
 
 

@@ -28,7 +28,8 @@ import pyarrow.compute as pc
 from engine import structured_error
 from orchestrator.config import RunConfig, plan_changes
 from orchestrator.json_out import dumps
-from orchestrator.plan.corpus import CorpusConfig, corpus_fingerprint, list_files, split_shards, window_shards
+from orchestrator.plan.corpus import CorpusConfig, split_shards, window_shards
+from orchestrator.plan.corpus_files import corpus_fingerprint, list_files
 from orchestrator.plan.model_source import (decoder_config, kv_groups, load_tokenizer, max_seq_len, model_fingerprint,
                                             tokenizer_fingerprint)
 from orchestrator.plan.continuation import batch_samples

@@ -30,7 +30,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from orchestrator.config import ConfigError, RunConfig
-from orchestrator.plan.corpus import list_files
+from orchestrator.plan.corpus_files import list_files
 from orchestrator.plan.model_source import resolve_model
 from orchestrator.storage.storage import local_path
 

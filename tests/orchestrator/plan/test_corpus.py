@@ -4,8 +4,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from orchestrator.plan.corpus import (CorpusConfig, Prompt, Rejection, count_rows, extract_prompt, list_files, number_shards,
-                                 read_rows, split_shards)
+from orchestrator.plan.corpus import (CorpusConfig, Prompt, Rejection, count_rows, extract_prompt, number_shards,
+                                      read_rows, split_shards)
+from orchestrator.plan.corpus_files import list_files
 
 
 def rows_of(files, shard_bytes=10**9):

@@ -1,0 +1,89 @@
+"""The corpus's files: which they are (a file, a directory searched recursively, or a glob) and their fingerprint.
+
+Every file named is in the plan, or the plan stops: a directory this user may not read is an error naming it (fsspec's
+own walk leaves such a directory out, its files with it, without a word: rows lost before any were read).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from glob import has_magic
+
+import fsspec
+from fsspec.utils import glob_translate
+
+from orchestrator.storage.readable import reading
+from orchestrator.surface import setting
+
+EXTENSIONS = (".jsonl", ".json", ".parquet")
+
+
+def list_files(path: str) -> list[str]:
+    """The corpus files, sorted; an error names the path when there are none, and any directory of it this user may
+    not read (a local one; an object store has no directory to refuse)."""
+    fs, root = fsspec.core.url_to_fs(path)
+    local = fs.protocol in ("file", ("file", "local"))
+    with reading("corpus.path"):
+        if local and (fs.isdir(root) or has_magic(root)):
+            found = _local_files(root)
+        elif fs.isdir(root):
+            found = fs.find(root)
+        elif has_magic(root):
+            found = [p for p in fs.glob(root) if not fs.isdir(p)]
+        elif fs.exists(root):
+            if not root.endswith(EXTENSIONS):
+                raise ValueError(f"corpus.path {path!r}: unsupported file type; use one of {', '.join(EXTENSIONS)}")
+            found = [root]
+        else:
+            raise FileNotFoundError(f"corpus.path {path!r} does not exist; pass "
+                                    f"{setting('corpus.path', 'FILE|DIR|GLOB')}")
+    found = [p for p in found if p.endswith(EXTENSIONS)]
+    if not found:
+        raise FileNotFoundError(f"corpus.path {path!r} holds no {'/'.join(EXTENSIONS)} files")
+    return sorted(p if local else fs.unstrip_protocol(p) for p in found)
+
+
+def _local_files(root: str) -> list[str]:
+    """The files a local directory holds (recursively), or those a glob matches (fsspec's glob syntax, `**` any
+    number of levels), reading no directory deeper than the glob reaches."""
+    if not has_magic(root):
+        return _walk(root, None)
+    parts = root.split("/")
+    first = next(i for i, part in enumerate(parts) if has_magic(part))
+    pattern = re.compile(glob_translate(root))
+    depth = None if "**" in root else len(parts) - first
+    return [p for p in _walk("/".join(parts[:first]) or "/", depth) if pattern.match(p)]
+
+
+def _walk(top: str, depth: int | None) -> list[str]:
+    """The files under directory `top`, down to `depth` levels (None: all), symbolic links followed (as fsspec's find
+    follows them); a directory this user may not read raises its PermissionError (ext file systems' `lost+found`
+    excepted: a volume's root holds one, only root may read it, and it is never the corpus's)."""
+    def refuse(e: OSError) -> None:
+        if os.path.basename(e.filename or "") != "lost+found" or not isinstance(e, PermissionError):
+            raise e
+
+    found, levels = [], top.rstrip("/").count("/")
+    for directory, dirs, names in os.walk(top, onerror=refuse, followlinks=True):
+        found.extend(os.path.join(directory, name) for name in names)
+        if depth is not None and directory.rstrip("/").count("/") - levels + 1 >= depth:
+            dirs.clear()
+    return found
+
+
+def corpus_fingerprint(files: list[str]) -> str:
+    """sha256 over each file's name, size and modification time.
+
+    Metadata rather than content: resuming must check the corpus without reading it again (it may
+    be terabytes); size plus mtime (or the object store's update time) catches edits in place.
+    """
+    digest = hashlib.sha256()
+    for url in files:
+        fs, path = fsspec.core.url_to_fs(url)
+        info = fs.info(path)
+        mtime = info.get("mtime") or info.get("updated") or info.get("LastModified") or info.get("created")
+        digest.update(json.dumps([url, info.get("size"), str(mtime)]).encode())
+    return digest.hexdigest()
