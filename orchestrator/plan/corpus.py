@@ -26,7 +26,8 @@ from orchestrator.storage.readable import reading
 @dataclass(frozen=True)
 class CorpusConfig:
     path: str = "data/prompts.jsonl"
-    """File, directory or glob of .jsonl / .json / .parquet files; local or an fsspec URL (gs://...)."""
+    """File, directory or glob of .jsonl / .json / .parquet files (a file compressed whole, like .jsonl.gz, is refused
+    by name); local or an fsspec URL (gs://...)."""
     format: Literal["rows", "openai_batch"] = "rows"
     """`rows`: each row a prompt in the fields below. `openai_batch`: each row an OpenAI Batch request line
     (`{"custom_id", "method": "POST", "url": "/v1/chat/completions", "body": {...}}`), its custom_id the id, its body's

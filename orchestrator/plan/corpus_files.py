@@ -19,6 +19,9 @@ from orchestrator.storage.readable import reading
 from orchestrator.surface import setting
 
 EXTENSIONS = (".jsonl", ".json", ".parquet")
+COMPRESSED = (".gz", ".bz2", ".xz", ".lzma", ".zst", ".zstd", ".lz4", ".snappy", ".zip")
+"""Suffixes of a file compressed whole: a corpus file so compressed (`part-0.jsonl.gz`) is refused, naming the fix,
+where it would otherwise be left out of a directory or glob unsaid."""
 
 
 def list_files(path: str) -> list[str]:
@@ -34,16 +37,29 @@ def list_files(path: str) -> list[str]:
         elif has_magic(root):
             found = [p for p in fs.glob(root) if not fs.isdir(p)]
         elif fs.exists(root):
-            if not root.endswith(EXTENSIONS):
+            if _compressed(root):
+                found = [root]
+            elif not root.endswith(EXTENSIONS):
                 raise ValueError(f"corpus.path {path!r}: unsupported file type; use one of {', '.join(EXTENSIONS)}")
             found = [root]
         else:
             raise FileNotFoundError(f"corpus.path {path!r} does not exist; pass "
                                     f"{setting('corpus.path', 'FILE|DIR|GLOB')}")
+    if packed := sorted(p for p in found if _compressed(p)):
+        more = f" (and {len(packed) - 1} more)" if len(packed) > 1 else ""
+        raise ValueError(f"corpus.path {path!r}: {packed[0]} is compressed{more}; pagefleet reads .jsonl, .json and "
+                         f".parquet files as they are: decompress them, convert them to parquet (which compresses "
+                         f"its own pages), or leave them out with a glob (corpus.path=DIR/*.jsonl)")
     found = [p for p in found if p.endswith(EXTENSIONS)]
     if not found:
         raise FileNotFoundError(f"corpus.path {path!r} holds no {'/'.join(EXTENSIONS)} files")
     return sorted(p if local else fs.unstrip_protocol(p) for p in found)
+
+
+def _compressed(path: str) -> bool:
+    """A corpus file compressed whole (`.jsonl.gz`, `.json.zst`, ...)."""
+    stem, dot, suffix = path.rpartition(".")
+    return bool(dot) and f".{suffix}" in COMPRESSED and stem.endswith(EXTENSIONS)
 
 
 def _local_files(root: str) -> list[str]:

@@ -28,6 +28,19 @@ def test_list_files_file_dir_glob(tmp_path):
         list_files(str(tmp_path / "notes.txt"))
 
 
+def test_a_compressed_corpus_file_is_refused_by_name_not_left_out(tmp_path):
+    """A directory (or glob) of .jsonl files and .jsonl.gz ones planned the first and dropped the others unsaid."""
+    (tmp_path / "sub").mkdir()
+    for name in ("a.jsonl", "sub/b.jsonl.gz", "sub/c.json.zst", "d.txt.gz"):
+        (tmp_path / name).write_text("")
+    for path in (tmp_path, tmp_path / "*" / "*", tmp_path / "sub" / "c.json.zst"):
+        with pytest.raises(ValueError, match=r"is compressed.*decompress them, convert them to parquet"):
+            list_files(str(path))
+    with pytest.raises(ValueError, match=r"sub/b.jsonl.gz is compressed \(and 1 more\)"):
+        list_files(str(tmp_path))
+    assert list_files(str(tmp_path / "*.jsonl")) == [str(tmp_path / "a.jsonl")]  # a glob leaves them out
+
+
 def test_shards_number_rows_and_lines_like_one_pass(tmp_path):
     path = tmp_path / "c.jsonl"
     lines = [json.dumps({"id": i, "prompt": "x" * (i % 13 + 1)}) for i in range(300)]
