@@ -1,7 +1,7 @@
 """Reading the prompt corpus: files, shards, rows, and the fields that make a prompt.
 
-A corpus is a file, a directory (searched recursively) or a glob of `.jsonl`, `.json` and
-`.parquet` files, local or any fsspec URL; files are taken in sorted order, and rows are numbered
+A corpus is a file, a directory (searched recursively) or a glob of `.jsonl` (or `.ndjson`), `.json` and
+`.parquet` files (corpus_files.py), local or any fsspec URL; files are taken in sorted order, and rows are numbered
 0, 1, ... across them in that order (blank lines of JSON-lines files are not rows). A `.json` file
 holds a JSON array of objects, one object, or JSON lines. Files are split into shards (byte ranges
 cut at line ends, or groups of parquet row groups) that workers read in parallel.
@@ -21,13 +21,14 @@ import fsspec
 from engine import RESERVED_COLUMNS
 from orchestrator.json_out import finite
 from orchestrator.plan.json_row import loads_row, lone_surrogate, may_hold_lone_surrogate
+from orchestrator.plan.corpus_files import file_kind
 from orchestrator.storage.readable import reading
 
 @dataclass(frozen=True)
 class CorpusConfig:
     path: str = "data/prompts.jsonl"
-    """File, directory or glob of .jsonl / .json / .parquet files (a file compressed whole, like .jsonl.gz, is refused
-    by name); local or an fsspec URL (gs://...)."""
+    """File, directory or glob of .jsonl (or .ndjson) / .json / .parquet files, suffixes in any case (a file compressed
+    whole, like .jsonl.gz, is refused by name); local or an fsspec URL (gs://...)."""
     format: Literal["rows", "openai_batch"] = "rows"
     """`rows`: each row a prompt in the fields below. `openai_batch`: each row an OpenAI Batch request line
     (`{"custom_id", "method": "POST", "url": "/v1/chat/completions", "body": {...}}`), its custom_id the id, its body's
@@ -114,7 +115,8 @@ def split_shards(files: list[str], shard_bytes: int) -> list[Shard]:
     """Cut files into shards of about `shard_bytes`; JSON-lines ranges end just after a newline."""
     shards: list[Shard] = []
     for index, url in enumerate(files):
-        if url.endswith(".parquet"):
+        kind = file_kind(url)
+        if kind == "parquet":
             import pyarrow.parquet as pq
 
             with _open(url) as f:
@@ -127,7 +129,7 @@ def split_shards(files: list[str], shard_bytes: int) -> list[Shard]:
                     start, size = g + 1, 0
             if meta.num_row_groups == 0:
                 shards.append(Shard(url, "parquet", 0, 0, file_index=index))
-        elif url.endswith(".json"):
+        elif kind == "json":
             shards.append(Shard(url, "json", file_index=index))
         else:
             fs, path = fsspec.core.url_to_fs(url)

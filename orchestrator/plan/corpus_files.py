@@ -18,7 +18,9 @@ from fsspec.utils import glob_translate
 from orchestrator.storage.readable import reading
 from orchestrator.surface import setting
 
-EXTENSIONS = (".jsonl", ".json", ".parquet")
+KINDS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet"}
+"""A corpus file's kind by its suffix, in any case (`.JSONL` too): JSON lines (`.ndjson` is another name for them), a
+JSON document (or JSON lines), parquet. Any other file in the corpus's directory or glob is not the corpus's."""
 COMPRESSED = (".gz", ".bz2", ".xz", ".lzma", ".zst", ".zstd", ".lz4", ".snappy", ".zip")
 """Suffixes of a file compressed whole: a corpus file so compressed (`part-0.jsonl.gz`) is refused, naming the fix,
 where it would otherwise be left out of a directory or glob unsaid."""
@@ -37,29 +39,32 @@ def list_files(path: str) -> list[str]:
         elif has_magic(root):
             found = [p for p in fs.glob(root) if not fs.isdir(p)]
         elif fs.exists(root):
-            if _compressed(root):
-                found = [root]
-            elif not root.endswith(EXTENSIONS):
-                raise ValueError(f"corpus.path {path!r}: unsupported file type; use one of {', '.join(EXTENSIONS)}")
+            if not _compressed(root) and file_kind(root) is None:
+                raise ValueError(f"corpus.path {path!r}: unsupported file type; use one of {', '.join(KINDS)}")
             found = [root]
         else:
             raise FileNotFoundError(f"corpus.path {path!r} does not exist; pass "
                                     f"{setting('corpus.path', 'FILE|DIR|GLOB')}")
     if packed := sorted(p for p in found if _compressed(p)):
         more = f" (and {len(packed) - 1} more)" if len(packed) > 1 else ""
-        raise ValueError(f"corpus.path {path!r}: {packed[0]} is compressed{more}; pagefleet reads .jsonl, .json and "
-                         f".parquet files as they are: decompress them, convert them to parquet (which compresses "
-                         f"its own pages), or leave them out with a glob (corpus.path=DIR/*.jsonl)")
-    found = [p for p in found if p.endswith(EXTENSIONS)]
+        raise ValueError(f"corpus.path {path!r}: {packed[0]} is compressed{more}; pagefleet reads {', '.join(KINDS)} "
+                         f"files as they are: decompress them, convert them to parquet (which compresses its own "
+                         f"pages), or leave them out with a glob (corpus.path=DIR/*.jsonl)")
+    found = [p for p in found if file_kind(p) is not None]
     if not found:
-        raise FileNotFoundError(f"corpus.path {path!r} holds no {'/'.join(EXTENSIONS)} files")
+        raise FileNotFoundError(f"corpus.path {path!r} holds no {'/'.join(KINDS)} files")
     return sorted(p if local else fs.unstrip_protocol(p) for p in found)
+
+
+def file_kind(path: str) -> str | None:
+    """"jsonl", "json" or "parquet" by the file's suffix (KINDS); None for a file that is not the corpus's."""
+    return KINDS.get(os.path.splitext(path)[1].lower())
 
 
 def _compressed(path: str) -> bool:
     """A corpus file compressed whole (`.jsonl.gz`, `.json.zst`, ...)."""
-    stem, dot, suffix = path.rpartition(".")
-    return bool(dot) and f".{suffix}" in COMPRESSED and stem.endswith(EXTENSIONS)
+    stem, suffix = os.path.splitext(path)
+    return suffix.lower() in COMPRESSED and file_kind(stem) is not None
 
 
 def _local_files(root: str) -> list[str]:

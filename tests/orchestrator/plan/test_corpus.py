@@ -41,6 +41,17 @@ def test_a_compressed_corpus_file_is_refused_by_name_not_left_out(tmp_path):
     assert list_files(str(tmp_path / "*.jsonl")) == [str(tmp_path / "a.jsonl")]  # a glob leaves them out
 
 
+def test_ndjson_and_upper_case_suffixes_are_corpus_files(tmp_path):
+    """`.ndjson` (JSON lines by another name) and `.JSONL` were left out of a directory without a word."""
+    (tmp_path / "a.ndjson").write_text('{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": "y"}\n')
+    (tmp_path / "B.JSONL").write_text('{"id": "c", "prompt": "z"}\n')
+    (tmp_path / "C.Parquet").write_bytes(b"")
+    files = list_files(str(tmp_path))
+    assert files == [str(tmp_path / n) for n in ("B.JSONL", "C.Parquet", "a.ndjson")]
+    assert [s.kind for s in split_shards(files[::2], 2**20)] == ["jsonl", "jsonl"]
+    assert [r.record["id"] for r in rows_of(files[::2], shard_bytes=2**20)] == ["c", "a", "b"]
+
+
 def test_shards_number_rows_and_lines_like_one_pass(tmp_path):
     path = tmp_path / "c.jsonl"
     lines = [json.dumps({"id": i, "prompt": "x" * (i % 13 + 1)}) for i in range(300)]
