@@ -21,7 +21,7 @@ from orchestrator import exit_codes
 from orchestrator.json_out import dumps
 from orchestrator.observe.timeline import format_host_kv, format_prefix_cache, format_transfers
 from orchestrator.plan.corpus import CorpusConfig, RawRow, Rejection, extract_prompt, passthrough, row_id
-from orchestrator.plan.json_row import loads_row, lone_surrogate
+from orchestrator.plan.json_row import loads_row, lone_surrogate, without_bom
 from orchestrator.plan.model_cache import local_copy
 from orchestrator.plan.model_source import resolve_model, TOKENIZER_FILES
 from orchestrator.plan.continuation import (IDS_FIELD, TEXT_FIELD, encode_continuations, is_scored, new_tokens,
@@ -280,7 +280,8 @@ def run_generate(cfg: GenerateConfig, explicit: frozenset[str] = frozenset()) ->
             return exit_codes.FAULT
     model = resolve_model(cfg.model, "--model")
     with reading("--input", workers_read=False), open(cfg.input, "rb") as f:
-        numbered = [(line_no, line) for line_no, line in enumerate(f, 1) if line.strip()]
+        numbered = [(line_no, without_bom(line) if line_no == 1 else line) for line_no, line in enumerate(f, 1)
+                    if line.strip()]
     try:
         with reading("--model", workers_read=False, under=model):  # its weights, config and tokenizer
             engine, parsed = sized_engine(model, cfg.engine, cfg.dtype, explicit, numbered, cfg.sampling)

@@ -20,7 +20,7 @@ import fsspec
 
 from engine import RESERVED_COLUMNS
 from orchestrator.json_out import finite
-from orchestrator.plan.json_row import loads_row, lone_surrogate, may_hold_lone_surrogate
+from orchestrator.plan.json_row import loads_row, lone_surrogate, may_hold_lone_surrogate, without_bom
 from orchestrator.plan.corpus_files import file_kind
 from orchestrator.storage.readable import reading
 
@@ -158,11 +158,13 @@ def _open(url: str) -> Iterator:
 
 
 def _read_bytes(shard: Shard) -> bytes:
+    """The shard's bytes (a file's first without a byte order mark: json_row.without_bom)."""
     with _open(shard.file) as f:
         if shard.kind == "jsonl":
             f.seek(shard.start)
-            return f.read(shard.end - shard.start)
-        return f.read()
+            data = f.read(shard.end - shard.start)
+            return without_bom(data) if shard.start == 0 else data
+        return without_bom(f.read())
 
 
 def _json_document(data: bytes) -> list | None:

@@ -3,6 +3,7 @@ it (`loads_row`), and refused when an escape in it is a lone surrogate (`lone_su
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 
@@ -26,6 +27,12 @@ def lone_surrogate(text: str) -> str | None:
         return (f"row holds a lone surrogate ({e.object[e.start:e.end].encode('unicode_escape').decode()}), which "
                 "is no character; fix the row's text (write the character, or a complete surrogate pair)")
     return None
+
+
+def without_bom(head: bytes) -> bytes:
+    """A file's first bytes without the UTF-8 byte order mark some editors write (Notepad, PowerShell's UTF-8):
+    JSON has none, and the file's first row would read as malformed."""
+    return head[len(codecs.BOM_UTF8):] if head.startswith(codecs.BOM_UTF8) else head
 
 
 _DECODER = json.JSONDecoder()

@@ -33,7 +33,8 @@ def test_generate_writes_one_record_per_sample_in_input_order(tmp_path, model_di
     rows = ['{"id": "a", "prompt": "Hello there"}', '{"id": "b", "messages": [{"role": "user", "content": "hi"}]}',
             'not json', '{"id": "c", "prompt_token_ids": [5, 6, 7]}', '{"id": "d", "prompt": ""}',
             '{"id": "a", "prompt": "same id again"}']
-    (tmp_path / "in.jsonl").write_text("\n".join(rows) + "\n")
+    # With the byte order mark some editors write (Notepad, PowerShell): line 1 is still a row, not malformed JSON.
+    (tmp_path / "in.jsonl").write_text("\n".join(rows) + "\n", encoding="utf-8-sig")
     out = tmp_path / "out.jsonl"
     proc = run_cli("generate", "--model", str(model_dir), "--input", str(tmp_path / "in.jsonl"), "--output", str(out),
                    "--sampling.max_new_tokens=6", "--sampling.n=2", "--sampling.temperature=0.7",

@@ -41,6 +41,19 @@ def test_a_compressed_corpus_file_is_refused_by_name_not_left_out(tmp_path):
     assert list_files(str(tmp_path / "*.jsonl")) == [str(tmp_path / "a.jsonl")]  # a glob leaves them out
 
 
+def test_a_byte_order_mark_does_not_make_the_first_row_malformed(tmp_path):
+    """A file saved with a UTF-8 byte order mark (Notepad, PowerShell) rejected its first row as malformed JSON."""
+    rows = [{"id": f"r{i}", "prompt": f"prompt {i}"} for i in range(40)]
+    lines = "".join(json.dumps(r) + "\n" for r in rows)
+    (tmp_path / "a.jsonl").write_text(lines, encoding="utf-8-sig")
+    (tmp_path / "b.jsonl").write_text("\n" + lines, encoding="utf-8-sig")  # the mark alone on the first line
+    (tmp_path / "c.json").write_text(json.dumps(rows), encoding="utf-8-sig")
+    for name in ("a.jsonl", "b.jsonl", "c.json"):
+        for shard_bytes in (64, 10**9):  # the mark in the first of many shards, or in the only one
+            got = rows_of([str(tmp_path / name)], shard_bytes=shard_bytes)
+            assert [r.record for r in got] == rows and all(r.reason is None for r in got), name
+
+
 def test_ndjson_and_upper_case_suffixes_are_corpus_files(tmp_path):
     """`.ndjson` (JSON lines by another name) and `.JSONL` were left out of a directory without a word."""
     (tmp_path / "a.ndjson").write_text('{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": "y"}\n')
