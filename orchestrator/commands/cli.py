@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         elif e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             print(f"pagefleet {command}: {e.filename or e}: {e.strerror}; make it writable by this user, or give "
                   "another location (run_dir, --output)", file=sys.stderr)
-        else:
-            print(f"pagefleet {command}: {e}", file=sys.stderr)
+        else:  # one line whatever the library wrote (gcsfs: "Forbidden: PATH" and the store's message below it)
+            print(f"pagefleet {command}: {' '.join(str(e).split())}", file=sys.stderr)
         return FAULT
     except Exception as e:  # noqa: BLE001 - a fault of pagefleet itself: exit FAULT, never "a batch failed"
         if os.environ.get("PAGEFLEET_DEBUG"):

@@ -279,11 +279,11 @@ def run_generate(cfg: GenerateConfig, explicit: frozenset[str] = frozenset()) ->
             print(f"pagefleet generate: --{name} is required", file=sys.stderr)
             return exit_codes.FAULT
     model = resolve_model(cfg.model, "--model")
-    with reading("--input", workers_read=False), open(cfg.input, "rb") as f:
+    with reading("--input", cfg.input, workers_read=False), open(cfg.input, "rb") as f:
         numbered = [(line_no, without_bom(line) if line_no == 1 else line) for line_no, line in enumerate(f, 1)
                     if line.strip()]
     try:
-        with reading("--model", workers_read=False, under=model):  # its weights, config and tokenizer
+        with reading("--model", model, workers_read=False, only_under=True):  # its weights, config and tokenizer
             engine, parsed = sized_engine(model, cfg.engine, cfg.dtype, explicit, numbered, cfg.sampling)
     except ValueError as e:
         print(f"pagefleet generate: {e}", file=sys.stderr)

@@ -151,7 +151,7 @@ def split_shards(files: list[str], shard_bytes: int) -> list[Shard]:
 def _open(url: str) -> Iterator:
     """A corpus file open for reading; a refusal names corpus.path, the file and the fix (readable.reading)."""
     fs, path = fsspec.core.url_to_fs(url)
-    with reading("corpus.path"):
+    with reading("corpus.path", url):
         f = fs.open(path, "rb")
     with f:
         yield f

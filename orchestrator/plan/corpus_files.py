@@ -31,7 +31,7 @@ def list_files(path: str) -> list[str]:
     not read (a local one; an object store has no directory to refuse)."""
     fs, root = fsspec.core.url_to_fs(path)
     local = fs.protocol in ("file", ("file", "local"))
-    with reading("corpus.path"):
+    with reading("corpus.path", path):
         if local and (fs.isdir(root) or has_magic(root)):
             found = _local_files(root)
         elif fs.isdir(root):

@@ -112,7 +112,7 @@ def resolve_model(path: str, key: str = "model.path") -> str:
 
 def _read(url: str) -> bytes:
     """A file of the model's directory (model.path)."""
-    with reading("model.path"), fsspec.open(url, "rb") as f:
+    with reading("model.path", url), fsspec.open(url, "rb") as f:
         return f.read()
 
 
@@ -154,7 +154,7 @@ def max_seq_len(source: ModelSourceConfig, engine: EngineConfig) -> int:
 def load_tokenizer(source: ModelSourceConfig):
     """The tokenizer as transformers' AutoTokenizer builds it (local directory; never the Hugging Face hub)."""
     # A gs:// tokenizer: only its own files (and config.json) are copied, never the weights.
-    with reading(source.tokenizer_key):
+    with reading(source.tokenizer_key, source.tokenizer_path):
         path = local_copy(source.tokenizer_path, source.cache_dir, names=(*TOKENIZER_FILES, "config.json")).local_path
         return load(path, local_files_only=True)
 
@@ -163,7 +163,7 @@ def tokenizer_fingerprint(source: ModelSourceConfig) -> str:
     """sha256 over the tokenizer's files (those of TOKENIZER_FILES that exist), by name."""
     fs, root = fsspec.core.url_to_fs(source.tokenizer_path)
     digest = hashlib.sha256()
-    with reading(source.tokenizer_key):
+    with reading(source.tokenizer_key, source.tokenizer_path):
         for name in TOKENIZER_FILES:
             path = root.rstrip("/") + "/" + name
             if fs.exists(path):

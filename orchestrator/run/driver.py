@@ -100,7 +100,7 @@ class Driver:
         if not self.run_dir.is_planned():
             refuse_impossible(self.cfg)  # before the run directory or Ray exists
 
-        with reading("model.path"):  # headers only (ranged reads on gs://), before planning: a bad one stops the run
+        with reading("model.path", model):  # headers only (ranged reads on gs://), before planning: a bad one stops the run
             check_checkpoint(model)
         validate(self.cfg)  # the mesh against the devices and the model, the capacities: before any slice starts
         with run_lock(self.run_dir.root, self.cfg.lock_stale_s) as lock:

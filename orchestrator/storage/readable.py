@@ -18,19 +18,29 @@ class Unreadable(ValueError):
 
 
 @contextmanager
-def reading(key: str, workers_read: bool = True, under: str | None = None) -> Iterator[None]:
-    """Read an input inside the block: a PermissionError there becomes `Unreadable`, naming `key` (the setting or flag
-    that gave the input) and the file. `workers_read`: the Ray workers read it too (the corpus's rows, the model's
-    weights), so their user needs the access as well. `under`: the input's location, for a block that may also
-    write elsewhere (building an engine fills caches): a refusal naming a file outside it is left as it is."""
+def reading(key: str, location: str | None = None, workers_read: bool = True, only_under: bool = False
+            ) -> Iterator[None]:
+    """Read an input inside the block: a refusal there becomes `Unreadable`, naming `key` (the setting or flag that
+    gave the input) and the file (or `location`, the input's, when the refusal names none). A refusal is a
+    PermissionError, or an object store's: gcsfs raises a bare OSError "Forbidden: PATH\\nMESSAGE" for HTTP 403
+    (gcsfs.retry.validate_response). `workers_read`: the Ray workers read it too (the corpus's rows, the model's
+    weights), so their user needs the access as well. `only_under`: the block may also write elsewhere (building an
+    engine fills caches): a refusal naming a file outside `location` is left as it is."""
     try:
         yield
     except PermissionError as e:
-        if under is not None and e.filename is not None and not _within(str(e.filename), under):
+        if only_under and location and e.filename is not None and not _within(str(e.filename), location):
             raise
         readers = "this user and by the Ray workers' user" if workers_read else "this user"
-        raise Unreadable(f"{key}: cannot read {e.filename or 'it'} ({e.strerror or e}); make it readable by "
-                         f"{readers}") from e
+        raise Unreadable(f"{key}: cannot read {e.filename or location or 'it'} ({e.strerror or e}); make it "
+                         f"readable by {readers}") from e
+    except OSError as e:
+        if e.errno is not None or not str(e).startswith("Forbidden: "):
+            raise
+        why = " ".join(str(e).split("\n")[1:]).strip() or "HTTP 403"
+        readers = "this user's credentials and the Ray workers'" if workers_read else "this user's credentials"
+        raise Unreadable(f"{key}: cannot read {location or str(e).splitlines()[0][11:]} (Forbidden: {why}); give "
+                         f"{readers} read access to it (storage.objects.get and storage.objects.list)") from e
 
 
 def _within(path: str, location: str) -> bool:

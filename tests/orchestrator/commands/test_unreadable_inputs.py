@@ -109,14 +109,61 @@ def test_unreadable_weights_stop_run_and_generate_before_they_start_and_generate
 
 
 def test_a_refusal_outside_the_input_is_left_to_say_what_it_says(tmp_path):
-    """`reading(under=...)` wraps building an engine, which also writes caches: a refused write there is not the
+    """`reading(only_under=True)` wraps building an engine, which also writes caches: a refused write there is not the
     model's, and keeps the command line's own advice (make the location writable)."""
     from orchestrator.storage.readable import Unreadable, reading
 
     elsewhere = PermissionError(13, "Permission denied", str(tmp_path / "cache" / "x"))
-    with pytest.raises(PermissionError) as raised, reading("--model", workers_read=False, under=str(tmp_path / "m")):
+    model = str(tmp_path / "m")
+    with pytest.raises(PermissionError) as raised, reading("--model", model, workers_read=False, only_under=True):
         raise elsewhere
     assert raised.value is elsewhere
     with pytest.raises(Unreadable, match="--model: cannot read .*/m/w.safetensors"):
-        with reading("--model", workers_read=False, under=str(tmp_path / "m")):
+        with reading("--model", model, workers_read=False, only_under=True):
             raise PermissionError(13, "Permission denied", str(tmp_path / "m" / "w.safetensors"))
+
+
+@pytest.fixture
+def denying_bucket():
+    """A Cloud Storage endpoint on loopback that refuses every request as Cloud Storage refuses a caller without the
+    permission (HTTP 403 and its JSON error); its `STORAGE_EMULATOR_HOST`."""
+    import http.server
+    import json
+    import threading
+
+    class Deny(http.server.BaseHTTPRequestHandler):
+        def deny(self):
+            body = json.dumps({"error": {"code": 403, "message": "caller does not have storage.objects.list access "
+                                         "to the Google Cloud Storage bucket.", "errors": [{"reason": "forbidden"}]}})
+            self.send_response(403)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        do_GET = do_POST = do_PUT = do_HEAD = deny
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Deny)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_a_bucket_that_refuses_the_corpus_or_the_run_directory_is_one_line(model, tmp_path, denying_bucket):
+    """gcsfs raises "Forbidden: PATH" with the store's message on a second line: two lines, no setting named."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "STORAGE_EMULATOR_HOST": denying_bucket}
+    plan = [sys.executable, "-m", "orchestrator", "plan", str(DEMO), f"--model.path={model}"]
+    corpus = write_run_corpus(tmp_path / "c.jsonl", 3)
+    for args, expected in (
+            (["--corpus.path=gs://bkt/c.jsonl", f"--run_dir={tmp_path / 'run'}"],
+             "pagefleet plan: corpus.path: cannot read gs://bkt/c.jsonl (Forbidden: caller does not have "
+             "storage.objects.list access to the Google Cloud Storage bucket.); give this user's credentials and the "
+             "Ray workers' read access to it (storage.objects.get and storage.objects.list)"),
+            ([f"--corpus.path={corpus}", "--run_dir=gs://bkt/run"],
+             "pagefleet plan: Forbidden: b/bkt/o caller does not have storage.objects.list access to the Google Cloud "
+             "Storage bucket.")):
+        proc = subprocess.run(plan + args, capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [expected], proc.stderr[-2000:]
