@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from orchestrator.exit_codes import FAULT
 from orchestrator.export.export import LAYOUTS, check_output, done_outputs, export, print_progress
+from orchestrator.storage.readable import reading
 
 
 def main(argv: list[str]) -> int:
@@ -29,7 +30,8 @@ def main(argv: list[str]) -> int:
     if args.memory_gb <= 0:
         parser.error(f"--memory-gb must be positive, got {args.memory_gb}")
     check_output(args.output, args.format)  # before the progress bar, so a refusal is the only line printed
-    done = done_outputs(args.run_dir, partial=args.partial)
+    with reading("RUN_DIR", args.run_dir, workers_read=False):  # its manifest and outputs' footers, only read
+        done = done_outputs(args.run_dir, partial=args.partial)
     try:
         with tqdm(total=done.samples, desc="export", unit="sample", disable=not args.progress, file=sys.stderr) as bar:
             count = export(args.run_dir, args.output, partial=args.partial, memory_bytes=int(args.memory_gb * 2**30),

@@ -6,6 +6,7 @@ import argparse
 
 from orchestrator.json_out import dumps
 from orchestrator.observe.status import format_status, status
+from orchestrator.storage.readable import reading
 
 
 def main(argv: list[str]) -> int:
@@ -13,6 +14,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("run_dir")
     parser.add_argument("--json", action="store_true", help="print the status as JSON")
     args = parser.parse_args(argv)
-    s = status(args.run_dir)
+    with reading("RUN_DIR", args.run_dir, workers_read=False):  # status only reads the run directory
+        s = status(args.run_dir)
     print(dumps(s, indent=1) if args.json else format_status(s))
     return 0

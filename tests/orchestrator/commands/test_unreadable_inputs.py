@@ -49,7 +49,8 @@ def model(tmp_path_factory) -> Path:
 
 
 def test_a_corpus_directory_the_user_may_not_read_stops_the_plan_rather_than_leaving_its_files_out(model, tmp_path):
-    """fsspec's walk left an unreadable directory out, its files with it: the plan ran on the rest without a word."""
+    """fsspec's walk left an unreadable directory out, its files with it: the plan ran on the rest without a word.
+    Then the planned run directory, unreadable to `status` and `export`, which only read it."""
     corpus = tmp_path / "corpus"
     for name in ("a", "b"):
         (corpus / name).mkdir(parents=True)
@@ -68,6 +69,15 @@ def test_a_corpus_directory_the_user_may_not_read_stops_the_plan_rather_than_lea
         assert proc.returncode == 0, proc.stderr[-2000:]
     finally:
         (corpus / "b").chmod(0o755)
+    # status and export only read a run directory: a refusal there is not the writable location the others need.
+    manifest = tmp_path / "run" / "batches.jsonl"
+    manifest.chmod(0)
+    try:
+        refused(cli("status", str(tmp_path / "run")), "status", "RUN_DIR", manifest, workers=False)
+        refused(cli("export", str(tmp_path / "run"), "--output", str(tmp_path / "out.jsonl"), "--partial"), "export",
+                "RUN_DIR", manifest, workers=False)
+    finally:
+        manifest.chmod(0o644)
     # A volume's own lost+found (only root reads it) is not the corpus's: the plan goes on without it.
     (corpus / "lost+found").mkdir(mode=0)
     proc = cli("plan", str(DEMO), f"--model.path={model}", f"--corpus.path={corpus}", f"--run_dir={tmp_path / 'run2'}")
