@@ -154,7 +154,7 @@ def max_seq_len(source: ModelSourceConfig, engine: EngineConfig) -> int:
 def load_tokenizer(source: ModelSourceConfig):
     """The tokenizer as transformers' AutoTokenizer builds it (local directory; never the Hugging Face hub)."""
     # A gs:// tokenizer: only its own files (and config.json) are copied, never the weights.
-    with reading(source.tokenizer_key, source.tokenizer_path):
+    with reading(source.tokenizer_key, source.tokenizer_path, only_under=True):  # not the local copy's cache
         path = local_copy(source.tokenizer_path, source.cache_dir, names=(*TOKENIZER_FILES, "config.json")).local_path
         return load(path, local_files_only=True)
 

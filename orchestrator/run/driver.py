@@ -37,7 +37,6 @@ from orchestrator.run.signals import interrupt_on_signals, on_signals, restore_s
 from orchestrator.slices.cluster import ensure_ray
 from orchestrator.slices.slice_gang import POLL_S, SliceGang
 from orchestrator.slices.slice_layout import check_mesh, validate
-from orchestrator.storage.readable import reading
 from orchestrator.slices.waiting import WaitingReport
 from orchestrator.state.batch_files import BatchFileError, read_batch
 from orchestrator.state.disk_full import disk_full
@@ -51,6 +50,7 @@ from orchestrator.state.run_state import RunState
 from orchestrator.state.rundir import RunDir
 from orchestrator.storage import location, object_append, storage
 from orchestrator.storage.atomic import atomic_write_parquet
+from orchestrator.storage.readable import reading
 
 
 @dataclass
@@ -100,8 +100,8 @@ class Driver:
         if not self.run_dir.is_planned():
             refuse_impossible(self.cfg)  # before the run directory or Ray exists
 
-        with reading("model.path", model):  # headers only (ranged reads on gs://), before planning: a bad one stops the run
-            check_checkpoint(model)
+        with reading("model.path", model):  # headers only (ranged reads on gs://), before planning: a bad one
+            check_checkpoint(model)  # stops the run once
         validate(self.cfg)  # the mesh against the devices and the model, the capacities: before any slice starts
         with run_lock(self.run_dir.root, self.cfg.lock_stale_s) as lock:
             self._lock = lock  # checked every turn of the loop: a head that lost it stops (object_lock.py)
