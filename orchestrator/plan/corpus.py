@@ -20,9 +20,10 @@ import fsspec
 
 from engine import RESERVED_COLUMNS
 from orchestrator.json_out import finite
-from orchestrator.plan.json_row import loads_row, lone_surrogate, may_hold_lone_surrogate, without_bom
 from orchestrator.plan.corpus_files import file_kind
+from orchestrator.plan.json_row import loads_row, lone_surrogate, may_hold_lone_surrogate, without_bom
 from orchestrator.storage.readable import reading
+
 
 @dataclass(frozen=True)
 class CorpusConfig:
@@ -149,11 +150,10 @@ def split_shards(files: list[str], shard_bytes: int) -> list[Shard]:
 
 @contextmanager
 def _open(url: str) -> Iterator:
-    """A corpus file open for reading; a refusal names corpus.path, the file and the fix (readable.reading)."""
+    """A corpus file open for reading; a refusal, as it opens or as it is read (an object store's may come at the
+    first read), names corpus.path, the file and the fix (readable.reading)."""
     fs, path = fsspec.core.url_to_fs(url)
-    with reading("corpus.path", url):
-        f = fs.open(path, "rb")
-    with f:
+    with reading("corpus.path", url), fs.open(path, "rb") as f:
         yield f
 
 
