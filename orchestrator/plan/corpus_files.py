@@ -80,18 +80,25 @@ def _local_files(root: str) -> list[str]:
 
 
 def _walk(top: str, depth: int | None) -> list[str]:
-    """The files under directory `top`, down to `depth` levels (None: all), symbolic links followed (as fsspec's find
-    follows them); a directory this user may not read raises its PermissionError (ext file systems' `lost+found`
-    excepted: a volume's root holds one, only root may read it, and it is never the corpus's)."""
+    """The files under directory `top`, down to `depth` levels (None: all). A link to a directory is followed (its
+    files are the corpus's as much as any), each directory walked once, by its real path: a link back up (a loop) or a
+    second link to one directory adds no file twice. A directory this user may not read raises its PermissionError
+    (ext file systems' `lost+found` excepted: a volume's root holds one, only root may read it, and it is never the
+    corpus's)."""
     def refuse(e: OSError) -> None:
         if os.path.basename(e.filename or "") != "lost+found" or not isinstance(e, PermissionError):
             raise e
 
-    found, levels = [], top.rstrip("/").count("/")
+    found, seen, levels = [], set(), top.rstrip("/").count("/")
     for directory, dirs, names in os.walk(top, onerror=refuse, followlinks=True):
-        found.extend(os.path.join(directory, name) for name in names)
-        if depth is not None and directory.rstrip("/").count("/") - levels + 1 >= depth:
+        real = os.path.realpath(directory)
+        dirs.sort()  # the first of two paths to one directory is the same one at every listing
+        if real in seen or (depth is not None and directory.rstrip("/").count("/") - levels + 1 >= depth):
             dirs.clear()
+        if real in seen:
+            continue
+        seen.add(real)
+        found.extend(os.path.join(directory, name) for name in names)
     return found
 
 

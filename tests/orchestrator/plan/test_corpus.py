@@ -54,6 +54,20 @@ def test_a_byte_order_mark_does_not_make_the_first_row_malformed(tmp_path):
             assert [r.record for r in got] == rows and all(r.reason is None for r in got), name
 
 
+def test_a_linked_directory_is_read_once_and_a_loop_adds_no_file_twice(tmp_path):
+    """A link to a directory was left out of a directory corpus without a word; followed, a link back up would list
+    the same file once per level (41 times before the kernel refuses the path)."""
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "b.jsonl").write_text("")
+    corpus = tmp_path / "corpus"
+    (corpus / "a").mkdir(parents=True)
+    (corpus / "a" / "a.jsonl").write_text("")
+    (corpus / "a" / "up").symlink_to(corpus)  # a loop
+    (corpus / "linked").symlink_to(tmp_path / "elsewhere")
+    (corpus / "linked_again").symlink_to(tmp_path / "elsewhere")  # the same directory twice: its files once
+    assert list_files(str(corpus)) == [str(corpus / "a" / "a.jsonl"), str(corpus / "linked" / "b.jsonl")]
+
+
 def test_ndjson_and_upper_case_suffixes_are_corpus_files(tmp_path):
     """`.ndjson` (JSON lines by another name) and `.JSONL` were left out of a directory without a word."""
     (tmp_path / "a.ndjson").write_text('{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": "y"}\n')
