@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 from glob import has_magic
@@ -18,6 +19,8 @@ from fsspec.utils import glob_translate
 from orchestrator.storage.readable import reading
 from orchestrator.surface import setting
 
+log = logging.getLogger(__name__)
+
 KINDS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet"}
 """A corpus file's kind by its suffix, in any case (`.JSONL` too): JSON lines (`.ndjson` is another name for them), a
 JSON document (or JSON lines), parquet. Any other file in the corpus's directory or glob is not the corpus's."""
@@ -26,18 +29,24 @@ COMPRESSED = (".gz", ".bz2", ".xz", ".lzma", ".zst", ".zstd", ".lz4", ".snappy",
 where it would otherwise be left out of a directory or glob unsaid."""
 
 
-def list_files(path: str) -> list[str]:
+def list_files(path: str, warn: bool = True) -> list[str]:
     """The corpus files, sorted; an error names the path when there are none, and any directory of it this user may
-    not read (a local one; an object store has no directory to refuse)."""
+    not read (a local one; an object store has no directory to refuse). Names starting with "." below a directory
+    (or below a glob's fixed part, unless the glob spells such a name) are left out, with a warning naming them:
+    `.ipynb_checkpoints/` holds stale copies of the files beside it, `._x.jsonl` is macOS's metadata, `.Trash-1000/`
+    another user's; a copy read with its original would sample stale or doubled rows. `warn`: False for a listing
+    made before the one the plan reads (the plan warns then)."""
     fs, root = fsspec.core.url_to_fs(path)
     local = fs.protocol in ("file", ("file", "local"))
+    hidden: list[str] = []
     with reading("corpus.path", path):
-        if local and (fs.isdir(root) or has_magic(root)):
-            found = _local_files(root)
-        elif fs.isdir(root):
-            found = fs.find(root)
+        if fs.isdir(root):
+            found = _walk(root, None, hidden) if local else _visible(fs.find(root), root, hidden)
         elif has_magic(root):
-            found = [p for p in fs.glob(root) if not fs.isdir(p)]
+            prefix, rest = _glob_parts(root)
+            keep = hidden if not any(part.startswith(".") for part in rest.split("/")) else None  # None: asked for
+            found = _local_glob(root, prefix, rest, keep) if local else [p for p in fs.glob(root) if not fs.isdir(p)]
+            found = found if keep is None or local else _visible(found, prefix, keep)
         elif fs.exists(root):
             if not _compressed(root) and file_kind(root) is None:
                 raise ValueError(f"corpus.path {path!r}: unsupported file type; use one of {', '.join(KINDS)}")
@@ -50,6 +59,11 @@ def list_files(path: str) -> list[str]:
         raise ValueError(f"corpus.path {path!r}: {packed[0]} is compressed{more}; pagefleet reads {', '.join(KINDS)} "
                          f"files as they are: decompress them, convert them to parquet (which compresses its own "
                          f"pages), or leave them out with a glob (corpus.path=DIR/*.jsonl)")
+    if hidden and warn:
+        named = ", ".join(sorted(hidden)[:3]) + (f" and {len(hidden) - 3} more" if len(hidden) > 3 else "")
+        log.warning("corpus.path %r: left out %d hidden %s (a name starting with '.'): %s; to read one, name it (a "
+                    "file, or a glob that spells its name)", path, len(hidden),
+                    "entry" if len(hidden) == 1 else "entries", named)
     found = [p for p in found if file_kind(p) is not None]
     if not found:
         raise FileNotFoundError(f"corpus.path {path!r} holds no {'/'.join(KINDS)} files")
@@ -67,24 +81,43 @@ def _compressed(path: str) -> bool:
     return suffix.lower() in COMPRESSED and file_kind(stem) is not None
 
 
-def _local_files(root: str) -> list[str]:
-    """The files a local directory holds (recursively), or those a glob matches (fsspec's glob syntax, `**` any
-    number of levels), reading no directory deeper than the glob reaches."""
-    if not has_magic(root):
-        return _walk(root, None)
+def _glob_parts(root: str) -> tuple[str, str]:
+    """(the directory before a glob's first wildcard, the pattern after it)."""
     parts = root.split("/")
     first = next(i for i, part in enumerate(parts) if has_magic(part))
+    return "/".join(parts[:first]) or "/", "/".join(parts[first:])
+
+
+def _local_glob(root: str, prefix: str, rest: str, hidden: list[str] | None) -> list[str]:
+    """The local files a glob matches (fsspec's glob syntax, `**` any number of levels), reading no directory deeper
+    than the glob reaches; `hidden` as for _walk (None: the glob spells a hidden name, and reads them all)."""
     pattern = re.compile(glob_translate(root))
-    depth = None if "**" in root else len(parts) - first
-    return [p for p in _walk("/".join(parts[:first]) or "/", depth) if pattern.match(p)]
+    depth = None if "**" in rest else rest.count("/") + 1
+    return [p for p in _walk(prefix, depth, hidden) if pattern.match(p)]
 
 
-def _walk(top: str, depth: int | None) -> list[str]:
+def _visible(paths: list[str], base: str, hidden: list[str]) -> list[str]:
+    """`paths` but those with a name starting with "." below `base` (an object store's listing); the corpus files
+    and directories so left out are added to `hidden`."""
+    kept, left = [], set()
+    for p in paths:
+        parts = p[len(base.rstrip("/")) + 1:].split("/")
+        at = next((i for i, part in enumerate(parts) if part.startswith(".")), None)
+        if at is None:
+            kept.append(p)
+        elif at < len(parts) - 1 or file_kind(p) is not None or _compressed(p):
+            left.add(base.rstrip("/") + "/" + "/".join(parts[:at + 1]))
+    hidden.extend(sorted(left))
+    return kept
+
+
+def _walk(top: str, depth: int | None, hidden: list[str] | None) -> list[str]:
     """The files under directory `top`, down to `depth` levels (None: all). A link to a directory is followed (its
     files are the corpus's as much as any), each directory walked once, by its real path: a link back up (a loop) or a
     second link to one directory adds no file twice. A directory this user may not read raises its PermissionError
     (ext file systems' `lost+found` excepted: a volume's root holds one, only root may read it, and it is never the
-    corpus's)."""
+    corpus's). Names starting with "." are neither listed nor walked into: the directories and corpus files so left
+    out are added to `hidden` (None: they are walked and listed like any)."""
     def refuse(e: OSError) -> None:
         if os.path.basename(e.filename or "") != "lost+found" or not isinstance(e, PermissionError):
             raise e
@@ -92,12 +125,19 @@ def _walk(top: str, depth: int | None) -> list[str]:
     found, seen, levels = [], set(), top.rstrip("/").count("/")
     for directory, dirs, names in os.walk(top, onerror=refuse, followlinks=True):
         real = os.path.realpath(directory)
-        dirs.sort()  # the first of two paths to one directory is the same one at every listing
-        if real in seen or (depth is not None and directory.rstrip("/").count("/") - levels + 1 >= depth):
+        if real in seen:  # walked already, by another path
             dirs.clear()
-        if real in seen:
             continue
         seen.add(real)
+        if hidden is not None:
+            hidden.extend(os.path.join(directory, d) for d in dirs if d.startswith("."))
+            hidden.extend(os.path.join(directory, n) for n in names
+                          if n.startswith(".") and (file_kind(n) is not None or _compressed(n)))
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+            names = [n for n in names if not n.startswith(".")]
+        dirs.sort()  # the first of two paths to one directory is the same one at every listing
+        if depth is not None and directory.rstrip("/").count("/") - levels + 1 >= depth:
+            dirs.clear()
         found.extend(os.path.join(directory, name) for name in names)
     return found
 

@@ -84,7 +84,7 @@ def refuse_impossible(cfg: RunConfig) -> None:
     """Raise NothingToRun for a run that cannot produce a sample, found without Ray and before the run
     directory exists: a corpus whose files are all empty, or limits that even a one-token prompt exceeds."""
     cfg.model.require_path()  # the inputs in the order plan_locked checks them
-    files = list_files(cfg.corpus.path)
+    files = list_files(cfg.corpus.path, warn=False)  # plan_locked lists them again, and warns
     if all(_is_empty(f) for f in files):
         raise NothingToRun(f"corpus.path {cfg.corpus.path!r} is empty ({len(files)} file(s) of 0 bytes); "
                            f"point {setting('corpus.path', 'FILE')} at a file with at least one prompt")

@@ -66,7 +66,7 @@ class DataPolicy:
         if local is None:
             return
         try:  # the files the planner will list (a directory's, a glob's), each of which may be a link
-            files = list_files(str(local))
+            files = list_files(str(local), warn=False)  # the run's plan warns of what it leaves out
         except (OSError, ValueError):
             return  # nothing readable there (its path itself is under a root); the run reports it when it plans
         for file in files:

@@ -68,6 +68,50 @@ def test_a_linked_directory_is_read_once_and_a_loop_adds_no_file_twice(tmp_path)
     assert list_files(str(corpus)) == [str(corpus / "a" / "a.jsonl"), str(corpus / "linked" / "b.jsonl")]
 
 
+def hidden_tree(root):
+    """A corpus directory as Jupyter, macOS and a desktop leave it: stale copies, metadata, another's trash."""
+    for name, text in (("data.jsonl", '{"id": "a", "prompt": "new"}\n'),
+                       (".ipynb_checkpoints/data-checkpoint.jsonl", '{"id": "a", "prompt": "stale"}\n'),
+                       ("._data.jsonl", "\x00\x05\x16\x07"), (".DS_Store", ""), ("sub/.hidden.jsonl", ""),
+                       ("sub/b.json", "[]"), (".Trash-1000/files/old.jsonl", "")):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
+def test_hidden_names_below_a_corpus_directory_are_left_out_and_named(tmp_path, caplog):
+    """`.ipynb_checkpoints/data-checkpoint.jsonl` sorts before `data.jsonl`: its stale rows were planned, and the
+    current ones rejected as duplicate ids (or, without ids, both sampled)."""
+    hidden_tree(tmp_path)
+    caplog.set_level("WARNING", logger="orchestrator.plan.corpus_files")
+    for path in (tmp_path, tmp_path / "**", tmp_path / "*" / "*.json*"):
+        caplog.clear()
+        files = list_files(str(path))
+        assert ".ipynb" not in " ".join(files) and "._" not in " ".join(files) and ".hidden" not in " ".join(files)
+        assert str(tmp_path / "sub" / "b.json") in files or path == tmp_path / "*" / "*.json*"
+        [warning] = caplog.messages
+        assert "hidden" in warning and ".ipynb_checkpoints" in warning and "to read one, name it" in warning, warning
+    assert list_files(str(tmp_path)) == [str(tmp_path / "data.jsonl"), str(tmp_path / "sub" / "b.json")]
+    # Named, a hidden file or directory is read.
+    caplog.clear()
+    stale = str(tmp_path / ".ipynb_checkpoints" / "data-checkpoint.jsonl")
+    assert list_files(str(tmp_path / ".ipynb_checkpoints" / "*.jsonl")) == [stale]
+    assert list_files(stale) == [stale] and not caplog.messages
+
+
+def test_hidden_names_in_a_bucket_are_left_out_and_named_as_in_a_local_directory(tmp_path, gcs_bucket, caplog):
+    from tests.gcs_emulator import upload
+
+    hidden_tree(tmp_path)
+    url = upload(str(tmp_path), f"{gcs_bucket}/corpus")
+    caplog.set_level("WARNING", logger="orchestrator.plan.corpus_files")
+    assert list_files(url) == [f"{url}/data.jsonl", f"{url}/sub/b.json"]
+    assert list_files(f"{url}/**") == [f"{url}/data.jsonl", f"{url}/sub/b.json"]
+    assert len(caplog.messages) == 2
+    assert all(".ipynb_checkpoints" in m and "._data.jsonl" in m for m in caplog.messages), caplog.messages
+    stale = f"{url}/.ipynb_checkpoints/data-checkpoint.jsonl"
+    assert list_files(f"{url}/.ipynb_checkpoints/*") == [stale]
+
+
 def test_ndjson_and_upper_case_suffixes_are_corpus_files(tmp_path):
     """`.ndjson` (JSON lines by another name) and `.JSONL` were left out of a directory without a word."""
     (tmp_path / "a.ndjson").write_text('{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": "y"}\n')
