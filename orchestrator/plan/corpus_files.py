@@ -1,7 +1,8 @@
 """The corpus's files: which they are (a file, a directory searched recursively, or a glob) and their fingerprint.
 
 Every file named is in the plan, or the plan stops: a directory this user may not read is an error naming it (fsspec's
-own walk leaves such a directory out, its files with it, without a word: rows lost before any were read).
+own walk leaves such a directory out, its files with it, without a word: rows lost before any were read), and so is a
+file compressed whole. What a directory holds under a name starting with "." is left out, with a warning naming it.
 """
 
 from __future__ import annotations
@@ -81,6 +82,11 @@ def _compressed(path: str) -> bool:
     return suffix.lower() in COMPRESSED and file_kind(stem) is not None
 
 
+def _corpus_name(path: str) -> bool:
+    """A name a corpus file has (or one compressed whole): a hidden one is named among those left out."""
+    return file_kind(path) is not None or _compressed(path)
+
+
 def _glob_parts(root: str) -> tuple[str, str]:
     """(the directory before a glob's first wildcard, the pattern after it)."""
     parts = root.split("/")
@@ -105,7 +111,7 @@ def _visible(paths: list[str], base: str, hidden: list[str]) -> list[str]:
         at = next((i for i, part in enumerate(parts) if part.startswith(".")), None)
         if at is None:
             kept.append(p)
-        elif at < len(parts) - 1 or file_kind(p) is not None or _compressed(p):
+        elif at < len(parts) - 1 or _corpus_name(p):
             left.add(base.rstrip("/") + "/" + "/".join(parts[:at + 1]))
     hidden.extend(sorted(left))
     return kept
@@ -132,7 +138,7 @@ def _walk(top: str, depth: int | None, hidden: list[str] | None) -> list[str]:
         if hidden is not None:
             hidden.extend(os.path.join(directory, d) for d in dirs if d.startswith("."))
             hidden.extend(os.path.join(directory, n) for n in names
-                          if n.startswith(".") and (file_kind(n) is not None or _compressed(n)))
+                          if n.startswith(".") and _corpus_name(n))
             dirs[:] = [d for d in dirs if not d.startswith(".")]
             names = [n for n in names if not n.startswith(".")]
         dirs.sort()  # the first of two paths to one directory is the same one at every listing
