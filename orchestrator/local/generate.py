@@ -20,13 +20,15 @@ from engine import (Engine, EngineConfig, has_tokenizer, load_tokenizer, ModelCo
 from orchestrator import exit_codes
 from orchestrator.json_out import dumps
 from orchestrator.observe.timeline import format_host_kv, format_prefix_cache, format_transfers
-from orchestrator.plan.corpus import CorpusConfig, RawRow, Rejection, extract_prompt, passthrough, row_id
+from orchestrator.plan.chat import render_chat
+from orchestrator.plan.corpus import CorpusConfig, RawRow, extract_prompt, passthrough, row_id
 from orchestrator.plan.json_row import loads_row, lone_surrogate, without_bom
 from orchestrator.plan.model_cache import local_copy
 from orchestrator.plan.model_source import resolve_model, TOKENIZER_FILES
 from orchestrator.plan.continuation import (IDS_FIELD, TEXT_FIELD, encode_continuations, is_scored, new_tokens,
                                             row_continuations, scored_error)
-from orchestrator.plan.prompt_checks import out_of_vocabulary, render_chat
+from orchestrator.plan.prompt_checks import out_of_vocabulary
+from orchestrator.plan.rejection import Rejection
 from orchestrator.plan.response_format import with_response_format
 from orchestrator.plan.row_sampling import apply, row_overrides
 from orchestrator.storage.atomic import atomic_write_text

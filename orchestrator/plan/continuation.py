@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine import SamplingConfig, scored_length_error, scored_sampling_error
-from orchestrator.plan.corpus import Rejection, a_type
+from orchestrator.plan.rejection import Rejection, a_type
 
 TEXT_FIELD = "continuation"
 IDS_FIELD = "continuation_token_ids"

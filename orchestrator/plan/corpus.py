@@ -20,8 +20,10 @@ import fsspec
 
 from engine import RESERVED_COLUMNS
 from orchestrator.json_out import finite
+from orchestrator.plan.chat import parse_messages
 from orchestrator.plan.corpus_files import file_kind
 from orchestrator.plan.json_row import loads_row, lone_surrogate, may_hold_lone_surrogate, without_bom
+from orchestrator.plan.rejection import Rejection, a_type, text_value
 from orchestrator.storage.readable import reading
 
 
@@ -42,7 +44,8 @@ class CorpusConfig:
     """Field holding a raw prompt (tokenized as is, with the tokenizer's default special tokens); a row has
     this field or messages_field, not both."""
     messages_field: str | None = "messages"
-    """Field holding a chat (a list of {role, content}) rendered with the tokenizer's chat template."""
+    """Field holding a chat (a list of {role, content} messages, OpenAI's chat format) rendered with the tokenizer's
+    chat template as vLLM renders it (docs/records.md, Chats)."""
     sampling_field: str | None = "sampling"
     """Field holding a row's own sampling settings, an object of `sampling.*` keys (all but `n`) that override the
     run's for that row (docs/records.md); rows without it use the run's."""
@@ -85,7 +88,7 @@ class Shard:
     window_end: int = -1  # -1: to the shard's end
 
 
-# RawRow, Prompt and Rejection are made for every row of the corpus: slotted, not frozen (a frozen dataclass sets
+# RawRow and Prompt (as Rejection) are made for every row of the corpus: slotted, not frozen (a frozen dataclass sets
 # each field through object.__setattr__: ~0.6 against ~0.1 us a RawRow). Nothing changes them after they are made.
 @dataclass(slots=True)
 class RawRow:
@@ -105,12 +108,6 @@ class Prompt:
     prompt_id: str
     text: str | None = None
     messages: list[dict] | None = None
-
-
-@dataclass(slots=True)
-class Rejection:
-    reason: str
-    detail: str
 
 
 def split_shards(files: list[str], shard_bytes: int) -> list[Shard]:
@@ -275,23 +272,6 @@ def number_shards(shards: list[Shard], counts: list[tuple[int, int]]) -> list[Sh
     return out
 
 
-def _text(value: Any, what: str) -> str | Rejection:
-    if isinstance(value, bytes):
-        try:
-            value = value.decode("utf-8")
-        except UnicodeDecodeError as e:
-            return Rejection("undecodable", f"{what} is not UTF-8: {e.reason} at byte {e.start}")
-    if not isinstance(value, str):
-        return Rejection("wrong_type", f"{what} is {a_type(value)}, not a string")
-    return value
-
-
-def a_type(value: object) -> str:
-    """The value's Python type with its article: "an int", "a dict"."""
-    name = type(value).__name__
-    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
-
-
 def row_id(record: dict, id_field: str | None, default: str | None) -> str | None | Rejection:
     """The row's id as a string (a string or integer field), `default` when it has none."""
     if not id_field or record.get(id_field) is None:
@@ -345,27 +325,14 @@ def extract_prompt(raw: RawRow, config: CorpusConfig) -> Prompt | Rejection:
     if has_messages and has_text:
         return Rejection("malformed_row", f"row has both {config.text_field!r} and {config.messages_field!r}")
     if has_text:
-        text = _text(record[config.text_field], f"field {config.text_field!r}")
+        text = text_value(record[config.text_field], f"field {config.text_field!r}")
         if isinstance(text, Rejection):
             return text
         if not text.strip():
             return Rejection("empty_prompt", f"field {config.text_field!r} is empty")
         return Prompt(prompt_id, text=text)
     if has_messages:
-        messages = record[config.messages_field]
-        if not isinstance(messages, list):
-            return Rejection("wrong_type", f"field {config.messages_field!r} is {a_type(messages)}, not a list")
-        if not messages:
-            return Rejection("empty_prompt", f"field {config.messages_field!r} is an empty list")
-        clean = []
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict) or "role" not in message or "content" not in message:
-                return Rejection("wrong_type", f"message {i} is not an object with 'role' and 'content'")
-            role, content = _text(message["role"], f"message {i} role"), _text(message["content"], f"message {i} content")
-            for part in (role, content):
-                if isinstance(part, Rejection):
-                    return part
-            clean.append({"role": role, "content": content})
-        return Prompt(prompt_id, messages=clean)
+        messages = parse_messages(record[config.messages_field], config.messages_field)
+        return messages if isinstance(messages, Rejection) else Prompt(prompt_id, messages=messages)
     fields = " or ".join(repr(f) for f in (config.text_field, config.messages_field) if f)
     return Rejection("missing_field", f"row has no {fields} field")

@@ -21,7 +21,8 @@ from dataclasses import replace
 from typing import Any
 
 from engine import SamplingConfig
-from orchestrator.plan.corpus import CorpusConfig, RawRow, Rejection, a_type
+from orchestrator.plan.corpus import CorpusConfig, RawRow
+from orchestrator.plan.rejection import Rejection, a_type
 from orchestrator.plan.response_format import response_format_keys
 from orchestrator.plan.row_sampling import row_overrides
 
@@ -126,29 +127,13 @@ def _map(line: dict, base: SamplingConfig) -> dict | Rejection:
     return {**row, "sampling": sampling} if sampling else row
 
 
-def _prompt(body: dict, key: str) -> str | list[dict] | Rejection:
-    """The body's chat (text-only content parts joined) or text prompt."""
+def _prompt(body: dict, key: str) -> str | list | Rejection:
+    """The body's chat, as given (checked as any row's chat is: chat.parse_messages), or its text prompt."""
     value = body.get(key)
     if value is None:
         return Rejection("missing_field", f"body has no {key!r}")
-    if key == "prompt":
-        if not isinstance(value, str):
-            return Rejection("unsupported_request", f"body.prompt is {a_type(value)}; one prompt string per line")
-        return value
-    if not isinstance(value, list):
+    if key == "prompt" and not isinstance(value, str):
+        return Rejection("unsupported_request", f"body.prompt is {a_type(value)}; one prompt string per line")
+    if key == "messages" and not isinstance(value, list):
         return Rejection("wrong_type", f"body.messages is {a_type(value)}, not a list")
-    messages = []
-    for i, message in enumerate(value):
-        if not isinstance(message, dict):
-            return Rejection("wrong_type", f"message {i} is {a_type(message)}, not an object")
-        content = message.get("content")
-        if isinstance(content, list):
-            parts = [p.get("text") if isinstance(p, dict) and p.get("type") == "text" else p for p in content]
-            wrong = next((p for p in parts if not isinstance(p, str)), None)
-            if any(not isinstance(p, str) for p in parts):
-                kind = wrong.get("type") if isinstance(wrong, dict) else a_type(wrong)
-                return Rejection("unsupported_request", f"message {i} has a content part of type {kind!r}; only "
-                                                        "text parts are supported")
-            content = "".join(parts)
-        messages.append({**message, "content": content})
-    return messages
+    return value

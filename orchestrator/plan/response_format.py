@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine import SamplingConfig
-from orchestrator.plan.corpus import Rejection, a_type
+from orchestrator.plan.rejection import Rejection, a_type
 from orchestrator.plan.row_sampling import STRUCTURED, apply
 
 TYPES = ("json_schema", "json_object", "text")

@@ -16,7 +16,7 @@ import json
 from typing import Any
 
 from engine import SamplingConfig
-from orchestrator.plan.corpus import Rejection, a_type
+from orchestrator.plan.rejection import Rejection, a_type
 
 ROW_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
             "frequency_penalty", "stop", "stop_token_ids", "seed", "logprobs", "json_schema", "regex", "choice", "grammar")

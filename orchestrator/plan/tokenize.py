@@ -20,14 +20,16 @@ import pyarrow as pa
 
 from engine import SamplingConfig, length_error
 from engine import stop_ids_error, structured_error
-from orchestrator.plan.corpus import (CorpusConfig, Prompt, RawRow, Rejection, Shard, extract_prompt, in_window,
-                                      passthrough, read_rows, row_id)
+from orchestrator.plan.chat import render_chat
+from orchestrator.plan.corpus import (CorpusConfig, Prompt, RawRow, Shard, extract_prompt, in_window, passthrough,
+                                      read_rows, row_id)
 from orchestrator.plan.continuation import (continuations_error, encode_continuations, is_scored, new_tokens,
                                             row_continuations, scored_error)
 from orchestrator.plan.model_source import ModelSourceConfig, load_tokenizer
 from orchestrator.plan.openai_batch import native_row, row_fields
 from orchestrator.plan.packing import PackingLimits, leading_page_keys_of_many
-from orchestrator.plan.prompt_checks import out_of_vocabulary, render_chat
+from orchestrator.plan.prompt_checks import out_of_vocabulary
+from orchestrator.plan.rejection import Rejection
 from orchestrator.plan.response_format import with_response_format
 from orchestrator.plan.row_sampling import apply, overrides_json, row_overrides
 

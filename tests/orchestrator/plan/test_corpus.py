@@ -144,7 +144,7 @@ def test_json_and_parquet_files(tmp_path):
     assert [r.row for r in rows] == list(range(7))
     assert rows[2].reason == "malformed_row"
     cfg = CorpusConfig()
-    assert extract_prompt(rows[3], cfg) == Prompt("x", messages=[{"role": "user", "content": "hi"}])
+    assert extract_prompt(rows[3], cfg) == Prompt("x", messages=[{"role": "user", "content": ["hi"]}])  # its texts (chat.py)
     assert extract_prompt(rows[4], cfg) == Prompt("y", text="yo")
     assert extract_prompt(rows[6], cfg) == Prompt("6", text="b")
 

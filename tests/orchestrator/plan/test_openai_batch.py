@@ -6,7 +6,7 @@ import pytest
 from engine import SamplingConfig
 from orchestrator.config import load_run_config
 from orchestrator.config_errors import ConfigError
-from orchestrator.plan.corpus import CorpusConfig, RawRow
+from orchestrator.plan.corpus import CorpusConfig, RawRow, extract_prompt
 from orchestrator.plan.openai_batch import native_row, row_fields
 
 BASE = SamplingConfig(max_new_tokens=16, n=2)
@@ -36,9 +36,14 @@ def test_keys_it_does_not_set_and_null_values_keep_the_run_settings():
     assert raw.record == {"id": "c1", "messages": CHAT, "openai": {"url": "/v1/chat/completions", "n": 1}}
 
 
-def test_text_content_parts_are_joined_and_completions_take_a_prompt():
+def test_a_chat_is_kept_as_given_and_completions_take_a_prompt():
+    """The chat is judged and rendered as any row's (plan/chat.py, test_chat.py): content parts are not joined here,
+    and a part that is not text rejects the line there."""
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
-    assert _map({"messages": parts}).record["messages"] == [{"role": "user", "content": "ab"}]
+    assert _map({"messages": parts}).record["messages"] == parts
+    image = _map({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]})
+    rejection = extract_prompt(image, row_fields(CorpusConfig(format="openai_batch")))
+    assert rejection.reason == "unsupported_request" and "content part of type 'image_url'" in rejection.detail
     raw = _map({"prompt": "once upon", "max_tokens": 4}, url="/v1/completions")
     assert raw.record == {"id": "c1", "prompt": "once upon", "openai": {"url": "/v1/completions", "n": 1},
                           "sampling": {"max_new_tokens": 4}}
@@ -56,8 +61,6 @@ def test_text_content_parts_are_joined_and_completions_take_a_prompt():
     ({"messages": CHAT, "temperature": "hot"}, None, "bad_sampling", "field 'body.temperature': temperature is a str"),
     ({"messages": CHAT, "max_tokens": 4, "max_completion_tokens": 5}, None, "bad_sampling", "keep one"),
     ({"messages": CHAT, "n": 3}, None, "bad_sampling", "body.n is 3 but the run samples sampling.n = 2"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, None,
-     "unsupported_request", "content part of type 'image_url'"),
     ({"prompt": "x"}, None, "missing_field", "body has no 'messages'"),
     ({"prompt": ["a", "b"]}, "/v1/completions", "unsupported_request", "one prompt string per line"),
 ])
