@@ -31,8 +31,8 @@ from orchestrator.storage.readable import reading
 class CorpusConfig:
     path: str = "data/prompts.jsonl"
     """File, directory or glob of .jsonl (or .ndjson) / .json / .parquet files, suffixes in any case (a file compressed
-    whole, like .jsonl.gz, is refused by name; names starting with "." below a directory are left out, with a warning,
-    unless a glob spells them); local or an fsspec URL (gs://...)."""
+    whole, like .jsonl.gz, is refused by name; names starting with "." or "_" below a directory are left out, with a
+    warning, unless a glob spells them); local or an fsspec URL (gs://...)."""
     format: Literal["rows", "openai_batch"] = "rows"
     """`rows`: each row a prompt in the fields below. `openai_batch`: each row an OpenAI Batch request line
     (`{"custom_id", "method": "POST", "url": "/v1/chat/completions", "body": {...}}`), its custom_id the id, its body's

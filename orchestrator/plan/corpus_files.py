@@ -2,7 +2,8 @@
 
 Every file named is in the plan, or the plan stops: a directory this user may not read is an error naming it (fsspec's
 own walk leaves such a directory out, its files with it, without a word: rows lost before any were read), and so is a
-file compressed whole. What a directory holds under a name starting with "." is left out, with a warning naming it.
+file compressed whole. What a directory holds under a name starting with "." or "_" is left out, with a warning naming
+it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ log = logging.getLogger(__name__)
 KINDS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet"}
 """A corpus file's kind by its suffix, in any case (`.JSONL` too): JSON lines (`.ndjson` is another name for them), a
 JSON document (or JSON lines), parquet. Any other file in the corpus's directory or glob is not the corpus's."""
+HIDDEN = (".", "_")
+"""A name starting with one of these, below a corpus directory, is not the corpus's (`hidden`), as pyarrow's datasets,
+Spark and Hive leave such names out of a table's directory."""
 COMPRESSED = (".gz", ".bz2", ".xz", ".lzma", ".zst", ".zstd", ".lz4", ".snappy", ".zip")
 """Suffixes of a file compressed whole: a corpus file so compressed (`part-0.jsonl.gz`) is refused, naming the fix,
 where it would otherwise be left out of a directory or glob unsaid."""
@@ -32,10 +36,11 @@ where it would otherwise be left out of a directory or glob unsaid."""
 
 def list_files(path: str, warn: bool = True) -> list[str]:
     """The corpus files, sorted; an error names the path when there are none, and any directory of it this user may
-    not read (a local one; an object store has no directory to refuse). Names starting with "." below a directory
-    (or below a glob's fixed part, unless the glob spells such a name) are left out, with a warning naming them:
-    `.ipynb_checkpoints/` holds stale copies of the files beside it, `._x.jsonl` is macOS's metadata, `.Trash-1000/`
-    another user's; a copy read with its original would sample stale or doubled rows. `warn`: False for a listing
+    not read (a local one; an object store has no directory to refuse). Hidden names (starting with "." or "_")
+    below a directory (or below a glob's fixed part, unless the glob spells such a name) are left out, with a warning
+    naming them: `.ipynb_checkpoints/` holds stale copies of the files beside it, `._x.jsonl` is macOS's metadata,
+    `.Trash-1000/` another user's, `_temporary/` a Spark job's unfinished or failed tasks' files, `_delta_log/` a
+    Delta table's log; read with the rest, they would sample stale or doubled rows. `warn`: False for a listing
     made before the one the plan reads (the plan warns then)."""
     fs, root = fsspec.core.url_to_fs(path)
     local = fs.protocol in ("file", ("file", "local"))
@@ -45,7 +50,7 @@ def list_files(path: str, warn: bool = True) -> list[str]:
             found = _walk(root, None, hidden) if local else _visible(fs.find(root), root, hidden)
         elif has_magic(root):
             prefix, rest = _glob_parts(root)
-            keep = hidden if not any(part.startswith(".") for part in rest.split("/")) else None  # None: asked for
+            keep = hidden if not any(_hidden(part) for part in rest.split("/")) else None  # None: asked for
             found = _local_glob(root, prefix, rest, keep) if local else [p for p in fs.glob(root) if not fs.isdir(p)]
             found = found if keep is None or local else _visible(found, prefix, keep)
         elif fs.exists(root):
@@ -62,7 +67,7 @@ def list_files(path: str, warn: bool = True) -> list[str]:
                          f"pages), or leave them out with a glob (corpus.path=DIR/*.jsonl)")
     if hidden and warn:
         named = ", ".join(sorted(hidden)[:3]) + (f" and {len(hidden) - 3} more" if len(hidden) > 3 else "")
-        log.warning("corpus.path %r: left out %d hidden %s (a name starting with '.'): %s; to read one, name it (a "
+        log.warning("corpus.path %r: left out %d hidden %s (a name starting with '.' or '_'): %s; to read one, name it (a "
                     "file, or a glob that spells its name)", path, len(hidden),
                     "entry" if len(hidden) == 1 else "entries", named)
     found = [p for p in found if file_kind(p) is not None]
@@ -80,6 +85,10 @@ def _compressed(path: str) -> bool:
     """A corpus file compressed whole (`.jsonl.gz`, `.json.zst`, ...)."""
     stem, suffix = os.path.splitext(path)
     return suffix.lower() in COMPRESSED and file_kind(stem) is not None
+
+
+def _hidden(name: str) -> bool:
+    return name.startswith(HIDDEN)
 
 
 def _corpus_name(path: str) -> bool:
@@ -103,12 +112,12 @@ def _local_glob(root: str, prefix: str, rest: str, hidden: list[str] | None) -> 
 
 
 def _visible(paths: list[str], base: str, hidden: list[str]) -> list[str]:
-    """`paths` but those with a name starting with "." below `base` (an object store's listing); the corpus files
+    """`paths` but those with a hidden name below `base` (an object store's listing); the corpus files
     and directories so left out are added to `hidden`."""
     kept, left = [], set()
     for p in paths:
         parts = p[len(base.rstrip("/")) + 1:].split("/")
-        at = next((i for i, part in enumerate(parts) if part.startswith(".")), None)
+        at = next((i for i, part in enumerate(parts) if _hidden(part)), None)
         if at is None:
             kept.append(p)
         elif at < len(parts) - 1 or _corpus_name(p):
@@ -122,7 +131,7 @@ def _walk(top: str, depth: int | None, hidden: list[str] | None) -> list[str]:
     files are the corpus's as much as any), each directory walked once, by its real path: a link back up (a loop) or a
     second link to one directory adds no file twice. A directory this user may not read raises its PermissionError
     (ext file systems' `lost+found` excepted: a volume's root holds one, only root may read it, and it is never the
-    corpus's). Names starting with "." are neither listed nor walked into: the directories and corpus files so left
+    corpus's). Hidden names are neither listed nor walked into: the directories and corpus files so left
     out are added to `hidden` (None: they are walked and listed like any)."""
     def refuse(e: OSError) -> None:
         if os.path.basename(e.filename or "") != "lost+found" or not isinstance(e, PermissionError):
@@ -136,11 +145,10 @@ def _walk(top: str, depth: int | None, hidden: list[str] | None) -> list[str]:
             continue
         seen.add(real)
         if hidden is not None:
-            hidden.extend(os.path.join(directory, d) for d in dirs if d.startswith("."))
-            hidden.extend(os.path.join(directory, n) for n in names
-                          if n.startswith(".") and _corpus_name(n))
-            dirs[:] = [d for d in dirs if not d.startswith(".")]
-            names = [n for n in names if not n.startswith(".")]
+            hidden.extend(os.path.join(directory, d) for d in dirs if _hidden(d))
+            hidden.extend(os.path.join(directory, n) for n in names if _hidden(n) and _corpus_name(n))
+            dirs[:] = [d for d in dirs if not _hidden(d)]
+            names = [n for n in names if not _hidden(n)]
         dirs.sort()  # the first of two paths to one directory is the same one at every listing
         if depth is not None and directory.rstrip("/").count("/") - levels + 1 >= depth:
             dirs.clear()

@@ -69,11 +69,14 @@ def test_a_linked_directory_is_read_once_and_a_loop_adds_no_file_twice(tmp_path)
 
 
 def hidden_tree(root):
-    """A corpus directory as Jupyter, macOS and a desktop leave it: stale copies, metadata, another's trash."""
+    """A corpus directory as Jupyter, macOS, a desktop, Spark and Delta leave it: stale copies, metadata, another's
+    trash, a failed job's task files, a table's log."""
     for name, text in (("data.jsonl", '{"id": "a", "prompt": "new"}\n'),
                        (".ipynb_checkpoints/data-checkpoint.jsonl", '{"id": "a", "prompt": "stale"}\n'),
                        ("._data.jsonl", "\x00\x05\x16\x07"), (".DS_Store", ""), ("sub/.hidden.jsonl", ""),
-                       ("sub/b.json", "[]"), (".Trash-1000/files/old.jsonl", "")):
+                       ("sub/b.json", "[]"), (".Trash-1000/files/old.jsonl", ""), ("_SUCCESS", ""),
+                       ("_temporary/0/_temporary/attempt_0/part-00000.jsonl", '{"id": "a", "prompt": "half"}\n'),
+                       ("_delta_log/00000000000000000000.json", '{"commitInfo": {}}\n')):
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
 
@@ -87,15 +90,20 @@ def test_hidden_names_below_a_corpus_directory_are_left_out_and_named(tmp_path, 
         caplog.clear()
         files = list_files(str(path))
         assert ".ipynb" not in " ".join(files) and "._" not in " ".join(files) and ".hidden" not in " ".join(files)
+        assert "_temporary" not in " ".join(files) and "_delta_log" not in " ".join(files)
         assert str(tmp_path / "sub" / "b.json") in files or path == tmp_path / "*" / "*.json*"
         [warning] = caplog.messages
         assert "hidden" in warning and ".ipynb_checkpoints" in warning and "to read one, name it" in warning, warning
+    caplog.clear()
     assert list_files(str(tmp_path)) == [str(tmp_path / "data.jsonl"), str(tmp_path / "sub" / "b.json")]
+    assert "left out 6 hidden entries (a name starting with '.' or '_')" in caplog.messages[0]
     # Named, a hidden file or directory is read.
     caplog.clear()
     stale = str(tmp_path / ".ipynb_checkpoints" / "data-checkpoint.jsonl")
     assert list_files(str(tmp_path / ".ipynb_checkpoints" / "*.jsonl")) == [stale]
     assert list_files(stale) == [stale] and not caplog.messages
+    half = str(tmp_path / "_temporary" / "0" / "_temporary" / "attempt_0" / "part-00000.jsonl")
+    assert list_files(str(tmp_path / "_temporary" / "0" / "_temporary" / "*" / "*.jsonl")) == [half]
 
 
 def test_hidden_names_in_a_bucket_are_left_out_and_named_as_in_a_local_directory(tmp_path, gcs_bucket, caplog):
