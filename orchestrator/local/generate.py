@@ -132,7 +132,7 @@ def _parse_line(raw: bytes | dict, line_no: int, tokenizer, vocab_size: int | No
         return replace(line, error="the model directory has no tokenizer; give prompt_token_ids")
     text, special = parsed.text, True
     if parsed.messages is not None:  # the template writes its own special tokens
-        text, special = render_chat(tokenizer, parsed.messages, tokenizer_path), False
+        text, special = render_chat(tokenizer, parsed.messages, tokenizer_path, kwargs=parsed.template_kwargs), False
         if isinstance(text, Rejection):
             return replace(line, error=f"{text.reason}: {text.detail}")
     encode = lambda t: tokenizer(t, add_special_tokens=special)["input_ids"]  # noqa: E731

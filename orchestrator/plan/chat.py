@@ -28,7 +28,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from orchestrator.plan.chat_template import ContentFormat, content_format
+from orchestrator.plan.chat_template import (NOT_KWARGS, ContentFormat, content_format, template_arguments,
+                                            template_variables)
 from orchestrator.plan.rejection import Rejection, a_type, text_value
 
 TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking"}
@@ -162,21 +163,58 @@ def _merged_system(messages: list[dict]) -> list[dict]:
     return [{"role": "system", "content": "\n\n".join(texts)}, *(m for m in messages if m["role"] != "system")]
 
 
-def render_chat(tokenizer, messages: list[dict], tokenizer_path: str,
-                field: str | None = "messages") -> str | Rejection:
-    """The chat (`parse_messages`) as the tokenizer's chat template renders it with a generation prompt, or a
-    `no_chat_template` Rejection when the tokenizer has no template or its template refuses the chat (raises)."""
+def template_kwargs(value: Any, where: str) -> dict | Rejection | None:
+    """A row's (or the run's) chat_template_kwargs: variables for the chat template, as vLLM's request field of that
+    name (`{"enable_thinking": false}`), or why they cannot be."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        return Rejection("bad_chat_template_kwargs", f"{where} is {a_type(value)}, not an object")
+    if refused := [key for key in NOT_KWARGS if key in value]:
+        return Rejection("bad_chat_template_kwargs", f"{where} may not set {refused[0]!r} (the chat template is the "
+                                                     "tokenizer's, and the prompt is rendered, then tokenized)")
+    return value
+
+
+def unread_kwargs(tokenizer, tokenizer_path: str, kwargs: dict) -> str | None:
+    """Why the run's corpus.chat_template_kwargs cannot be, or None: a variable the chat template never reads would
+    change no prompt (a misspelt `enable_thinking` samples the template's default unsaid), and a tokenizer without a
+    chat template renders none."""
+    template = chat_template(tokenizer)
+    if template is None:
+        return (f"corpus.chat_template_kwargs is set but the tokenizer ({tokenizer_path}) has no chat template; remove "
+                "it, or set model.tokenizer to a tokenizer with one")
+    if unread := sorted(set(kwargs) - template_arguments(template)):
+        reads = ", ".join(sorted(template_variables(template) - {"messages", "add_generation_prompt"})) or "none"
+        return (f"corpus.chat_template_kwargs.{unread[0]}: the chat template reads no variable {unread[0]!r} (the "
+                f"variables it reads: {reads}); fix the name or remove it")
+    return None
+
+
+def chat_template(tokenizer) -> str | None:
+    """The tokenizer's chat template (its default one, of named ones), or None."""
     try:
-        template = tokenizer.get_chat_template() if getattr(tokenizer, "chat_template", None) is not None else None
+        return tokenizer.get_chat_template() if getattr(tokenizer, "chat_template", None) is not None else None
     except ValueError:  # named templates, none of them the default
-        template = None
+        return None
+
+
+def render_chat(tokenizer, messages: list[dict], tokenizer_path: str, field: str | None = "messages",
+                kwargs: dict | None = None) -> str | Rejection:
+    """The chat (`parse_messages`) as the tokenizer's chat template renders it with a generation prompt and the
+    `kwargs` (`template_kwargs`) it reads (others are left out, as vLLM leaves them), or a `no_chat_template`
+    Rejection when the tokenizer has no template or its template refuses the chat (raises)."""
+    template = chat_template(tokenizer)
     if template is None:
         return Rejection("no_chat_template", f"row has {field!r} but the tokenizer ({tokenizer_path}) has no chat "
                                              "template; give the row as prompt text, or set model.tokenizer to a "
                                              "tokenizer with a chat template")
     chat = conversation(messages, content_format(template), template)
+    reads = template_arguments(template) if kwargs else ()
+    given = {key: value for key, value in (kwargs or {}).items() if key in reads}
     try:
-        return tokenizer.apply_chat_template(chat, chat_template=template, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(chat, chat_template=template, tokenize=False, **{
+            **given, "add_generation_prompt": True, "continue_final_message": False})
     except Exception as e:  # noqa: BLE001 - a template may raise on any row (jinja's raise_exception): one row's fault
         return Rejection("no_chat_template", f"the tokenizer's chat template refused the row: "
                                              f"{type(e).__name__}: {str(e)[:300]}")

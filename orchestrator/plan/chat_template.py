@@ -13,10 +13,12 @@ a chat reaches the template in the form vLLM hands it over (chat.py):
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from functools import lru_cache
 from typing import Literal
 
+import jinja2.meta
 import jinja2.nodes as nodes
 
 ContentFormat = Literal["string", "openai"]
@@ -26,16 +28,45 @@ class _Unfollowable(Exception):
     """A loop or `set` on the walk's way whose target is not a plain name."""
 
 
+NOT_KWARGS = ("chat_template", "tokenize")
+"""`apply_chat_template` arguments that chat_template_kwargs may not set (the template is the tokenizer's; the
+prompt is rendered as text, then tokenized)."""
+
+
+def _parsed(template: str) -> nodes.Template:
+    from transformers.utils.chat_template_utils import _compile_jinja_template  # the environment it renders with
+
+    return _compile_jinja_template(template).environment.parse(template)
+
+
 @lru_cache(maxsize=32)
 def content_format(template: str) -> ContentFormat:
     """"openai" when `template` loops over a message's content, else "string" (see the module)."""
-    from transformers.utils.chat_template_utils import _compile_jinja_template  # the environment it renders with
-
     try:
-        tree = _compile_jinja_template(template).environment.parse(template)
-        return "string" if next(_content_loops(tree), None) is None else "openai"
+        return "string" if next(_content_loops(_parsed(template)), None) is None else "openai"
     except Exception:  # noqa: BLE001 - a template that does not parse, or that the walk cannot follow
         return "string"
+
+
+@lru_cache(maxsize=32)
+def template_variables(template: str) -> frozenset[str]:
+    """The variables `template` reads from outside (`messages`, `bos_token`, `enable_thinking`, ...); none for a
+    template that does not parse (rendering it raises its own error)."""
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(_parsed(template)))
+    except Exception:  # noqa: BLE001
+        return frozenset()
+
+
+@lru_cache(maxsize=32)
+def template_arguments(template: str) -> frozenset[str]:
+    """The chat_template_kwargs keys that reach `template`, as vLLM passes them: its variables, and transformers' own
+    `apply_chat_template` arguments (`tools`, `documents`, ...) but NOT_KWARGS; vLLM leaves any other key out."""
+    from transformers import PreTrainedTokenizerBase
+
+    own = {name for name, p in inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters.items()
+           if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and name != "self"}
+    return frozenset((template_variables(template) | own) - set(NOT_KWARGS))
 
 
 def _target(target: nodes.Node) -> str:

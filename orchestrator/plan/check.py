@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from engine import (DTYPE_BYTES, TPU_TARGETS as TPUS, GiB, LoweringFailed, abstract_mesh, count_params, kv_page_bytes,
                     lower_step_programs, sampling_mode, sharded_config)
 from orchestrator.config import ConfigError, load_run_config
-from orchestrator.plan.planner import refuse_bad_structured_output
+from orchestrator.plan.planner import refuse_bad_prompt_settings
 from orchestrator.plan.size import CHIPS, activation_bytes_per_chip
 from orchestrator.slices.cluster import engines_per_slice, spmd
 from orchestrator.slices.slice_layout import validate
@@ -62,7 +62,7 @@ def run_check(config_path: str, overrides: list[str], target: str | None) -> str
     try:
         cfg = load_run_config(config_path, overrides)
         model_cfg, context = head_validation(cfg)
-        refuse_bad_structured_output(cfg)
+        refuse_bad_prompt_settings(cfg)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         raise Refused(f"the head rejects the config: {e}") from None
     target = target or default_target(cfg.cluster.slice_head_resource)

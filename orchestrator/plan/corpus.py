@@ -20,7 +20,7 @@ import fsspec
 
 from engine import RESERVED_COLUMNS
 from orchestrator.json_out import finite
-from orchestrator.plan.chat import parse_messages
+from orchestrator.plan.chat import parse_messages, template_kwargs
 from orchestrator.plan.corpus_files import file_kind
 from orchestrator.plan.json_row import loads_row, lone_surrogate, may_hold_lone_surrogate, without_bom
 from orchestrator.plan.rejection import Rejection, a_type, text_value
@@ -46,6 +46,12 @@ class CorpusConfig:
     messages_field: str | None = "messages"
     """Field holding a chat (a list of {role, content} messages, OpenAI's chat format) rendered with the tokenizer's
     chat template as vLLM renders it (docs/records.md, Chats)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Variables for the chat template, for every chat row, as vLLM's `chat_template_kwargs` (`{enable_thinking:
+    false}`: Qwen3's non-thinking mode); a row's own (chat_template_kwargs_field) override them key by key. A key the
+    template does not read is refused at the start (a row's own such keys are left out, as vLLM leaves them)."""
+    chat_template_kwargs_field: str | None = "chat_template_kwargs"
+    """Field holding a chat row's own chat_template_kwargs (an object; a text row's is not read)."""
     sampling_field: str | None = "sampling"
     """Field holding a row's own sampling settings, an object of `sampling.*` keys (all but `n`) that override the
     run's for that row (docs/records.md); rows without it use the run's."""
@@ -71,6 +77,8 @@ class CorpusConfig:
         for name in ("window_rows", "window_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"corpus.{name} must be at least 1, got {getattr(self, name)}")
+        if isinstance(why := template_kwargs(self.chat_template_kwargs, "corpus.chat_template_kwargs"), Rejection):
+            raise ValueError(why.detail)
 
 
 @dataclass(frozen=True)
@@ -108,6 +116,8 @@ class Prompt:
     prompt_id: str
     text: str | None = None
     messages: list[dict] | None = None
+    template_kwargs: dict | None = None
+    """A chat's chat_template_kwargs: the run's with the row's own over them (chat.render_chat)."""
 
 
 def split_shards(files: list[str], shard_bytes: int) -> list[Shard]:
@@ -333,6 +343,14 @@ def extract_prompt(raw: RawRow, config: CorpusConfig) -> Prompt | Rejection:
         return Prompt(prompt_id, text=text)
     if has_messages:
         messages = parse_messages(record[config.messages_field], config.messages_field)
-        return messages if isinstance(messages, Rejection) else Prompt(prompt_id, messages=messages)
+        if isinstance(messages, Rejection):
+            return messages
+        own = template_kwargs(record.get(config.chat_template_kwargs_field) if config.chat_template_kwargs_field
+                              else None, f"field {config.chat_template_kwargs_field!r}")
+        if isinstance(own, Rejection):
+            return own
+        kwargs = {**config.chat_template_kwargs, **own} if config.chat_template_kwargs and own else \
+            own or config.chat_template_kwargs
+        return Prompt(prompt_id, messages=messages, template_kwargs=kwargs)
     fields = " or ".join(repr(f) for f in (config.text_field, config.messages_field) if f)
     return Rejection("missing_field", f"row has no {fields} field")

@@ -6,10 +6,11 @@
     ->  {"id": "r1", "messages": [...], "sampling": {"max_new_tokens": 64, "temperature": 0.7, "seed": 1,
          "stop": ["\\n\\n"], "json_schema": {...}}, "openai": {"url": "/v1/chat/completions", "n": 2}}
 
-`custom_id` is the row's id, `body.messages` its chat (`/v1/chat/completions`) or `body.prompt` its text
-(`/v1/completions`), the body's sampling keys its own sampling settings (row_sampling; keys it does not set keep the
-run's `sampling.*`), `response_format` its structured output (response_format.py). `body.n` is kept for the export,
-which writes a line's first n samples; the run samples `sampling.n` per row, so a line's n above it is refused.
+`custom_id` is the row's id, `body.messages` its chat (`/v1/chat/completions`, with vLLM's `chat_template_kwargs`
+for its template) or `body.prompt` its text (`/v1/completions`), the body's sampling keys its own sampling settings
+(row_sampling; keys it does not set keep the run's `sampling.*`), `response_format` its structured output
+(response_format.py). `body.n` is kept for the export, which writes a line's first n samples; the run samples
+`sampling.n` per row, so a line's n above it is refused.
 `model`, `user`, `metadata` and the other keys that change no completion are accepted and ignored (the run's model
 answers every line); any other body key (`tools`, `logit_bias`, ...), another url or method rejects the row with
 one line naming it, never silently ignored.
@@ -41,6 +42,9 @@ IGNORED_KEYS = ("model", "user", "metadata", "store", "service_tier", "safety_id
 OFF_VALUES = {"logprobs": (False,), "top_logprobs": (0,), "stream": (False,), "echo": (False,), "best_of": (1,),
               "modalities": (["text"],)}
 """Body keys accepted only at these values (what they are when absent); any other value rejects the row."""
+
+TEMPLATE_KWARGS = "chat_template_kwargs"
+"""The chat body key (vLLM's) holding variables for the chat template, kept in the native row's column of that name."""
 
 NATIVE_FIELDS = {"id_field": "id", "text_field": "prompt", "messages_field": "messages", "sampling_field": "sampling",
                  "response_format_field": None}
@@ -93,7 +97,8 @@ def _map(line: dict, base: SamplingConfig) -> dict | Rejection:
         return prompt
     sampling: dict[str, Any] = {}
     for key, value in body.items():
-        if value is None or key in IGNORED_KEYS or key in (URLS[url], "n", "response_format"):
+        if value is None or key in IGNORED_KEYS or key in (URLS[url], "n", "response_format") or (
+                key == TEMPLATE_KWARGS and URLS[url] == "messages"):
             continue
         if key in OFF_VALUES:
             if value not in OFF_VALUES[key]:
@@ -124,6 +129,8 @@ def _map(line: dict, base: SamplingConfig) -> dict | Rejection:
         return Rejection("bad_sampling", f"body.n is {n} but the run samples sampling.n = {base.n} per prompt; run "
                                          f"with --sampling.n={n} or more (the export keeps each line's own n)")
     row = {"id": custom_id, URLS[url]: prompt, REQUEST_COLUMN: {"url": url, "n": n}}
+    if body.get(TEMPLATE_KWARGS) is not None and URLS[url] == "messages":
+        row[TEMPLATE_KWARGS] = body[TEMPLATE_KWARGS]  # checked with the chat (corpus.extract_prompt)
     return {**row, "sampling": sampling} if sampling else row
 
 

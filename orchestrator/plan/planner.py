@@ -28,6 +28,7 @@ import pyarrow.compute as pc
 from engine import structured_error
 from orchestrator.config import RunConfig, plan_changes
 from orchestrator.json_out import dumps
+from orchestrator.plan.chat import unread_kwargs
 from orchestrator.plan.corpus import CorpusConfig, split_shards, window_shards
 from orchestrator.plan.corpus_files import corpus_fingerprint, list_files
 from orchestrator.plan.model_source import (decoder_config, kv_groups, load_tokenizer, max_seq_len, model_fingerprint,
@@ -98,7 +99,16 @@ def refuse_impossible(cfg: RunConfig) -> None:
     if (why := limits.why_unfit(1)) is not None:
         raise NothingToRun(f"no prompt can fit: even a one-token prompt {why}; lower sampling.max_new_tokens or "
                            "sampling.n, or raise the budget")
+    refuse_bad_prompt_settings(cfg)
+
+
+def refuse_bad_prompt_settings(cfg: RunConfig) -> None:
+    """Raise NothingToRun for settings of every prompt that cannot hold, found at the head before any slice (`run`,
+    `plan`, `check`): a structured output that does not compile, chat template variables the template never reads."""
     refuse_bad_structured_output(cfg)
+    if cfg.corpus.chat_template_kwargs and (why := unread_kwargs(load_tokenizer(cfg.model), cfg.model.tokenizer_path,
+                                                                 cfg.corpus.chat_template_kwargs)):
+        raise NothingToRun(why)
 
 
 def refuse_bad_structured_output(cfg: RunConfig) -> None:

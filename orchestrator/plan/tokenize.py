@@ -96,9 +96,10 @@ class PromptTokenizer:
         self._by_length: dict[int, tuple[str, str] | None] = {}
         """`check` of a row without its own sampling settings or continuations, by its length (its ids aside)."""
 
-    def render(self, messages: list[dict]) -> str | Rejection:
+    def render(self, prompt: Prompt) -> str | Rejection:
         """A chat as the tokenizer's chat template renders it, or why it cannot be."""
-        return render_chat(self.tokenizer, messages, self.tokenizer_path, self.corpus.messages_field)
+        return render_chat(self.tokenizer, prompt.messages, self.tokenizer_path, self.corpus.messages_field,
+                           prompt.template_kwargs)
 
     def encode(self, prompts: list[Prompt]) -> list[list[int] | Rejection]:
         """Token ids of each prompt (text as is, chats through the chat template), or why a chat cannot be rendered."""
@@ -107,7 +108,7 @@ class PromptTokenizer:
         chats = []
         for i, p in enumerate(prompts):
             if p.messages is not None:
-                rendered = self.render(p.messages)
+                rendered = self.render(p)
                 if isinstance(rendered, Rejection):
                     ids[i] = rendered
                 else:
@@ -123,7 +124,7 @@ class PromptTokenizer:
         its template), or why its chat cannot be rendered."""
         text, special = prompt.text, True
         if prompt.messages is not None:  # the template writes its own special tokens
-            text, special = self.render(prompt.messages), False
+            text, special = self.render(prompt), False
             if isinstance(text, Rejection):
                 return text
         return encode_continuations(lambda t: batch_encode(self.tokenizer, [t], special)[0], text, continuations)

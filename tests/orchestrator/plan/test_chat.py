@@ -6,6 +6,8 @@ templates of these shapes and on real models' templates)."""
 
 import json
 import shutil
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -13,7 +15,7 @@ from transformers import AutoTokenizer
 from engine import SamplingConfig
 from engine.config import EngineConfig
 from orchestrator.local.generate import parse_lines
-from orchestrator.plan.chat import parse_messages, render_chat
+from orchestrator.plan.chat import parse_messages, render_chat, template_kwargs, unread_kwargs
 from orchestrator.plan.chat_template import content_format
 from orchestrator.plan.corpus import CorpusConfig, Shard
 from orchestrator.plan.model_source import ModelSourceConfig
@@ -186,3 +188,72 @@ def test_a_chat_plans_and_generates_to_vllms_prompt_tokens_in_both_corpus_format
     lines = [(i + 1, json.dumps({"id": i, "messages": m}).encode()) for i, m in enumerate((parts, calls))]
     parsed = parse_lines(lines, AutoTokenizer.from_pretrained(model), None, SamplingConfig(max_new_tokens=8))
     assert [(p.error, p.token_ids) for _, p in parsed] == [(None, joined), (None, called)]
+
+
+THINKING = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}<|end|>\n{% endfor %}<|assistant|>\n"
+            "{% if enable_thinking is defined and enable_thinking is false %}<think></think>{% endif %}"
+            "{% if documents %}{{ documents | length }} docs{% endif %}")
+
+
+def test_chat_template_kwargs_reach_the_template_and_keys_it_does_not_read_are_left_out(tok):
+    """vLLM's chat_template_kwargs: the template's variables and transformers' own arguments pass; any other key is
+    left out (as vLLM leaves it); the generation prompt stays on."""
+    tok.chat_template = THINKING
+    chat = parse_messages([{"role": "user", "content": "hi"}], "messages")
+    plain = "<|user|>\nhi<|end|>\n<|assistant|>\n"
+    assert render_chat(tok, chat, "t") == plain
+    assert render_chat(tok, chat, "t", kwargs={"enable_thinking": False, "documents": [{"a": 1}], "other": 1,
+                                               "add_generation_prompt": False}) == plain + "<think></think>1 docs"
+    assert unread_kwargs(tok, "t", {"enable_thinking": False, "documents": []}) is None
+    why = unread_kwargs(tok, "t", {"enable_thinkin": False})
+    assert why.startswith("corpus.chat_template_kwargs.enable_thinkin: the chat template reads no variable "
+                          "'enable_thinkin' (the variables it reads: documents, enable_thinking)"), why
+    tok.chat_template = None
+    assert "has no chat template" in unread_kwargs(tok, "t", {"enable_thinking": False})
+    for value, detail in (({"tokenize": True}, "may not set 'tokenize'"), ([1], "is a list, not an object")):
+        got = template_kwargs(value, "field 'chat_template_kwargs'")
+        assert got.reason == "bad_chat_template_kwargs" and detail in got.detail
+
+
+def test_the_runs_chat_template_kwargs_are_under_a_rows_own_in_both_corpus_formats(tiny_model, tmp_path):
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok.chat_template = THINKING
+    tok.save_pretrained(tmp_path / "model")
+    shutil.copy(f"{tiny_model}/config.json", tmp_path / "model")
+    chat = [{"role": "user", "content": "hi"}]
+    lines = [{"custom_id": "on", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": chat, "chat_template_kwargs": {"enable_thinking": True}}},
+             {"custom_id": "default", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": chat}},
+             {"custom_id": "text", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": "hi", "chat_template_kwargs": {"enable_thinking": True}}},
+             {"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": chat, "chat_template_kwargs": {"tokenize": True}}}]
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"id": "on", "messages": chat, "chat_template_kwargs": {"enable_thinking": True}}) +
+                    "\n" + json.dumps({"id": "default", "messages": chat}) + "\n")
+    off = CorpusConfig(chat_template_kwargs={"enable_thinking": False})
+    texts = {}
+    for path, corpus in ((batch, replace(off, format="openai_batch")), (rows, off)):
+        for r in stage(str(tmp_path / "model"), corpus).tokenize_shard(
+                Shard(str(path), "jsonl", 0, path.stat().st_size)).to_pylist():
+            texts[(corpus.format, r["prompt_id"])] = r["reason"] or tok.decode(r["token_ids"])
+    assert texts == {("openai_batch", "on"): "<|user|>\nhi<|end|>\n<|assistant|>\n",
+                     ("openai_batch", "default"): "<|user|>\nhi<|end|>\n<|assistant|>\n<think></think>",
+                     ("openai_batch", "text"): "unsupported_request", ("openai_batch", "bad"): "bad_chat_template_kwargs",
+                     ("rows", "on"): "<|user|>\nhi<|end|>\n<|assistant|>\n",
+                     ("rows", "default"): "<|user|>\nhi<|end|>\n<|assistant|>\n<think></think>"}
+
+
+def test_a_chat_template_kwarg_the_template_never_reads_stops_the_run_at_the_head(tiny_model, tmp_path, capsys):
+    from orchestrator.commands.cli import main
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"id": "a", "messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    demo = Path(__file__).resolve().parents[3] / "configs" / "demo.yaml"
+    args = ["plan", str(demo), f"--model.path={tiny_model}", f"--corpus.path={corpus}", f"--run_dir={tmp_path}/run",
+            "--corpus.chat_template_kwargs={enable_thinking: false}"]
+    assert main(args) == 2 and not (tmp_path / "run").exists()
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "corpus.chat_template_kwargs.enable_thinking: the chat template reads no variable" in line, line
