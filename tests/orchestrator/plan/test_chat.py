@@ -241,7 +241,8 @@ def test_the_runs_chat_template_kwargs_are_under_a_rows_own_in_both_corpus_forma
             texts[(corpus.format, r["prompt_id"])] = r["reason"] or tok.decode(r["token_ids"])
     assert texts == {("openai_batch", "on"): "<|user|>\nhi<|end|>\n<|assistant|>\n",
                      ("openai_batch", "default"): "<|user|>\nhi<|end|>\n<|assistant|>\n<think></think>",
-                     ("openai_batch", "text"): "unsupported_request", ("openai_batch", "bad"): "bad_chat_template_kwargs",
+                     ("openai_batch", "text"): "unsupported_request",
+                     ("openai_batch", "bad"): "bad_chat_template_kwargs",
                      ("rows", "on"): "<|user|>\nhi<|end|>\n<|assistant|>\n",
                      ("rows", "default"): "<|user|>\nhi<|end|>\n<|assistant|>\n<think></think>"}
 
