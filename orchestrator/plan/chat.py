@@ -20,7 +20,8 @@ a missing one; an empty list is left out) and its `reasoning` (also given as `re
 its `tool_call_id`, a `developer` message its `tools`; other keys of a message do not reach the template. For a
 template that never names the `developer` role, developer messages become system messages, and when that leaves a
 system message anywhere but first, or more than one, they are merged into one at the front, their texts joined
-with a blank line.
+with a blank line. Variables for the template (`chat_template_kwargs`, `template_kwargs`) pass as vLLM passes them:
+the ones the template reads, and transformers' own arguments; the generation prompt stays on.
 """
 
 from __future__ import annotations
