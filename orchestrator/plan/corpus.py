@@ -349,8 +349,7 @@ def extract_prompt(raw: RawRow, config: CorpusConfig) -> Prompt | Rejection:
                               else None, f"field {config.chat_template_kwargs_field!r}")
         if isinstance(own, Rejection):
             return own
-        kwargs = {**config.chat_template_kwargs, **own} if config.chat_template_kwargs and own else \
-            own or config.chat_template_kwargs
-        return Prompt(prompt_id, messages=messages, template_kwargs=kwargs)
+        kwargs = {**(config.chat_template_kwargs or {}), **(own or {})}
+        return Prompt(prompt_id, messages=messages, template_kwargs=kwargs or None)
     fields = " or ".join(repr(f) for f in (config.text_field, config.messages_field) if f)
     return Rejection("missing_field", f"row has no {fields} field")
