@@ -10,7 +10,8 @@ preset's tokenizer. The templates are of the shapes vLLM tells apart: content re
 as parts (directly, through a `set` alias with a slice, a macro parameter, a `content` variable), a template that
 names the developer role, and one that reads `enable_thinking`, `documents` and `tools`. The chats cover every text
 part type, null parts, tool calls with good, bad and non-object arguments, tool results as parts, reasoning, names,
-developer messages in and out of place. vLLM is installed as for benchmarks/peer_bench.py (`.peer/vllm-venv`).
+developer messages in and out of place. vLLM is installed as for benchmarks/peer_bench.py (`.peer/vllm-venv`); the
+model lives under `.peer/work/chat-<pid>` while the check runs.
 Prints each case that differs and exits 1 when any does.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -137,6 +139,7 @@ def main() -> int:
     subprocess.run([str(VENV / "bin" / "python"), __file__, "--vllm-worker", str(model), str(work / "vllm.json")],
                    check=True, env=vllm_env(scratch), cwd=work)
     theirs, ours = json.loads((work / "vllm.json").read_text()), pagefleet_side(str(model))
+    shutil.rmtree(work)  # a 160 MB model an invocation; the differences are printed
     differ = [name for name in ours if ours[name] != theirs[name] and not (
         isinstance(ours[name], str) and isinstance(theirs[name], str))]
     for name in differ:
