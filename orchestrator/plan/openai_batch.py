@@ -46,6 +46,10 @@ OFF_VALUES = {"logprobs": (False,), "top_logprobs": (0,), "stream": (False,), "e
 TEMPLATE_KWARGS = "chat_template_kwargs"
 """The chat body key (vLLM's) holding variables for the chat template, kept in the native row's column of that name."""
 
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+"""`body.reasoning_effort` values (vLLM's): a chat line's template gets it as `reasoning_effort`, and `enable_thinking`
+as whether it is not "none" unless the line's chat_template_kwargs set that."""
+
 NATIVE_FIELDS = {"id_field": "id", "text_field": "prompt", "messages_field": "messages", "sampling_field": "sampling",
                  "response_format_field": None}
 """The fields of the native rows the lines become (the corpus.*_field keys do not apply to such a corpus)."""
@@ -98,7 +102,7 @@ def _map(line: dict, base: SamplingConfig) -> dict | Rejection:
     sampling: dict[str, Any] = {}
     for key, value in body.items():
         if value is None or key in IGNORED_KEYS or key in (URLS[url], "n", "response_format") or (
-                key == TEMPLATE_KWARGS and URLS[url] == "messages"):
+                key in (TEMPLATE_KWARGS, "reasoning_effort") and URLS[url] == "messages"):
             continue
         if key in OFF_VALUES:
             if value not in OFF_VALUES[key]:
@@ -129,9 +133,25 @@ def _map(line: dict, base: SamplingConfig) -> dict | Rejection:
         return Rejection("bad_sampling", f"body.n is {n} but the run samples sampling.n = {base.n} per prompt; run "
                                          f"with --sampling.n={n} or more (the export keeps each line's own n)")
     row = {"id": custom_id, URLS[url]: prompt, REQUEST_COLUMN: {"url": url, "n": n}}
-    if body.get(TEMPLATE_KWARGS) is not None and URLS[url] == "messages":
-        row[TEMPLATE_KWARGS] = body[TEMPLATE_KWARGS]  # checked with the chat (corpus.extract_prompt)
+    if URLS[url] == "messages":
+        kwargs = _template_kwargs(body)
+        if isinstance(kwargs, Rejection):
+            return kwargs
+        if kwargs is not None:
+            row[TEMPLATE_KWARGS] = kwargs  # checked with the chat (corpus.extract_prompt)
     return {**row, "sampling": sampling} if sampling else row
+
+
+def _template_kwargs(body: dict) -> Any:
+    """A chat line's chat_template_kwargs as vLLM passes them, with its reasoning_effort (REASONING_EFFORTS)."""
+    kwargs, effort = body.get(TEMPLATE_KWARGS), body.get("reasoning_effort")
+    if effort is None or not (kwargs is None or isinstance(kwargs, dict)):
+        return kwargs
+    if effort not in REASONING_EFFORTS:
+        return Rejection("unsupported_request", f"body.reasoning_effort {effort!r} is not one of "
+                                                f"{', '.join(REASONING_EFFORTS)}")
+    return {**(kwargs or {}), "reasoning_effort": effort, "enable_thinking": (kwargs or {}).get(
+        "enable_thinking", effort != "none")}
 
 
 def _prompt(body: dict, key: str) -> str | list | Rejection:

@@ -227,7 +227,17 @@ def test_the_runs_chat_template_kwargs_are_under_a_rows_own_in_both_corpus_forma
              {"custom_id": "text", "method": "POST", "url": "/v1/completions",
               "body": {"prompt": "hi", "chat_template_kwargs": {"enable_thinking": True}}},
              {"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions",
-              "body": {"messages": chat, "chat_template_kwargs": {"tokenize": True}}}]
+              "body": {"messages": chat, "chat_template_kwargs": {"tokenize": True}}},
+             # vLLM's reasoning_effort: enable_thinking unless "none", under the line's own chat_template_kwargs
+             {"custom_id": "effort", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": chat, "reasoning_effort": "high"}},
+             {"custom_id": "effort_none", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": chat, "reasoning_effort": "none", "chat_template_kwargs": {"x": 1}}},
+             {"custom_id": "effort_under_own", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": chat, "reasoning_effort": "high",
+                       "chat_template_kwargs": {"enable_thinking": False}}},
+             {"custom_id": "effort_bad", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": chat, "reasoning_effort": "extreme"}}]
     batch = tmp_path / "batch.jsonl"
     batch.write_text("".join(json.dumps(line) + "\n" for line in lines))
     rows = tmp_path / "rows.jsonl"
@@ -243,6 +253,10 @@ def test_the_runs_chat_template_kwargs_are_under_a_rows_own_in_both_corpus_forma
                      ("openai_batch", "default"): "<|user|>\nhi<|end|>\n<|assistant|>\n<think></think>",
                      ("openai_batch", "text"): "unsupported_request",
                      ("openai_batch", "bad"): "bad_chat_template_kwargs",
+                     ("openai_batch", "effort"): "<|user|>\nhi<|end|>\n<|assistant|>\n",
+                     ("openai_batch", "effort_none"): "<|user|>\nhi<|end|>\n<|assistant|>\n<think></think>",
+                     ("openai_batch", "effort_under_own"): "<|user|>\nhi<|end|>\n<|assistant|>\n<think></think>",
+                     ("openai_batch", "effort_bad"): "unsupported_request",
                      ("rows", "on"): "<|user|>\nhi<|end|>\n<|assistant|>\n",
                      ("rows", "default"): "<|user|>\nhi<|end|>\n<|assistant|>\n<think></think>"}
 
