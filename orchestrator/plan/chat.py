@@ -193,7 +193,7 @@ def unread_kwargs(tokenizer, tokenizer_path: str, kwargs: dict) -> str | None:
 
 
 def chat_template(tokenizer) -> str | None:
-    """The tokenizer's chat template (its default one, of named ones), or None."""
+    """The tokenizer's chat template (the default one of its named ones), or None."""
     try:
         return tokenizer.get_chat_template() if getattr(tokenizer, "chat_template", None) is not None else None
     except ValueError:  # named templates, none of them the default
@@ -211,8 +211,7 @@ def render_chat(tokenizer, messages: list[dict], tokenizer_path: str, field: str
                                              "template; give the row as prompt text, or set model.tokenizer to a "
                                              "tokenizer with a chat template")
     chat = conversation(messages, content_format(template), template)
-    reads = template_arguments(template) if kwargs else ()
-    given = {key: value for key, value in (kwargs or {}).items() if key in reads}
+    given = {key: value for key, value in kwargs.items() if key in template_arguments(template)} if kwargs else {}
     try:
         return tokenizer.apply_chat_template(chat, chat_template=template, tokenize=False, **{
             **given, "add_generation_prompt": True, "continue_final_message": False})
