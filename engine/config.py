@@ -145,7 +145,8 @@ class SamplingConfig:
     seed: int = 0
     """Each sample's random stream derives from (seed, prompt_id, generation_index, position) alone."""
     stop: list[str] = field(default_factory=list)
-    """Stop strings (excluded from the completion); the tokenizer's EOS always stops."""
+    """Stop strings (excluded from the completion); the EOS ids always stop (the tokenizer's, and the checkpoint's
+    generation_config.json eos_token_id, else config.json's)."""
     logprobs: bool = False
     """Return the chosen tokens' log-probabilities."""
     prompt_logprobs: int | None = None

@@ -1,4 +1,8 @@
-"""The model's architecture, read from a Hugging Face `config.json`; unsupported settings are refused by name."""
+"""The model's architecture, read from a Hugging Face `config.json`; unsupported settings are refused by name.
+
+The ids that end a sample (EOS) are `generation_config.json`'s `eos_token_id` where the checkpoint has that file,
+else config.json's, as transformers' `generate` and vLLM read them (an instruct model's end-of-turn token is often
+named only there: Gemma 2's `<end_of_turn>`, Qwen's `<|endoftext|>`); the engine adds the tokenizer's EOS."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from engine.models.moe_config import MoeConfig
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)  # one file per family: engine/models/model_registry.py
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+GENERATION_CONFIG = "generation_config.json"
 
 
 class UnsupportedModelError(ValueError):
@@ -153,13 +158,17 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "ModelConfig":
-        config_path = files.join(path if files.is_url(path) else Path(path), "config.json")
+        root = path if files.is_url(path) else Path(path)
+        config_path, generation_path = files.join(root, "config.json"), files.join(root, GENERATION_CONFIG)
         if not files.exists(config_path):
             raise FileNotFoundError(f"{config_path} not found: model.path must be a Hugging Face checkpoint directory")
-        return cls.from_hf(json.loads(files.read_text(config_path)))
+        generation = (parse_generation_config(files.read_text(generation_path), str(generation_path))
+                      if files.exists(generation_path) else None)
+        return cls.from_hf(json.loads(files.read_text(config_path)), generation)
 
     @classmethod
-    def from_hf(cls, hf: dict) -> "ModelConfig":
+    def from_hf(cls, hf: dict, generation: dict | None = None) -> "ModelConfig":
+        """`hf`: config.json; `generation`: generation_config.json where the checkpoint has one (its EOS ids win)."""
         model_type = hf.get("model_type")
         family = model_family(model_type)
         if family is None:
@@ -220,8 +229,7 @@ class ModelConfig:
         except FamilyConfigError as e:
             raise UnsupportedModelError(str(e)) from None
         qkv_bias, window = attention.qkv_bias, attention.sliding_window
-        eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        eos_ids = eos_token_ids(hf, "config.json") if generation is None else eos_token_ids(generation, GENERATION_CONFIG)
         return cls(
             model_type=model_type,
             vocab_size=hf["vocab_size"],
@@ -247,3 +255,24 @@ class ModelConfig:
             qk_norm=attention.qk_norm,
             moe=moe,
         )
+
+
+def parse_generation_config(text: str, where: str) -> dict:
+    """generation_config.json's fields; one line naming the file and the fix when it is not a JSON object."""
+    fix = "fix it, or remove it to end samples at config.json's eos_token_id"
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UnsupportedModelError(f"{where} is not valid JSON ({e}); {fix}") from None
+    if not isinstance(value, dict):
+        raise UnsupportedModelError(f"{where} holds a JSON {type(value).__name__}, not an object; {fix}")
+    return value
+
+
+def eos_token_ids(fields: dict, name: str) -> tuple[int, ...]:
+    """`eos_token_id` of config.json or generation_config.json (`name`): none, one id or a list of them."""
+    value = fields.get("eos_token_id")
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise UnsupportedModelError(f"{name} eos_token_id={value!r}: must be a token id or a list of token ids")
+    return tuple(ids)

@@ -125,6 +125,16 @@ def model_config(source: ModelSourceConfig) -> dict:
         raise FileNotFoundError(f"{url} not found: model.path must be an HF-format checkpoint directory") from None
 
 
+def generation_config(source: ModelSourceConfig) -> dict | None:
+    """The checkpoint's generation_config.json (its eos_token_id ends samples: engine/models/model_config.py); None
+    where it has none."""
+    url = source.require_path().rstrip("/") + "/" + capacity.GENERATION_CONFIG
+    try:
+        return capacity.parse_generation_config(_read(url).decode(), url)
+    except FileNotFoundError:
+        return None
+
+
 def decoder_config(source: ModelSourceConfig) -> dict:
     """config.json's decoder fields: a multimodal checkpoint's `text_config`, transformers' defaults filled in
     where the family's config class has them (the family's `text_config`)."""
@@ -172,5 +182,12 @@ def tokenizer_fingerprint(source: ModelSourceConfig) -> str:
 
 
 def model_fingerprint(source: ModelSourceConfig) -> str:
-    """sha256 of config.json (weights are not read at plan time)."""
-    return hashlib.sha256(_read(source.require_path().rstrip("/") + "/config.json")).hexdigest()
+    """sha256 of config.json (weights are not read at plan time), and of the EOS ids where generation_config.json
+    names other ones than config.json (they end samples; where the two agree, a run planned before pagefleet read
+    generation_config.json keeps its fingerprint, and resumes)."""
+    config = _read(source.require_path().rstrip("/") + "/config.json")
+    generation = generation_config(source)
+    eos = None if generation is None else capacity.eos_token_ids(generation, capacity.GENERATION_CONFIG)
+    if eos is None or set(eos) == set(capacity.eos_token_ids(json.loads(config), "config.json")):
+        return hashlib.sha256(config).hexdigest()
+    return hashlib.sha256(config + b"\0eos_token_ids:" + json.dumps(sorted(eos)).encode()).hexdigest()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from engine import check_pool, ModelConfig, tensor_parallel_error
 from orchestrator.config import RunConfig
-from orchestrator.plan.model_source import max_seq_len, model_config
+from orchestrator.plan.model_source import generation_config, max_seq_len, model_config
 from orchestrator.plan.packing import PackingLimits
 
 MESH_AXES = ("data", "model")
@@ -60,7 +60,7 @@ def validate(cfg: RunConfig) -> tuple:
     """Every check of the head, in order; returns the model's config and the engine's context length."""
     check_mesh(cfg)
     PackingLimits.resolve(cfg.packing, cfg.engine, cfg.sampling)
-    model = ModelConfig.from_hf(model_config(cfg.model))
+    model = ModelConfig.from_hf(model_config(cfg.model), generation_config(cfg.model))
     width = cfg.cluster.mesh.get("model", 1)
     error = tensor_parallel_error(model, width)
     if error is not None:

@@ -4,6 +4,7 @@ slice starts (no Ray, no run directory), in one line naming the key; a slice tha
 restarted."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -64,6 +65,17 @@ def test_layouts_that_cannot_work_are_named(mqa_model, extra, needles):
     with pytest.raises(ValueError) as e:
         validate(cfg(mqa_model, *extra))
     assert "\n" not in str(e.value) and all(n in str(e.value) for n in needles), str(e.value)
+
+
+def test_the_head_reads_generation_config_json_and_refuses_a_bad_one(mqa_model):
+    """The EOS ids the slices will stop at are the head's too, and a broken file stops the run at the head."""
+    (Path(mqa_model) / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 106]}))
+    model, _ = validate(cfg(mqa_model))
+    assert model.eos_token_ids == (2, 106)
+    (Path(mqa_model) / "generation_config.json").write_text('{"eos_token_id": 2,}')
+    with pytest.raises(ValueError, match=r"^\S*generation_config.json is not valid JSON .*; fix it, or remove it") as e:
+        validate(cfg(mqa_model))
+    assert "\n" not in str(e.value)
 
 
 def test_a_mesh_the_model_cannot_use_ends_the_run_before_any_slice(run_model, tmp_path, capsys, monkeypatch):
