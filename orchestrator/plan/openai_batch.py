@@ -32,8 +32,11 @@ URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 
 SAMPLING_KEYS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
                  "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop",
-                 "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
-"""Body keys that set a row's sampling: OpenAI's name -> the `sampling.*` key."""
+                 "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+                 "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                 "stop_token_ids": "stop_token_ids"}
+"""Body keys that set a row's sampling: OpenAI's name (or vLLM's extra sampling parameter: top_k, min_p,
+repetition_penalty, stop_token_ids, with vLLM's meaning) -> the `sampling.*` key."""
 
 IGNORED_KEYS = ("model", "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
                 "parallel_tool_calls")
@@ -115,7 +118,11 @@ def _map(line: dict, base: SamplingConfig) -> dict | Rejection:
                                                     "from the line")
         if SAMPLING_KEYS[key] in sampling:
             return Rejection("bad_sampling", "body sets both 'max_tokens' and 'max_completion_tokens'; keep one")
-        own = {SAMPLING_KEYS[key]: [value] if key == "stop" and isinstance(value, str) else value}
+        if key == "stop" and isinstance(value, str):
+            value = [value]
+        elif key == "top_k" and value == -1 and not isinstance(value, bool):
+            value = 0  # vLLM's other way to say "every token"
+        own = {SAMPLING_KEYS[key]: value}
         checked = row_overrides(own, base, f"body.{key}")
         if isinstance(checked, Rejection):
             return checked

@@ -31,6 +31,19 @@ def test_a_chat_line_becomes_a_native_row_with_its_own_sampling():
                                        "json_schema": {"type": "object"}}}
 
 
+def test_vllms_extra_sampling_keys_set_the_rows_own_with_vllms_meaning():
+    """A Batch file written for vLLM (Qwen3's recommended settings: top_k 20, min_p 0) runs with them."""
+    raw = _map({"messages": CHAT, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0,
+                "repetition_penalty": 1.1, "stop_token_ids": [7, 9]})
+    assert raw.record["sampling"] == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0,
+                                      "repetition_penalty": 1.1, "stop_token_ids": [7, 9]}
+    assert _map({"messages": CHAT, "top_k": -1}).record["sampling"] == {"top_k": 0}  # vLLM's "every token"
+    for body, detail in [({"top_k": -2}, "top_k"), ({"top_k": True}, "top_k is a bool"),
+                         ({"stop_token_ids": 7}, "stop_token_ids must be a list"), ({"min_tokens": 2}, "min_tokens")]:
+        raw = _map({"messages": CHAT, **body})
+        assert raw.reason in ("bad_sampling", "unsupported_request") and detail in raw.detail, raw.detail
+
+
 def test_keys_it_does_not_set_and_null_values_keep_the_run_settings():
     raw = _map({"messages": CHAT, "temperature": None, "response_format": {"type": "text"}})
     assert raw.record == {"id": "c1", "messages": CHAT, "openai": {"url": "/v1/chat/completions", "n": 1}}
