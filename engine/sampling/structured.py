@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import llguidance
 import llguidance.numpy as llg_numpy
@@ -80,11 +80,17 @@ class Compiler:
         template = self._template(spec)
         return template if isinstance(template, str) else None
 
-    def constraint(self, spec: Spec) -> "Constraint":
+    def constraint(self, spec: Spec, stop_ids: Iterable[int] = ()) -> "Constraint":
+        """A sequence's copy of the grammar; `stop_ids`: every id that ends the sequence (the model's EOS ids, its
+        own stop_token_ids), each allowed wherever the grammar allows the tokenizer's EOS, as vLLM's default
+        backend (xgrammar) allows them: an instruct model's end of turn (Gemma's `<end_of_turn>`) that is not the
+        tokenizer's EOS may end an open-ended format."""
         template = self._template(spec)
         if isinstance(template, str):
             raise ValueError(f"invalid_grammar: sampling.{spec[0]}: {template}")
-        return Constraint(template.deep_copy())
+        eos = self.tokenizer.eos_token
+        ends = () if eos is None else tuple(sorted({t for t in stop_ids if 0 <= t < self.vocab_size} - {eos}))
+        return Constraint(template.deep_copy(), eos, ends)
 
 
 _COMPILERS: dict[tuple[str, int, int | None], Compiler] = {}
@@ -118,8 +124,12 @@ class Constraint:
     """One sequence's grammar state: the tokens it has generated, consumed in order (`advance`). Host state of
     its Sequence: recomputing or swapping the sequence's KV never touches it."""
 
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, eos: int | None = None, ends: tuple[int, ...] = ()) -> None:
         self.matcher = matcher
+        self.eos = eos
+        """The tokenizer's EOS, which the grammar allows where the format may end."""
+        self.ends = ends
+        """The sequence's other stop ids, allowed where `eos` is."""
 
     def advance(self, token_id: int) -> bool:
         """Consume a generated token; True when the grammar is complete and nothing more may follow."""
@@ -136,6 +146,11 @@ class Constraint:
         if not _EXECUTOR:
             _EXECUTOR.append(llguidance.LLExecutor())
         llg_numpy.fill_next_token_bitmask_par(_EXECUTOR[0], rows, mask)
+        words = mask.view(np.uint32)
+        for r, c in enumerate(constraints):
+            if c is not None and c.ends and words[r, c.eos >> 5] >> np.uint32(c.eos & 31) & 1:
+                for t in c.ends:
+                    words[r, t >> 5] |= np.uint32(1 << (t & 31))
 
 
 def mask_words(vocab_size: int) -> int:

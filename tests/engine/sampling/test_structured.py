@@ -206,3 +206,36 @@ def test_a_tokenizer_larger_than_the_model_vocabulary_is_each_constraints_error(
     with pytest.raises(ValueError, match="invalid_grammar: sampling.choice: the tokenizer does not fit"):
         compiler_for(tokenizer, len(tokenizer) - 10).constraint(("choice", '["a", "b"]'))
     assert structured_error(tokenizer, len(tokenizer), SamplingConfig(regex="[a-z]+")) is None
+
+
+def test_every_id_that_ends_the_sequence_may_end_an_open_format_where_eos_may(engine, tiny_llama):
+    """Where the format may end, each of the sequence's stop ids (the model's EOS ids, its stop_token_ids) is allowed
+    as the tokenizer's EOS is, as vLLM's default backend (xgrammar) allows them: an instruct model whose end of turn is
+    not the tokenizer's EOS (Gemma's `<end_of_turn>`, named in generation_config.json) may end an open-ended regex
+    or choice with it instead of being held to a token it never predicts. Where the format may not end, none is."""
+    from transformers import AutoTokenizer
+
+    from engine.sampling.structured import Constraint, mask_words
+
+    grammars = engine.grammars
+    eos, end = grammars.tokenizer.eos_token, AutoTokenizer.from_pretrained(tiny_llama).convert_tokens_to_ids("<|end|>")
+    assert end != eos
+
+    def allowed(constraint: Constraint) -> set[int]:
+        mask = np.zeros((2, mask_words(grammars.vocab_size)), np.int32)
+        Constraint.fill_masks([None, constraint], mask)
+        assert not mask[0].any()  # a row without a format is left as it is
+        bits = np.unpackbits(mask[1:].view(np.uint8), bitorder="little")
+        return set(np.flatnonzero(bits).tolist()) & {eos, end}
+
+    ending = grammars.constraint(("regex", "ab+"), {eos, end, grammars.vocab_size + 5})  # an id past the vocabulary
+    held = grammars.constraint(("regex", "ab+"))
+    assert allowed(ending) == allowed(held) == set()  # "" cannot end
+    for token in grammars.tokenizer.tokenize_str("ab"):
+        assert not ending.advance(token) and not held.advance(token)
+    assert allowed(ending) == {eos, end} and allowed(held) == {eos}  # "ab" may end, or go on
+    # Through the engine: hot samples (nearly every allowed token likely) of the same format, `<|end|>` a stop id
+    records = engine.generate(_requests(SamplingConfig(max_new_tokens=16, temperature=4.0, regex="ab+",
+                                                       stop_token_ids=[end]), count=16, prefix="end"))
+    ends = [r for r in records if r.token_ids[-1] == end]
+    assert ends and all(r.finish_reason == "stop" and re.fullmatch("ab+", r.completion) for r in ends)
