@@ -25,8 +25,8 @@ from orchestrator.plan.corpus import CorpusConfig, RawRow, extract_prompt, passt
 from orchestrator.plan.json_row import loads_row, lone_surrogate, without_bom
 from orchestrator.plan.model_cache import local_copy
 from orchestrator.plan.model_source import resolve_model, TOKENIZER_FILES
-from orchestrator.plan.continuation import (IDS_FIELD, TEXT_FIELD, encode_continuations, is_scored, new_tokens,
-                                            row_continuations, scored_error)
+from orchestrator.plan.continuation import (encode_continuations, is_scored, new_tokens, row_continuations,
+                                            scored_error, with_token_ids)
 from orchestrator.plan.prompt_checks import out_of_vocabulary
 from orchestrator.plan.rejection import Rejection
 from orchestrator.plan.response_format import with_response_format
@@ -116,18 +116,14 @@ def _parse_line(raw: bytes | dict, line_no: int, tokenizer, vocab_size: int | No
     continuations = row_continuations(row) if is_scored(row) else None
     if isinstance(continuations, Rejection):
         return replace(line, error=f"{continuations.reason}: {continuations.detail}")
-    texts = continuations is not None and isinstance(continuations[0], str)
-    if "prompt_token_ids" in row:  # bypasses the tokenizer ("prompt" or "messages" beside it are not read)
-        ids = row["prompt_token_ids"]
-        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            return replace(line, error="wrong_type: prompt_token_ids must be a list of integers")
-        if texts:
-            return replace(line, error=f"bad_continuation: a text {TEXT_FIELD!r} is tokenized with its prompt's text; "
-                                       f"with prompt_token_ids give {IDS_FIELD!r}")
-        return _in_vocabulary(line, list(ids), continuations, vocab_size)
     parsed = extract_prompt(RawRow(line_no - 1, "", line_no, row), _FIELDS)
     if isinstance(parsed, Rejection):
         return replace(line, error=f"{parsed.reason}: {parsed.detail}")
+    if parsed.token_ids is not None:  # bypasses the tokenizer ("prompt" or "messages" beside it are not read)
+        found = (parsed.token_ids, None) if continuations is None else with_token_ids(parsed.token_ids, continuations)
+        if isinstance(found, Rejection):
+            return replace(line, error=f"{found.reason}: {found.detail}")
+        return _in_vocabulary(line, *found, vocab_size)
     if tokenizer is None:
         return replace(line, error="the model directory has no tokenizer; give prompt_token_ids")
     text, special = parsed.text, True

@@ -72,6 +72,16 @@ def new_tokens(continuations: list[list[int]]) -> int:
     return 1 + max(map(len, continuations))
 
 
+def with_token_ids(ids: list[int], continuations: list[str] | list[list[int]]
+                   ) -> tuple[list[int], list[list[int]]] | Rejection:
+    """(context ids, continuations' ids) of a scored row whose prompt is given as token ids: its continuations must
+    be token ids too (a text continuation is tokenized with its prompt's text, which such a row has not)."""
+    if continuations and isinstance(continuations[0], str):
+        return Rejection("bad_continuation", f"a text {TEXT_FIELD!r} is tokenized with its prompt's text; with "
+                                             f"prompt token ids give {IDS_FIELD!r}")
+    return ids, continuations  # type: ignore[return-value]
+
+
 def encode_continuations(encode, text: str, continuations: list[str] | list[list[int]]
                          ) -> tuple[list[int], list[list[int]]]:
     """(context ids, each continuation's ids) of a scored row whose prompt is `text` (`encode(text) -> ids`): text

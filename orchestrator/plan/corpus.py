@@ -46,6 +46,9 @@ class CorpusConfig:
     messages_field: str | None = "messages"
     """Field holding a chat (a list of {role, content} messages, OpenAI's chat format) rendered with the tokenizer's
     chat template as vLLM renders it (docs/records.md, Chats)."""
+    token_ids_field: str | None = "prompt_token_ids"
+    """Field holding a prompt already tokenized (a list of token ids, as vLLM's TokensPrompt): used as it is, no
+    tokenizer and no special tokens added; a row with it has its text_field or messages_field read by nobody."""
     chat_template_kwargs: dict[str, Any] | None = None
     """Variables for the chat template, for every chat row, as vLLM's `chat_template_kwargs` (`{enable_thinking:
     false}`: Qwen3's non-thinking mode); a row's own (chat_template_kwargs_field) override them key by key. A key the
@@ -118,6 +121,8 @@ class Prompt:
     messages: list[dict] | None = None
     template_kwargs: dict | None = None
     """A chat's chat_template_kwargs: the run's with the row's own over them (chat.render_chat)."""
+    token_ids: list[int] | None = None
+    """A prompt given as token ids (token_ids_field)."""
 
 
 def split_shards(files: list[str], shard_bytes: int) -> list[Shard]:
@@ -330,6 +335,9 @@ def extract_prompt(raw: RawRow, config: CorpusConfig) -> Prompt | Rejection:
     prompt_id = row_id(record, config.id_field, str(raw.row))
     if isinstance(prompt_id, Rejection):
         return prompt_id
+    if config.token_ids_field and record.get(config.token_ids_field) is not None:
+        ids = token_ids_value(record[config.token_ids_field], config.token_ids_field)
+        return ids if isinstance(ids, Rejection) else Prompt(prompt_id, token_ids=ids)
     has_messages = bool(config.messages_field) and record.get(config.messages_field) is not None
     has_text = bool(config.text_field) and record.get(config.text_field) is not None
     if has_messages and has_text:
@@ -351,5 +359,21 @@ def extract_prompt(raw: RawRow, config: CorpusConfig) -> Prompt | Rejection:
             return own
         kwargs = {**(config.chat_template_kwargs or {}), **(own or {})}
         return Prompt(prompt_id, messages=messages, template_kwargs=kwargs or None)
-    fields = " or ".join(repr(f) for f in (config.text_field, config.messages_field) if f)
+    names = [repr(f) for f in (config.text_field, config.messages_field, config.token_ids_field) if f]
+    fields = " or ".join(names) if len(names) < 3 else f"{', '.join(names[:-1])} or {names[-1]}"
     return Rejection("missing_field", f"row has no {fields} field")
+
+
+MAX_TOKEN_ID = 2**31 - 1
+"""The largest id a token id may be anywhere (batch files hold int32)."""
+
+
+def token_ids_value(value: Any, field: str) -> list[int] | Rejection:
+    """A prompt given as token ids: a non-empty list of whole numbers, each a possible token id."""
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return Rejection("wrong_type", f"{field} must be a list of integers")
+    if not value:
+        return Rejection("empty_prompt", f"field {field!r} is an empty list")
+    if (bad := next((t for t in value if not 0 <= t <= MAX_TOKEN_ID), None)) is not None:
+        return Rejection("out_of_vocabulary", f"{field} holds {bad}, which is no token id (0 to {MAX_TOKEN_ID:,})")
+    return value

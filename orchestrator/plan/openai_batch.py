@@ -53,8 +53,8 @@ REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 """`body.reasoning_effort` values (vLLM's): a chat line's template gets it as `reasoning_effort`, and `enable_thinking`
 as whether it is not "none" unless the line's chat_template_kwargs set that."""
 
-NATIVE_FIELDS = {"id_field": "id", "text_field": "prompt", "messages_field": "messages", "sampling_field": "sampling",
-                 "response_format_field": None}
+NATIVE_FIELDS = {"id_field": "id", "text_field": "prompt", "messages_field": "messages", "token_ids_field": None,
+                 "sampling_field": "sampling", "response_format_field": None}
 """The fields of the native rows the lines become (the corpus.*_field keys do not apply to such a corpus)."""
 
 REQUEST_COLUMN = "openai"

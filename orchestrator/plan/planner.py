@@ -205,9 +205,8 @@ def _nothing_accepted(stats: PlanStats, run_dir: RunDir, cfg: RunConfig) -> str:
     reasons = ", ".join(f"{count:,} {reason}" for reason, count in stats.rejected.items())
     fix = ""
     if stats.rejected.get("missing_field") == stats.rows_read:  # the corpus names its fields otherwise
-        fields = [f"corpus.text_field={cfg.corpus.text_field!r}"]
-        if cfg.corpus.messages_field:
-            fields.append(f"corpus.messages_field={cfg.corpus.messages_field!r}")
+        fields = [f"corpus.{key}={getattr(cfg.corpus, key)!r}" for key in ("text_field", "messages_field",
+                                                                             "token_ids_field") if getattr(cfg.corpus, key)]
         fix = (f"; no row has the field {' or '.join(fields)} names: set "
                f"{setting('corpus.text_field', 'FIELD')} to the corpus's own field")
     return (f"no prompt accepted: all {stats.rows_read:,} rows were rejected ({reasons}){fix}; each row's reason is "

@@ -24,7 +24,7 @@ from orchestrator.plan.chat import render_chat
 from orchestrator.plan.corpus import (CorpusConfig, Prompt, RawRow, Shard, extract_prompt, in_window, passthrough,
                                       read_rows, row_id)
 from orchestrator.plan.continuation import (continuations_error, encode_continuations, is_scored, new_tokens,
-                                            row_continuations, scored_error)
+                                            row_continuations, scored_error, with_token_ids)
 from orchestrator.plan.model_source import ModelSourceConfig, load_tokenizer
 from orchestrator.plan.openai_batch import native_row, row_fields
 from orchestrator.plan.packing import PackingLimits, leading_page_keys_of_many
@@ -102,8 +102,9 @@ class PromptTokenizer:
                            prompt.template_kwargs)
 
     def encode(self, prompts: list[Prompt]) -> list[list[int] | Rejection]:
-        """Token ids of each prompt (text as is, chats through the chat template), or why a chat cannot be rendered."""
-        ids: list[list[int] | Rejection | None] = [None] * len(prompts)
+        """Token ids of each prompt (text as is, chats through the chat template, ids as given), or why a chat cannot
+        be rendered."""
+        ids: list[list[int] | Rejection | None] = [p.token_ids for p in prompts]
         texts = [(i, p.text) for i, p in enumerate(prompts) if p.text is not None]
         chats = []
         for i, p in enumerate(prompts):
@@ -121,7 +122,9 @@ class PromptTokenizer:
 
     def encode_scored(self, prompt: Prompt, continuations: list) -> tuple[list[int], list[list[int]]] | Rejection:
         """(context ids, continuations' ids) of a scored row (continuation.encode_continuations, a chat through
-        its template), or why its chat cannot be rendered."""
+        its template; ids as given), or why its chat cannot be rendered or its text continuations cannot be split."""
+        if prompt.token_ids is not None:
+            return with_token_ids(prompt.token_ids, continuations)
         text, special = prompt.text, True
         if prompt.messages is not None:  # the template writes its own special tokens
             text, special = self.render(prompt), False

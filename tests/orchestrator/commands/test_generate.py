@@ -194,7 +194,7 @@ def test_generate_judges_bad_lines_as_a_run_judges_corpus_rows(tmp_path, model_d
                 "num": "wrong_type: field 'prompt' is an int, not a string",
                 "both": "malformed_row: row has both 'prompt' and 'messages'",
                 "nochat": "empty_prompt: field 'messages' is an empty list",
-                "nofield": "missing_field: row has no 'prompt' or 'messages' field",
+                "nofield": "missing_field: row has no 'prompt', 'messages' or 'prompt_token_ids' field",
                 "bools": "wrong_type: prompt_token_ids must be a list of integers",
                 "nan": "bad_sampling: field 'sampling': sampling.temperature must be a finite number, got nan",
                 "inf": "bad_sampling: field 'sampling': sampling.temperature must be a finite number, got inf"}

@@ -255,3 +255,4 @@ def test_a_corpus_whose_rows_all_miss_the_text_field_names_corpus_text_field(run
                                    f"--run_dir={tmp_path / 'run'}", "--tracker.type=noop"])
     assert "all 2 rows were rejected (2 missing_field)" in err
     assert "corpus.text_field='prompt'" in err and "set --corpus.text_field=FIELD" in err
+    assert "corpus.messages_field='messages' or corpus.token_ids_field='prompt_token_ids'" in err

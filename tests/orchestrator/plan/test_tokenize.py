@@ -33,6 +33,47 @@ def test_text_and_chat_rows_match_transformers(tiny_model, tmp_path):
     assert [r["prompt_id"] for r in table] == ["t", "c"] and table[1]["reason"] is None
 
 
+def test_rows_given_as_token_ids_are_planned_as_given(tiny_model, tmp_path):
+    """A corpus row may hold its prompt already tokenized (`prompt_token_ids`, as vLLM's TokensPrompt): planned as
+    given (no special tokens added), in JSON lines and in parquet, as the same text's row is; ids beside a text win
+    (as in `generate`); a bad list is a rejected row in one line, never repaired."""
+    import pyarrow.parquet as pq
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    ids = tok("hello world")["input_ids"]
+    rows = [{"id": "text", "prompt": "hello world"}, {"id": "ids", "prompt_token_ids": ids},
+            {"id": "both", "prompt": "not read", "prompt_token_ids": ids[1:]},
+            {"id": "scored", "prompt_token_ids": ids, "continuation_token_ids": [[5, 6], [7]]},
+            {"id": "textcont", "prompt_token_ids": ids, "continuation": " yes"},
+            {"id": "bools", "prompt_token_ids": [True, 3]}, {"id": "floats", "prompt_token_ids": [5.0]},
+            {"id": "empty", "prompt_token_ids": []}, {"id": "huge", "prompt_token_ids": [5, 2**40]},
+            {"id": "oov", "prompt_token_ids": [5, len(tok) + 3]}]
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    limits = PackingLimits.resolve(PackingConfig(), EngineConfig(max_pages=1024), SamplingConfig(max_new_tokens=16))
+    stage_ids = PromptTokenizer(ModelSourceConfig(path=tiny_model), CorpusConfig(), limits, 256, vocab_size=len(tok))
+    table = {r["prompt_id"]: r for r in stage_ids.tokenize_shard(Shard(str(path), "jsonl", 0, path.stat().st_size))
+             .to_pylist()}
+    assert table["text"]["token_ids"] == table["ids"]["token_ids"] == table["scored"]["token_ids"] == ids
+    assert table["both"]["token_ids"] == ids[1:] and table["scored"]["continuations"] == [[5, 6], [7]]
+    assert all(table[k]["reason"] is None for k in ("text", "ids", "both", "scored"))
+    assert {k: (r["reason"], r["detail"]) for k, r in table.items() if r["reason"]} == {
+        "textcont": ("bad_continuation", "a text 'continuation' is tokenized with its prompt's text; with prompt "
+                                         "token ids give 'continuation_token_ids'"),
+        "bools": ("wrong_type", "prompt_token_ids must be a list of integers"),
+        "floats": ("wrong_type", "prompt_token_ids must be a list of integers"),
+        "empty": ("empty_prompt", "field 'prompt_token_ids' is an empty list"),
+        "huge": ("out_of_vocabulary", "prompt_token_ids holds 1099511627776, which is no token id (0 to "
+                                      "2,147,483,647)"),
+        "oov": ("out_of_vocabulary", table["oov"]["detail"])}
+    assert str(len(tok) + 3) in table["oov"]["detail"]
+    parquet = tmp_path / "c.parquet"
+    schema = pa.schema([("id", pa.string()), ("prompt", pa.string()), ("prompt_token_ids", pa.list_(pa.int64()))])
+    pq.write_table(pa.Table.from_pylist([rows[0], rows[1]], schema=schema), parquet)
+    got = stage_ids.tokenize_shard(Shard(str(parquet), "parquet", 0, 1)).to_pylist()
+    assert [r["token_ids"] for r in got] == [ids, ids] and all(r["reason"] is None for r in got)
+
+
 def test_too_long_and_over_budget_are_rejected_with_the_fix(tiny_model, tmp_path):
     path = tmp_path / "c.jsonl"
     path.write_text(json.dumps({"prompt": "the quick brown fox " * 20}) + "\n")
