@@ -369,11 +369,12 @@ MAX_TOKEN_ID = 2**31 - 1
 
 
 def token_ids_value(value: Any, field: str) -> list[int] | Rejection:
-    """A prompt given as token ids: a non-empty list of whole numbers, each a possible token id."""
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+    """A prompt given as token ids: a non-empty list of whole numbers (a tuple from Python callers), each a possible
+    token id; returned as a list."""
+    if not isinstance(value, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         return Rejection("wrong_type", f"{field} must be a list of integers")
     if not value:
         return Rejection("empty_prompt", f"field {field!r} is an empty list")
     if (bad := next((t for t in value if not 0 <= t <= MAX_TOKEN_ID), None)) is not None:
         return Rejection("out_of_vocabulary", f"{field} holds {bad}, which is no token id (0 to {MAX_TOKEN_ID:,})")
-    return value
+    return list(value)
