@@ -53,8 +53,8 @@ REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 """`body.reasoning_effort` values (vLLM's): a chat line's template gets it as `reasoning_effort`, and `enable_thinking`
 as whether it is not "none" unless the line's chat_template_kwargs set that."""
 
-NATIVE_FIELDS = {"id_field": "id", "text_field": "prompt", "messages_field": "messages", "token_ids_field": None,
-                 "sampling_field": "sampling", "response_format_field": None}
+NATIVE_FIELDS = {"id_field": "id", "text_field": "prompt", "messages_field": "messages",
+                 "token_ids_field": "prompt_token_ids", "sampling_field": "sampling", "response_format_field": None}
 """The fields of the native rows the lines become (the corpus.*_field keys do not apply to such a corpus)."""
 
 REQUEST_COLUMN = "openai"
@@ -139,7 +139,8 @@ def _map(line: dict, base: SamplingConfig) -> dict | Rejection:
     if n > base.n:
         return Rejection("bad_sampling", f"body.n is {n} but the run samples sampling.n = {base.n} per prompt; run "
                                          f"with --sampling.n={n} or more (the export keeps each line's own n)")
-    row = {"id": custom_id, URLS[url]: prompt, REQUEST_COLUMN: {"url": url, "n": n}}
+    field = NATIVE_FIELDS["token_ids_field"] if URLS[url] == "prompt" and _token_ids(prompt) else URLS[url]
+    row = {"id": custom_id, field: prompt, REQUEST_COLUMN: {"url": url, "n": n}}
     if URLS[url] == "messages":
         kwargs = _template_kwargs(body)
         if isinstance(kwargs, Rejection):
@@ -166,8 +167,14 @@ def _prompt(body: dict, key: str) -> str | list | Rejection:
     value = body.get(key)
     if value is None:
         return Rejection("missing_field", f"body has no {key!r}")
-    if key == "prompt" and not isinstance(value, str):
-        return Rejection("unsupported_request", f"body.prompt is {a_type(value)}; one prompt string per line")
+    if key == "prompt" and not (isinstance(value, str) or _token_ids(value)):
+        return Rejection("unsupported_request", f"body.prompt is {a_type(value)}; one prompt (a string, or a list of "
+                                                "token ids) per line")
     if key == "messages" and not isinstance(value, list):
         return Rejection("wrong_type", f"body.messages is {a_type(value)}, not a list")
     return value
+
+
+def _token_ids(value: Any) -> bool:
+    """A completions body's prompt given as token ids (OpenAI's and vLLM's one-prompt array of integers)."""
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)

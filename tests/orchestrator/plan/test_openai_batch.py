@@ -60,6 +60,9 @@ def test_a_chat_is_kept_as_given_and_completions_take_a_prompt():
     raw = _map({"prompt": "once upon", "max_tokens": 4}, url="/v1/completions")
     assert raw.record == {"id": "c1", "prompt": "once upon", "openai": {"url": "/v1/completions", "n": 1},
                           "sampling": {"max_new_tokens": 4}}
+    raw = _map({"prompt": [5, 6, 7]}, url="/v1/completions")  # one prompt as token ids (OpenAI's and vLLM's array)
+    assert raw.record == {"id": "c1", "prompt_token_ids": [5, 6, 7], "openai": {"url": "/v1/completions", "n": 1}}
+    assert extract_prompt(raw, row_fields(CorpusConfig(format="openai_batch"))).token_ids == [5, 6, 7]
 
 
 @pytest.mark.parametrize("body, url, reason, detail", [
@@ -75,7 +78,10 @@ def test_a_chat_is_kept_as_given_and_completions_take_a_prompt():
     ({"messages": CHAT, "max_tokens": 4, "max_completion_tokens": 5}, None, "bad_sampling", "keep one"),
     ({"messages": CHAT, "n": 3}, None, "bad_sampling", "body.n is 3 but the run samples sampling.n = 2"),
     ({"prompt": "x"}, None, "missing_field", "body has no 'messages'"),
-    ({"prompt": ["a", "b"]}, "/v1/completions", "unsupported_request", "one prompt string per line"),
+    ({"prompt": ["a", "b"]}, "/v1/completions", "unsupported_request", "one prompt (a string, or a list of token ids) "
+                                                                       "per line"),
+    ({"prompt": [[1, 2], [3]]}, "/v1/completions", "unsupported_request", "body.prompt is a list"),
+    ({"prompt": [1, True]}, "/v1/completions", "unsupported_request", "body.prompt is a list"),
 ])
 def test_what_cannot_be_honoured_rejects_the_line_in_one_line(body, url, reason, detail):
     raw = _map(body, url or "/v1/chat/completions")
