@@ -229,7 +229,8 @@ class ModelConfig:
         except FamilyConfigError as e:
             raise UnsupportedModelError(str(e)) from None
         qkv_bias, window = attention.qkv_bias, attention.sliding_window
-        eos_ids = eos_token_ids(hf, "config.json") if generation is None else eos_token_ids(generation, GENERATION_CONFIG)
+        eos_ids = (eos_token_ids(hf, "config.json") if generation is None
+                   else eos_token_ids(generation, GENERATION_CONFIG))
         return cls(
             model_type=model_type,
             vocab_size=hf["vocab_size"],

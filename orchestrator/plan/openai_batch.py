@@ -120,7 +120,7 @@ def _map(line: dict, base: SamplingConfig) -> dict | Rejection:
             return Rejection("bad_sampling", "body sets both 'max_tokens' and 'max_completion_tokens'; keep one")
         if key == "stop" and isinstance(value, str):
             value = [value]
-        elif key == "top_k" and value == -1 and not isinstance(value, bool):
+        elif key == "top_k" and type(value) is int and value == -1:
             value = 0  # vLLM's other way to say "every token"
         own = {SAMPLING_KEYS[key]: value}
         checked = row_overrides(own, base, f"body.{key}")
@@ -177,4 +177,5 @@ def _prompt(body: dict, key: str) -> str | list | Rejection:
 
 def _token_ids(value: Any) -> bool:
     """A completions body's prompt given as token ids (OpenAI's and vLLM's one-prompt array of integers)."""
-    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))

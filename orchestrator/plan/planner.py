@@ -205,8 +205,8 @@ def _nothing_accepted(stats: PlanStats, run_dir: RunDir, cfg: RunConfig) -> str:
     reasons = ", ".join(f"{count:,} {reason}" for reason, count in stats.rejected.items())
     fix = ""
     if stats.rejected.get("missing_field") == stats.rows_read:  # the corpus names its fields otherwise
-        fields = [f"corpus.{key}={getattr(cfg.corpus, key)!r}" for key in ("text_field", "messages_field",
-                                                                             "token_ids_field") if getattr(cfg.corpus, key)]
+        keys = ("text_field", "messages_field", "token_ids_field")
+        fields = [f"corpus.{key}={getattr(cfg.corpus, key)!r}" for key in keys if getattr(cfg.corpus, key)]
         fix = (f"; no row has the field {' or '.join(fields)} names: set "
                f"{setting('corpus.text_field', 'FIELD')} to the corpus's own field")
     return (f"no prompt accepted: all {stats.rows_read:,} rows were rejected ({reasons}){fix}; each row's reason is "
