@@ -12,7 +12,7 @@ import importlib
 from engine import files
 
 from engine.sizing.capacity import check_pool, length_error, max_seq_len, pages_for, pages_needed, scored_context_shared, scored_length_error, scored_prefill_tokens, scored_sampling_error, stop_ids_error, validate_request
-from engine.config import DTYPES, EngineConfig, SamplingConfig, SamplingParams
+from engine.config import DTYPES, INT32_MAX, EngineConfig, SamplingConfig, SamplingParams
 from engine.kv.kv_groups import KVGroups
 from engine.sizing.model_bytes import DTYPE_BYTES, GiB, ParamCount, count_params, kv_bytes_per_token, kv_page_bytes
 from engine.record import RECORD_FIELDS, RESERVED_COLUMNS, SampleRecord, arrow_fields, output_record
@@ -64,7 +64,7 @@ _LAZY = {
     "sampling_mode": "engine.sizing.preflight",
 }
 
-__all__ = ["Engine", "DTYPES", "EngineConfig", "SamplingConfig", "SamplingParams", "Request", "SampleRecord", "RECORD_FIELDS", "RESERVED_COLUMNS", "output_record",
+__all__ = ["Engine", "DTYPES", "INT32_MAX", "EngineConfig", "SamplingConfig", "SamplingParams", "Request", "SampleRecord", "RECORD_FIELDS", "RESERVED_COLUMNS", "output_record",
            "arrow_fields", "DTYPE_BYTES", "GiB", "ParamCount", "count_params", "kv_bytes_per_token", "kv_page_bytes", "check_pool", "length_error", "max_seq_len", "pages_for", "pages_needed", "scored_context_shared", "scored_length_error", "scored_prefill_tokens", "scored_sampling_error",
            "stop_ids_error", "structured_error", "validate_request", "MeshError", "KVGroups", "files", "model_family", "kv_replicas", "sharded_config", "tensor_parallel_error", "valid_widths", *[name for name in _LAZY if name != "Engine"]]
 

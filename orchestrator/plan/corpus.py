@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import fsspec
 
-from engine import RESERVED_COLUMNS
+from engine import INT32_MAX, RESERVED_COLUMNS
 from orchestrator.json_out import finite
 from orchestrator.plan.chat import parse_messages, template_kwargs
 from orchestrator.plan.corpus_files import file_kind
@@ -364,10 +364,6 @@ def extract_prompt(raw: RawRow, config: CorpusConfig) -> Prompt | Rejection:
     return Rejection("missing_field", f"row has no {fields} field")
 
 
-MAX_TOKEN_ID = 2**31 - 1
-"""The largest id a token id may be anywhere (batch files hold int32)."""
-
-
 def token_ids_value(value: Any, field: str) -> list[int] | Rejection:
     """A prompt given as token ids: a non-empty list of whole numbers (a tuple from Python callers), each a possible
     token id; returned as a list."""
@@ -375,6 +371,6 @@ def token_ids_value(value: Any, field: str) -> list[int] | Rejection:
         return Rejection("wrong_type", f"{field} must be a list of integers")
     if not value:
         return Rejection("empty_prompt", f"field {field!r} is an empty list")
-    if (bad := next((t for t in value if not 0 <= t <= MAX_TOKEN_ID), None)) is not None:
-        return Rejection("out_of_vocabulary", f"{field} holds {bad}, which is no token id (0 to {MAX_TOKEN_ID:,})")
+    if (bad := next((t for t in value if not 0 <= t <= INT32_MAX), None)) is not None:
+        return Rejection("out_of_vocabulary", f"{field} holds {bad}, which is no token id (0 to {INT32_MAX:,})")
     return list(value)
