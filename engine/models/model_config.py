@@ -162,7 +162,7 @@ class ModelConfig:
         config_path, generation_path = files.join(root, "config.json"), files.join(root, GENERATION_CONFIG)
         if not files.exists(config_path):
             raise FileNotFoundError(f"{config_path} not found: model.path must be a Hugging Face checkpoint directory")
-        generation = (parse_generation_config(files.read_text(generation_path), str(generation_path))
+        generation = (parse_generation_config(files.read_bytes(generation_path), str(generation_path))
                       if files.exists(generation_path) else None)
         return cls.from_hf(json.loads(files.read_text(config_path)), generation)
 
@@ -258,12 +258,12 @@ class ModelConfig:
         )
 
 
-def parse_generation_config(text: str, where: str) -> dict:
+def parse_generation_config(data: bytes, where: str) -> dict:
     """generation_config.json's fields; one line naming the file and the fix when it is not a JSON object."""
     fix = "fix it, or remove it to end samples at config.json's eos_token_id"
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
+        value = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UnsupportedModelError(f"{where} is not valid JSON ({e}); {fix}") from None
     if not isinstance(value, dict):
         raise UnsupportedModelError(f"{where} holds a JSON {type(value).__name__}, not an object; {fix}")

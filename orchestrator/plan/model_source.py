@@ -130,7 +130,7 @@ def generation_config(source: ModelSourceConfig) -> dict | None:
     where it has none."""
     url = source.require_path().rstrip("/") + "/" + capacity.GENERATION_CONFIG
     try:
-        return capacity.parse_generation_config(_read(url).decode(), url)
+        return capacity.parse_generation_config(_read(url), url)
     except FileNotFoundError:
         return None
 

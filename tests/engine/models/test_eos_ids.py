@@ -41,13 +41,15 @@ def test_generation_config_names_the_eos_ids_else_config_json(tmp_path):
 
 @pytest.mark.parametrize("text, message", [
     ("{", "generation_config.json is not valid JSON"),
+    (b'{"eos_token_id": "\xff"}', "generation_config.json is not valid JSON"),
     ("[1, 2]", "generation_config.json holds a JSON list, not an object"),
     ('{"eos_token_id": "2"}', "generation_config.json eos_token_id='2': must be a token id or a list of token ids"),
     ('{"eos_token_id": [2, -1]}', r"generation_config.json eos_token_id=\[2, -1\]"),
 ])
 def test_a_bad_generation_config_is_refused_in_one_line(tmp_path, text, message):
     write_model("tiny-llama", tmp_path)
-    (tmp_path / "generation_config.json").write_text(text)
+    path = tmp_path / "generation_config.json"
+    path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
     with pytest.raises(UnsupportedModelError, match=message) as raised:
         ModelConfig.from_pretrained(tmp_path)
     assert "\n" not in str(raised.value)
