@@ -140,6 +140,13 @@ class SamplingConfig:
     """Subtracted from a token's logit once per time the completion already holds it; 0 is off."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Token ids that end a sample as EOS does (kept in token_ids, finish_reason `stop`), besides the EOS ids."""
+    min_tokens: int = 0
+    """Fewest tokens generated before the sample may end at a stop id or a stop string (vLLM's min_tokens): until
+    then the EOS ids and sampling.stop_token_ids cannot be drawn (their logprobs are the model's, as vLLM reports
+    them) and no stop string is looked for; 0 is off. At most max_new_tokens."""
+    ignore_eos: bool = False
+    """The EOS ids do not end the sample (vLLM's ignore_eos): it runs to max_new_tokens, a stop string or one of
+    sampling.stop_token_ids. Not with a structured output (whose end is an EOS)."""
     n: int = 1
     """Samples per prompt."""
     seed: int = 0
@@ -187,6 +194,12 @@ class SamplingConfig:
         if not self.repetition_penalty > 0:
             raise ValueError(f"sampling.repetition_penalty must be positive, got {self.repetition_penalty}")
         spec_of(self.json_schema, self.regex, self.choice, self.grammar)  # one at most, each of its type
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(f"sampling.min_tokens must be in [0, max_new_tokens = {self.max_new_tokens}], "
+                             f"got {self.min_tokens}")
+        if self.ignore_eos and self.structured is not None:
+            raise ValueError("sampling.ignore_eos cannot be used with a structured output (json_schema, regex, choice "
+                             "or grammar): the format ends at an EOS id")
         if any(t < 0 or t > INT32_MAX for t in self.stop_token_ids):
             raise ValueError(f"sampling.stop_token_ids must be token ids (0 to {INT32_MAX:,}), got {self.stop_token_ids}")
 

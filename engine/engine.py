@@ -144,12 +144,12 @@ class Engine:
                                 len(request.prompt_token_ids), error=error)
         s = request.sampling
         names_special = any(t in stop for stop in s.stop for t in self._special_texts)
-        stop_ids = self.eos_token_ids | set(s.stop_token_ids)
+        stop_ids = (set() if s.ignore_eos else self.eos_token_ids) | set(s.stop_token_ids)
         if request.is_scored:  # one token is drawn after the continuation and dropped: the engine's usual end
             stop = StopChecker(max_new_tokens=1, decode=lambda ids: "", start=len(request.prompt_token_ids))
         else:
             stop = StopChecker(stop_strings=s.stop, eos_token_ids=stop_ids,
-                               max_new_tokens=s.max_new_tokens,
+                               max_new_tokens=s.max_new_tokens, min_tokens=s.min_tokens,
                                decode=self._decode_special if names_special else self._decode,
                                start=len(request.prompt_token_ids))
         spec = s.structured

@@ -77,11 +77,12 @@ def allowed_logits(logits: jax.Array, mask: jax.Array) -> jax.Array:
 
 
 def pick(logits: jax.Array, mode: str, temperature, top_k, top_p, min_p, base_keys, positions, penalties=None,
-         mask=None):
+         mask=None, min_tokens=None):
     """(tokens, logprobs) of `sample`, from a program with only what `mode` needs: for `greedy` the argmax
     alone, for `sample` no top-k/top-p sort, min-p only with `+min_p`, penalties only with `+penalties`
-    (`penalties` = (in_prompt bool[S, V], counts i32[S, V], repetition, presence, frequency f32[S])). Each gives
-    every row the token and logprob `sample` gives it; logprobs are the raw model's, penalties or not. `mask`
+    (`penalties` = (in_prompt bool[S, V], counts i32[S, V], repetition, presence, frequency f32[S])), stop ids held
+    back only with `+min_tokens` (`min_tokens`: `before_min_tokens`'s stop ids and ends). Each gives every row the
+    token and logprob `sample` gives it; logprobs are the raw model's, penalties and min_tokens or not (vLLM's). `mask`
     (`+mask`: i32[S, W], `allowed_logits`) limits each row to the tokens its structured output allows: its
     logprobs are then those of that constrained distribution."""
     kind = mode.split("+")[0]
@@ -90,15 +91,43 @@ def pick(logits: jax.Array, mode: str, temperature, top_k, top_p, min_p, base_ke
     raw = logits
     if penalties is not None:
         logits = penalize(raw, *penalties)
+    if min_tokens is not None:
+        logits = before_min_tokens(logits, positions, *min_tokens)
     if kind == "greedy":
-        if penalties is None:
+        if logits is raw:
             return greedy_sample(raw)
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return tokens, jnp.take_along_axis(raw_logprobs(raw), tokens[:, None], axis=-1)[:, 0]
     return sample(logits, temperature, top_k, top_p, position_keys(base_keys, positions), truncation=kind == "truncate",
-                  min_p=min_p if "+min_p" in mode else None, raw_logits=None if penalties is None else raw)
+                  min_p=min_p if "+min_p" in mode else None, raw_logits=None if logits is raw else raw)
 
 
-def host_arrays(penalties: tuple | None) -> tuple[np.ndarray, ...]:
-    """The host arrays among a call's penalty arguments (its token state is on the device already)."""
-    return () if penalties is None else tuple(a for a in penalties if isinstance(a, np.ndarray))
+def before_min_tokens(logits: jax.Array, positions: jax.Array, stop_ids: jax.Array, ends: jax.Array) -> jax.Array:
+    """`logits` f32[S, V] with each row's stop ids (`stop_ids` i32[S, E], padded with -1) at -inf while the token
+    drawn at `positions` i32[S] comes before the row's `ends` i32[S] (its first position after sampling.min_tokens
+    generated tokens), as vLLM's min_tokens holds them back. A row left without any finite logit (a structured output
+    that can only end) keeps them, as vLLM restores them."""
+    S, V = logits.shape
+    early = (positions < ends)[:, None] & (stop_ids >= 0)
+    ids = jnp.where(early, stop_ids, V)  # out of range: dropped
+    held = jnp.zeros((S, V), bool).at[jnp.arange(S)[:, None], ids].set(True, mode="drop")
+    kept = jnp.where(held, -jnp.inf, logits.astype(jnp.float32))
+    return jnp.where(jnp.any(kept > -jnp.inf, axis=-1, keepdims=True), kept, logits.astype(jnp.float32))
+
+
+def min_tokens_arrays(rows, size: int, mode: str, stop_ids) -> tuple[np.ndarray, np.ndarray] | None:
+    """The `min_tokens` argument of a call whose mode holds stop ids back (None otherwise): each row's stop ids (the
+    engine's `stop_ids` and its own, i32[size, E] padded with -1, E a bucket) and its end (RowSampling.min_tokens_end,
+    i32[size]; 0 for padding rows)."""
+    if "+min_tokens" not in mode:
+        return None
+    ids = [sorted(set(stop_ids) | set(r.stop_token_ids)) for r in rows]
+    held = np.full((size, bucket(max(map(len, ids), default=1), 4)), -1, np.int32)
+    for r, row_ids in enumerate(ids):
+        held[r, :len(row_ids)] = row_ids
+    return held, np.array([r.min_tokens_end for r in rows] + [0] * (size - len(rows)), np.int32)
+
+
+def host_arrays(*arguments: tuple | None) -> tuple[np.ndarray, ...]:
+    """The host arrays among a call's penalty and min_tokens arguments (its token state is on the device already)."""
+    return tuple(a for group in arguments if group is not None for a in group if isinstance(a, np.ndarray))

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from engine.models.axes import PAGE_SLOT
 from engine.sizing.capacity import pages_for
-from engine.device.device_calls import bucket, host_arrays, pick_rows, replicated, settle
+from engine.device.device_calls import bucket, host_arrays, min_tokens_arrays, pick_rows, replicated, settle
 from engine.models.model import StepSettings, Transformer
 # Bound here and in engine/device/runner.py: tests patch `_sampling_mode` in both to force a sampling program.
 from engine.sampling.row_sampling import RowSampling, sampling_arrays as _sampling_arrays, sampling_mode as _sampling_mode
@@ -37,7 +37,7 @@ class DecodeRow:
 
 def _forward_sample_steps(model: Transformer, pool, settings: StepSettings, num_steps: int, mode: str,
                           token_ids, starts, limits, page_indices, num_seqs, temperature, top_k, top_p, min_p, base_keys,
-                          stop_ids, penalties=None):
+                          stop_ids, penalties=None, min_tokens=None):
     """Up to `num_steps` decode steps in one call; each row stops on the device at a stop id or its limit.
 
     Row s feeds token_ids[s] (i32[S]) at position starts[s] in step 0 and its own last token after that;
@@ -47,7 +47,8 @@ def _forward_sample_steps(model: Transformer, pool, settings: StepSettings, num_
     (the generated token's position), so the tokens are those of `num_steps` single steps.
     page_indices (i32[G, S, P]) holds each row's pages in every KV layer group, as StepInputs does.
     Penalties (`penalties`, None unless the mode penalizes) count each step's new token before the next step,
-    as the single steps' token histories would. Returns tokens i32[K, S] and logprobs f32[K, S] (entries past a
+    as the single steps' token histories would; `min_tokens` (None unless the mode has it) holds stop ids back by
+    each step's own position, as single steps would. Returns tokens i32[K, S] and logprobs f32[K, S] (entries past a
     row's steps are junk), steps i32[S] and the rows' completion token counts i32[S, V] after the call (None
     without penalties), from which a chained call goes on.
     """
@@ -77,7 +78,7 @@ def _forward_sample_steps(model: Transformer, pool, settings: StepSettings, num_
         pool, logits = model(pool, inputs, settings)
         step_penalties = None if penalties is None else (penalties[0], counts, *penalties[2:])
         new, logprobs = pick_rows(settings, logits.array, mode, temperature, top_k, top_p, min_p, base_keys,
-                                  positions + 1, step_penalties)
+                                  positions + 1, step_penalties, None, min_tokens)
         if penalties is not None:  # the new token joins its row's completion for the next step
             counts = counts.at[rows, new].add(active.astype(jnp.int32))
         steps = steps + active.astype(jnp.int32)
@@ -129,6 +130,7 @@ class PendingSteps:
     stops: np.ndarray
     num_rows: int
     penalties: tuple | None = None  # the call's `penalties`, counts as they were after it
+    min_tokens: tuple | None = None  # the call's `min_tokens` (device_calls.min_tokens_arrays)
 
 
 class MultiStepCalls:
@@ -151,8 +153,10 @@ class MultiStepCalls:
                     or row.sampling.position != row.start + 1):
                 raise ValueError(f"decode row {r}: {row.limit} steps from position {row.start} with {num_pages} "
                                  f"pages (page_size {ps}, max_seq_len {self.max_seq_len})")
-        # E is fixed per engine (one compile) unless rows bring stop ids of their own (sampling.stop_token_ids).
-        row_stops = [sorted(set(stop_ids) | set(row.sampling.stop_token_ids)) for row in rows]
+        # E is fixed per engine (one compile) unless rows bring stop ids of their own (sampling.stop_token_ids). A row
+        # that ignores EOS stops at its own alone.
+        row_stops = [sorted(set(() if row.sampling.ignore_eos else stop_ids) | set(row.sampling.stop_token_ids))
+                     for row in rows]
         stops = np.full((S, bucket(max([len(stop_ids), *map(len, row_stops)]), 4)), -1, np.int32)
         for r, ids in enumerate(row_stops):
             stops[r, :len(ids)] = ids
@@ -171,8 +175,9 @@ class MultiStepCalls:
         with self.clock.timing(), self.transfers.sending(step_inputs=per_row):
             per_row = tuple(jax.make_array_from_process_local_data(placement, x) for x in per_row)
             penalties = self._penalties([row.sampling for row in rows], S, mode)
+        held = min_tokens_arrays([row.sampling for row in rows], S, mode, stop_ids)
         return self._launch(*per_row, mode, sampling, stops, len(rows), [row.pages for row in rows], num_steps,
-                            penalties)
+                            penalties, held)
 
     def chain_multi_step(self, prev: PendingSteps, pages: Sequence[Sequence[int]], num_steps: int) -> PendingSteps:
         """Dispatch the call that continues `prev`'s rows from its device outputs, before the host has read
@@ -186,11 +191,11 @@ class MultiStepCalls:
             token_ids, starts, remaining, limits = _chain(prev.tokens, prev.steps, prev.token_ids, prev.starts,
                                                           prev.remaining, prev.limits, live, prev.stops, num_steps)
         return self._launch(token_ids, starts, limits, remaining, prev.mode, prev.sampling, prev.stops,
-                            prev.num_rows, pages, num_steps, prev.penalties)
+                            prev.num_rows, pages, num_steps, prev.penalties, prev.min_tokens)
 
     def _launch(self, token_ids, starts, limits, remaining, mode: str, sampling: tuple, stops: np.ndarray,
                 num_rows: int, pages: Sequence[Sequence[int]], num_steps: int,
-                penalties: tuple | None = None) -> PendingSteps:
+                penalties: tuple | None = None, min_tokens: tuple | None = None) -> PendingSteps:
         G = self.kv_groups.num_groups
         page_array = np.zeros((G, stops.shape[0], self.pages_per_seq), np.int32)
         for r, row_pages in enumerate(pages):
@@ -199,14 +204,15 @@ class MultiStepCalls:
         np.maximum(page_array, 0, out=page_array)  # NONE: page 0, never read (StepInputs.page_indices)
         num_seqs = np.array([num_rows], np.int32)
         with self.clock.timing(), self.transfers.sending(step_inputs=num_seqs, page_tables=page_array,
-                                                         sampling=(*sampling, stops, *host_arrays(penalties))):
+                                                         sampling=(*sampling, stops,
+                                                                   *host_arrays(penalties, min_tokens))):
             self.kv.pool, tokens, logprobs, steps, counts = _steps_sample(
                 self.model, self.kv.pool, self._settings, num_steps, mode, token_ids, starts, limits, page_array,
-                num_seqs, *sampling, stops, penalties)
+                num_seqs, *sampling, stops, penalties, min_tokens)
             settle(self.clock, (tokens, logprobs, steps, counts))
         after = None if penalties is None else (penalties[0], counts, *penalties[2:])
         return PendingSteps(tokens, logprobs, steps, token_ids, starts, limits, remaining, mode, sampling, stops,
-                            num_rows, after)
+                            num_rows, after, min_tokens)
 
     def fetch_multi_step(self, pending: PendingSteps) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Wait for a dispatched call: (tokens i32[num_steps, rows], logprobs f32[num_steps, rows],

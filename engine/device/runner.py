@@ -21,8 +21,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from engine.kernels.attention import resolve_attention_impl
 from engine.sizing.capacity import pages_for
 # Callers size shapes with `runner.bucket` and the MIN_* buckets (engine/sizing/preflight.py).
-from engine.device.device_calls import (MIN_SEQ_BUCKET, MIN_TOKEN_BUCKET, bucket, host_arrays, pick_rows, replicated,
-                                        score_inputs_of, score_rows, settle)
+from engine.device.device_calls import (MIN_SEQ_BUCKET, MIN_TOKEN_BUCKET, bucket, host_arrays, min_tokens_arrays,
+                                        pick_rows, replicated, score_inputs_of, score_rows, settle)
 from engine.kv.kv_cache import KVCache
 from engine.kv.kv_groups import KVGroups
 from engine.models.model import StepSettings, Transformer, unstack_layers
@@ -67,19 +67,19 @@ def _forward(model: Transformer, pool, inputs: StepInputs, settings: StepSetting
 
 
 def _forward_sample(model: Transformer, pool, inputs: StepInputs, settings: StepSettings, mode: str,
-                    temperature, top_k, top_p, min_p, base_keys, positions, penalties=None):
+                    temperature, top_k, top_p, min_p, base_keys, positions, penalties=None, min_tokens=None):
     """Forward and sample on the device: only tokens i32[S] and logprobs f32[S] come back to the host.
     `mode` (static, `_sampling_mode`) leaves out of the program what no row of the step needs; `penalties`
-    (`_penalties`) is None unless the mode penalizes."""
+    (`_penalties`) and `min_tokens` (`min_tokens_arrays`) are None unless the mode has them."""
     pool, logits = model(pool, inputs, settings)
     tokens, logprobs = pick_rows(settings, logits.array, mode, temperature, top_k, top_p, min_p, base_keys, positions,
-                                 penalties)
+                                 penalties, None, min_tokens)
     return pool, replicated(tokens, settings.mesh), replicated(logprobs, settings.mesh)
 
 
 def _forward_sample_score(model: Transformer, pool, inputs: StepInputs, settings: StepSettings, mode: str,
                           num_top: int, score_indices, score_targets, temperature, top_k, top_p, min_p, base_keys,
-                          positions, penalties=None):
+                          positions, penalties=None, min_tokens=None):
     """`_forward_sample`, and the step's scored prompt tokens: the logits of token rows `score_indices: i32[Q]` score
     `score_targets: i32[Q]` (`score_rows`). They run through the LM head with the sampled rows, so a scored row is
     computed as a sampled one is."""
@@ -88,18 +88,18 @@ def _forward_sample_score(model: Transformer, pool, inputs: StepInputs, settings
                          jnp.concatenate([inputs.logits_indices, score_indices]))
     pool, logits = model(pool, inputs, settings)
     tokens, logprobs = pick_rows(settings, logits.array[:num_rows], mode, temperature, top_k, top_p, min_p, base_keys,
-                                 positions, penalties)
+                                 positions, penalties, None, min_tokens)
     scores = score_rows(settings, logits.array[num_rows:], score_targets, num_top)
     return (pool, replicated(tokens, settings.mesh), replicated(logprobs, settings.mesh),
             tuple(replicated(x, settings.mesh) for x in scores))
 
 
 def _pick_masked(settings: StepSettings, logits, mode: str, temperature, top_k, top_p, min_p, base_keys, positions,
-                 penalties, mask):
+                 penalties, mask, min_tokens=None):
     """The sampling half of `_forward_sample` for a step with structured outputs, on logits f32[S, V] already on
     the device: the host fills the rows' masks (i32[S, W]) while the forward pass runs."""
     tokens, logprobs = pick_rows(settings, logits, mode, temperature, top_k, top_p, min_p, base_keys, positions,
-                                 penalties, mask)
+                                 penalties, mask, min_tokens)
     return replicated(tokens, settings.mesh), replicated(logprobs, settings.mesh)
 
 
@@ -305,17 +305,18 @@ class ModelRunner(MultiStepCalls):
             return self._step_sample_masked(chunks, inputs, rows, mode, sampling, positions, score_inputs,
                                             sum(len(r.targets) for r in scoring))
         with self.clock.timing():
-            penalties = self._penalties(rows, S, mode)
-            with self.transfers.sending(**_sent(inputs), sampling=(*sampling, positions, *host_arrays(penalties)),
+            penalties, held = self._penalties(rows, S, mode), min_tokens_arrays(rows, S, mode, self.stop_ids)
+            with self.transfers.sending(**_sent(inputs), sampling=(*sampling, positions, *host_arrays(penalties, held)),
                                         scoring=score_inputs[1:] if score_inputs else ()):
                 settings = self._settings
                 if score_inputs is None:
                     self.kv.pool, tokens, logprobs = _step_sample(self.model, self.kv.pool, inputs, settings, mode,
-                                                                  *sampling, positions, penalties)
+                                                                  *sampling, positions, penalties, held)
                     scores = ()
                 else:
                     self.kv.pool, tokens, logprobs, scores = _step_sample_score(
-                        self.model, self.kv.pool, inputs, settings, mode, *score_inputs, *sampling, positions, penalties)
+                        self.model, self.kv.pool, inputs, settings, mode, *score_inputs, *sampling, positions,
+                        penalties, held)
                 settle(self.clock, (tokens, logprobs, scores))
             tokens, logprobs = self.transfers.read(tokens=tokens, logprobs=logprobs)
             if score_inputs is None:
@@ -335,7 +336,7 @@ class ModelRunner(MultiStepCalls):
         S = inputs.logits_indices.shape[0]
         settings = self._settings
         with self.clock.timing():
-            penalties = self._penalties(rows, S, mode)
+            penalties, held = self._penalties(rows, S, mode), min_tokens_arrays(rows, S, mode, self.stop_ids)
             if score_inputs is not None:
                 inputs = eqx.tree_at(lambda i: i.logits_indices, inputs,
                                      np.concatenate([inputs.logits_indices, score_inputs[1]]))
@@ -345,9 +346,10 @@ class ModelRunner(MultiStepCalls):
         Constraint.fill_masks([r.constraint for r in rows], mask)  # overlaps the forward pass
         n = len(rows)
         with self.clock.timing():
-            with self.transfers.sending(sampling=(*sampling, positions, *host_arrays(penalties)), token_mask=mask):
+            sent = (*sampling, positions, *host_arrays(penalties, held))
+            with self.transfers.sending(sampling=sent, token_mask=mask):
                 tokens, logprobs = _masked_pick(settings, logits.array[:S], mode, *sampling, positions, penalties,
-                                                mask)
+                                                mask, held)
                 scores = () if score_inputs is None else \
                     _score_logits(settings, logits.array[S:], score_inputs[2], score_inputs[0])
                 settle(self.clock, (tokens, logprobs, scores))

@@ -31,6 +31,13 @@ class RowSampling:
     history: tuple[int, ...] = ()  # prompt then generated tokens (`position` of them); read only when penalizing
     num_prompt_tokens: int = 0
     constraint: Constraint | None = field(default=None, compare=False)  # the row's grammar state (structured outputs)
+    min_tokens_end: int = 0  # the first position at which a stop id may be drawn (sampling.min_tokens); 0: any
+    ignore_eos: bool = False  # the engine's EOS ids do not stop the row (multi-step calls)
+
+    @property
+    def holds_stops(self) -> bool:
+        """Whether this row's stop ids are held back at its next token (sampling.min_tokens not yet generated)."""
+        return self.position < self.min_tokens_end
 
     @property
     def penalizes(self) -> bool:
@@ -42,7 +49,8 @@ def row_sampling(seq: Seq) -> RowSampling:
     s = seq.request.sampling
     return RowSampling(s.temperature, s.top_k, s.top_p, seq.base_key, len(seq.token_ids), s.min_p,
                        s.repetition_penalty, s.presence_penalty, s.frequency_penalty, tuple(s.stop_token_ids),
-                       tuple(seq.token_ids) if s.penalizes else (), seq.num_prompt_tokens, seq.constraint)
+                       tuple(seq.token_ids) if s.penalizes else (), seq.num_prompt_tokens, seq.constraint,
+                       0 if seq.request.is_scored else seq.num_prompt_tokens + s.min_tokens, s.ignore_eos)
 
 
 def sampling_mode(rows: Sequence[RowSampling], vocab_size: int) -> str:
@@ -50,10 +58,12 @@ def sampling_mode(rows: Sequence[RowSampling], vocab_size: int) -> str:
     truncates) or `truncate` (top-k or top-p). A job's steps all share one mode, so it compiles one variant;
     the sampler is about half of a step program's compile time, the sort most of that. A row truncates by
     the test `sample` applies on the device (`truncates`). `+min_p` adds min-p (a sampled row has it) and
-    `+penalties` the penalties (a row has one) and `+mask` an allowed-token mask (a row has a structured output);
-    without them the programs are those of a run without any."""
+    `+penalties` the penalties (a row has one), `+mask` an allowed-token mask (a row has a structured output) and
+    `+min_tokens` stop ids held back (a row has not generated its sampling.min_tokens yet); without them the
+    programs are those of a run without any."""
     penalties = ("+penalties" if any(r.penalizes for r in rows) else "") + (
-        "+mask" if any(r.constraint is not None for r in rows) else "")
+        "+mask" if any(r.constraint is not None for r in rows) else "") + (
+        "+min_tokens" if any(r.holds_stops for r in rows) else "")
     sampled = [r for r in rows if r.temperature > 0]
     if not sampled:
         return "greedy" + penalties

@@ -11,6 +11,8 @@ Conventions (the sample record of docs/records.md):
   included.
 * `finish_reason` is `"stop"` for EOS, a stop token or a stop string (also when that happens at
   exactly `max_new_tokens`), and `"length"` when `max_new_tokens` ids were generated without one.
+* With `min_tokens`, no stop string ends in the text of the first `min_tokens` ids (the engine's sampler holds the
+  stop ids back until then, as vLLM does).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class StopChecker:
         max_new_tokens: int,
         decode: Callable[[list[int]], str],
         start: int = 0,
+        min_tokens: int = 0,
     ) -> None:
         self._stop_strings = tuple(stop_strings)
         if any(not s for s in self._stop_strings):
@@ -73,6 +76,7 @@ class StopChecker:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         self._stopping_ids = frozenset(eos_token_ids)
         self._max_new_tokens = max_new_tokens
+        self._min_tokens = min_tokens  # stop strings end only in the text of later ids (vLLM's min_tokens)
         self._decode = decode
         self._max_stop_len = max((len(s) for s in self._stop_strings), default=0)
 
@@ -154,9 +158,11 @@ class StopChecker:
         """Earliest start, in the whole text, of a stop string that ends inside `new_text`.
 
         Matches that end before `new_text` were looked for (and not found) on earlier pushes, so
-        the last `longest stop string - 1` characters are all the context that is needed.
+        the last `longest stop string - 1` characters are all the context that is needed. None while the
+        first `min_tokens` ids are all the sample has: as vLLM, a stop string must end in the text of a later id
+        (it may begin before).
         """
-        if not new_text:
+        if not new_text or self._num_ids <= self._min_tokens:
             return None
         haystack = self._tail + new_text
         starts = [i for i in (haystack.find(s) for s in self._stop_strings) if i >= 0]

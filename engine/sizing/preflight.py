@@ -150,7 +150,7 @@ def sampling_mode(sampling: SamplingConfig, vocab_size: int) -> str:
     """The runner's sampling mode for a job whose every row samples as `sampling` says."""
     row = runner.RowSampling(sampling.temperature, sampling.top_k, sampling.top_p, np.zeros(2, np.uint32), 0,
                              sampling.min_p, sampling.repetition_penalty, sampling.presence_penalty,
-                             sampling.frequency_penalty)
+                             sampling.frequency_penalty, min_tokens_end=sampling.min_tokens)
     return runner._sampling_mode([row], vocab_size)
 
 
@@ -186,20 +186,24 @@ def _runner_programs(engine: EngineConfig, max_seq_len: int, mode: str, num_stop
                 if "+penalties" in mode else None)
 
     stops = runner.bucket(num_stop_ids, 4)
+
+    def min_tokens(S: int) -> tuple | None:  # device_calls.min_tokens_arrays', for a mode that holds stop ids back
+        return (arg((S, stops), i32), arg((S,), i32)) if "+min_tokens" in mode else None
+
     for T in token_buckets:  # steps that carry prompt chunks: max_seqs rows, T varies
         yield ("step", T, rows, runner._step_sample,
                (model, pool, inputs(T, rows), settings, mode, *sampling(rows),
-                arg((rows,), i32), penalties(rows)))
+                arg((rows,), i32), penalties(rows), min_tokens(rows)))
     for S in decode:  # decode-only steps: one token a row
         yield "decode", S, S, runner._step_sample, (model, pool, inputs(S, S), settings, mode, *sampling(S),
-                                                  arg((S,), i32), penalties(S))
+                                                  arg((S,), i32), penalties(S), min_tokens(S))
     if engine.decode_steps > 1:
         K = engine.decode_steps
         for S in decode:
             per_row = tuple(arg((S,), i32) for _ in range(4))
             yield ("multi_step", S, S, multi_step._steps_sample,
                    (model, pool, settings, K, mode, *per_row[:3], arg((G, S, pages), i32), arg((1,), i32),
-                    *sampling(S), arg((S, stops), i32), penalties(S)))
+                    *sampling(S), arg((S, stops), i32), penalties(S), min_tokens(S)))
             if engine.pipeline_decode:
                 yield ("chain", S, S, multi_step._chain,
                        (arg((K, S), i32), *per_row, arg((S,), i32), arg((S,), jnp.bool_), arg((S, stops), i32), K))

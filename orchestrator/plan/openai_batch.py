@@ -34,9 +34,9 @@ SAMPLING_KEYS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_n
                  "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop",
                  "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
                  "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
-                 "stop_token_ids": "stop_token_ids"}
+                 "stop_token_ids": "stop_token_ids", "min_tokens": "min_tokens", "ignore_eos": "ignore_eos"}
 """Body keys that set a row's sampling: OpenAI's name (or vLLM's extra sampling parameter: top_k, min_p,
-repetition_penalty, stop_token_ids, with vLLM's meaning) -> the `sampling.*` key."""
+repetition_penalty, stop_token_ids, min_tokens, ignore_eos, with vLLM's meaning) -> the `sampling.*` key."""
 
 IGNORED_KEYS = ("model", "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
                 "parallel_tool_calls")

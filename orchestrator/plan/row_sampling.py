@@ -19,13 +19,14 @@ from engine import SamplingConfig
 from orchestrator.plan.rejection import Rejection, a_type
 
 ROW_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-            "frequency_penalty", "stop", "stop_token_ids", "seed", "logprobs", "json_schema", "regex", "choice", "grammar")
+            "frequency_penalty", "stop", "stop_token_ids", "min_tokens", "ignore_eos", "seed", "logprobs",
+            "json_schema", "regex", "choice", "grammar")
 """The `sampling.*` keys a row may set for itself."""
 
 STRUCTURED = ("json_schema", "regex", "choice", "grammar")
 """The keys of a structured output (one at most): a row that sets one replaces the run's."""
 
-_INTS = ("max_new_tokens", "top_k", "seed")
+_INTS = ("max_new_tokens", "top_k", "min_tokens", "seed")
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
@@ -41,8 +42,8 @@ def _type_error(key: str, value: Any) -> str | None:
         return "stop must be a list of strings"
     if key == "stop_token_ids" and not (isinstance(value, list) and all(is_int(t) for t in value)):
         return "stop_token_ids must be a list of integers"
-    if key == "logprobs" and not isinstance(value, bool):
-        return f"logprobs is {a_type(value)}, not a boolean"
+    if key in ("logprobs", "ignore_eos") and not isinstance(value, bool):
+        return f"{key} is {a_type(value)}, not a boolean"
     if key == "json_schema" and not isinstance(value, (dict, bool)):
         return f"json_schema is {a_type(value)}, not a JSON Schema object"
     if key in ("regex", "grammar") and not isinstance(value, str):

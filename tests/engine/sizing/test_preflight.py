@@ -73,10 +73,13 @@ def test_sampling_mode_follows_the_config():
     assert sampling_mode(SamplingConfig(repetition_penalty=1.2), 512) == "greedy+penalties"
     assert sampling_mode(SamplingConfig(temperature=0.7, top_k=5, min_p=0.1, frequency_penalty=0.5),
                          512) == "truncate+min_p+penalties"
+    assert sampling_mode(SamplingConfig(min_tokens=4), 512) == "greedy+min_tokens"
+    assert sampling_mode(SamplingConfig(temperature=0.7, ignore_eos=True), 512) == "sample"
 
 
-@pytest.mark.parametrize("mode", ["greedy+penalties", "truncate+min_p+penalties"])
+@pytest.mark.parametrize("mode", ["greedy+penalties", "truncate+min_p+penalties", "sample+penalties+min_tokens"])
 def test_programs_with_min_p_and_penalties_lower(mode):
-    """The preflight's argument lists follow the runner's with the penalty arrays and min_p."""
+    """The preflight's argument lists follow the runner's with the penalty arrays, min_p and the stop ids min_tokens
+    holds back."""
     programs = lower_step_programs(small_model(), ENGINE, 256, "float32", mode, 3, abstract_mesh(1, 1, None), "cpu")
     assert [p.name for p in programs] == ["step", "decode", "multi_step", "chain"]

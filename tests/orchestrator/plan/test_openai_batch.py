@@ -34,12 +34,19 @@ def test_a_chat_line_becomes_a_native_row_with_its_own_sampling():
 def test_vllms_extra_sampling_keys_set_the_rows_own_with_vllms_meaning():
     """A Batch file written for vLLM (Qwen3's recommended settings: top_k 20, min_p 0) runs with them."""
     raw = _map({"messages": CHAT, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0,
-                "repetition_penalty": 1.1, "stop_token_ids": [7, 9]})
+                "repetition_penalty": 1.1, "stop_token_ids": [7, 9], "min_tokens": 2, "ignore_eos": True})
     assert raw.record["sampling"] == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0,
-                                      "repetition_penalty": 1.1, "stop_token_ids": [7, 9]}
+                                      "repetition_penalty": 1.1, "stop_token_ids": [7, 9], "min_tokens": 2,
+                                      "ignore_eos": True}
     assert _map({"messages": CHAT, "top_k": -1}).record["sampling"] == {"top_k": 0}  # vLLM's "every token"
     for body, detail in [({"top_k": -2}, "top_k"), ({"top_k": True}, "top_k is a bool"),
-                         ({"stop_token_ids": 7}, "stop_token_ids must be a list"), ({"min_tokens": 2}, "min_tokens")]:
+                         ({"stop_token_ids": 7}, "stop_token_ids must be a list"),
+                         ({"min_tokens": "2"}, "min_tokens is a str, not an integer"),
+                         ({"max_tokens": 4, "min_tokens": 5}, "min_tokens must be in [0, max_new_tokens = 4], got 5"),
+                         ({"ignore_eos": 1}, "ignore_eos is an int, not a boolean"),
+                         ({"ignore_eos": True, "response_format": {"type": "json_object"}},
+                          "ignore_eos cannot be used with a structured output"),
+                         ({"logit_bias": {"7": 5}}, "'logit_bias' is not supported")]:
         raw = _map({"messages": CHAT, **body})
         assert raw.reason in ("bad_sampling", "unsupported_request") and detail in raw.detail, raw.detail
 
