@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test check-peer-chat bench bench-plan bench-export bench-host bench-generate bench-peer bench-swap bench-ab bench-resume bench-structured bench-moe bench-peak bench-attention
+.PHONY: demo test check-peer-chat check-peer-sampling bench bench-plan bench-export bench-host bench-generate bench-peer bench-swap bench-ab bench-resume bench-structured bench-moe bench-peak bench-attention
 
 # pip is quiet (-q: pages of resolver output otherwise), so each step says first what it does and how long it takes.
 $(STAMP): pyproject.toml
@@ -73,6 +73,9 @@ bench-peer: $(STAMP)
 # chats rendered against vLLM's CPU build: the same prompt token ids for each chat, template and chat_template_kwargs
 check-peer-chat: $(STAMP)
 	$(VENV)/bin/python benchmarks/chat_peer.py
+
+check-peer-sampling: $(STAMP)
+	JAX_PLATFORMS=cpu $(VENV)/bin/python benchmarks/sampling_peer.py
 
 # structured outputs: generate throughput with a permissive constraint against none, and where the rest goes
 bench-structured: $(STAMP)

@@ -142,8 +142,8 @@ class SamplingConfig:
     """Token ids that end a sample as EOS does (kept in token_ids, finish_reason `stop`), besides the EOS ids."""
     min_tokens: int = 0
     """Fewest tokens generated before the sample may end at a stop id or a stop string (vLLM's min_tokens): until
-    then the EOS ids and sampling.stop_token_ids cannot be drawn (their logprobs are the model's, as vLLM reports
-    them) and no stop string is looked for; 0 is off. At most max_new_tokens."""
+    then the EOS ids and sampling.stop_token_ids are not drawn (unless a structured output allows nothing else) and
+    no stop string may end; logprobs stay the model's, as vLLM reports them. 0 is off; at most max_new_tokens."""
     ignore_eos: bool = False
     """The EOS ids do not end the sample (vLLM's ignore_eos): it runs to max_new_tokens, a stop string or one of
     sampling.stop_token_ids. Not with a structured output (whose end is an EOS)."""
