@@ -181,3 +181,19 @@ def test_held_stop_ids_come_back_where_nothing_else_is_left():
     assert np.isneginf(out[0, [2, 5]]).all() and np.isfinite(out[0, [0, 1, 3, 4]]).all()
     np.testing.assert_array_equal(out[1], logits[1])
     np.testing.assert_array_equal(out[2], logits[2])
+
+
+def test_min_tokens_and_ignore_eos_on_a_mesh_equal_one_device(model_with_eos):
+    """The held stop ids reach every device of a tensor-parallel mesh, single and multi-step."""
+    from engine.distributed import slice_mesh
+
+    path, _, _, _, at = model_with_eos
+    requests = [Request("held", tuple(PROMPTS[0]), SamplingConfig(max_new_tokens=NEW, min_tokens=at + 3)),
+                Request("past", tuple(PROMPTS[1]), SamplingConfig(max_new_tokens=NEW, ignore_eos=True, seed=1,
+                                                                 temperature=0.8, min_tokens=4))]
+    for steps in (1, 4):
+        ref = engine(path, steps).generate(requests)
+        got = Engine(path, EngineConfig(page_size=8, max_pages=128, max_seqs=4, max_seqs_in_prefill=4,
+                                        max_prefill_size=256, max_seq_len=256, decode_steps=steps),
+                     mesh=slice_mesh(2)).generate(requests)
+        assert [c.token_ids for c in got] == [c.token_ids for c in ref]
