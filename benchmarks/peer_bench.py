@@ -12,8 +12,9 @@ folder than `.peer` (to share one vLLM install between checkouts).
 
 Both sides get the same checkpoint: the `llama-40m` preset (seed 0) written with `pagefleet init-model`,
 copied without its tokenizer and with `eos_token_id: null` in config.json, so that no token stops a
-sample early (pagefleet has no "ignore EOS" switch; vLLM is also told `ignore_eos`) and each side
-generates exactly `--new-tokens` tokens per prompt (checked). Prompts are token ids (no tokenizer on
+sample early (vLLM is also told `ignore_eos`; pagefleet's `sampling.ignore_eos` came later, and the copy keeps the
+figures comparable with the earlier ones) and each side generates exactly `--new-tokens` tokens per prompt
+(checked). Prompts are token ids (no tokenizer on
 either side), greedy, float32.
 
 Workloads (token ids drawn from a fixed seed, never 0 or 1):
