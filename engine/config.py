@@ -12,6 +12,11 @@ from engine.sampling.structured_spec import Spec, spec_of
 INT32_MAX = 2**31 - 1
 """The largest token count or token id a sampling setting may hold (they travel as int32)."""
 
+GREEDY_BELOW = 1e-5
+"""A sampling.temperature below this samples greedily (the limit of a temperature going to 0, and vLLM's threshold
+for greedy, its _SAMPLING_EPS): logits divided by much less pass float32's range, where the draw would take the
+first +inf rather than the most likely token. vLLM 0.32 itself raises a temperature in (0, 0.01) to 0.01."""
+
 DEFAULT_MAX_SEQS_IN_PREFILL = 8
 """engine.max_seqs_in_prefill when it is not set (capped at engine.max_seqs)."""
 
@@ -123,7 +128,7 @@ class SamplingConfig:
     max_new_tokens: int = 256
     """Most tokens generated per sample."""
     temperature: float = 0.0
-    """0 means greedy."""
+    """0 means greedy; so does a temperature below 1e-5 (its limit; dividing logits by less can overflow float32)."""
     top_p: float = 1.0
     """Nucleus sampling mass; 1.0 is off."""
     top_k: int = 0
@@ -202,6 +207,11 @@ class SamplingConfig:
                              "or grammar): the format ends at an EOS id")
         if any(t < 0 or t > INT32_MAX for t in self.stop_token_ids):
             raise ValueError(f"sampling.stop_token_ids must be token ids (0 to {INT32_MAX:,}), got {self.stop_token_ids}")
+
+    @property
+    def draw_temperature(self) -> float:
+        """The temperature the draw divides by: 0 (greedy) below GREEDY_BELOW."""
+        return 0.0 if self.temperature < GREEDY_BELOW else self.temperature
 
     @property
     def structured(self) -> Spec | None:

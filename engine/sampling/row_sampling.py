@@ -47,7 +47,7 @@ class RowSampling:
 def row_sampling(seq: Seq) -> RowSampling:
     """How the sequence's next token (at index len(token_ids)) is drawn."""
     s = seq.request.sampling
-    return RowSampling(s.temperature, s.top_k, s.top_p, seq.base_key, len(seq.token_ids), s.min_p,
+    return RowSampling(s.draw_temperature, s.top_k, s.top_p, seq.base_key, len(seq.token_ids), s.min_p,
                        s.repetition_penalty, s.presence_penalty, s.frequency_penalty, tuple(s.stop_token_ids),
                        tuple(seq.token_ids) if s.penalizes else (), seq.num_prompt_tokens, seq.constraint,
                        0 if seq.request.is_scored else seq.num_prompt_tokens + s.min_tokens, s.ignore_eos)

@@ -148,7 +148,7 @@ def _describe(e: BaseException) -> str:
 
 def sampling_mode(sampling: SamplingConfig, vocab_size: int) -> str:
     """The runner's sampling mode for a job whose every row samples as `sampling` says."""
-    row = runner.RowSampling(sampling.temperature, sampling.top_k, sampling.top_p, np.zeros(2, np.uint32), 0,
+    row = runner.RowSampling(sampling.draw_temperature, sampling.top_k, sampling.top_p, np.zeros(2, np.uint32), 0,
                              sampling.min_p, sampling.repetition_penalty, sampling.presence_penalty,
                              sampling.frequency_penalty, min_tokens_end=sampling.min_tokens)
     return runner._sampling_mode([row], vocab_size)
