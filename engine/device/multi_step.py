@@ -17,6 +17,7 @@ from engine.models.axes import PAGE_SLOT
 from engine.sizing.capacity import pages_for
 from engine.device.device_calls import bucket, host_arrays, min_tokens_arrays, pick_rows, replicated, settle
 from engine.models.model import StepSettings, Transformer
+from engine.scheduling.scheduler_output import RunnerOutput
 # Bound here and in engine/device/runner.py: tests patch `_sampling_mode` in both to force a sampling program.
 from engine.sampling.row_sampling import RowSampling, sampling_arrays as _sampling_arrays, sampling_mode as _sampling_mode
 from engine.device.step_inputs import StepInputs, group_pages, token_slots
@@ -222,3 +223,11 @@ class MultiStepCalls:
             tokens, logprobs, steps = self.transfers.read(tokens=pending.tokens, logprobs=pending.logprobs,
                                                           steps=pending.steps)
             return tokens[:, :n], logprobs[:, :n], steps[:n]
+
+    def read_multi_step(self, pending: PendingSteps) -> RunnerOutput:
+        """`fetch_multi_step` as the scheduler reads it, with the rows the device stopped at a stop id (the last
+        token a row took is one of its stop ids): the host must finish those, or it would wait on them forever."""
+        tokens, logprobs, steps = self.fetch_multi_step(pending)
+        last = tokens[np.maximum(steps - 1, 0), np.arange(len(steps))]
+        stopped = (steps > 0) & np.any(last[:, None] == pending.stops[:len(steps)], axis=1)
+        return RunnerOutput(tokens, logprobs, steps, stopped=stopped)

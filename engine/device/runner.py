@@ -179,7 +179,7 @@ class ModelRunner(MultiStepCalls):
             pending = self.dispatch_multi_step(rows, self.stop_ids, self.config.decode_steps, call.budgets)
         self._ahead = (None if call.chain_pages is None
                        else self.chain_multi_step(pending, call.chain_pages, self.config.decode_steps))
-        return RunnerOutput(*self.fetch_multi_step(pending))
+        return self.read_multi_step(pending)
 
     def reset(self, physical: bool) -> None:
         """Forget a call dispatched ahead; zero the pool when `physical`, or when a step that failed after

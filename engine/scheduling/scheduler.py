@@ -262,10 +262,12 @@ class Scheduler:
     @staticmethod
     def _take_steps(scheduled: _Scheduled, result: RunnerOutput) -> list[Sequence]:
         """A multi-step call: row r's first steps[r] tokens (the device's count, trusted), up to the one a
-        stop string ends on; a row the host finished before (its call ran ahead) is skipped."""
+        stop string ends on; a row the host finished before (its call ran ahead) is skipped. A row the device
+        stopped at a stop id that the host does not finish is an engine fault: an error, not a row that never ends."""
         tokens, logprobs = result.tokens.T.tolist(), result.logprobs.T.tolist()
         done = []
-        for seq, row_tokens, row_logprobs, num_steps in zip(scheduled.rows, tokens, logprobs, result.steps.tolist()):
+        for seq, row_tokens, row_logprobs, num_steps, stopped in zip(scheduled.rows, tokens, logprobs,
+                                                                     result.steps.tolist(), result.stopped.tolist()):
             if seq.finished:
                 continue
             for token, logprob in zip(row_tokens[:num_steps], row_logprobs[:num_steps]):
@@ -273,6 +275,11 @@ class Scheduler:
                 if seq.append(token, logprob) is not None:  # later tokens of this row are dropped
                     done.append(seq)
                     break
+            if stopped and not seq.finished:
+                raise RuntimeError(f"engine fault: the device stopped prompt {seq.request.prompt_id!r}'s sample "
+                                   f"{seq.request.generation_index} at token "
+                                   f"{row_tokens[num_steps - 1]}, which the host does not stop at (their stop ids "
+                                   "differ); please report it")
         return done
 
     def _schedule_chunks(self) -> list[Chunk]:

@@ -108,11 +108,13 @@ class StepCounts:
 class RunnerOutput:
     """What a device call returns. A ragged step: tokens i32[rows], logprobs f32[rows]. A decode call:
     tokens i32[K, rows], logprobs f32[K, rows] and steps i32[rows], the steps each row took (decided on the
-    device: its limit or an EOS id); row r's tokens are tokens[:steps[r], r]."""
+    device: its limit or a stop id); row r's tokens are tokens[:steps[r], r]; stopped bool[rows]: the device stopped
+    row r at a stop id."""
 
     tokens: np.ndarray
     logprobs: np.ndarray
     steps: np.ndarray | None = None
+    stopped: np.ndarray | None = None
     scores: "ScoredTokens | None" = None  # a ragged step's scored prompt tokens, chunk by chunk
 
 

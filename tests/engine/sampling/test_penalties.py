@@ -144,6 +144,23 @@ def test_stop_token_ids_end_a_sample_as_eos_does(hf_model, decode_steps):
     assert bad.error.startswith("out_of_vocabulary: sampling.stop_token_ids")
 
 
+def test_a_device_stop_the_host_does_not_share_is_an_error_not_a_hang(hf_model):
+    """Multi-step calls stop rows on the device at stop ids the host must stop at too; were they ever to differ
+    (an engine fault), the host would wait on the stopped row forever. The step that reads it says so instead."""
+    path, _ = hf_model
+    eng = engine(path, 4)
+    sampling = SamplingConfig(max_new_tokens=24)
+    free = eng.generate([Request("p0", tuple(prompts(1)[0]), sampling)])[0].token_ids
+    at = next(i for i in range(2, len(free)) if free[i] not in free[:i])  # drawn in a multi-step call
+    eng.runner.stop_ids = sorted({*eng.runner.stop_ids, free[at]})  # the device's alone
+    eng.add_request(Request("p0", tuple(prompts(1)[0]), sampling))
+    with pytest.raises(RuntimeError, match=f"engine fault: the device stopped prompt 'p0'.s sample 0 at token "
+                                           f"{free[at]}, which the host does not stop at"):
+        for _ in range(50):  # the free sample ends in 7 calls or fewer
+            assert eng.has_unfinished, "the sample finished although its device stopped it at a token the host runs on"
+            eng.step()
+
+
 def test_penalize_is_the_numpy_formula():
     rng = np.random.default_rng(0)
     S, V = 5, 40

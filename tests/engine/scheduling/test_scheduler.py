@@ -139,7 +139,8 @@ class DummyRunner:
                 tokens[i, r], steps[r] = token, i + 1
                 if token == EOS:
                     break
-        return rows, RunnerOutput(tokens, -tokens.astype(np.float32) / VOCAB, steps)
+        stopped = (steps > 0) & (tokens[np.maximum(steps - 1, 0), np.arange(len(rows))] == EOS)
+        return rows, RunnerOutput(tokens, -tokens.astype(np.float32) / VOCAB, steps, stopped=stopped)
 
     def _chain(self, pending, pages):
         rows, prev = pending
