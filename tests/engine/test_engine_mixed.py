@@ -1,7 +1,8 @@
 """Every sampling kind in one run: rows with random settings drawn from all of them (greedy and seeded, top-k, top-p,
-min-p, the three penalties, stop ids, stop strings, min_tokens, ignore_eos, n = 2, a structured choice, shared
-prompt prefixes), run together under multi-step pipelined decode, the prefix cache and swap preemption, and under
-single steps with recompute preemption, give each row the samples it gets alone. The other tests hold one setting
+min-p, the three penalties, stop ids, stop strings, min_tokens, ignore_eos, n = 2, prompt_logprobs, a structured
+choice, a scored continuation, shared prompt prefixes), run together under multi-step pipelined decode, the prefix
+cache and swap preemption, and under single steps with recompute preemption, give each row the record it gets alone,
+every field of it. The other tests hold one setting
 a batch; this one holds their mix, where a row's program mode, its stop ids and its pages change with its neighbours."""
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def _prompts(rng, vocab: int, count: int) -> list[tuple[int, ...]]:
             for i in range(count)]
 
 
-KINDS = ("penalties", "stop_ids", "min_tokens", "stop", "n", "ignore_eos")
+KINDS = ("penalties", "stop_ids", "min_tokens", "stop", "n", "ignore_eos", "prompt_logprobs")
 
 
 def _sampling(rng, i: int, frequent: list[int], texts: list[str]) -> SamplingConfig:
@@ -55,6 +56,8 @@ def _sampling(rng, i: int, frequent: list[int], texts: list[str]) -> SamplingCon
         kw["stop"] = [str(rng.choice(texts))]
     if "n" in has:
         kw["n"] = 2
+    if "prompt_logprobs" in has:
+        kw["prompt_logprobs"] = 2
     if i == 5:
         return SamplingConfig(**{**kw, "choice": ["yes", "no", "maybe so"], "min_tokens": 0})
     return SamplingConfig(**kw, ignore_eos="ignore_eos" in has)
@@ -72,13 +75,17 @@ def _requests(eng: Engine, count: int, seed: int) -> list[Request]:
     out = []
     for i, p in enumerate(prompts):
         s = _sampling(rng, i, frequent, texts)
-        out += [Request(f"r{i}", p, s, generation_index=g) for g in range(s.n)]
+        if i % 7 == 6:  # a scored row: its last (up to 3) tokens' log-likelihood given the rest
+            out.append(Request(f"r{i}", p, SamplingConfig(max_new_tokens=1, prompt_logprobs=s.prompt_logprobs),
+                               num_context_tokens=max(1, len(p) - 3)))
+        else:
+            out += [Request(f"r{i}", p, s, generation_index=g) for g in range(s.n)]
     return out
 
 
 def _samples(out) -> dict:
     assert all(c.error is None for c in out), [c.error for c in out if c.error]
-    return {(c.prompt_id, c.generation_index): (c.token_ids, c.logprobs, c.finish_reason, c.completion) for c in out}
+    return {(c.prompt_id, c.generation_index): c.to_json() for c in out}  # every field of the record
 
 
 @pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])
@@ -104,7 +111,7 @@ def test_a_mix_of_every_sampling_kind_gives_each_row_its_samples_alone(model, se
     for name, config in engines.items():
         eng = Engine(model, config)
         together = _samples(eng.generate(requests))
-        assert {k: v[0] for k, v in together.items()} == {k: v[0] for k, v in alone.items()}, name  # tokens first
+        assert {k: v["token_ids"] for k, v in together.items()} == {k: v["token_ids"] for k, v in alone.items()}, name
         assert together == alone, name
         if name == "multi-step":
             assert sum(n > 1 for n in eng.stats.model_steps) >= 3 and eng.scheduler.num_preemptions == 0
@@ -114,4 +121,5 @@ def test_a_mix_of_every_sampling_kind_gives_each_row_its_samples_alone(model, se
     assert {s.temperature > 0 for s in kinds} == {True, False} and any(s.penalizes for s in kinds)
     assert all(any(getattr(s, kind) for s in kinds) for kind in ("min_tokens", "stop", "stop_token_ids", "ignore_eos",
                                                                  "structured"))
-    assert {c[2] for c in alone.values()} == {"stop", "length"}
+    assert {c["finish_reason"] for c in alone.values()} >= {"stop", "length"}
+    assert any(r.is_scored for r in requests) and any(s.prompt_logprobs for s in kinds)
