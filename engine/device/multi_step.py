@@ -97,14 +97,21 @@ def _forward_sample_steps(model: Transformer, pool, settings: StepSettings, num_
             counts)
 
 
+def stopped_at_a_stop_id(xp, tokens, steps, stop_ids):
+    """(last token i32[S], stopped bool[S]) of a multi-step call's rows: row s stopped at a stop id when its last
+    token (tokens[steps[s] - 1, s]; junk where steps[s] is 0) is one of stop_ids[s]. `xp`: numpy on the host,
+    jax.numpy on the device."""
+    last = tokens[xp.maximum(steps - 1, 0), xp.arange(steps.shape[0])]
+    return last, (steps > 0) & xp.any(last[:, None] == stop_ids, axis=1)
+
+
 def _chained_inputs(tokens, steps, token_ids, starts, remaining, limits, live, stop_ids, num_steps: int):
     """The inputs of the multi-step call that continues the rows of one not yet read by the host: each row
     feeds its last token at its next position, and takes min(num_steps, its remaining tokens) steps unless
     it stopped on the device (a stop id: then `steps < limits`, or its last token is one), ran out, was
     already done, or the host finished it (`live` false). Done rows take 0 steps: no KV is written."""
-    S = steps.shape[0]
-    last = jnp.where(steps > 0, tokens[jnp.maximum(steps - 1, 0), jnp.arange(S)], token_ids)
-    stopped = (steps > 0) & jnp.any(last[:, None] == stop_ids, axis=1)
+    last, stopped = stopped_at_a_stop_id(jnp, tokens, steps, stop_ids)
+    last = jnp.where(steps > 0, last, token_ids)
     remaining = remaining - steps
     limits = jnp.where(live & (limits > 0) & ~stopped, jnp.minimum(num_steps, remaining), 0)
     return last, starts + steps, remaining, limits
@@ -228,6 +235,5 @@ class MultiStepCalls:
         """`fetch_multi_step` as the scheduler reads it, with the rows the device stopped at a stop id (the last
         token a row took is one of its stop ids): the host must finish those, or it would wait on them forever."""
         tokens, logprobs, steps = self.fetch_multi_step(pending)
-        last = tokens[np.maximum(steps - 1, 0), np.arange(len(steps))]
-        stopped = (steps > 0) & np.any(last[:, None] == pending.stops[:len(steps)], axis=1)
+        _, stopped = stopped_at_a_stop_id(np, tokens, steps, pending.stops[:len(steps)])
         return RunnerOutput(tokens, logprobs, steps, stopped=stopped)
