@@ -9,10 +9,9 @@ import pytest
 
 from engine.config import GREEDY_BELOW, SamplingConfig
 from engine.engine import Engine
-from engine.sampling.row_sampling import sampling_mode
+from engine.scheduling.sequence import Request
 from engine.sizing import preflight
 from tests.engine.sampling.test_penalties import VOCAB, engine, hf_model, prompts  # noqa: F401 (the fixture)
-from engine.scheduling.sequence import Request
 
 
 @pytest.mark.parametrize("decode_steps", [1, 4])
@@ -40,4 +39,3 @@ def test_a_tiny_temperature_runs_the_greedy_program():
     assert tiny.draw_temperature == 0.0 and SamplingConfig(temperature=GREEDY_BELOW).draw_temperature == GREEDY_BELOW
     assert preflight.sampling_mode(tiny, VOCAB) == "greedy"
     assert preflight.sampling_mode(SamplingConfig(temperature=GREEDY_BELOW, top_k=5), VOCAB) == "truncate"
-    assert sampling_mode([], VOCAB) == "greedy"

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from engine import EngineConfig, Request, SamplingConfig, pages_needed
 from engine.engine import Engine
+from engine.device.multi_step import stopped_at_a_stop_id
 from engine.kv.kv_groups import NONE, KVGroups, held
 from engine.scheduling.scheduler_output import RunnerOutput, SchedulerOutput
 from engine.stats import DeviceClock
@@ -139,7 +140,7 @@ class DummyRunner:
                 tokens[i, r], steps[r] = token, i + 1
                 if token == EOS:
                     break
-        stopped = (steps > 0) & (tokens[np.maximum(steps - 1, 0), np.arange(len(rows))] == EOS)
+        _, stopped = stopped_at_a_stop_id(np, tokens, steps, np.full((len(rows), 1), EOS))  # this fake stops at EOS
         return rows, RunnerOutput(tokens, -tokens.astype(np.float32) / VOCAB, steps, stopped=stopped)
 
     def _chain(self, pending, pages):
