@@ -12,8 +12,12 @@ of a page's shards stay on the host that addresses them. Nothing here crosses be
 
 from __future__ import annotations
 
-import jax
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:  # JAX at run time in to_device alone: PoolTooLarge is the head's too (engine/__init__.py)
+    import jax
 
 Key = tuple[tuple[int, int], ...]  # a shard's [start, stop) in every dimension after the first (pages x layers)
 
@@ -98,4 +102,6 @@ class HostShards:
         addressable device gets its shard's part (every host sends its own)."""
         first = next(iter(parts.values()))
         shape = (first.shape[0], *self._dims)
+        import jax
+
         return jax.make_array_from_callback(shape, sharding, lambda index: parts[shard_key(index, shape)])

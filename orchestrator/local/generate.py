@@ -15,7 +15,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from engine import (Engine, EngineConfig, has_tokenizer, load_tokenizer, ModelConfig, Request, SampleRecord,
+import engine as lazy_engine  # Engine loads JAX on first use: `pagefleet run` imports this module's config
+from engine import (EngineConfig, has_tokenizer, load_tokenizer, ModelConfig, Request, SampleRecord,
                     SamplingConfig, size_for_machine, SIZED_KEYS, structured_error, this_machine)
 from orchestrator import exit_codes
 from orchestrator.json_out import dumps
@@ -190,7 +191,7 @@ def sized_engine(model: str, config: EngineConfig, dtype: str, explicit: frozens
 
 def machine_sized_engine(model: str, config: EngineConfig, dtype: str, explicit: frozenset[str],
                          longest: int | None = None, tokenizer=None, model_cfg: ModelConfig | None = None,
-                         sequences: int | None = None) -> Engine:
+                         sequences: int | None = None) -> lazy_engine.Engine:
     """A new engine for a resolved `model`, its capacities not in `explicit` sized for this machine
     (engine/sizing/machine_sizing.py); `longest`: the most tokens a sequence of the workload reaches, None when
     unknown (up to max_seq_len); `sequences`: how many sequences it runs in all, None when unknown. `tokenizer`
@@ -198,7 +199,8 @@ def machine_sized_engine(model: str, config: EngineConfig, dtype: str, explicit:
     Raises ValueError naming the key to set when the budget cannot hold one sequence."""
     model_cfg = model_cfg if model_cfg is not None else ModelConfig.from_pretrained(model)
     cfg = size_for_machine(config, model_cfg, dtype, this_machine(), explicit, longest=longest, sequences=sequences)
-    return Engine(model, cfg, dtype=dtype, tokenizer=tokenizer if tokenizer is not None else model_tokenizer(model))
+    tokenizer = tokenizer if tokenizer is not None else model_tokenizer(model)
+    return lazy_engine.Engine(model, cfg, dtype=dtype, tokenizer=tokenizer)
 
 
 def sample_records(engine, parsed: Iterable[tuple[int, ParsedLine]], sampling: SamplingConfig,

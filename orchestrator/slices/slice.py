@@ -24,7 +24,7 @@ import threading
 import time
 import traceback
 
-from engine import Engine, initialize_distributed
+import engine as lazy_engine  # its JAX names (Engine, the multi-host ones) load on first use, never in the head
 from orchestrator.plan.model_cache import local_copy
 from orchestrator.plan.model_source import load_tokenizer, ModelSourceConfig
 from orchestrator.plan.weights_identity import check_weights
@@ -89,7 +89,8 @@ class SliceWorker:
         if self.spec.batches_dir is not None:
             check_reachable(self.spec.batches_dir, self.spec.name)
         if self.spec.spmd:
-            initialize_distributed(coordinator, self.spec.num_hosts, self.spec.host_index, self.spec.devices_per_host)
+            lazy_engine.initialize_distributed(coordinator, self.spec.num_hosts, self.spec.host_index,
+                                               self.spec.devices_per_host)
 
         if self.spec.weights is not None:  # weights changed in place since planning are refused, never mixed
             check_weights(self.spec.model_path, self.spec.weights)
@@ -116,7 +117,8 @@ class SliceWorker:
 
     def _start_engine(self, model_path: str, tokenizer) -> None:
         mesh = engine_mesh(self.spec, lane=self._parent is not None)
-        self.engine = Engine(model_path, self.spec.engine, dtype=self.spec.dtype, mesh=mesh, tokenizer=tokenizer)
+        self.engine = lazy_engine.Engine(model_path, self.spec.engine, dtype=self.spec.dtype, mesh=mesh,
+                                         tokenizer=tokenizer)
         name = f"{self.spec.name}-engine" + (f"-{self._lane}" if self._parent else "")
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine import EngineConfig, SamplingConfig, slice_mesh
+import engine as lazy_engine  # slice_mesh loads JAX on first use, never in the head
+from engine import EngineConfig, SamplingConfig
 from orchestrator.slices.cluster import engines_per_host, spmd
 
 
@@ -52,7 +53,7 @@ def engine_mesh(spec: SliceSpec, lane: bool):
     or, for an engine of a data-parallel slice (`lane`), its `model` devices from `spec.device_offset` on."""
     width, first = spec.mesh.get("model", 1), spec.device_offset
     if spec.spmd:
-        return slice_mesh(width)  # every device of every host: one SPMD program
+        return lazy_engine.slice_mesh(width)  # every device of every host: one SPMD program
     if width == 1 and not lane:
         return None
     import jax

@@ -7,7 +7,7 @@ directory: a gs:// URL, or a path that every machine running a slice mounts.
 
 from __future__ import annotations
 
-from engine import hosts_agree, HostsDisagree
+import engine as lazy_engine  # its JAX names (Engine, the multi-host ones) load on first use, never in the head
 from orchestrator.state.rundir import RunDir
 from orchestrator.storage import location, parquet_io, storage
 
@@ -54,8 +54,8 @@ def on_hosts(loaded, path: str, batch_id: str, spmd: bool):
     error = loaded if isinstance(loaded, BatchFileError) else None
     if spmd:
         try:
-            hosts_agree({"batch_file": f"{batch_id}: {'unreadable' if error else 'read'}"})
-        except HostsDisagree as e:
+            lazy_engine.hosts_agree({"batch_file": f"{batch_id}: {'unreadable' if error else 'read'}"})
+        except lazy_engine.HostsDisagree as e:
             raise BatchFileError(f"{path}: {e}", deterministic=False) from None
     if error is not None:
         raise error

@@ -85,3 +85,29 @@ def test_an_unwritable_location_names_the_file_and_the_fix(monkeypatch, capsys, 
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [err]
     assert "/runs/demo/batches.jsonl" in err and "make it writable by this user, or give another location" in err
+
+
+def test_the_head_plans_and_reads_a_run_without_importing_jax(run_model, tmp_path):
+    """The head's commands never load JAX (only a slice's engine runs it): loading it cost every `pagefleet run` and
+    `plan` ~1 s of start-up and ~140 MiB of the head's memory. A plan in the head's process (a small corpus), then
+    `status` and `export`, in a fresh process whose modules are then listed."""
+    import subprocess
+    import sys
+
+    from ..conftest import run_args, write_run_corpus
+
+    corpus = write_run_corpus(tmp_path / "corpus.jsonl", 12)
+    run_dir = tmp_path / "run"
+    config = tmp_path / "run.yaml"
+    config.write_text("name: head\n")
+    code = ("import sys\n"
+            "from orchestrator.commands.cli import main\n"
+            "import orchestrator.commands.run\n"
+            f"assert main(['plan', {str(config)!r}, *{run_args(run_model, corpus, run_dir)!r}]) == 0\n"
+            f"assert main(['status', {str(run_dir)!r}]) == 0\n"
+            f"main(['export', {str(run_dir)!r}, '--output', {str(tmp_path / 'out.jsonl')!r}])\n"  # nothing done yet
+            "print('heavy:', sorted(m for m in ('jax', 'jaxlib', 'haliax', 'equinox') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[3])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "heavy: []" in done.stdout, done.stdout[-2000:]
