@@ -7,7 +7,7 @@ directory: a gs:// URL, or a path that every machine running a slice mounts.
 
 from __future__ import annotations
 
-import engine as lazy_engine  # its JAX names (Engine, the multi-host ones) load on first use, never in the head
+import engine as lazy_engine  # its multi-host names load JAX on first use, on a slice's host, never in the head
 from orchestrator.state.rundir import RunDir
 from orchestrator.storage import location, parquet_io, storage
 
