@@ -9,7 +9,8 @@ Printed, in order:
    instruction set its flags show (AVX-512F, AVX2, FMA; on another architecture, which one) and its clock
    (cpufreq's maximum, else lscpu's "CPU max MHz", else /proc/cpuinfo's current "cpu MHz"; the source is named);
 2. the FMA ceiling from those flags and that clock: cores x GHz x 2 FMA units per core x float32 lanes (16 with
-   AVX-512F, 8 with AVX2, and 8 on AMD Zen 4, whose 256-bit units run an AVX-512 instruction in two halves; the
+   AVX-512F, 8 with AVX2, 8 on AMD Zen 4, whose 256-bit units run an AVX-512 instruction in two halves, and 4 on
+   Zen and Zen+, whose 128-bit units do the same with an AVX2 one; the
    CPU line names AMD's core generation from /proc/cpuinfo's family and model) x 2 FLOP. Two FMA units per core
    is an assumption (true of recent Intel and AMD server cores; some parts have one 512-bit unit), not read from
    the machine: a ceiling, never a measurement;
@@ -111,7 +112,9 @@ class Cpu:
         if self.family == 0x19:
             return "Zen 4" if self.model_number in range(0x10, 0x20) or self.model_number in range(0x60, 0x80) \
                 or self.model_number in range(0xA0, 0xB0) else "Zen 3"
-        return "Zen 2 or older" if self.family == 0x17 else ""
+        if self.family == 0x17:  # Zen and Zen+ below model 0x30 (Naples, Summit/Pinnacle/Raven Ridge), Zen 2 from it
+            return "Zen 2" if self.model_number >= 0x30 else "Zen or Zen+"
+        return ""
 
     @property
     def name(self) -> str:
@@ -122,10 +125,11 @@ class Cpu:
     @property
     def lanes(self) -> int:
         """float32 lanes of the widest vector unit the flags show, as the FMA units execute them: Zen 4 runs an
-        AVX-512 instruction as two halves on 256-bit units, so 8 there."""
+        AVX-512 instruction as two halves on 256-bit units, so 8 there; Zen and Zen+ run an AVX2 one as two halves
+        on 128-bit units, so 4."""
         if "avx512f" in self.flags and self.core_design != "Zen 4":
             return 16
-        return 8 if "avx" in self.flags else 4
+        return 8 if "avx" in self.flags and self.core_design != "Zen or Zen+" else 4
 
     def fma_ceiling(self) -> float | None:
         """cores x Hz x 2 FMA units (assumed) x lanes x 2 FLOP; None without x86 FMA."""
@@ -384,7 +388,8 @@ def main() -> None:
     if ceiling is None:
         print("FMA ceiling: none computed (needs x86 with the fma flag)")
     else:
-        halves = " (AVX-512 on 256-bit units)" if cpu.core_design == "Zen 4" else ""
+        halves = {"Zen 4": " (AVX-512 on 256-bit units)",
+                  "Zen or Zen+": " (AVX2 on 128-bit units)"}.get(cpu.core_design, "")
         print(f"FMA ceiling from flags and clock (not measured): {cpu.cores} cores x {cpu.mhz / 1e3:.2f} GHz x 2 FMA units "
               f"per core (assumed) x {cpu.lanes} float32 lanes{halves} x 2 FLOP = {ceiling / 1e9:.1f} GFLOP/s")
 

@@ -29,9 +29,12 @@ def cpu(peak_bench, flags: str, vendor: str = "AuthenticAMD", family: int = 0, m
     (0x19, 0x11, "Zen 4", 8),  # Genoa: AVX-512 in two 256-bit halves
     (0x19, 0x61, "Zen 4", 8),  # Raphael
     (0x19, 0x01, "Zen 3", 8),  # no AVX-512 flag on Zen 3: AVX2's 8 lanes
+    (0x17, 0x31, "Zen 2", 8),  # Rome: 256-bit units
+    (0x17, 0x01, "Zen or Zen+", 4),  # Naples: AVX2 in two 128-bit halves
+    (0x17, 0x08, "Zen or Zen+", 4),  # Pinnacle Ridge (Zen+)
 ])
 def test_amd_core_design_sets_the_lanes(peak_bench, family, model, design, lanes):
-    flags = "fma avx avx2" + (" avx512f" if design != "Zen 3" else "")
+    flags = "fma avx avx2" + (" avx512f" if design in ("Zen 4", "Zen 5") else "")
     c = cpu(peak_bench, flags, family=family, model=model)
     assert c.core_design == design
     assert c.lanes == lanes
