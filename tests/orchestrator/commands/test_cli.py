@@ -105,9 +105,14 @@ def test_the_head_plans_and_reads_a_run_without_importing_jax(run_model, tmp_pat
             "import orchestrator.commands.run\n"
             f"assert main(['plan', {str(config)!r}, *{run_args(run_model, corpus, run_dir)!r}]) == 0\n"
             f"assert main(['status', {str(run_dir)!r}]) == 0\n"
-            f"main(['export', {str(run_dir)!r}, '--output', {str(tmp_path / 'out.jsonl')!r}])\n"  # nothing done yet
+            # nothing is done yet: export refuses (exit 2) unless --partial, which writes no sample
+            f"export = ['export', {str(run_dir)!r}, '--output', {str(tmp_path / 'out.jsonl')!r}]\n"
+            "assert main(export) == 2\n"
+            "assert main([*export, '--partial']) == 0\n"
             "print('heavy:', sorted(m for m in ('jax', 'jaxlib', 'haliax', 'equinox') if m in sys.modules))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           cwd=Path(__file__).resolve().parents[3])
     assert done.returncode == 0, done.stderr[-3000:]
     assert "heavy: []" in done.stdout, done.stdout[-2000:]
+    assert "batches are not done" in done.stderr and "wrote 0 samples" in done.stdout, done.stderr[-2000:]
+    assert (tmp_path / "out.jsonl").read_text() == ""
