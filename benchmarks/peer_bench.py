@@ -158,6 +158,18 @@ def pagefleet_run(model: Path, prompts: Path, out: Path, stats: Path, new_tokens
     return wall, json.loads(stats.read_text())
 
 
+def first_differences(ours: dict, theirs: dict, limit: int = 5) -> list[str]:
+    """Where the first `limit` prompts whose tokens differ part (a near-tie in float32 rounding shows as one prompt
+    parting late), by prompt id."""
+    lines = []
+    for k in sorted((k for k in theirs if ours.get(k) != theirs[k]), key=lambda k: (len(k), k))[:limit]:
+        a, b = ours.get(k) or [], theirs[k]
+        i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        lines.append(f"prompt {k}: new token {i + 1} differs (pagefleet {a[i] if i < len(a) else 'none'}, "
+                     f"vLLM {b[i] if i < len(b) else 'none'})")
+    return lines
+
+
 def read_tokens(path: Path) -> dict[str, list[int]]:
     return {r["prompt_id"]: r["token_ids"] for r in map(json.loads, path.read_text().splitlines())}
 
@@ -233,6 +245,8 @@ def main() -> None:
         print(f"  RATIO vLLM time / pagefleet time: {statistics.median(vl) / statistics.median(pf):.2f}  "
               f"(> 1: pagefleet faster; acceptance >= 1.0, goal 1.5)")
         print(f"  greedy tokens identical on {same}/{len(theirs)} prompts (new tokens per sample: {sorted(lengths)})")
+        for line in first_differences(ours, theirs):
+            print(f"    {line}")
         if name == "shared-prefix":
             if not caching_key or not off:
                 print("  pagefleet caching off: not run" + ("" if caching_key else " (engine.prefix_caching does not exist)"))
