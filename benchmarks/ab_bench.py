@@ -26,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer_bench import PEER, read_tokens, write_model, write_workloads  # noqa: E402
+from peer_bench import PEER, first_differences, read_tokens, write_model, write_workloads  # noqa: E402
 
 
 def generate(tree: Path, model: Path, prompts: Path, out: Path, stats: Path, new_tokens: int,
@@ -102,6 +102,8 @@ def main() -> None:
               f"(> 1: the new revision is faster)")
         a, b = read_tokens(out["base"]), read_tokens(out["new"])
         print(f"  tokens identical on {sum(a[k] == b.get(k) for k in a)}/{len(a)} prompts")
+        for line in first_differences(a, b, ("base", "new")):
+            print(f"    {line}")
 
 
 if __name__ == "__main__":

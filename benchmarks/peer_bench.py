@@ -158,15 +158,16 @@ def pagefleet_run(model: Path, prompts: Path, out: Path, stats: Path, new_tokens
     return wall, json.loads(stats.read_text())
 
 
-def first_differences(ours: dict, theirs: dict, limit: int = 5) -> list[str]:
+def first_differences(ours: dict, theirs: dict, names: tuple[str, str] = ("pagefleet", "vLLM"),
+                      limit: int = 5) -> list[str]:
     """Where the first `limit` prompts whose tokens differ part (a near-tie in float32 rounding shows as one prompt
-    parting late), by prompt id."""
+    parting late), by prompt id; `names`: the two sides'."""
     lines = []
     for k in sorted((k for k in theirs if ours.get(k) != theirs[k]), key=lambda k: (len(k), k))[:limit]:
         a, b = ours.get(k) or [], theirs[k]
         i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        lines.append(f"prompt {k}: new token {i + 1} differs (pagefleet {a[i] if i < len(a) else 'none'}, "
-                     f"vLLM {b[i] if i < len(b) else 'none'})")
+        lines.append(f"prompt {k}: new token {i + 1} differs ({names[0]} {a[i] if i < len(a) else 'none'}, "
+                     f"{names[1]} {b[i] if i < len(b) else 'none'})")
     return lines
 
 
