@@ -163,8 +163,9 @@ def first_differences(ours: dict, theirs: dict, names: tuple[str, str] = ("pagef
     """Where the first `limit` prompts whose tokens differ part (a near-tie in float32 rounding shows as one prompt
     parting late), by prompt id; `names`: the two sides'."""
     lines = []
-    for k in sorted((k for k in theirs if ours.get(k) != theirs[k]), key=lambda k: (len(k), k))[:limit]:
-        a, b = ours.get(k) or [], theirs[k]
+    for k in sorted((k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k)),
+                    key=lambda k: (len(k), k))[:limit]:
+        a, b = ours.get(k) or [], theirs.get(k) or []
         i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         lines.append(f"prompt {k}: new token {i + 1} differs ({names[0]} {a[i] if i < len(a) else 'none'}, "
                      f"{names[1]} {b[i] if i < len(b) else 'none'})")
