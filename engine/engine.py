@@ -46,6 +46,7 @@ class Engine:
     def __init__(self, model_path: str | os.PathLike, config: EngineConfig = EngineConfig(),
                  dtype: str = "float32", mesh=None, tokenizer=None) -> None:
         self.config = config
+        compile_cache.count_programs()  # the stats' programs compiled and loaded
         compile_cache.enable()  # before the first compile: later processes load the step programs instead
         self.model_config = ModelConfig.from_pretrained(model_path)
         self.max_seq_len = max_seq_len(config, self.model_config.max_position_embeddings, str(model_path))

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from engine.device import compile_cache
 from engine.scheduling.scheduler_output import StepCounts
 from engine.device.transfers import transfer_summary
 
@@ -58,6 +59,7 @@ class EngineStats:
     host_kv_pages_peak: int = 0  # most host pool pages in use after a step's scheduling
     device_to_host_bytes: dict[str, int] = field(default_factory=dict)  # by category (engine.transfers), over the steps
     host_to_device_bytes: dict[str, int] = field(default_factory=dict)  # by category, over the steps
+    programs_before: dict[str, float] = field(default_factory=compile_cache.programs)  # the process's, at clear()
     first_start: float | None = None  # perf_counter at the first step's start
     last_end: float = 0.0  # perf_counter at the last step's end
 
@@ -83,6 +85,7 @@ class EngineStats:
         self.host_kv_pages_peak = 0
         self.device_to_host_bytes.clear()
         self.host_to_device_bytes.clear()
+        self.programs_before = compile_cache.programs()
 
     def prefix_cache(self) -> dict[str, float]:
         """Prompt tokens looked up in the prefix cache, those served from it, and their ratio (0 with no query)."""
@@ -97,14 +100,20 @@ class EngineStats:
         """Bytes the steps moved each way, total and by category, and per generated token (engine.transfers)."""
         return transfer_summary(self.device_to_host_bytes, self.host_to_device_bytes, sum(self.decode_tokens))
 
+    def programs(self) -> dict[str, float]:
+        """The XLA programs compiled and loaded from the compile cache since `clear` (compile_cache.programs): what
+        a first job spends compiling, and whether a later one loaded its programs instead."""
+        now = compile_cache.programs()
+        return {k: now[k] - self.programs_before[k] for k in now}
+
     def summary(self, max_seqs: int) -> dict[str, float]:
         """p50/p90/max step time (ms); the loop's wall time from the first step's start to the last one's end,
         split into device calls and host work between and around them (s); prefill and decode tokens/s over
         the steps; mean and peak slot occupancy (fraction of max_seqs); mean forward passes per step (device
         call); the prefix cache's query and hit tokens and hit rate; the bytes moved between host and device
-        (`transfers`)."""
+        (`transfers`); the programs compiled and loaded (`programs`)."""
         if not self.step_s:
-            return {"steps": 0, **self.prefix_cache(), **self.host_kv(), **self.transfers()}
+            return {"steps": 0, **self.prefix_cache(), **self.host_kv(), **self.transfers(), **self.programs()}
         t = np.asarray(self.step_s)
         total = float(t.sum())
         wall = self.last_end - self.first_start
@@ -125,6 +134,7 @@ class EngineStats:
             **self.prefix_cache(),
             **self.host_kv(),
             **self.transfers(),
+            **self.programs(),
         }
 
 

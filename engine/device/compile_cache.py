@@ -55,3 +55,40 @@ def enable() -> str | None:
         jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return directory
+
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # a program's compile, or its load from the cache
+LOAD_EVENT = "/jax/compilation_cache/cache_retrieval_time_sec"  # a program loaded from the cache (one per load)
+TRACE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration")
+_totals = {"programs": 0, "programs_loaded": 0, "seconds": 0.0, "load_s": 0.0, "trace_lower_s": 0.0}
+_counting = []
+
+
+def _on_duration(event: str, seconds: float, **_) -> None:
+    if event == COMPILE_EVENT:
+        _totals["programs"] += 1
+        _totals["seconds"] += seconds
+    elif event == LOAD_EVENT:
+        _totals["programs_loaded"] += 1
+        _totals["load_s"] += seconds
+    elif event in TRACE_EVENTS:
+        _totals["trace_lower_s"] += seconds
+
+
+def count_programs() -> None:
+    """Count, from now on in this process, the XLA programs compiled and those loaded from the cache (`programs`).
+    Idempotent."""
+    if not _counting:
+        from jax import monitoring
+
+        monitoring.register_event_duration_secs_listener(_on_duration)
+        _counting.append(True)
+
+
+def programs() -> dict[str, float]:
+    """This process's XLA programs since `count_programs`: `programs_compiled` and `compile_s` (XLA's compile),
+    `programs_loaded` and `program_load_s` (from the persistent cache: a load is no compile), `trace_lower_s`
+    (JAX's tracing and lowering to XLA, which every process does for each program it uses, cache or not)."""
+    loaded = _totals["programs_loaded"]
+    return {"programs_compiled": _totals["programs"] - loaded, "compile_s": _totals["seconds"] - _totals["load_s"],
+            "programs_loaded": loaded, "program_load_s": _totals["load_s"], "trace_lower_s": _totals["trace_lower_s"]}

@@ -20,7 +20,7 @@ from engine import (EngineConfig, has_tokenizer, load_tokenizer, ModelConfig, Re
                     SamplingConfig, size_for_machine, SIZED_KEYS, structured_error, this_machine)
 from orchestrator import exit_codes
 from orchestrator.json_out import dumps
-from orchestrator.observe.timeline import format_host_kv, format_prefix_cache, format_transfers
+from orchestrator.observe.timeline import format_host_kv, format_prefix_cache, format_programs, format_transfers
 from orchestrator.plan.chat import render_chat
 from orchestrator.plan.corpus import CorpusConfig, RawRow, extract_prompt, passthrough, row_id
 from orchestrator.plan.json_row import loads_row, lone_surrogate, without_bom
@@ -328,6 +328,7 @@ def run_generate(cfg: GenerateConfig, explicit: frozenset[str] = frozenset()) ->
     print(f"prefix cache: {format_prefix_cache(summary)}", file=sys.stderr)
     print(f"preemption: {format_host_kv(summary)}", file=sys.stderr)
     print(f"transfers: {format_transfers(summary)}", file=sys.stderr)
+    print(f"programs: {format_programs(summary)}", file=sys.stderr)
     if cfg.stats_output:
         _write_atomically(Path(cfg.stats_output), [dumps({**summary, **counters}, indent=1) + "\n"])
     return exit_codes.FAULT if records and errors == len(records) else exit_codes.OK

@@ -92,6 +92,13 @@ def format_prefix_cache(figures: dict[str, float]) -> str:
             f"from cached pages ({figures['prefix_cache_hit_rate']:.1%} hit rate)")
 
 
+def format_programs(figures: dict[str, float]) -> str:
+    """One line: the XLA programs a call compiled and those it loaded from the compile cache (docs/caches.md)."""
+    return (f"{figures['programs_compiled']:,} compiled ({figures['compile_s']:.1f} s), {figures['programs_loaded']:,} "
+            f"loaded from the compile cache ({figures['program_load_s']:.1f} s); tracing and lowering "
+            f"{figures['trace_lower_s']:.1f} s")
+
+
 def format_engine_time(split: tuple[float, float]) -> str:
     device, host = split
     return (f"device calls {device:,.1f} s, host work {host:,.1f} s, summed over slices "

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import time
 
+import jax
+import jax.numpy as jnp
+
+from engine.device import compile_cache
 from engine.stats import DeviceClock, EngineStats, StepTimer, host_kv_counters, host_kv_summary
 from engine.device.transfers import TransferLedger, transfer_summary
 
@@ -35,8 +39,24 @@ def test_device_time_outside_a_step_is_not_counted():
     stats.clear()
     assert stats.summary(max_seqs=4) == {"steps": 0, "prefix_cache_query_tokens": 0, "prefix_cache_hit_tokens": 0,
                                          "prefix_cache_hit_rate": 0.0, **host_kv_summary([]),
-                                         **transfer_summary({}, {}, 0)}
+                                         **transfer_summary({}, {}, 0), **NO_PROGRAMS}
     assert stats.first_start is None
+
+
+NO_PROGRAMS = {"programs_compiled": 0, "compile_s": 0.0, "programs_loaded": 0, "program_load_s": 0.0,
+               "trace_lower_s": 0.0}
+
+
+def test_the_programs_a_call_compiled_or_loaded_reach_its_summary_and_clear_with_it():
+    compile_cache.count_programs()
+    stats = EngineStats()
+    x = jnp.arange(1009, dtype=jnp.float32)  # a shape no other test uses: a new program (or one loaded from the cache)
+    jax.jit(lambda x: x * 3 + 1)(x).block_until_ready()
+    s = stats.summary(max_seqs=4)
+    assert s["programs_compiled"] + s["programs_loaded"] >= 1 and s["trace_lower_s"] > 0
+    assert s["compile_s"] >= 0 and s["program_load_s"] >= 0
+    stats.clear()
+    assert stats.programs() == NO_PROGRAMS
 
 
 def test_the_prefix_cache_counters_reach_the_summary_and_clear_with_it():

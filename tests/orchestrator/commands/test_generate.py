@@ -95,6 +95,34 @@ def test_generate_reports_the_bytes_moved_between_host_and_device(tmp_path, mode
     assert f"{stats['device_to_host_bytes_per_token']:,.1f} B per generated token; host to device" in err
 
 
+def test_a_later_process_loads_the_programs_the_first_one_compiled(tmp_path, model_dir):
+    """The compile cache as docs/caches.md promises it: a second `pagefleet generate` on a fresh machine's cache
+    compiles nothing and loads what the first compiled (same samples), and both say so (`programs:`)."""
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": str(i), "prompt": f"the ocean {i}"}) + "\n"
+                                               for i in range(4)))
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}  # the test session's own
+    env.update(JAX_PLATFORMS="cpu", PAGEFLEET_COMPILE_CACHE=str(tmp_path / "cache"))
+    stats, outputs = [], []
+    for run in range(2):
+        out, stats_file = tmp_path / f"out{run}.jsonl", tmp_path / f"stats{run}.json"
+        proc = subprocess.run([sys.executable, "-m", "orchestrator", "generate", "--model", str(model_dir), "--input",
+                               str(tmp_path / "in.jsonl"), "--output", str(out), "--stats_output", str(stats_file),
+                               "--progress=false", "--sampling.max_new_tokens=5", "--sampling.temperature=0.7",
+                               "--engine.max_seq_len=64", "--engine.max_pages=24"],
+                              capture_output=True, text=True, env=env, timeout=600)
+        assert proc.returncode == 0, proc.stderr
+        stats.append(json.loads(stats_file.read_text()))
+        outputs.append(out.read_text())
+        figures = stats[-1]
+        assert (f"programs: {figures['programs_compiled']:,} compiled ({figures['compile_s']:.1f} s), "
+                f"{figures['programs_loaded']:,} loaded from the compile cache") in proc.stderr
+    first, second = stats
+    assert first["programs_compiled"] >= 2 and first["programs_loaded"] == 0 and first["compile_s"] > 0
+    assert (second["programs_compiled"], second["programs_loaded"]) == (0, first["programs_compiled"])
+    assert second["trace_lower_s"] > 0  # what a warm cache still costs: each program traced and lowered
+    assert outputs[0] == outputs[1]
+
+
 def test_generate_reports_swap_preemption(tmp_path, model_dir, capsys):
     """A pool too small for six 40-token generations, engine.preemption=swap: pages go out and in, nothing is
     recomputed, the host pool's bytes are in the ledger's `swap` category, and the summary has a `preemption:` line."""
