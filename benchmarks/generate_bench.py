@@ -327,6 +327,7 @@ def main() -> None:
     print(f"matmul peak: {peak / 1e9:.1f} GFLOP/s (float32 jnp.dot {peak_n}x{peak_n}, median of 5)")
 
     e_walls, w_walls, h_walls, h_inner, kernel_walls = [], [], [], [], []
+    e_programs, w_programs = [], []  # each job's --stats_output: the programs it compiled and loaded
     e_out, h_out = work / "engine_out.jsonl", work / "hf_out.jsonl"
     for r in range(args.repeats):
         cache = work / f"xla-cache-{os.getpid()}-{r}"  # empty: this run compiles everything, the next loads it
@@ -334,9 +335,12 @@ def main() -> None:
         cache_env = {**env, "PAGEFLEET_COMPILE_CACHE": str(cache)}
         # The README's set-up builds the CPU attention kernel into the cache (`make`): timed apart, not a job's.
         kernel_walls.append(run_timed([sys.executable, "-m", "engine.kernels.kernel_build"], cache_env)[0])
-        for walls in (e_walls, w_walls):
-            wall, _ = run_timed(engine_cmd(model, prompt_path, e_out, args.new_tokens, max_seq_len, flags), cache_env)
+        for walls, programs in ((e_walls, e_programs), (w_walls, w_programs)):
+            stats = work / "engine_stats.json"
+            wall, _ = run_timed(engine_cmd(model, prompt_path, e_out, args.new_tokens, max_seq_len,
+                                           [*flags, f"--stats_output={stats}"]), cache_env)
             walls.append(wall)
+            programs.append(json.loads(stats.read_text()))
         shutil.rmtree(cache, ignore_errors=True)
         wall, stdout = run_timed([sys.executable, __file__, "--hf-worker", str(model), str(prompt_path), str(h_out),
                                   f"--new-tokens={args.new_tokens}", f"--hf-batch-size={args.hf_batch_size}"], env)
@@ -355,6 +359,12 @@ def main() -> None:
           f"(runs: {fmt(h_walls)} s; import {h_inner[-1]['import_s']:.1f} s, load {h_inner[-1]['load_s']:.1f} s)")
     print(f"  RATIO output tok/s engine / transformers: {w_tps / h_tps:.2f} with the compile cache a previous job left, "
           f"{e_tps / h_tps:.2f} for the first job on a machine  (acceptance >= 1.5, goal 2.0)")
+    for label, jobs in (("first job", e_programs), ("warm cache", w_programs)):
+        med = {k: statistics.median(j[k] for j in jobs) for k in
+               ("programs_compiled", "compile_s", "programs_loaded", "program_load_s", "trace_lower_s")}
+        print(f"  {label}: {med['programs_compiled']:.0f} programs compiled in {med['compile_s']:.1f} s, "
+              f"{med['programs_loaded']:.0f} loaded from the compile cache in {med['program_load_s']:.1f} s, tracing and "
+              f"lowering {med['trace_lower_s']:.1f} s (medians)")
     print(f"  (set-up, before the first job: building the CPU attention kernel took {statistics.median(kernel_walls):.1f} s "
           f"as its own process; a machine set up without `make` builds it during its first job, overlapped with start-up)")
 
