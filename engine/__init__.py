@@ -48,6 +48,7 @@ _LAZY = {
     "PoolTooLarge": "engine.kv.host_pool",
     "NON_FINITE_ERROR": "engine.engine",
     "prefix_cache_summary": "engine.stats",
+    "PROGRAM_FIGURES": "engine.device.compile_cache",
     "host_kv_summary": "engine.stats",
     "host_kv_counters": "engine.stats",
     "HOST_KV_SUMS": "engine.stats",

@@ -57,6 +57,9 @@ def enable() -> str | None:
     return directory
 
 
+PROGRAM_FIGURES = ("programs_compiled", "compile_s", "programs_loaded", "program_load_s", "trace_lower_s")
+"""`programs`' figures under the names every report uses (generate's summary and --stats_output, timeline.jsonl, the
+run's summary and W&B, `pagefleet status`): sums over calls, buckets and slices."""
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # a program's compile, or its load from the cache
 LOAD_EVENT = "/jax/compilation_cache/cache_retrieval_time_sec"  # a program loaded from the cache (one per load)
 TRACE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration")
@@ -90,5 +93,5 @@ def programs() -> dict[str, float]:
     `programs_loaded` and `program_load_s` (from the persistent cache: a load is no compile), `trace_lower_s`
     (JAX's tracing and lowering to XLA, which every process does for each program it uses, cache or not)."""
     loaded = _totals["programs_loaded"]
-    return {"programs_compiled": _totals["programs"] - loaded, "compile_s": _totals["seconds"] - _totals["load_s"],
-            "programs_loaded": loaded, "program_load_s": _totals["load_s"], "trace_lower_s": _totals["trace_lower_s"]}
+    return dict(zip(PROGRAM_FIGURES, (_totals["programs"] - loaded, _totals["seconds"] - _totals["load_s"], loaded,
+                                      _totals["load_s"], _totals["trace_lower_s"])))

@@ -2,17 +2,17 @@
 `pagefleet status` (text and --json, and so the service's run status) and the plot's summary line are views
 of one `RunSummary`.
 
-The figures come from the run directory's durable state: the manifest (batches.jsonl: counts, prompts,
-samples, output tokens, failed batches), run.json's plan (rows rejected at planning), progress.json (the
-latest head session: its batches, output tokens, wall time, tokens/s) and timeline.jsonl (occupancy, engine
-time, prefix cache, preemption, transfers, summed over every session and slice). The head passes the totals
-and session figures it has just written, so that a disk that refused the last write cannot make its summary
-lag; `status` reads the same files.
+The figures come from the run directory's durable state: the manifest (batches.jsonl: counts, prompts, samples,
+output tokens, failed batches), run.json's plan (rows rejected at planning), progress.json (the latest head session:
+its batches, output tokens, wall time, tokens/s) and timeline.jsonl (occupancy, engine time, prefix cache,
+preemption, transfers, programs compiled, summed over every session and slice). The head passes the totals and
+session figures it has just written, so that a disk that refused the last write cannot make its summary lag;
+`status` reads the same files.
 
 Each output keeps the names its users read (docs/tracking.md, docs/run-directory.md): the run summary says
 `output_tokens`, `batches_done`, `engine_device_s`, flat prefix-cache / preemption / transfer keys; `status
 --json` says `output_tokens_done`, `counts.done`, `engine_time.device_s`, nested `prefix_cache`, `preemption`,
-`transfers`. The views below are the one place that maps a figure to those names.
+`transfers`, `programs`. The views below are the one place that maps a figure to those names.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.observe.timeline import (engine_time, figure_lines, host_kv, mean_occupancy, prefix_cache, read_timeline,
-                                           transfers)
+from orchestrator.observe.timeline import (engine_time, figure_lines, host_kv, mean_occupancy, prefix_cache, programs,
+                                           read_timeline, transfers)
 from orchestrator.state.manifest import STATUSES, manifest_totals, read_manifest, read_totals
 from orchestrator.state.rundir import RunDir
 
@@ -63,6 +63,8 @@ class RunSummary:
     prefix_cache: dict[str, float] | None
     preemption: dict[str, int] | None
     transfers: dict[str, float] | None
+    programs: dict[str, float] | None = None
+    """The XLA programs the engines compiled and loaded (docs/caches.md)."""
 
     @classmethod
     def read(cls, run_dir: RunDir, session: Any = _READ, timeline: list[dict] | None = None,
@@ -85,7 +87,8 @@ class RunSummary:
             samples_done=totals["samples_done"], output_tokens=totals["output_tokens"],
             failed=tuple(FailedBatch(*f) for f in totals["failed"]),
             session=session, mean_occupancy=mean_occupancy(timeline), engine_time=engine_time(timeline),
-            prefix_cache=prefix_cache(timeline), preemption=host_kv(timeline), transfers=transfers(timeline))
+            prefix_cache=prefix_cache(timeline), preemption=host_kv(timeline), transfers=transfers(timeline),
+            programs=programs(timeline))
 
     @property
     def batches(self) -> int:
@@ -125,7 +128,7 @@ class RunSummary:
             out["mean_occupancy"] = self.mean_occupancy
         if self.engine_time is not None:
             out["engine_device_s"], out["engine_host_s"] = self.engine_time
-        for figures in (self.prefix_cache, self.preemption, self.transfers):
+        for figures in (self.prefix_cache, self.preemption, self.transfers, self.programs):
             out.update(figures or {})
         return out
 
@@ -156,6 +159,7 @@ class RunSummary:
             "prefix_cache": self.prefix_cache,
             "preemption": self.preemption,
             "transfers": self.transfers,
+            "programs": self.programs,
             "failed": [{"batch_id": b.batch_id, "attempts": b.attempts, "error": b.error} for b in self.failed],
         }
 
@@ -175,7 +179,7 @@ class RunSummary:
                          f"{self._session('session_output_tokens'):,} tokens in "
                          f"{self._session('session_elapsed_s', 0.0):,.1f} s = {self.tokens_per_s or 0.0:,.1f} tokens/s")
         lines += [f"{label:<17}{text}" for label, text in figure_lines(
-            self.mean_occupancy, self.engine_time, self.prefix_cache, self.preemption, self.transfers)]
+            self.mean_occupancy, self.engine_time, self.prefix_cache, self.preemption, self.transfers, self.programs)]
         for b in self.failed:
             last = (b.error or "").strip().splitlines()[-1:] or ["?"]
             lines.append(f"failed {b.batch_id}: {last[0]}")

@@ -74,7 +74,7 @@ def format_status(s: dict) -> str:
         lines.append(f"eta            {s['eta_s'] / 60:,.1f} min")
     split = (s["engine_time"]["device_s"], s["engine_time"]["host_s"]) if s["engine_time"] else None
     lines += [f"{label:<15}{text}" for label, text in figure_lines(
-        s["mean_occupancy"], split, s["prefix_cache"], s["preemption"], s["transfers"])]
+        s["mean_occupancy"], split, s["prefix_cache"], s["preemption"], s["transfers"], s.get("programs"))]
     for f in s["failed"]:
         lines.append(f"failed {f['batch_id']} after {f['attempts']} attempts:")
         lines += [f"    {line}" for line in (f["error"] or "").strip().splitlines()[-6:]]

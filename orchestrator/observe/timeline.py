@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from engine import (HOST_KV_PEAK, TRANSFER_DIRECTIONS, host_kv_summary, prefix_cache_summary, sum_transfer_counters,
-                    transfer_counter_key, transfer_summary)
+from engine import (HOST_KV_PEAK, PROGRAM_FIGURES, TRANSFER_DIRECTIONS, host_kv_summary, prefix_cache_summary,
+                    sum_transfer_counters, transfer_counter_key, transfer_summary)
 from orchestrator.state.rundir import RunDir
 from orchestrator.storage import storage
 
@@ -92,6 +92,13 @@ def format_prefix_cache(figures: dict[str, float]) -> str:
             f"from cached pages ({figures['prefix_cache_hit_rate']:.1%} hit rate)")
 
 
+def programs(timeline: list[dict]) -> dict[str, float] | None:
+    """The XLA programs the engines compiled and loaded from the compile cache over the whole run, every slice summed
+    (docs/caches.md); None before any bucket has them."""
+    counted = [b for b in timeline if PROGRAM_FIGURES[0] in b]
+    return {k: sum(b[k] for b in counted) for k in PROGRAM_FIGURES} if counted else None
+
+
 def format_programs(figures: dict[str, float]) -> str:
     """One line: the XLA programs a call compiled and those it loaded from the compile cache (docs/caches.md)."""
     return (f"{figures['programs_compiled']:,} compiled ({figures['compile_s']:.1f} s), {figures['programs_loaded']:,} "
@@ -106,7 +113,7 @@ def format_engine_time(split: tuple[float, float]) -> str:
 
 
 def figure_lines(occupancy: float | None, split: tuple[float, float] | None, cache: dict | None, swaps: dict | None,
-                 moved: dict | None) -> list[tuple[str, str]]:
+                 moved: dict | None, compiled: dict | None = None) -> list[tuple[str, str]]:
     """(label, text) for each timeline figure there is: the lines the run's summary and `status` print alike."""
     lines = []
     if occupancy is not None:
@@ -119,4 +126,6 @@ def figure_lines(occupancy: float | None, split: tuple[float, float] | None, cac
         lines.append(("preemption", format_host_kv(swaps)))
     if moved is not None:
         lines.append(("transfers", format_transfers(moved)))
+    if compiled is not None:
+        lines.append(("programs", format_programs(compiled) + ", summed over slices"))
     return lines

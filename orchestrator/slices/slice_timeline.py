@@ -1,12 +1,13 @@
 """The timeline a slice's results carry: its engine's steps folded into buckets of about TIMELINE_BUCKET_S, each
-with its throughput, occupancy, device and host time, and the engine's counters (prefix cache, host KV, transfers)
-over its steps. The head appends them to the run's timeline.jsonl (orchestrator/observe/)."""
+with its throughput, occupancy, device and host time, and the engine's counters (prefix cache, host KV, transfers,
+programs compiled and loaded) over its steps. The head appends them to the run's timeline.jsonl
+(orchestrator/observe/)."""
 
 from __future__ import annotations
 
 import time
 
-from engine import host_kv_counters, transfer_counters
+from engine import PROGRAM_FIGURES, host_kv_counters, transfer_counters
 
 TIMELINE_BUCKET_S = 1.0
 
@@ -44,6 +45,7 @@ class Timeline:
                                   "prefix_cache_query_tokens": perf["prefix_cache_query_tokens"],
                                   "prefix_cache_hit_tokens": perf["prefix_cache_hit_tokens"],
                                   **host_kv_counters(perf),
+                                  **{k: perf[k] for k in PROGRAM_FIGURES},  # what the bucket's steps compiled
                                   "decode_tokens": b[2],  # with the transfer counters: their bytes per token
                                   **transfer_counters(stats.device_to_host_bytes, stats.host_to_device_bytes)})
             self._bucket = [0.0, 0, 0, 0]

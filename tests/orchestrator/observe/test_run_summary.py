@@ -20,11 +20,13 @@ EARLIER = [  # an earlier session's timeline buckets, with every counter the fig
     {"t": 1.0, "steps": 3, "tokens_per_s": 1.0, "occupancy": 0.5, "device_s": 0.5, "host_s": 0.25, "slice": "slice-0",
      "prefix_cache_query_tokens": 300, "prefix_cache_hit_tokens": 200, "kv_pages_out": 6, "kv_pages_in": 4,
      "recompute_avoided_tokens": 90, "recompute_tokens": 5, "host_kv_pages_peak": 6, "decode_tokens": 40,
-     "device_to_host_bytes_tokens": 1000, "host_to_device_bytes_step_inputs": 500},
+     "device_to_host_bytes_tokens": 1000, "host_to_device_bytes_step_inputs": 500, "programs_compiled": 3,
+     "compile_s": 2.5, "programs_loaded": 0, "program_load_s": 0.0, "trace_lower_s": 0.75},
     {"t": 2.0, "steps": 1, "tokens_per_s": 2.0, "occupancy": 0.25, "device_s": 0.25, "host_s": 0.125, "slice": "slice-1",
      "prefix_cache_query_tokens": 100, "prefix_cache_hit_tokens": 100, "kv_pages_out": 2, "kv_pages_in": 4,
      "recompute_avoided_tokens": 30, "recompute_tokens": 0, "host_kv_pages_peak": 3, "decode_tokens": 10,
-     "device_to_host_bytes_tokens": 250, "host_to_device_bytes_step_inputs": 125},
+     "device_to_host_bytes_tokens": 250, "host_to_device_bytes_step_inputs": 125, "programs_compiled": 0,
+     "compile_s": 0.0, "programs_loaded": 3, "program_load_s": 0.25, "trace_lower_s": 0.5},
 ]
 
 
@@ -41,14 +43,14 @@ def shared_figures(run: dict[str, Any], st: dict[str, Any]) -> list[tuple[str, A
               ("engine_device_s", run.get("engine_device_s"), st["engine_time"]["device_s"]),
               ("engine_host_s", run.get("engine_host_s"), st["engine_time"]["host_s"]),
               ("failed", run["failed"], {f["batch_id"]: f["error"] for f in st["failed"]})]
-    for group in ("prefix_cache", "preemption", "transfers"):
+    for group in ("prefix_cache", "preemption", "transfers", "programs"):
         pairs += [(k, run.get(k), v) for k, v in st[group].items()]
     return pairs
 
 
 def assert_one_summary(run: dict[str, Any], tracked: dict[str, Any], st: dict[str, Any]) -> None:
     assert st["tokens_per_s"] is not None and st["mean_occupancy"] is not None  # every figure is there to compare
-    assert st["engine_time"] and st["prefix_cache"] and st["preemption"] and st["transfers"]
+    assert st["engine_time"] and st["prefix_cache"] and st["preemption"] and st["transfers"] and st["programs"]
     differ = [(name, a, b) for name, a, b in shared_figures(run, st) if a != b]
     assert not differ, differ
     # W&B's summary: the run summary's figures that are numbers or text, nothing else (no batch's values).
@@ -79,6 +81,7 @@ def test_the_views_of_one_summary_agree(tmp_path):
     assert (run["session_s"], run["session_batches"], run["session_output_tokens"]) == (10.0, 1, 50)
     assert run["mean_occupancy"] == (0.5 * 3 + 0.25) / 4 and (run["engine_device_s"], run["engine_host_s"]) == (0.75, 0.375)
     assert run["kv_pages_out"] == 8 and run["device_to_host_bytes_per_token"] == 1250 / 50
+    assert (run["programs_compiled"], run["programs_loaded"], run["compile_s"]) == (3, 3, 2.5)
 
     # ETA and what slices wait for: only while a head holds the run directory (6 prompts left at 0.4 prompts/s).
     assert status(tmp_path)["eta_s"] is None and status(tmp_path)["waiting"] is None
@@ -88,7 +91,7 @@ def test_the_views_of_one_summary_agree(tmp_path):
 
     # The text outputs print the timeline's figures in the same words.
     printed, shown = summary.format_run(), format_status(status(tmp_path))
-    for label in ("slot occupancy", "engine time", "prefix cache", "preemption", "transfers"):
+    for label in ("slot occupancy", "engine time", "prefix cache", "preemption", "transfers", "programs"):
         ours = next(line for line in printed.splitlines() if line.startswith(label))
         theirs = next(line for line in shown.splitlines() if line.startswith(label))
         assert ours[len(label):].strip() == theirs[len(label):].strip()
@@ -125,3 +128,6 @@ def test_run_summary_wandb_summary_and_status_json_agree(ray_local, run_model, t
     st = json.loads(capsys.readouterr().out)
     assert_one_summary(outcome.summary, tracked[0], st)
     assert outcome.summary["session_batches"] == outcome.summary["batches_done"] > 0
+    # The slices' programs, on top of the earlier session's 3 compiled and 3 loaded: this session's slice compiled or
+    # loaded its step programs (the test session's compile cache may hold them already).
+    assert outcome.summary["programs_compiled"] + outcome.summary["programs_loaded"] > 6
