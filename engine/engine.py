@@ -47,6 +47,7 @@ class Engine:
                  dtype: str = "float32", mesh=None, tokenizer=None) -> None:
         self.config = config
         compile_cache.count_programs()  # the stats' programs compiled and loaded
+        self.programs_at_start = compile_cache.programs()
         compile_cache.enable()  # before the first compile: later processes load the step programs instead
         self.model_config = ModelConfig.from_pretrained(model_path)
         self.max_seq_len = max_seq_len(config, self.model_config.max_position_embeddings, str(model_path))
@@ -78,6 +79,7 @@ class Engine:
         runner = ModelRunner(model, RunnerConfig.of(config, groups), self.max_seq_len, eos_token_ids, mesh=mesh,
                              kv_dtype=jdtype)
         self._setup(config, runner, cfg.vocab_size, eos_token_ids, tokenizer, cfg.image_token_id, groups)
+        self.stats.programs_before = self.programs_at_start  # the build's programs (the KV pool, the layers) count
 
     @classmethod
     def from_runner(cls, runner, config: EngineConfig, vocab_size: int, eos_token_ids: Iterable[int],
@@ -87,6 +89,7 @@ class Engine:
         Single-host."""
         engine = cls.__new__(cls)
         engine._multihost, engine._requests_digest, engine._requests_agreed = False, None, True
+        engine.programs_at_start = compile_cache.programs()
         engine._setup(config, runner, vocab_size, set(eos_token_ids), tokenizer, groups=groups)
         return engine
 
@@ -254,6 +257,11 @@ class Engine:
         else:
             self.settle()
         return [results[(r.prompt_id, r.generation_index)] for r in requests]
+
+    def programs(self) -> dict[str, float]:
+        """The XLA programs compiled and loaded from the compile cache since this engine began its build (its KV
+        pool, its layers, every step program since: compile_cache.programs), by whichever caller in the process."""
+        return compile_cache.programs_since(self.programs_at_start)
 
     def release_finished(self) -> None:
         """Free the pages that finished sequences still hold (cleanup_mode `end` or `none`)."""

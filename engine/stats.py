@@ -59,7 +59,9 @@ class EngineStats:
     host_kv_pages_peak: int = 0  # most host pool pages in use after a step's scheduling
     device_to_host_bytes: dict[str, int] = field(default_factory=dict)  # by category (engine.transfers), over the steps
     host_to_device_bytes: dict[str, int] = field(default_factory=dict)  # by category, over the steps
-    programs_before: dict[str, float] = field(default_factory=compile_cache.programs)  # the process's, at clear()
+    # The process's programs (compile_cache.programs) when the figures began: at clear(), or at the start of the
+    # engine's build until the first clear (so a slice's first timeline bucket holds the build's programs).
+    programs_before: dict[str, float] = field(default_factory=compile_cache.programs)
     first_start: float | None = None  # perf_counter at the first step's start
     last_end: float = 0.0  # perf_counter at the last step's end
 
@@ -103,8 +105,7 @@ class EngineStats:
     def programs(self) -> dict[str, float]:
         """The XLA programs compiled and loaded from the compile cache since `clear` (compile_cache.programs): what
         a first job spends compiling, and whether a later one loaded its programs instead."""
-        now = compile_cache.programs()
-        return {k: now[k] - self.programs_before[k] for k in now}
+        return compile_cache.programs_since(self.programs_before)
 
     def summary(self, max_seqs: int) -> dict[str, float]:
         """p50/p90/max step time (ms); the loop's wall time from the first step's start to the last one's end,

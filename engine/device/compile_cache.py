@@ -95,3 +95,9 @@ def programs() -> dict[str, float]:
     loaded = _totals["programs_loaded"]
     return dict(zip(PROGRAM_FIGURES, (_totals["programs"] - loaded, _totals["seconds"] - _totals["load_s"], loaded,
                                       _totals["load_s"], _totals["trace_lower_s"])))
+
+
+def programs_since(before: dict[str, float]) -> dict[str, float]:
+    """`programs` since an earlier reading of it."""
+    now = programs()
+    return {k: now[k] - before[k] for k in PROGRAM_FIGURES}

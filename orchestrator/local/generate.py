@@ -312,7 +312,7 @@ def run_generate(cfg: GenerateConfig, explicit: frozenset[str] = frozenset()) ->
     if records and errors == len(records):
         print(f"pagefleet generate: every one of the {len(records)} samples failed (the `error` of each record in "
               f"{cfg.output} says why)", file=sys.stderr)
-    summary = engine.stats.summary(engine_cfg.max_seqs)
+    summary = {**engine.stats.summary(engine_cfg.max_seqs), **engine.programs()}  # its build's programs too
     counters = {k: v for k, v in engine.snapshot().items()
                 if k in ("num_preemptions", "num_multi_step_fallbacks", "num_pipelined_calls", "num_swaps",
                          "num_swap_fallbacks")}

@@ -7,6 +7,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from engine import Engine, EngineConfig, Request, SamplingConfig, write_model
 from engine.device import compile_cache
 from engine.stats import DeviceClock, EngineStats, StepTimer, host_kv_counters, host_kv_summary
 from engine.device.transfers import TransferLedger, transfer_summary
@@ -122,3 +123,17 @@ def test_the_preemption_counters_reach_the_summary_sum_over_buckets_and_clear():
         "host_kv_pages_peak": 5}
     stats.clear()
     assert host_kv_counters(stats.summary(max_seqs=4)) == host_kv_summary([])
+
+
+def test_an_engines_build_counts_in_its_first_figures_and_a_call_in_its_own(tmp_path):
+    """The KV pool and the layers' programs compile (or load) while the engine builds: `Engine.programs` and the
+    first figures read (a slice's first timeline bucket) hold them; a call's figures hold the call's alone."""
+    engine = Engine(write_model("tiny-llama", tmp_path / "m"), EngineConfig(max_pages=24, max_seq_len=64))
+    built = engine.programs()
+    assert built["programs_compiled"] + built["programs_loaded"] >= 1
+    assert engine.stats.programs() == built
+    engine.generate([Request("a", (5, 6, 7), SamplingConfig(max_new_tokens=3))])
+    call, total = engine.stats.programs(), engine.programs()
+    assert call["programs_compiled"] + call["programs_loaded"] >= 1  # the step programs
+    for k in ("programs_compiled", "programs_loaded"):
+        assert total[k] == built[k] + call[k]
