@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from pathlib import Path
 
 ENV = "PAGEFLEET_COMPILE_CACHE"
@@ -65,17 +66,19 @@ LOAD_EVENT = "/jax/compilation_cache/cache_retrieval_time_sec"  # a program load
 TRACE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration")
 _totals = {"programs": 0, "programs_loaded": 0, "seconds": 0.0, "load_s": 0.0, "trace_lower_s": 0.0}
 _counting = []
+_lock = threading.Lock()  # a slice compiles on its engine thread while others may (a page copy, a test's engines)
 
 
 def _on_duration(event: str, seconds: float, **_) -> None:
-    if event == COMPILE_EVENT:
-        _totals["programs"] += 1
-        _totals["seconds"] += seconds
-    elif event == LOAD_EVENT:
-        _totals["programs_loaded"] += 1
-        _totals["load_s"] += seconds
-    elif event in TRACE_EVENTS:
-        _totals["trace_lower_s"] += seconds
+    with _lock:
+        if event == COMPILE_EVENT:
+            _totals["programs"] += 1
+            _totals["seconds"] += seconds
+        elif event == LOAD_EVENT:
+            _totals["programs_loaded"] += 1
+            _totals["load_s"] += seconds
+        elif event in TRACE_EVENTS:
+            _totals["trace_lower_s"] += seconds
 
 
 def count_programs() -> None:
@@ -92,9 +95,10 @@ def programs() -> dict[str, float]:
     """This process's XLA programs since `count_programs`: `programs_compiled` and `compile_s` (XLA's compile),
     `programs_loaded` and `program_load_s` (from the persistent cache: a load is no compile), `trace_lower_s`
     (JAX's tracing and lowering to XLA, which every process does for each program it uses, cache or not)."""
-    loaded = _totals["programs_loaded"]
-    return dict(zip(PROGRAM_FIGURES, (_totals["programs"] - loaded, _totals["seconds"] - _totals["load_s"], loaded,
-                                      _totals["load_s"], _totals["trace_lower_s"])))
+    with _lock:
+        t = dict(_totals)
+    return dict(zip(PROGRAM_FIGURES, (t["programs"] - t["programs_loaded"], t["seconds"] - t["load_s"],
+                                      t["programs_loaded"], t["load_s"], t["trace_lower_s"])))
 
 
 def programs_since(before: dict[str, float]) -> dict[str, float]:

@@ -100,7 +100,7 @@ def programs(timeline: list[dict]) -> dict[str, float] | None:
 
 
 def format_programs(figures: dict[str, float]) -> str:
-    """One line: the XLA programs a call compiled and those it loaded from the compile cache (docs/caches.md)."""
+    """One line: the XLA programs compiled and those loaded from the compile cache (docs/caches.md)."""
     return (f"{figures['programs_compiled']:,} compiled ({figures['compile_s']:.1f} s), {figures['programs_loaded']:,} "
             f"loaded from the compile cache ({figures['program_load_s']:.1f} s); tracing and lowering "
             f"{figures['trace_lower_s']:.1f} s")
