@@ -359,9 +359,10 @@ def main() -> None:
           f"(runs: {fmt(h_walls)} s; import {h_inner[-1]['import_s']:.1f} s, load {h_inner[-1]['load_s']:.1f} s)")
     print(f"  RATIO output tok/s engine / transformers: {w_tps / h_tps:.2f} with the compile cache a previous job left, "
           f"{e_tps / h_tps:.2f} for the first job on a machine  (acceptance >= 1.5, goal 2.0)")
+    from engine import PROGRAM_FIGURES
+
     for label, jobs in (("first job", e_programs), ("warm cache", w_programs)):
-        med = {k: statistics.median(j[k] for j in jobs) for k in
-               ("programs_compiled", "compile_s", "programs_loaded", "program_load_s", "trace_lower_s")}
+        med = {k: statistics.median(j[k] for j in jobs) for k in PROGRAM_FIGURES}
         print(f"  {label}: {med['programs_compiled']:.0f} programs compiled in {med['compile_s']:.1f} s, "
               f"{med['programs_loaded']:.0f} loaded from the compile cache in {med['program_load_s']:.1f} s, tracing and "
               f"lowering {med['trace_lower_s']:.1f} s (medians)")

@@ -44,8 +44,7 @@ def test_device_time_outside_a_step_is_not_counted():
     assert stats.first_start is None
 
 
-NO_PROGRAMS = {"programs_compiled": 0, "compile_s": 0.0, "programs_loaded": 0, "program_load_s": 0.0,
-               "trace_lower_s": 0.0}
+NO_PROGRAMS = dict.fromkeys(compile_cache.PROGRAM_FIGURES, 0)
 
 
 def test_the_programs_a_call_compiled_or_loaded_reach_its_summary_and_clear_with_it():
